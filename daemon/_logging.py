@@ -1,0 +1,124 @@
+"""One structlog configuration for every trainingd process.
+
+JSON lines when stderr is not a TTY (journald, kubelet) or when asked; a coloured console renderer
+otherwise. Process identity (`rank`, `local_rank`, `node`) is bound through contextvars so every
+event carries it without threading loggers through call sites. stdlib loggers (torch, botocore,
+fsspec) are routed through the same processor chain so one run produces one log format.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+
+__all__ = ["LogFormat", "bind_process_context", "configure_logging"]
+
+
+class LogFormat(enum.StrEnum):
+    """How log events are rendered."""
+
+    AUTO = "auto"
+    """JSON when the stream is not a TTY, console otherwise."""
+    JSON = "json"
+    """One JSON object per line."""
+    CONSOLE = "console"
+    """Human-readable, coloured when the stream is a TTY."""
+
+
+def _shared_processors() -> list[structlog.typing.Processor]:
+    return [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+
+
+def _resolve(fmt: LogFormat, stream: TextIO) -> LogFormat:
+    if fmt is not LogFormat.AUTO:
+        return fmt
+    isatty = getattr(stream, "isatty", None)
+    return LogFormat.CONSOLE if isatty is not None and isatty() else LogFormat.JSON
+
+
+def configure_logging(
+    fmt: LogFormat | str = LogFormat.AUTO,
+    *,
+    level: int | str = logging.INFO,
+    stream: TextIO | None = None,
+) -> LogFormat:
+    """Configure structlog and the stdlib root logger once per process.
+
+    Args:
+        fmt: `auto`, `json` or `console`.
+        level: minimum level, as a `logging` constant or name (`"DEBUG"`).
+        stream: where events go; default `sys.stderr`.
+
+    Returns:
+        The format actually chosen (`auto` resolved).
+
+    Raises:
+        ValueError: unknown format or level name.
+    """
+    try:
+        chosen = LogFormat(fmt)
+    except ValueError:
+        allowed = ", ".join(f.value for f in LogFormat)
+        raise ValueError(f"unknown log format {fmt!r}; use one of: {allowed}") from None
+    if isinstance(level, str):
+        numeric = logging.getLevelName(level.upper())
+        if not isinstance(numeric, int):
+            raise ValueError(f"unknown log level {level!r}; use DEBUG, INFO, WARNING or ERROR")
+        level = numeric
+    out = stream if stream is not None else sys.stderr
+    chosen = _resolve(chosen, out)
+
+    renderer: structlog.typing.Processor
+    if chosen is LogFormat.JSON:
+        renderer = structlog.processors.JSONRenderer()
+        final: list[structlog.typing.Processor] = [structlog.processors.dict_tracebacks, renderer]
+    else:
+        isatty = getattr(out, "isatty", None)
+        renderer = structlog.dev.ConsoleRenderer(colors=bool(isatty and isatty()))
+        final = [renderer]
+
+    shared = _shared_processors()
+    structlog.configure(
+        processors=[
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        cache_logger_on_first_use=False,
+    )
+    # stdlib records (torch, botocore, fsspec) and structlog events share one formatter and so
+    # one output format; the formatter runs the shared chain on foreign records.
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=shared,
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *final],
+    )
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level)
+    # Third-party libraries are chatty at INFO; their warnings still come through.
+    for noisy in ("botocore", "s3fs", "fsspec", "aiobotocore", "urllib3"):
+        logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    return chosen
+
+
+def bind_process_context(**values: Any) -> None:
+    """Bind identity fields (`rank`, `local_rank`, `node`, `run_id`, ...) to every later event.
+
+    `None` values are skipped so callers can pass optional fields unconditionally.
+    """
+    structlog.contextvars.bind_contextvars(**{k: v for k, v in values.items() if v is not None})

@@ -1,0 +1,131 @@
+"""A small GPT-style byte-level language model: the default job's model and the test/bench model.
+
+Kept deliberately plain (pre-norm blocks, causal self-attention, GELU MLP) so that parity tests
+against an unsharded reference exercise the sharding engine, not exotic layers. `Block` is the
+repeated transformer block: the natural FSDP unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "Block", "GPTConfig", "lm_loss"]
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class GPTConfig:
+    """Shape of a `GPT`."""
+
+    vocab_size: int = 256
+    """Number of token ids; 256 for byte-level text."""
+    seq_len: int = 64
+    """Maximum sequence length (size of the learned position table)."""
+    num_layers: int = 4
+    """Number of transformer blocks."""
+    num_heads: int = 4
+    """Attention heads per block; must divide `d_model`."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    tie_embeddings: bool = True
+    """Share the token embedding with the output head."""
+    dropout: float = 0.0
+    """Dropout probability (0 keeps runs deterministic)."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "num_layers", "num_heads", "d_model"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GPTConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"GPTConfig.d_model ({self.d_model}) must be divisible by num_heads "
+                f"({self.num_heads})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout}")
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head self-attention with a causal mask."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=2)
+        shape = (b, t, self.num_heads, c // self.num_heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+
+
+class Block(nn.Module):
+    """One pre-norm transformer block (the FSDP unit)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.out = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Byte-level GPT returning logits of shape `(batch, seq, vocab)`."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2 scaled init of residual projections keeps early losses near log(vocab).
+        for name, p in self.named_parameters():
+            if name.endswith(("attn.proj.weight", "out.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.num_layers))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Map token ids `(batch, seq)` to logits `(batch, seq, vocab)`."""
+        _, t = idx.shape
+        if t > self.cfg.seq_len:
+            raise ValueError(f"sequence length {t} exceeds the model's seq_len {self.cfg.seq_len}")
+        pos = torch.arange(t, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))

@@ -1,0 +1,61 @@
+"""The structlog foundation: formats and bound process context."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+import pytest
+import structlog
+
+from daemon import LogFormat, bind_process_context, configure_logging
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog() -> None:
+    yield
+    structlog.contextvars.clear_contextvars()
+    structlog.reset_defaults()
+    logging.getLogger().handlers.clear()
+
+
+def test_json_lines_when_not_a_tty_with_context() -> None:
+    out = io.StringIO()
+    assert configure_logging(LogFormat.AUTO, stream=out) is LogFormat.JSON
+    bind_process_context(rank=1, local_rank=1, node="n0", missing=None)
+    structlog.get_logger("t").info("step_done", step=3)
+    logging.getLogger("botocore.x").warning("from stdlib")
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert lines[0]["event"] == "step_done"
+    assert lines[0]["rank"] == 1
+    assert lines[0]["node"] == "n0"
+    assert lines[0]["step"] == 3
+    assert "missing" not in lines[0]
+    assert lines[0]["level"] == "info"
+    # stdlib records go through the same pipeline, with the same bound context.
+    assert lines[1]["event"] == "from stdlib"
+    assert lines[1]["rank"] == 1
+
+
+def test_console_when_asked() -> None:
+    out = io.StringIO()
+    assert configure_logging("console", stream=out) is LogFormat.CONSOLE
+    structlog.get_logger().info("hello", x=1)
+    text = out.getvalue()
+    assert "hello" in text
+    assert "x=1" in text
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(text)
+
+
+def test_level_filters_and_bad_values_are_rejected() -> None:
+    out = io.StringIO()
+    configure_logging("json", level="WARNING", stream=out)
+    structlog.get_logger().info("hidden")
+    structlog.get_logger().warning("shown")
+    assert [json.loads(x)["event"] for x in out.getvalue().splitlines()] == ["shown"]
+    with pytest.raises(ValueError, match="unknown log format"):
+        configure_logging("xml")
+    with pytest.raises(ValueError, match="unknown log level"):
+        configure_logging("json", level="LOUD")

@@ -1,0 +1,181 @@
+"""Run a function on N real `torch.distributed` ranks in spawned processes.
+
+`run_on_ranks(fn, world_size)` starts one spawned process per rank, initialises a gloo process
+group over a free loopback port, calls `fn(rank, world_size, *args)` and returns the per-rank
+results (torch-serialised, so tensors come back intact). A rank that raises fails the call with
+that rank's traceback; a rank that hangs fails it when the timeout expires; either way every
+child is killed so nothing outlives the test.
+
+`fn` must be importable by the children (a module-level function of a test module).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["RankFailedError", "RankTimeoutError", "free_port", "run_on_ranks"]
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+class RankFailedError(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+class RankTimeoutError(TimeoutError):
+    """Some ranks did not finish within the timeout."""
+
+
+def free_port() -> int:
+    """Return a TCP port that is free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple[Any, ...],
+    env: dict[str, str],
+    threads: int,
+    results: Any,
+    backend: str,
+    pg_timeout_s: float,
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+        }
+    )
+    import torch
+    import torch.distributed as dist
+
+    # Ranks share 2 cores: one thread each keeps them from thrashing.
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        results.put(("ok", rank, buf.getvalue()))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    backend: str = "gloo",
+    env: dict[str, str] | None = None,
+    threads: int = 1,
+) -> list[Any]:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks.
+
+    Args:
+        fn: module-level function; its return value must be `torch.save`-able.
+        world_size: number of ranks.
+        *args: extra positional arguments, pickled to every rank.
+        timeout_s: wall-clock limit for the whole group.
+        backend: process-group backend (`gloo` on CPU).
+        env: extra environment variables for the children.
+        threads: torch intra-op threads per rank.
+
+    Returns:
+        The return values, indexed by rank.
+
+    Raises:
+        RankFailedError: a rank raised (message holds its traceback).
+        RankTimeoutError: not every rank reported within `timeout_s`.
+    """
+    import torch
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(
+                fn,
+                rank,
+                world_size,
+                port,
+                args,
+                dict(env or {}),
+                threads,
+                results,
+                backend,
+                # A collective stuck on a dead peer must not outlive our own deadline.
+                max(5.0, timeout_s),
+            ),
+            name=f"rank{rank}",
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    outcomes: dict[int, Any] = {}
+    try:
+        while len(outcomes) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = sorted(set(range(world_size)) - set(outcomes))
+                raise RankTimeoutError(
+                    f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s"
+                )
+            try:
+                status, rank, payload = results.get(timeout=min(remaining, 0.5))
+            except queue.Empty:
+                dead = [
+                    r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None
+                ]
+                if dead:
+                    # A child that died without reporting (SIGKILL, segfault) cannot report later;
+                    # give its queue a moment to drain, then fail.
+                    time.sleep(0.5)
+                    if results.empty():
+                        codes = {r: procs[r].exitcode for r in dead}
+                        raise RankFailedError(f"ranks exited without a result: {codes}") from None
+                continue
+            if status == "error":
+                raise RankFailedError(f"rank {rank} failed:\n{payload}")
+            outcomes[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outcomes) == world_size else 0.1)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        results.close()
+    return [outcomes[r] for r in range(world_size)]
