@@ -86,19 +86,13 @@ class MotoS3:
 
     def new_bucket(self, prefix: str = "test") -> S3Target:
         """Create an empty bucket and return it as a target."""
-        import boto3
         import s3fs
+        from fsspec.asyn import sync
 
         self._bucket_seq += 1
         target = S3Target(self.endpoint_url, f"{prefix}-{self._bucket_seq}")
-        # boto3 directly: s3fs.mkdir sends a LocationConstraint that us-east-1 rejects.
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint_url,
-            region_name=TEST_REGION,
-            aws_access_key_id=TEST_KEY,
-            aws_secret_access_key=TEST_SECRET,
-        )
-        client.create_bucket(Bucket=target.bucket)
+        fs = target.filesystem()
+        # A bare CreateBucket: s3fs.mkdir sends a LocationConstraint that us-east-1 rejects.
+        sync(fs.loop, fs._call_s3, "create_bucket", Bucket=target.bucket)
         s3fs.S3FileSystem.clear_instance_cache()
         return target
