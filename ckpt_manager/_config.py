@@ -1,0 +1,92 @@
+"""Configuration of the checkpoint manager: `AsyncMode` and `CheckpointConfig`."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from typing import Any
+
+from ckpt_manager._retention import RetentionPolicy
+
+__all__ = ["AsyncMode", "CheckpointConfig"]
+
+_MIB = 1 << 20
+
+
+class AsyncMode(enum.StrEnum):
+    """Where shard files are written."""
+
+    PERSISTENT = "persistent"
+    """One long-lived writer process per rank, reused across saves (default)."""
+    TEMPORAL = "temporal"
+    """A fresh writer process per save, gone when the save is written."""
+    SYNC = "sync"
+    """Inline in `save()`: blocks until the step is committed."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """How a `CheckpointManager` saves, commits, retains and restores."""
+
+    async_mode: AsyncMode = AsyncMode.PERSISTENT
+    """Writer model; `memory://` roots need `SYNC` (the filesystem lives in this process)."""
+    max_inflight: int = 1
+    """Saves in flight at once; a further `save()` waits for the oldest (reported as stall)."""
+    retention: RetentionPolicy | None = None
+    """Which committed steps to keep (`None` keeps all); pinned steps are always kept."""
+    finalize_timeout_s: float = 300.0
+    """Limit of each checkpoint collective on the manager's gloo group."""
+    write_timeout_s: float = 1800.0
+    """Limit for one rank's writer to make its files durable."""
+    writer_start_timeout_s: float = 120.0
+    """Limit for a writer process to start and answer."""
+    staging_timeout_s: float = 600.0
+    """Limit for the snapshot copy into staging memory (`before_optimizer_step()` fence)."""
+    lease_ttl_s: float = 120.0
+    """A lease not refreshed for this long is expired and may be taken over."""
+    uncommitted_grace_s: float = 3600.0
+    """Uncommitted step folders older than this (and not in flight) are garbage-collected."""
+    deletion_retry_s: float = 30.0
+    """Delay before a failed retention deletion is retried."""
+    verify_checksums: bool = True
+    """Restore checks every file's crc32, not only its size."""
+    upload_chunk_bytes: int = 64 * _MIB
+    """Part size of multipart uploads to object stores (at least 5 MiB)."""
+    upload_concurrency: int = 8
+    """Parts uploaded in parallel per file on object stores."""
+    storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    """Extra fsspec options for the root (S3 endpoint, credentials, region ...)."""
+
+    def __post_init__(self) -> None:
+        mode: object = self.async_mode
+        if not isinstance(mode, AsyncMode):
+            try:
+                object.__setattr__(self, "async_mode", AsyncMode(str(mode)))
+            except ValueError:
+                allowed = ", ".join(m.value for m in AsyncMode)
+                raise ValueError(
+                    f"async_mode={self.async_mode!r} is unknown; use one of: {allowed}"
+                ) from None
+        if self.max_inflight < 1:
+            raise ValueError(f"max_inflight={self.max_inflight}: use 1 or more")
+        for name in (
+            "finalize_timeout_s",
+            "write_timeout_s",
+            "writer_start_timeout_s",
+            "staging_timeout_s",
+            "lease_ttl_s",
+            "deletion_retry_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)}: use a positive number of seconds")
+        if self.uncommitted_grace_s < 0:
+            raise ValueError(f"uncommitted_grace_s={self.uncommitted_grace_s}: use 0 or more")
+        if self.upload_chunk_bytes < 5 * _MIB:
+            raise ValueError(
+                f"upload_chunk_bytes={self.upload_chunk_bytes}: S3 parts must be at least 5 MiB"
+            )
+        if self.upload_concurrency < 1:
+            raise ValueError(f"upload_concurrency={self.upload_concurrency}: use 1 or more")
+        if self.retention is not None and not callable(getattr(self.retention, "keep", None)):
+            raise ValueError("retention must be a RetentionPolicy (an object with keep(steps))")

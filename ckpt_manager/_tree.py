@@ -1,0 +1,174 @@
+"""Flatten a nested state into a JSON skeleton plus tensor leaves, and rebuild it.
+
+Skeleton nodes are small JSON lists, so a manifest is plain JSON and restore never unpickles::
+
+    ["v", value]              plain JSON scalar (None, bool, int, float, str)
+    ["d", [[key, node], ...]] dict (keys are str or int, order kept)
+    ["l", [node, ...]]        list          ["t", [node, ...]]  tuple
+    ["T", key]                a plain tensor (replicated; inside a RankLocal: this rank's)
+    ["S", key]                a ShardedTensorLike
+    ["R", index]              a RankLocal subtree, stored per rank under `index`
+
+Tensor keys are the `/`-joined path of the leaf; two leaves mapping to the same key (a dict
+key containing `/`) are rejected rather than silently merged.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+import torch
+
+from ckpt_manager._types import RankLocal, ShardedTensorLike
+
+__all__ = ["Flattened", "LeafKind", "TensorLeaf", "flatten", "is_sharded"]
+
+
+class LeafKind(enum.StrEnum):
+    """How a tensor leaf is saved."""
+
+    REPLICATED = "replicated"
+    """Same on every rank: rank 0 writes it, every rank reads it."""
+    SHARDED = "sharded"
+    """Each rank writes its piece; restore reshards."""
+    RANK_LOCAL = "rank_local"
+    """Inside a RankLocal: every rank writes its own."""
+
+
+class TensorLeaf(NamedTuple):
+    """One tensor to stage."""
+
+    key: str
+    """Path key."""
+    kind: LeafKind
+    """Replicated, sharded or rank-local."""
+    tensor: torch.Tensor
+    """Data to copy (the local piece of a sharded leaf)."""
+    global_shape: tuple[int, ...]
+    """Whole-tensor shape (the tensor's own shape unless sharded)."""
+    global_offset: tuple[int, ...] | None
+    """Box offset of a sharded leaf, or None."""
+    flat_range: tuple[int, int] | None
+    """Flat range of a sharded leaf, or None."""
+
+
+class Flattened(NamedTuple):
+    """A flattened state."""
+
+    tree: Any
+    """Skeleton with RankLocal subtrees replaced by `["R", index]`."""
+    rank_local_trees: list[Any]
+    """Skeletons of the RankLocal subtrees, by index."""
+    leaves: list[TensorLeaf]
+    """Tensor leaves in traversal order."""
+
+
+def is_sharded(value: object) -> bool:
+    """Whether a leaf is a ShardedTensorLike (and not a plain tensor)."""
+    return not isinstance(value, torch.Tensor) and isinstance(value, ShardedTensorLike)
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> None:
+    if t.layout != torch.strided:
+        raise TypeError(f"state leaf {path!r}: only strided (dense) tensors can be saved")
+    if t.is_quantized:
+        raise TypeError(f"state leaf {path!r}: quantized tensors cannot be saved")
+
+
+def _sharded_leaf(value: Any, key: str) -> TensorLeaf:
+    local = value.local
+    if not isinstance(local, torch.Tensor):
+        raise TypeError(f"state leaf {key!r}: ShardedTensorLike.local must be a tensor")
+    _check_tensor(local, key)
+    global_shape = tuple(int(d) for d in value.global_shape)
+    flat = value.flat_range
+    if flat is not None:
+        start, end = int(flat[0]), int(flat[1])
+        numel = 1
+        for d in global_shape:
+            numel *= d
+        if local.dim() != 1 or end - start != local.numel() or not 0 <= start <= end <= numel:
+            raise ValueError(
+                f"state leaf {key!r}: flat_range {flat} does not match a 1-D local of "
+                f"{local.numel()} elements inside global shape {global_shape}"
+            )
+        return TensorLeaf(key, LeafKind.SHARDED, local, global_shape, None, (start, end))
+    offset = tuple(int(o) for o in value.global_offset)
+    if len(offset) != len(global_shape) or local.dim() != len(global_shape):
+        raise ValueError(
+            f"state leaf {key!r}: offset {offset} / local shape {tuple(local.shape)} do not "
+            f"match global shape {global_shape}"
+        )
+    for o, n, g in zip(offset, local.shape, global_shape, strict=True):
+        if o < 0 or o + n > g:
+            raise ValueError(
+                f"state leaf {key!r}: box at {offset} of shape {tuple(local.shape)} "
+                f"exceeds global shape {global_shape}"
+            )
+    return TensorLeaf(key, LeafKind.SHARDED, local, global_shape, offset, None)
+
+
+class _Flattener:
+    def __init__(self) -> None:
+        self.leaves: list[TensorLeaf] = []
+        self.rank_local: list[Any] = []
+        self.keys: set[str] = set()
+
+    def _claim(self, key: str) -> str:
+        if key in self.keys:
+            raise ValueError(f"two state leaves map to the tensor key {key!r}; rename one")
+        self.keys.add(key)
+        return key
+
+    def visit(self, value: Any, path: list[str], in_rank_local: bool) -> Any:
+        key = "/".join(path) or "<root>"
+        if isinstance(value, RankLocal):
+            if in_rank_local:
+                raise TypeError(f"state leaf {key!r}: RankLocal cannot be nested")
+            index = len(self.rank_local)
+            self.rank_local.append(None)
+            self.rank_local[index] = self.visit(value.value, [*path], True)
+            return ["R", index]
+        if isinstance(value, torch.Tensor):
+            _check_tensor(value, key)
+            kind = LeafKind.RANK_LOCAL if in_rank_local else LeafKind.REPLICATED
+            shape = tuple(value.shape)
+            self.leaves.append(TensorLeaf(self._claim(key), kind, value, shape, None, None))
+            return ["T", key]
+        if is_sharded(value):
+            if in_rank_local:
+                raise TypeError(f"state leaf {key!r}: a sharded tensor inside RankLocal")
+            self.leaves.append(_sharded_leaf(value, self._claim(key)))
+            return ["S", key]
+        if value is None or isinstance(value, bool | int | float | str):
+            return ["v", value]
+        if isinstance(value, dict):
+            items = []
+            for k, v in value.items():
+                if isinstance(k, bool) or not isinstance(k, str | int):
+                    raise TypeError(f"state dict under {key!r} has key {k!r}: use str or int keys")
+                items.append([k, self.visit(v, [*path, str(k)], in_rank_local)])
+            return ["d", items]
+        if isinstance(value, list | tuple):
+            tag = "t" if isinstance(value, tuple) else "l"
+            return [
+                tag,
+                [self.visit(v, [*path, str(i)], in_rank_local) for i, v in enumerate(value)],
+            ]
+        raise TypeError(
+            f"state leaf {key!r} has type {type(value).__name__}: use tensors, sharded tensors, "
+            "RankLocal or plain JSON values (convert numpy arrays to tensors)"
+        )
+
+
+def flatten(state: Any) -> Flattened:
+    """Flatten a state (see the module docstring for the skeleton).
+
+    Raises:
+        TypeError: an unsupported leaf type (the message names its path).
+        ValueError: inconsistent sharded-tensor metadata or colliding keys.
+    """
+    f = _Flattener()
+    tree = f.visit(state, [], False)
+    return Flattened(tree, f.rank_local, f.leaves)

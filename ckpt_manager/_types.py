@@ -1,0 +1,117 @@
+"""Public records and seams: leaves of a state, save reports, stats, restore results."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+__all__ = [
+    "ManagerStats",
+    "RankLocal",
+    "RestoreResult",
+    "SaveObserver",
+    "SaveReport",
+    "SaveResult",
+    "ShardedTensorLike",
+]
+
+
+@runtime_checkable
+class ShardedTensorLike(Protocol):
+    """A shard of a larger tensor (the neutral form `sharding.ShardedTensor` satisfies).
+
+    Box form: `local` sits at `global_offset` inside `global_shape`. Flat form (`flat_range`
+    set): `local` is 1-D and holds elements `[start, end)` of the row-major flattened whole.
+    """
+
+    @property
+    def local(self) -> torch.Tensor:
+        """This rank's piece (may have 0 elements)."""
+
+    @property
+    def global_shape(self) -> tuple[int, ...]:
+        """Shape of the whole tensor."""
+
+    @property
+    def global_offset(self) -> tuple[int, ...]:
+        """N-D offset of `local` in the whole (box form)."""
+
+    @property
+    def flat_range(self) -> tuple[int, int] | None:
+        """`(start, end)` of `local` in the flattened whole, or None for the box form."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLocal:
+    """A subtree written by every rank and restored to the same rank index.
+
+    Use it for RNG states and data-loader positions. On restore the subtree saved by this
+    rank replaces the wrapper; a rank that did not exist in the saved world keeps the
+    template's subtree (or gets `None` without a template).
+    """
+
+    value: Any
+    """The subtree: tensors and plain JSON values."""
+
+
+class SaveResult(enum.StrEnum):
+    """Outcome of one save."""
+
+    COMMITTED = "committed"
+    """Every rank's files are durable and the manifest is written."""
+    FAILED = "failed"
+    """The step was not committed; the previous committed step is intact."""
+
+
+class SaveReport(NamedTuple):
+    """Timings and outcome of one save on this rank (all durations in seconds)."""
+
+    step: int
+    """Training step of the save."""
+    result: SaveResult
+    """Committed or failed."""
+    stall_s: float
+    """Time the training loop was blocked: inside `save()` plus the staging fence."""
+    staging_s: float
+    """Snapshot copy into staging memory (runs in the background)."""
+    write_s: float
+    """This rank's writer: files written and durable."""
+    finalize_s: float
+    """Agreement across ranks and manifest commit."""
+    latency_s: float
+    """`save()` called until committed or failed."""
+    num_bytes: int
+    """Bytes this rank wrote."""
+    error: str | None
+    """Why the save failed, or None."""
+
+
+@runtime_checkable
+class SaveObserver(Protocol):
+    """Receives one `SaveReport` per finished save (the daemon maps them to metrics)."""
+
+    def on_save_finished(self, report: SaveReport) -> None:
+        """Called on the training thread when a save commits or fails."""
+
+
+class ManagerStats(NamedTuple):
+    """Point-in-time state of a manager."""
+
+    inflight: int
+    """Saves requested but not yet committed or failed."""
+    last_committed_step: int | None
+    """Newest step committed by this manager or found at start."""
+    last_committed_unix_s: float | None
+    """Commit time of that step (Unix seconds)."""
+
+
+class RestoreResult(NamedTuple):
+    """What `restore()` returns."""
+
+    step: int
+    """The step restored."""
+    state: Any
+    """The restored state (the template's structure when `into` was given)."""

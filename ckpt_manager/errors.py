@@ -1,0 +1,76 @@
+"""Errors raised by `ckpt_manager`.
+
+Backend errors (OSError, botocore/aiobotocore) are translated where storage is touched
+(`_storage.py`) and chained with `raise ... from err`, so callers catch one tree::
+
+    CheckpointError (Exception)
+    ├── StorageError (+ OSError)                 a storage call failed
+    │   ├── ObjectExistsError (+ FileExistsError)    exclusive create found the object
+    │   └── ObjectNotFoundError (+ FileNotFoundError) the object does not exist
+    ├── StepNotFoundError (+ FileNotFoundError)  no committed checkpoint for that step
+    ├── CorruptCheckpointError                   manifest or shard files fail validation
+    ├── LeaseHeldError                           another live run holds the checkpoint root
+    ├── SaveFailedError                          a save failed on some rank (names rank + cause)
+    └── CheckpointTimeoutError (+ TimeoutError)  a bounded wait ran out
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointTimeoutError",
+    "CorruptCheckpointError",
+    "LeaseHeldError",
+    "ObjectExistsError",
+    "ObjectNotFoundError",
+    "SaveFailedError",
+    "StepNotFoundError",
+    "StorageError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by the checkpoint manager."""
+
+
+class StorageError(CheckpointError, OSError):
+    """A storage operation failed (local disk, S3 or another fsspec backend)."""
+
+
+class ObjectExistsError(StorageError, FileExistsError):
+    """An exclusive create found the object already present (the manifest was committed)."""
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """The object does not exist."""
+
+
+class StepNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint exists for the requested step."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A committed step fails validation: bad manifest, missing, short or corrupt files."""
+
+
+class LeaseHeldError(CheckpointError):
+    """Another live run holds the lease on the checkpoint root; the message names the holder."""
+
+
+class SaveFailedError(CheckpointError):
+    """A save failed on at least one rank; raised on every rank with each rank's cause."""
+
+    def __init__(self, step: int, causes: dict[int, str]) -> None:
+        self.step = step
+        """The step whose save failed."""
+        self.causes = dict(causes)
+        """Failure cause per failing rank."""
+        detail = "; ".join(f"rank {r}: {c}" for r, c in sorted(self.causes.items()))
+        super().__init__(f"checkpoint save of step {step} failed: {detail}")
+
+    def __reduce__(self) -> tuple[type[SaveFailedError], tuple[int, dict[int, str]]]:
+        return (type(self), (self.step, self.causes))
+
+
+class CheckpointTimeoutError(CheckpointError, TimeoutError):
+    """A bounded wait (writer, collective, storage) ran out of time."""

@@ -1,0 +1,145 @@
+"""Retention through the manager: policies, union, pins, in-flight saves, GC, retries."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_manager import (
+    AnyOf,
+    AsyncMode,
+    CheckpointConfig,
+    CheckpointManager,
+    KeepBest,
+    KeepEvery,
+    KeepLast,
+    RetentionPolicy,
+)
+from ckpt_manager._manifest import shard_file_name, step_dir
+from ckpt_manager._pins import pin_step, pinned_steps, unpin_step
+from ckpt_manager._storage import Storage
+from ckpt_manager._writer import FAULT_ENV
+from ckpt_manager.errors import StorageError
+
+
+def _eventually(cond: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def _config(policy: RetentionPolicy, **kw: Any) -> CheckpointConfig:
+    return CheckpointConfig(async_mode=AsyncMode.SYNC, retention=policy, **kw)
+
+
+def _save_all(root: pathlib.Path, cfg: CheckpointConfig, losses: dict[int, float]) -> list[int]:
+    with CheckpointManager(str(root), cfg, run_id="r") as mgr:
+        for step, loss in losses.items():
+            mgr.save(step, {"t": torch.tensor([float(step)])}, metrics={"loss": loss})
+        mgr.wait_until_finished()
+        return mgr.all_steps()
+
+
+def test_keep_last(tmp_path: pathlib.Path) -> None:
+    assert _save_all(tmp_path, _config(KeepLast(n=2)), dict.fromkeys(range(1, 6), 1.0)) == [4, 5]
+
+
+def test_union_of_every_and_last(tmp_path: pathlib.Path) -> None:
+    policy = AnyOf(KeepEvery(every=3), KeepLast(n=1))
+    assert _save_all(tmp_path, _config(policy), dict.fromkeys(range(1, 8), 1.0)) == [3, 6, 7]
+
+
+def test_best_n_keeps_best_and_never_the_newest_worst(tmp_path: pathlib.Path) -> None:
+    losses = {1: 0.5, 2: 0.1, 3: 0.9, 4: 0.8}
+    assert _save_all(tmp_path, _config(KeepBest(metric="loss", n=1)), losses) == [2, 4]
+
+
+def test_pinned_steps_survive(tmp_path: pathlib.Path) -> None:
+    storage = Storage(str(tmp_path))
+    pin_step(storage, 1)
+    pin_step(storage, 2)
+    unpin_step(storage, 2)
+    assert pinned_steps(storage) == {1}
+    assert _save_all(tmp_path, _config(KeepLast(n=1)), dict.fromkeys(range(1, 4), 1.0)) == [1, 3]
+
+
+def test_restored_step_is_never_deleted(tmp_path: pathlib.Path) -> None:
+    _save_all(tmp_path, _config(KeepLast(n=5)), {1: 1.0, 2: 1.0})
+    with CheckpointManager(str(tmp_path), _config(KeepLast(n=1)), run_id="r2") as mgr:
+        assert mgr.restore(1) is not None
+        for step in (3, 4):
+            mgr.save(step, {"t": torch.zeros(1)})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 4]
+
+
+def test_no_deletion_while_a_save_is_in_flight(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT_ENV, "stall=3@3")
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, max_inflight=2, retention=KeepLast(n=1))
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        mgr.save(1, {"t": torch.ones(8)})
+        mgr.wait_until_finished()
+        mgr.save(2, {"t": torch.ones(8)})
+        mgr.save(3, {"t": torch.ones(8)})  # stalls in the writer
+        assert mgr.stats().inflight == 2
+
+        def committed_two() -> bool:
+            mgr.maybe_finalize()
+            return mgr.stats().last_committed_step == 2
+
+        _eventually(committed_two)
+        assert mgr.stats().inflight == 1
+        time.sleep(0.5)
+        assert (tmp_path / step_dir(1)).exists(), "deleted while step 3 was in flight"
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3]
+
+
+def test_old_uncommitted_leftovers_are_collected(tmp_path: pathlib.Path) -> None:
+    _save_all(tmp_path, _config(KeepLast(n=5)), {5: 1.0})
+    old, fresh = tmp_path / step_dir(1), tmp_path / step_dir(2)
+    for folder in (old, fresh):
+        folder.mkdir()
+        (folder / shard_file_name(0)).write_bytes(b"orphan")
+    hour_ago = time.time() - 3600
+    os.utime(old / shard_file_name(0), (hour_ago, hour_ago))
+    os.utime(old, (hour_ago, hour_ago))
+    cfg = _config(KeepLast(n=5), uncommitted_grace_s=600)
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        mgr.save(6, {"t": torch.zeros(1)})
+        mgr.wait_until_finished()
+        _eventually(lambda: not old.exists())
+        assert fresh.exists()
+        assert mgr.all_steps() == [5, 6]
+
+
+def test_failed_deletion_is_logged_and_retried(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, log_events: list[dict[str, Any]]
+) -> None:
+    real = Storage.remove_tree
+    failures = []
+
+    def flaky(self: Storage, name: str) -> None:
+        if not failures:
+            failures.append(name)
+            raise StorageError(5, "injected delete failure")
+        real(self, name)
+
+    monkeypatch.setattr(Storage, "remove_tree", flaky)
+    cfg = _config(KeepLast(n=1), deletion_retry_s=0.2)
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        mgr.save(1, {"t": torch.zeros(1)})
+        mgr.save(2, {"t": torch.zeros(1)})
+        mgr.save(3, {"t": torch.zeros(1)})
+        _eventually(lambda: mgr.all_steps() == [3] and not (tmp_path / step_dir(1)).exists())
+    assert failures
+    assert any(e["event"] == "ckpt_retention_failed" for e in log_events)

@@ -1,0 +1,253 @@
+"""Multi-rank saves on real gloo ranks: every mode, resharding, failures reaching every rank."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import queue
+import signal
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_manager import (
+    AsyncMode,
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointManager,
+    RankLocal,
+    SaveFailedError,
+)
+from ckpt_manager._manifest import MANIFEST_NAME, step_dir
+from ckpt_manager._writer import FAULT_ENV
+from tests.ckpt_manager.conftest import Shard
+from tests.support.dist import _child, free_port, run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+FLAT_SHAPE = (5, 7)  # 35 elements, split in flat ranges
+BOX_SHAPE = (6, 4)  # split by rows
+
+
+def _flat_range(rank: int, world: int) -> tuple[int, int]:
+    numel = FLAT_SHAPE[0] * FLAT_SHAPE[1]
+    per = -(-numel // world)
+    return min(numel, rank * per), min(numel, (rank + 1) * per)
+
+
+def _rows(rank: int, world: int) -> tuple[int, int]:
+    per = -(-BOX_SHAPE[0] // world)
+    return min(BOX_SHAPE[0], rank * per), min(BOX_SHAPE[0], (rank + 1) * per)
+
+
+def _full(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = torch.arange(35, dtype=torch.float32).reshape(FLAT_SHAPE) * (step + 1)
+    box = torch.arange(24, dtype=torch.float64).reshape(BOX_SHAPE) - step
+    return flat, box
+
+
+def _rank_state(rank: int, world: int, version: int) -> dict[str, Any]:
+    """This rank's view of the state after `version` optimizer steps."""
+    flat, box = _full(version)
+    a, b = _flat_range(rank, world)
+    r0, r1 = _rows(rank, world)
+    return {
+        "model": {
+            "flat": Shard(flat.reshape(-1)[a:b].clone(), FLAT_SHAPE, (0, 0), (a, b)),
+            "box": Shard(box[r0:r1].clone(), BOX_SHAPE, (r0, 0)),
+            "replicated": torch.full((3,), float(version)),
+        },
+        "sched": {"last_epoch": version},
+        "rng": RankLocal({"seed": torch.tensor([rank * 100 + version]), "pos": rank}),
+    }
+
+
+def _optimizer_step(state: dict[str, Any], rank: int, world: int, version: int) -> None:
+    """Mutate in place to the next version, like optimizer.step()."""
+    nxt = _rank_state(rank, world, version)
+    state["model"]["flat"].local.copy_(nxt["model"]["flat"].local)
+    state["model"]["box"].local.copy_(nxt["model"]["box"].local)
+    state["model"]["replicated"].copy_(nxt["model"]["replicated"])
+    state["sched"]["last_epoch"] = version
+    state["rng"].value["seed"].copy_(nxt["rng"].value["seed"])
+
+
+def _check(
+    restored: dict[str, Any], rank: int, world: int, version: int, *, saved_world: int, kept: int
+) -> None:
+    """Compare with version `version`; RankLocal of ranks absent when saved keep version `kept`."""
+    want = _rank_state(rank, world, version)
+    for key in ("flat", "box"):
+        assert torch.equal(restored["model"][key].local, want["model"][key].local), key
+    assert torch.equal(restored["model"]["replicated"], want["model"]["replicated"])
+    assert restored["sched"]["last_epoch"] == version
+    seed_version = version if rank < saved_world else kept
+    assert restored["rng"]["seed"].item() == rank * 100 + seed_version
+
+
+def _modes_on_ranks(rank: int, world: int, root: str) -> list[str]:
+    done = []
+    for mode in AsyncMode:
+        cfg = CheckpointConfig(async_mode=mode, finalize_timeout_s=60)
+        state = _rank_state(rank, world, 0)
+        with CheckpointManager(f"{root}/{mode.value}", cfg, run_id="multi") as mgr:
+            for step in range(3):
+                mgr.save(step, state, metrics={"step": step})
+                time.sleep(0.01)  # "forward/backward" overlapping the snapshot copy
+                mgr.before_optimizer_step()
+                _optimizer_step(state, rank, world, step + 1)  # mutate right after the fence
+                mgr.maybe_finalize()
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [0, 1, 2], mode
+            for step in range(3):
+                template = _rank_state(rank, world, 99)
+                result = mgr.restore(step, into=template)
+                assert result is not None
+                _check(result.state, rank, world, step, saved_world=world, kept=99)
+        done.append(mode.value)
+    return done
+
+
+def _modes_then_reshard(rank: int, world: int, root: str, saved_at_2: str) -> list[str]:
+    """At 3 ranks: every mode, then restore the 2-rank checkpoint resharded to 3."""
+    done = _modes_on_ranks(rank, world, root)
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(saved_at_2, cfg, run_id="reshard") as mgr:
+        template = _rank_state(rank, world, 0)
+        result = mgr.restore(into=template)
+        assert result is not None
+        assert result.step == 2
+        _check(result.state, rank, world, 2, saved_world=2, kept=0)
+    return [*done, "resharded"]
+
+
+def test_every_mode_at_2_and_3_ranks_and_resharding(tmp_path: pathlib.Path) -> None:
+    two, three = tmp_path / "two", tmp_path / "three"
+    out = run_on_ranks(_modes_on_ranks, 2, str(two), timeout_s=240)
+    assert out == [[m.value for m in AsyncMode]] * 2
+    saved_at_2 = str(two / AsyncMode.PERSISTENT.value)
+    out = run_on_ranks(_modes_then_reshard, 3, str(three), saved_at_2, timeout_s=240)
+    assert out == [[*(m.value for m in AsyncMode), "resharded"]] * 3
+    for root, world in ((two, 2), (three, 3)):
+        manifest = json.loads((root / "persistent" / step_dir(2) / MANIFEST_NAME).read_text())
+        assert manifest["world_size"] == world
+        assert len(manifest["tensors"]["model/flat"]["pieces"]) == world
+        assert len(manifest["tensors"]["model/replicated"]["pieces"]) == 1
+        assert len(manifest["rank_local"]) == world
+    # One process, no template: sharded tensors come back whole (what ckptctl restore does).
+    with CheckpointManager(saved_at_2, CheckpointConfig(async_mode=AsyncMode.SYNC)) as mgr:
+        result = mgr.restore()
+    assert result is not None
+    flat, box = _full(2)
+    assert torch.equal(result.state["model"]["flat"], flat)
+    assert torch.equal(result.state["model"]["box"], box)
+    assert result.state["rng"] == {"seed": torch.tensor([2]), "pos": 0}
+
+
+def _writer_fault_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
+    os.environ[FAULT_ENV] = "raise@2@1"
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, finalize_timeout_s=20)
+    with CheckpointManager(root, cfg, run_id="fault") as mgr:
+        mgr.save(1, _rank_state(rank, world, 1))
+        mgr.wait_until_finished()
+        mgr.save(2, _rank_state(rank, world, 2))
+        t0 = time.monotonic()
+        error = ""
+        try:
+            for _ in range(2000):
+                mgr.maybe_finalize()
+                time.sleep(0.01)
+        except SaveFailedError as err:
+            error = str(err)
+        elapsed = time.monotonic() - t0
+        mgr.save(3, _rank_state(rank, world, 3))  # training continues; the next save works
+        mgr.wait_until_finished()
+        return {"error": error, "elapsed": elapsed, "steps": mgr.all_steps()}
+
+
+def test_writer_exception_reaches_every_rank(tmp_path: pathlib.Path) -> None:
+    out = run_on_ranks(_writer_fault_on_rank1, 2, str(tmp_path), timeout_s=120)
+    for rank_out in out:
+        assert "step 2 failed: rank 1: writer failed: RuntimeError: injected" in rank_out["error"]
+        assert rank_out["elapsed"] < 20
+        assert rank_out["steps"] == [1, 3]
+    assert not (tmp_path / step_dir(2)).exists()
+
+
+def _rank1_dies_mid_save(rank: int, world: int, root: str, report: str) -> None:
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, finalize_timeout_s=15)
+    mgr = CheckpointManager(root, cfg, run_id="die")
+    mgr.save(1, _rank_state(rank, world, 1))
+    mgr.wait_until_finished()
+    mgr.save(2, _rank_state(rank, world, 2))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    outcome = {"error": "", "type": ""}
+    try:
+        mgr.wait_until_finished()
+    except CheckpointError as err:
+        outcome = {"error": str(err), "type": type(err).__name__}
+    outcome["elapsed"] = time.monotonic() - t0
+    outcome["steps"] = mgr.all_steps()
+    pathlib.Path(report).write_text(json.dumps(outcome))
+    mgr.close()
+
+
+def test_rank_killed_mid_save_fails_the_step_on_survivors(tmp_path: pathlib.Path) -> None:
+    root, report = tmp_path / "root", tmp_path / "rank0.json"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(
+                _rank1_dies_mid_save,
+                rank,
+                2,
+                port,
+                (str(root), str(report)),
+                {},
+                1,
+                results,
+                "gloo",
+                60.0,
+            ),
+            daemon=True,
+        )
+        for rank in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not report.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert report.exists(), "rank 0 did not report within 120 s"
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        try:
+            while True:
+                results.get_nowait()
+        except queue.Empty:
+            pass
+    outcome = json.loads(report.read_text())
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert outcome["type"] == "SaveFailedError"
+    assert "step 2" in outcome["error"]
+    assert outcome["elapsed"] < 15 + 10
+    assert outcome["steps"] == [1]
+    # The previous step is whole and restorable here, at world size 1.
+    with CheckpointManager(str(root), CheckpointConfig(async_mode=AsyncMode.SYNC)) as mgr:
+        result = mgr.restore()
+    assert result is not None
+    assert result.step == 1
+    assert torch.equal(result.state["model"]["replicated"], torch.full((3,), 1.0))

@@ -1,0 +1,130 @@
+"""The manager on S3-compatible servers (moto, SeaweedFS) and an S3 outage mid-upload."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import boto3
+import pytest
+import s3fs
+import torch
+
+from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, SaveFailedError
+from ckpt_manager._manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._writer import FAULT_ENV
+from tests.support.dist import free_port
+from tests.support.s3 import TEST_KEY, TEST_REGION, TEST_SECRET, isolate_aws_environment
+
+pytestmark = pytest.mark.s3
+
+
+@pytest.mark.parametrize("server", ["s3", "seaweed"])
+def test_persistent_writer_multipart_roundtrip(request: pytest.FixtureRequest, server: str) -> None:
+    target = request.getfixturevalue(server)
+    root = f"{target.uri}/run-{uuid.uuid4().hex[:8]}"
+    cfg = CheckpointConfig(
+        async_mode=AsyncMode.PERSISTENT,
+        upload_chunk_bytes=5 << 20,
+        upload_concurrency=4,
+        storage_options=target.storage_options,
+    )
+    big = torch.randn(3 << 20)  # 12 MiB: a parallel multipart upload of 5 MiB parts
+    with CheckpointManager(root, cfg, run_id="s3") as mgr:
+        mgr.save(1, {"big": big, "n": 1})
+        mgr.before_optimizer_step()
+        big.mul_(2)
+        mgr.save(2, {"big": big, "n": 2})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2]
+        first = mgr.restore(1)
+        assert first is not None
+        assert torch.equal(first.state["big"], big / 2)
+        assert first.state["n"] == 1
+    fs = target.filesystem()
+    folder = f"{root.removeprefix('s3://')}/{step_dir(2)}"
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(folder)) == [MANIFEST_NAME, shard_file_name(0)]
+
+
+class _Outage:
+    """A dedicated moto server that a test can stop and restart on the same port."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.server: Any = None
+
+    def start(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self.server.start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+
+@pytest.fixture
+def outage_server() -> Iterator[_Outage]:
+    isolate_aws_environment()
+    server = _Outage()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_s3_server_stopped_mid_upload(
+    outage_server: _Outage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket = f"outage-{uuid.uuid4().hex[:8]}"
+    boto3.client(
+        "s3",
+        endpoint_url=outage_server.endpoint,
+        region_name=TEST_REGION,
+        aws_access_key_id=TEST_KEY,
+        aws_secret_access_key=TEST_SECRET,
+    ).create_bucket(Bucket=bucket)
+    options: dict[str, Any] = {
+        "key": TEST_KEY,
+        "secret": TEST_SECRET,
+        "client_kwargs": {"endpoint_url": outage_server.endpoint, "region_name": TEST_REGION},
+        "config_kwargs": {
+            "connect_timeout": 1,
+            "read_timeout": 2,
+            "retries": {"max_attempts": 1},
+        },
+    }
+    monkeypatch.setenv(FAULT_ENV, "stall=2@2")
+    cfg = CheckpointConfig(
+        async_mode=AsyncMode.PERSISTENT, storage_options=options, finalize_timeout_s=30
+    )
+    root = f"s3://{bucket}/ckpt"
+    with CheckpointManager(root, cfg, run_id="outage") as mgr:
+        mgr.save(1, {"t": torch.full((1000,), 1.0)})
+        mgr.wait_until_finished()
+        mgr.save(2, {"t": torch.full((1000,), 2.0)})
+        partial = f"{step_dir(2)}/{shard_file_name(0)}.partial"
+        deadline = time.monotonic() + 20
+        while not mgr.storage.exists(partial):
+            assert time.monotonic() < deadline, "the writer never started step 2"
+            time.sleep(0.05)
+        outage_server.stop()  # the real upload starts after the stall, against a dead server
+        with pytest.raises(SaveFailedError, match=r"step 2 failed: rank 0: writer failed"):
+            mgr.wait_until_finished()
+        outage_server.start()
+        assert mgr.all_steps() == [1]
+        assert not mgr.storage.exists(f"{step_dir(2)}/{MANIFEST_NAME}")
+        result = mgr.restore()
+        assert result is not None
+        assert result.step == 1
+        assert torch.equal(result.state["t"], torch.full((1000,), 1.0))
+        mgr.save(3, {"t": torch.full((1000,), 3.0)})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 3]

@@ -1,0 +1,114 @@
+"""Storage contract: one suite on local disk, memory://, moto S3 and SeaweedFS."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ckpt_manager._storage import Storage, validate_relative_name
+from ckpt_manager.errors import ObjectExistsError, ObjectNotFoundError, StorageError
+from tests.ckpt_manager.conftest import Root
+
+pytestmark = pytest.mark.s3
+
+
+def _storage(root: Root) -> Storage:
+    return Storage(root.uri, root.storage_options)
+
+
+def test_write_read_roundtrip_and_ranges(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    payload = bytes(range(256)) * 40
+    st.write("step-000000000001/rank-00000.bin", payload)
+    assert st.read("step-000000000001/rank-00000.bin") == payload
+    assert st.read("step-000000000001/rank-00000.bin", 10, 20) == payload[10:20]
+    assert st.size("step-000000000001/rank-00000.bin") == len(payload)
+    assert st.exists("step-000000000001/rank-00000.bin")
+    assert st.list_names() == ["step-000000000001"]
+    assert st.list_names("step-000000000001") == ["rank-00000.bin"]
+
+
+def test_write_accepts_memoryview_and_overwrites_whole(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    st.write("a/obj", memoryview(b"first version"))
+    st.write("a/obj", memoryview(bytearray(b"second")))
+    assert st.read("a/obj") == b"second"
+    # No temp names are left next to the object.
+    assert st.list_names("a") == ["obj"]
+
+
+def test_exclusive_create_refuses_second_writer(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    st.write("step-000000000002/manifest.json", b'{"first": 1}', exclusive=True)
+    with pytest.raises(ObjectExistsError) as info:
+        st.write("step-000000000002/manifest.json", b'{"second": 2}', exclusive=True)
+    assert isinstance(info.value, FileExistsError)
+    assert st.read("step-000000000002/manifest.json") == b'{"first": 1}'
+
+
+def test_missing_objects_raise_not_found(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    with pytest.raises(ObjectNotFoundError) as info:
+        st.read("nope/missing.bin")
+    assert isinstance(info.value, FileNotFoundError)
+    assert isinstance(info.value, StorageError)
+    assert not st.exists("nope/missing.bin")
+    assert st.list_names("nope") == []
+    assert st.modified_unix_s("nope") is None
+
+
+def test_remove_and_remove_tree_are_idempotent(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    st.write("d/x", b"1")
+    st.write("d/sub/y", b"2")
+    st.write("keep", b"3")
+    st.remove("d/x")
+    st.remove("d/x")
+    assert not st.exists("d/x")
+    st.remove_tree("d")
+    st.remove_tree("d")
+    assert not st.exists("d/sub/y")
+    assert st.list_names() == ["keep"]
+
+
+def test_modified_time_of_object_and_folder(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    st.write("f/obj", b"x")
+    obj = st.modified_unix_s("f/obj")
+    folder = st.modified_unix_s("f")
+    assert obj is not None
+    assert folder is not None
+    assert abs(obj - folder) < 5
+
+
+def test_large_object_uses_parallel_multipart(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    chunk = 5 << 20
+    payload = os.urandom(2 * chunk + 12345)
+    st.write("big/obj", payload, chunk_bytes=chunk, concurrency=3)
+    assert st.size("big/obj") == len(payload)
+    assert st.read("big/obj", chunk - 7, chunk + 7) == payload[chunk - 7 : chunk + 7]
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "/abs", "../x", "a/../b", "a//b", "./a", "s3://other/x", "a\\b", "~/x"]
+)
+def test_names_are_validated(bad: str) -> None:
+    with pytest.raises(ValueError, match="invalid name"):
+        validate_relative_name(bad)
+    if bad:
+        with pytest.raises(ValueError, match="invalid name"):
+            Storage("memory://validate").path(bad)
+
+
+def test_backend_errors_are_translated(tmp_path: object) -> None:
+    options = {
+        "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+        "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
+    }
+    st = Storage("s3://bucket/x", options)
+    assert st.is_object_store
+    st.fs.retries = 1
+    with pytest.raises(StorageError, match="failed"):
+        st.read("obj")
