@@ -4,21 +4,49 @@
 knows Prometheus, systemd and the elastic launcher. This import name is ours: trainingd never
 depends on the unrelated `python-daemon` distribution (a test pins that `daemon` resolves here).
 
-Module plan (filled in as the daemon lands):
-    cli.py       `trainingd` console script (argparse), `--help`, `--version`, subcommands.
-    _logging.py  structlog configuration shared by every process of a run.
-    gpt.py       the default job's byte-level GPT (also used by tests and benchmarks).
+Module plan:
+    cli.py           `trainingd` console script: `run`, `config show`.
+    config.py        frozen per-component settings (`DaemonConfig` and its four sections).
+    _config_load.py  TOML + `TRAININGD_*` + flags -> `DaemonConfig`; precedence, messages.
+    _preflight.py    start-up checks (job importable, storage reachable and writable) -> exit 2.
+    _run.py          the daemon process: HTTP server, signals, supervisor, elastic agent.
+    _supervisor.py   supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
+    _state.py        `NodeState` / `NodePhase`: starting -> rendezvous -> loading -> training
+                     <-> checkpointing; any -> draining -> stopped.
+    _http.py         one port: /metrics, /healthz, /readyz.
+    _notify.py       sd_notify over a datagram socket (no dependency).
+    _lifecycle.py    rank process groups, parent watch: workers never outlive the daemon.
+    _control.py      stop / checkpoint requests as files the ranks poll.
+    metrics.py       the metric catalog (names, types, units, buckets, labels).
+    _telemetry.py    rank-side recording and snapshot files.
+    _collector.py    node-side aggregation of rank snapshots at scrape time.
+    worker.py        rank entry point (elastic agent or plain torchrun).
+    _loop.py         the training loop: data -> forward/backward -> step -> metrics -> ckpt.
+    job.py           the job seam: `JobSpec`, `JobContext`, `Dataset`, `load_job`.
+    data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
+    default_job.py   the embedded default job: byte-level GPT on a generated corpus.
+    gpt.py           the default job's byte-level GPT (also used by tests and benchmarks).
+    _logging.py      structlog configuration shared by every process of a run.
+    errors.py        the daemon's error tree.
 """
 
+from daemon._config_load import load_config
 from daemon._logging import LogFormat, bind_process_context, configure_logging
+from daemon.config import DaemonConfig
 from daemon.gpt import GPT, Block, GPTConfig, lm_loss
+from daemon.job import Dataset, JobContext, JobSpec
 
 __all__ = [
     "GPT",
     "Block",
+    "DaemonConfig",
+    "Dataset",
     "GPTConfig",
+    "JobContext",
+    "JobSpec",
     "LogFormat",
     "bind_process_context",
     "configure_logging",
     "lm_loss",
+    "load_config",
 ]

@@ -113,7 +113,19 @@ def configure_logging(
     # Third-party libraries are chatty at INFO; their warnings still come through.
     for noisy in ("botocore", "s3fs", "fsspec", "aiobotocore", "urllib3"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
+    _adopt_library_handlers()
     return chosen
+
+
+def _adopt_library_handlers() -> None:
+    # torch installs its own stderr handlers on `torch` and `torch.distributed` (propagate off),
+    # which would print glog-style lines next to our JSON; route them through the root handler.
+    # Their levels stay as torch set them (WARNING unless TORCH_LOGS says otherwise).
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and name.split(".")[0] in ("torch", "botocore"):
+            for old in list(logger.handlers):
+                logger.removeHandler(old)
+            logger.propagate = True
 
 
 def bind_process_context(**values: Any) -> None:

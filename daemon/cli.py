@@ -1,19 +1,41 @@
-"""`trainingd` console script."""
+"""`trainingd` console script: `run`, `config show`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
+from daemon._config_load import add_config_flags, dump_toml, load_config
 from daemon._version import distribution_version
+from daemon.errors import ConfigError
 
 _EPILOG = """\
 examples:
   trainingd run                         train the default job on this node
   trainingd run --config job.toml       train with settings from a TOML file
+  trainingd run --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400
+  trainingd config show --max-steps 50  print the effective configuration
   trainingd --version
+
+every config key is a flag (--max-steps), a TRAININGD_* variable (TRAININGD_MAX_STEPS) and a
+key of the TOML file ([train] max_steps); precedence: flag > variable > file > default.
+exit codes: 0 finished or stopped cleanly, 1 workers failed, 2 bad config or start-up check.
 """
+
+EXIT_CONFIG = 2
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE.toml",
+        help="TOML config file (also $TRAININGD_CONFIG)",
+    )
+    add_config_flags(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,29 +50,43 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"trainingd {distribution_version()}"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser(
+    run = sub.add_parser(
         "run",
         help="train on this node (one daemon per node)",
         description="Train on this node: launch local ranks, checkpoint, export metrics.",
     )
+    _add_config_args(run)
+    config = sub.add_parser("config", help="inspect the configuration")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION")
+    show = config_sub.add_parser(
+        "show", help="print the effective configuration (TOML) after flags, env and file"
+    )
+    _add_config_args(show)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `trainingd` console script; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    if command is None:
         parser.print_help()
-        return 2
-    if args.command == "run":
-        print(
-            "trainingd run: the training service is not part of this build yet "
-            "(it lands with the daemon issue); `make test` runs the test suite.",
-            file=sys.stderr,
-        )
-        return 2
-    parser.error(f"unknown command {args.command!r}")
+        return EXIT_CONFIG
+    if command == "config" and args.pop("config_command") is None:
+        parser.parse_args(["config", "--help"])
+    config_file = args.pop("config")
+    try:
+        cfg = load_config(args, file=config_file)
+    except ConfigError as err:
+        print(f"trainingd: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    if command == "config":
+        sys.stdout.write(dump_toml(cfg))
+        return 0
+    from daemon._run import run_daemon
+
+    return run_daemon(cfg)
 
 
 if __name__ == "__main__":

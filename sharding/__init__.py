@@ -1,8 +1,65 @@
-"""trainingd's fully sharded data-parallel engine.
+"""trainingd's fully sharded data-parallel engine (after Megatron-Core 0.12's custom FSDP).
 
-Four strategies (`no_shard`, `optim`, `optim_grads`, `optim_grads_params`) over
-`torch.distributed`, designed after Megatron-Core's custom FSDP. It never imports `ckpt_manager`
-or `daemon`; it exposes plain stats objects that the daemon turns into metrics.
+Four strategies over `torch.distributed` (gloo on CPU, NCCL on CUDA): `NO_SHARD` (DDP),
+`OPTIM` (ZeRO-1), `OPTIM_GRADS` (ZeRO-2), `OPTIM_GRADS_PARAMS` (ZeRO-3). It never imports
+`ckpt_manager` or `daemon`; it exposes plain stats objects the daemon turns into metrics.
+
+Usage (CONTRACTS.md has the full seam): wrap the model once, build the optimizer from the
+wrapper, train as with DDP:
+
+    model = FullyShardedDataParallel(gpt, ShardingConfig(strategy=Strategy.OPTIM_GRADS_PARAMS,
+                                     unit_modules=(Block,), param_dtype=torch.bfloat16))
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=3e-4)
+    loss_fn(model(x), y).backward(); optimizer.clip_grad_norm_(1.0); optimizer.step()
+
+Semantics worth knowing: every rank starts from rank 0's weights; gradients are averaged
+over ranks in fp32; a parameter that gets no gradient in a step counts as a zero gradient
+(the optimizer still steps it, e.g. weight decay applies); activation checkpointing works
+with both `torch.utils.checkpoint` variants, but the reentrant one hides a unit's backward
+from the hooks, so its gradients are reduced only at the end of backward (no overlap).
+
+Module plan:
+* `_config.py`: `Strategy` (what is sharded), `ShardingConfig`.
+* `_layout.py`: units (outermost instances of the unit classes, root unit last), buckets
+  grouped by (dtype, requires_grad) per unit, 64-byte aligned offsets, padded rank shards.
+* `_buffer.py`: `FlatBucket`: flat compute weights (storage resized 0 <-> full under ZeRO-3),
+  fp32 main weights and fp32 main grads per strategy; gradient packing.
+* `_comm.py`: `Communicator`: async flat collectives on a communication stream (CUDA),
+  `PendingCollective.wait()` with timing; local fallbacks at world size 1.
+* `_allgather.py`: `UnshardPipeline`: SHARDED -> GATHERING -> UNSHARDED per unit, prefetch in
+  forward / reverse order bounded by `communication_unit_bytes`, hit/miss accounting.
+* `_reduce.py`: `ReducePipeline`: reduce-scatter / all-reduce per bucket, bounded queue.
+* `_hooks.py`: `TrainingState`, the post-backward identity function, pre-backward hooks,
+  the end-of-backward callback.
+* `_engine.py`: `Engine`: the state machine IDLE -> FORWARD -> BACKWARD -> IDLE driving both
+  pipelines from the hooks.
+* `_optimizer.py`: `DistributedOptimizer`: torch optimizer on main-weight shards, global
+  norm clipping, pushing updated weights back.
+* `_state_dict.py`: `ShardedTensor`, sharded / full state dicts, resharding on load.
+* `_stats.py`: `ShardingStats`, `ShardingStatsSnapshot`, `CollectiveObserver`.
+* `_wrapper.py`: `FullyShardedDataParallel`, the public entry point.
+* `errors.py`: the error tree.
 """
 
-__all__: list[str] = []
+from sharding._config import ShardingConfig, Strategy
+from sharding._optimizer import DistributedOptimizer
+from sharding._state_dict import ShardedTensor
+from sharding._stats import (
+    CollectiveObserver,
+    CollectiveTotals,
+    ShardingStats,
+    ShardingStatsSnapshot,
+)
+from sharding._wrapper import FullyShardedDataParallel
+
+__all__ = [
+    "CollectiveObserver",
+    "CollectiveTotals",
+    "DistributedOptimizer",
+    "FullyShardedDataParallel",
+    "ShardedTensor",
+    "ShardingConfig",
+    "ShardingStats",
+    "ShardingStatsSnapshot",
+    "Strategy",
+]

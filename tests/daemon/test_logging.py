@@ -59,3 +59,19 @@ def test_level_filters_and_bad_values_are_rejected() -> None:
         configure_logging("xml")
     with pytest.raises(ValueError, match="unknown log level"):
         configure_logging("json", level="LOUD")
+
+
+def test_torch_loggers_are_routed_through_the_same_pipeline() -> None:
+    # What torch does at import: its own stderr handler, propagation off.
+    torch_logger = logging.getLogger("torch.distributed")
+    torch_logger.addHandler(logging.StreamHandler(io.StringIO()))
+    torch_logger.propagate = False
+    out = io.StringIO()
+    configure_logging("json", stream=out)
+    bind_process_context(rank=3)
+    logging.getLogger("torch.distributed.elastic.agent").warning("agent says %s", "hi")
+    line = json.loads(out.getvalue().splitlines()[-1])
+    assert line["event"] == "agent says hi"
+    assert line["rank"] == 3
+    assert line["logger"] == "torch.distributed.elastic.agent"
+    assert not torch_logger.handlers

@@ -1,0 +1,281 @@
+"""The training loop of one rank: data -> forward/backward -> step -> metrics -> checkpoint.
+
+Composes the two engines exactly as CONTRACTS.md describes: `sharding` wraps the model and owns
+the optimizer; `ckpt_manager` receives plain state dicts. The state saved at a step is
+
+    {"model": model.sharded_state_dict(),          # ShardedTensor leaves: each rank its piece
+     "optimizer": optimizer.sharded_state_dict(),
+     "scheduler": scheduler.state_dict(),          # plain JSON values, replicated
+     "data": loader.state_dict(),                  # global position, identical on every rank
+     "rng": RankLocal({"torch": ..., "python": ...})}   # per rank
+
+and a restore puts back every piece, so a resumed run is bitwise the run that was not stopped
+(CPU, fp32): same weights, optimizer moments, LR, data order and RNG streams.
+
+[Note: one all-reduce per step agrees on stop and checkpoint]
+After the optimizer step each rank all-reduces `[loss, stop, checkpoint]` (sum). The loss becomes
+the global mean; a stop or checkpoint request seen by any rank is seen by all at the same step,
+which the collective `save()` requires. One tiny collective per step is the whole cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+import time
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from daemon._control import RankControl
+from daemon._telemetry import RankTelemetry
+from daemon.config import DaemonConfig
+from daemon.data import ShardedLoader
+from daemon.job import JobSpec
+
+__all__ = ["LoopResult", "run_training"]
+
+log = structlog.get_logger("trainingd.loop")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LoopResult:
+    """How a rank's training loop ended."""
+
+    start_step: int
+    """Step restored from (0 for a fresh run)."""
+    final_step: int
+    """Last completed step."""
+    stopped: bool
+    """True when a stop request ended the loop before `max_steps`."""
+    last_loss: float | None
+    """Global mean loss of the last step run by this process."""
+
+
+def _lr_lambda(cfg: DaemonConfig) -> Any:
+    warmup, total = cfg.train.warmup_steps, max(cfg.train.max_steps, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _rng_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+
+def _checkpoint_config(cfg: DaemonConfig) -> Any:
+    from ckpt_manager import AnyOf, AsyncMode, CheckpointConfig, KeepEvery, KeepLast
+    from daemon._preflight import s3_storage_options
+
+    ck = cfg.checkpoint
+    policies: list[Any] = []
+    if ck.keep_last:
+        policies.append(KeepLast(n=ck.keep_last))
+    if ck.keep_every:
+        policies.append(KeepEvery(every=ck.keep_every))
+    retention = (
+        None if not ck.keep_last else (policies[0] if len(policies) == 1 else AnyOf(*policies))
+    )
+    options = s3_storage_options(cfg) if ck.ckpt_uri.startswith("s3://") else {}
+    return CheckpointConfig(
+        async_mode=AsyncMode(ck.async_mode.value), retention=retention, storage_options=options
+    )
+
+
+def _checkpoint_exists(manager: Any) -> bool:
+    # Rank 0 decides, so every rank takes the same path through the collectives below.
+    flag = [manager.latest_step() is not None if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
+
+
+def _materialize_optimizer_state(model: Any, optimizer: Any, job: JobSpec) -> None:
+    """Give the optimizer its state tensors so a restore template has places for them.
+
+    [Note: the restore template needs optimizer state] `restore(into=template)` fills only the
+    leaves the template has, and a torch optimizer creates its state (AdamW: step, exp_avg,
+    exp_avg_sq) lazily at the first step: a template taken before any step would silently
+    restore no optimizer state. One step on zero gradients (the loss times 0, on the dataset's
+    first samples) creates every state tensor; the restore then overwrites all of it, weights
+    and param groups included, so nothing of this step survives.
+    """
+    samples = [job.train_data[i] for i in range(min(2, len(job.train_data)))]
+    inputs = torch.stack([x for x, _ in samples])
+    targets = torch.stack([y for _, y in samples])
+    loss = job.loss_fn(model(inputs), targets) * 0.0
+    loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def run_training(
+    cfg: DaemonConfig,
+    job: JobSpec,
+    *,
+    telemetry: RankTelemetry | None,
+    control: RankControl,
+) -> LoopResult:
+    """Train this rank until `max_steps` or an agreed stop; the process group must exist.
+
+    Args:
+        cfg: the effective configuration.
+        job: model, data and loss from the job callable.
+        telemetry: where metrics go (None: record nothing, the benchmark's exporter-off mode).
+        control: stop and checkpoint requests.
+    """
+    from ckpt_manager import CheckpointManager, RankLocal
+    from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
+
+    tc = cfg.train
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    # --- build: sharded model, optimizer, schedule, loader, checkpoint manager ------------------
+    model = FullyShardedDataParallel(
+        job.model,
+        ShardingConfig(strategy=Strategy(tc.strategy.value), unit_modules=job.unit_modules),
+        observer=telemetry,
+    )
+    optimizer = model.make_optimizer(torch.optim.AdamW, lr=tc.lr, weight_decay=tc.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, _lr_lambda(cfg))
+    loader = ShardedLoader(
+        job.train_data, batch_size=tc.batch_size, rank=rank, world_size=world, seed=tc.seed
+    )
+    manager = CheckpointManager(
+        cfg.checkpoint.ckpt_uri, _checkpoint_config(cfg), run_id=cfg.run_id, observer=telemetry
+    )
+
+    def state() -> dict[str, Any]:
+        return {
+            "model": model.sharded_state_dict(),
+            "optimizer": optimizer.sharded_state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "data": loader.state_dict(),
+            "rng": RankLocal(_rng_state()),
+        }
+
+    with manager:
+        # --- restore the latest committed checkpoint ------------------------------------------
+        if telemetry is not None:
+            telemetry.heartbeat("restoring")
+        t0 = time.perf_counter()
+        if _checkpoint_exists(manager):
+            _materialize_optimizer_state(model, optimizer, job)
+        restored = manager.restore(step=None, into=state())
+        step = 0
+        if restored is not None:
+            step = restored.step
+            model.load_sharded_state_dict(restored.state["model"])
+            optimizer.load_sharded_state_dict(restored.state["optimizer"])
+            scheduler.load_state_dict(restored.state["scheduler"])
+            loader.load_state_dict(restored.state["data"])
+            rng = restored.state["rng"]
+            rng = rng.value if isinstance(rng, RankLocal) else rng
+            if rng is not None:
+                _set_rng_state(rng)
+            log.info("restored", ckpt_step=step, seconds=round(time.perf_counter() - t0, 3))
+            if telemetry is not None:
+                telemetry.observe("trainingd_ckpt_restore_seconds", time.perf_counter() - t0)
+        start_step, saved_step, last_loss, stopped = step, step, None, False
+        tokens_per_step = tc.batch_size * tc.micro_batches * job.tokens_per_sample
+        if telemetry is not None:
+            telemetry.set("trainingd_train_step", step)
+            telemetry.heartbeat("training")
+        log.info("training", start_step=step, max_steps=tc.max_steps, world_size=world)
+        # A stop requested before the first step (e.g. during a restart of the group while the
+        # node drains) ends the run here, at the restored step, without training further.
+        early = torch.tensor([float(control.stop_requested())])
+        dist.all_reduce(early)
+        stopped = bool(early[0] > 0)
+        if stopped:
+            log.info("stopping", step=step, signal=control.stop_signal)
+
+        while step < tc.max_steps and not stopped:
+            step_start = time.perf_counter()
+            # --- data ---------------------------------------------------------------------------
+            batches = [loader.next_batch() for _ in range(tc.micro_batches)]
+            data_s = time.perf_counter() - step_start
+            # --- forward / backward (gradients reduced on the last micro-batch) -----------------
+            loss_sum = 0.0
+            for i, (inputs, targets) in enumerate(batches):
+                last = i == len(batches) - 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    loss = job.loss_fn(model(inputs), targets) / len(batches)
+                    loss.backward()  # type: ignore[no-untyped-call]
+                loss_sum += float(loss.detach())
+            # --- step ---------------------------------------------------------------------------
+            grad_norm = optimizer.clip_grad_norm_(tc.grad_clip if tc.grad_clip > 0 else math.inf)
+            lr = float(scheduler.get_last_lr()[0])
+            manager.before_optimizer_step()  # an async save's snapshot copy must be done
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            step += 1
+            # --- agree on loss, stop and checkpoint requests (see the Note above) ---------------
+            stop_local, ckpt_local = control.poll()
+            agreed = torch.tensor([loss_sum, float(stop_local), float(ckpt_local)])
+            dist.all_reduce(agreed)
+            last_loss = float(agreed[0]) / world
+            stopped, ckpt_requested = bool(agreed[1] > 0), bool(agreed[2] > 0)
+            step_s = time.perf_counter() - step_start
+            # --- metrics ------------------------------------------------------------------------
+            if telemetry is not None:
+                telemetry.inc("trainingd_train_steps_total")
+                telemetry.set("trainingd_train_step", step)
+                telemetry.observe("trainingd_train_step_duration_seconds", step_s)
+                telemetry.observe("trainingd_train_data_loading_seconds", data_s)
+                telemetry.inc(
+                    "trainingd_train_tokens_total",
+                    tokens_per_step or sum(int(b[0].numel()) for b in batches),
+                )
+                telemetry.set("trainingd_train_loss", last_loss)
+                telemetry.set("trainingd_train_grad_norm", float(grad_norm))
+                telemetry.set("trainingd_train_learning_rate", lr)
+                if step == start_step + 1:
+                    recovery = time.time() - telemetry.started_unix_s
+                    telemetry.set("trainingd_rank_recovery_seconds", recovery)
+                telemetry.update_sharding(model.stats.snapshot())
+            # --- checkpoint ---------------------------------------------------------------------
+            every = cfg.checkpoint.ckpt_every
+            if (every and step % every == 0) or ckpt_requested or stopped or step == tc.max_steps:
+                manager.save(step, state(), metrics={"loss": last_loss})
+                saved_step = step
+                log.info("checkpoint_scheduled", ckpt_step=step, loss=round(last_loss, 4))
+            manager.maybe_finalize()
+            if telemetry is not None:
+                telemetry.update_checkpoints(manager.stats())
+                telemetry.heartbeat()
+            if rank == 0 and (step % 10 == 0 or step == tc.max_steps):
+                log.info(
+                    "step", step=step, loss=round(last_loss, 4), lr=lr, step_s=round(step_s, 4)
+                )
+            if stopped:
+                log.info("stopping", step=step, signal=control.stop_signal)
+                break
+
+        # --- drain: every save in flight must commit before the process exits -----------------
+        if telemetry is not None:
+            telemetry.heartbeat("stopping" if stopped else "finishing")
+        if saved_step != step:
+            manager.save(step, state(), metrics={"loss": last_loss or 0.0})
+        manager.wait_until_finished()
+        manager.check_for_errors()
+        if telemetry is not None:
+            telemetry.update_checkpoints(manager.stats())
+            telemetry.heartbeat("finished")
+    return LoopResult(start_step=start_step, final_step=step, stopped=stopped, last_loss=last_loss)

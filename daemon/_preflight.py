@@ -1,0 +1,106 @@
+"""Start-up checks run by `trainingd run` before any rank starts.
+
+Each check raises `StartupCheckError` with one line saying what is wrong and how to fix it; the
+CLI turns it into exit code 2 (systemd's `RestartPreventExitStatus=2` stops a restart loop on a
+config that can never work). Checks: the job can be imported, the checkpoint root is reachable
+and writable (a probe file is written and removed; for S3 the endpoint must accept a TCP
+connection within a few seconds and the bucket must exist), the per-run directory is writable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from daemon.config import DaemonConfig
+from daemon.errors import StartupCheckError
+
+__all__ = ["check_startup", "s3_storage_options"]
+
+_CONNECT_TIMEOUT_S = 3.0
+
+
+def s3_storage_options(cfg: DaemonConfig) -> dict[str, Any]:
+    """fsspec options for an `s3://` checkpoint root (endpoint from config or environment)."""
+    endpoint = cfg.checkpoint.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
+    options: dict[str, Any] = {}
+    if endpoint:
+        options["client_kwargs"] = {"endpoint_url": endpoint}
+    return options
+
+
+def _check_job(cfg: DaemonConfig) -> None:
+    module_name, _, attr = cfg.train.job.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise StartupCheckError(
+            f"job={cfg.train.job!r}: cannot import {module_name}: {err}"
+        ) from None
+    if not callable(getattr(module, attr, None)):
+        raise StartupCheckError(f"job={cfg.train.job!r}: {module_name} has no callable {attr!r}")
+
+
+def _check_local_dir(path: Path, what: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".trainingd-probe-{uuid.uuid4().hex}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise StartupCheckError(f"{what} {path} is not writable: {reason}") from None
+
+
+def _check_s3(cfg: DaemonConfig) -> None:
+    uri = cfg.checkpoint.ckpt_uri
+    endpoint = cfg.checkpoint.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
+    if endpoint:
+        parts = urlsplit(endpoint)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            with socket.create_connection((parts.hostname, port), timeout=_CONNECT_TIMEOUT_S):
+                pass
+        except OSError as err:
+            reason = err.strerror or type(err).__name__
+            raise StartupCheckError(
+                f"s3_endpoint_url={endpoint!r} is unreachable ({reason}); "
+                "check the address or start the object store"
+            ) from None
+    import s3fs
+
+    options = s3_storage_options(cfg)
+    options["config_kwargs"] = {
+        "connect_timeout": _CONNECT_TIMEOUT_S,
+        "read_timeout": 10,
+        "retries": {"max_attempts": 1},
+    }
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    bucket = uri.removeprefix("s3://").split("/", 1)[0]
+    try:
+        exists = fs.exists(bucket)
+    except Exception as err:  # botocore raises many unrelated types; report any as one line
+        raise StartupCheckError(f"ckpt_uri={uri!r}: cannot reach the bucket: {err}") from None
+    if not exists:
+        raise StartupCheckError(f"ckpt_uri={uri!r}: bucket {bucket!r} does not exist; create it")
+
+
+def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
+    """Run every start-up check.
+
+    Raises:
+        StartupCheckError: the first failing check, as one line.
+    """
+    _check_job(cfg)
+    uri = cfg.checkpoint.ckpt_uri
+    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+    if scheme == "file":
+        _check_local_dir(Path(uri.removeprefix("file://")), "checkpoint root")
+    elif scheme == "s3":
+        _check_s3(cfg)
+    _check_local_dir(run_dir, "run directory")

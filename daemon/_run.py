@@ -1,0 +1,235 @@
+"""`trainingd run`: the daemon process from start-up checks to exit code.
+
+    configure logs -> per-run directory -> start-up checks (exit 2) -> HTTP server (exit 2 if
+    the port is taken) -> signal handlers -> supervisor thread -> torch elastic agent in the main
+    thread (blocks while the ranks train; restarts them up to max_restarts) -> exit 0 when the
+    ranks finished or stopped cleanly, 1 when they failed for good, 128+N on a second signal.
+
+Signals (the agent is told to handle only SIGQUIT, so these stay ours; see operations.md 9):
+SIGTERM/SIGINT -> `draining`: sd_notify `STOPPING=1`, write the stop request the ranks poll;
+they agree on a step, save a final checkpoint, finalize and return; the agent returns; exit 0.
+A second SIGTERM/SIGINT kills every rank group and exits at once. SIGUSR1 -> a checkpoint at the
+next step boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import structlog
+
+from daemon._collector import NodeCollector, SnapshotAggregator, make_registry
+from daemon._control import request_checkpoint, request_stop
+from daemon._http import MetricsServer
+from daemon._logging import LogFormat, bind_process_context, configure_logging
+from daemon._notify import Notifier
+from daemon._preflight import check_startup
+from daemon._state import NodePhase, NodeState
+from daemon._supervisor import Supervisor, progress_stream
+from daemon._version import distribution_version
+from daemon.config import DaemonConfig
+from daemon.errors import ConfigError, StartupCheckError
+from daemon.metrics import build_info_labels
+
+__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "run_daemon"]
+
+EXIT_OK = 0
+"""Ranks reached max_steps, or stopped cleanly on a signal with a final checkpoint."""
+EXIT_FAILED = 1
+"""Ranks failed more often than max_restarts allows, or the shutdown budget ran out."""
+EXIT_CONFIG = 2
+"""Bad configuration or a failed start-up check; nothing was started."""
+
+log = structlog.get_logger("trainingd.daemon")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _make_run_dir(cfg: DaemonConfig) -> tuple[Path, bool]:
+    """The per-run directory and whether we created it (and so remove it at exit)."""
+    if cfg.launch.run_dir:
+        path = Path(cfg.launch.run_dir)
+        for sub in ("ranks", "control"):
+            shutil.rmtree(path / sub, ignore_errors=True)
+        return path, False
+    base = os.environ.get("RUNTIME_DIRECTORY") or None  # set by systemd's RuntimeDirectory=
+    prefix = f"trainingd-{cfg.run_id}-node{cfg.launch.node_rank}-"
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base)), True
+
+
+def _launch_config(cfg: DaemonConfig, run_dir: Path) -> Any:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig
+
+    lc = cfg.launch
+    endpoint = lc.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    host = endpoint.rsplit(":", 1)[0]
+    loopback = host in ("127.0.0.1", "localhost", "::1", "[::1]")
+    return LaunchConfig(
+        min_nodes=lc.min_nodes,
+        max_nodes=lc.max_nodes,
+        nproc_per_node=lc.nproc_per_node,
+        run_id=cfg.rdzv_id,
+        role="trainer",
+        rdzv_endpoint=endpoint,
+        rdzv_backend="c10d",
+        # Node 0 hosts the rendezvous store; said explicitly so two daemons on one host agree.
+        rdzv_configs={
+            "is_host": lc.node_rank == 0,
+            "join_timeout": lc.rdzv_timeout_s,
+            "timeout": lc.rdzv_timeout_s,
+        },
+        max_restarts=lc.max_restarts,
+        monitor_interval=0.2,
+        start_method="spawn",
+        local_addr="127.0.0.1" if loopback else None,
+        # The daemon drives SIGTERM/SIGINT itself (final checkpoint within its own budget);
+        # the agent keeps only SIGQUIT, its "stop the workers now" path.
+        signals_to_handle="SIGQUIT",
+        shutdown_timeout=10,
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")),
+    )
+
+
+class _Signals:
+    """SIGTERM/SIGINT/SIGUSR1 handlers of the daemon's main thread."""
+
+    def __init__(
+        self, state: NodeState, run_dir: Path, notifier: Notifier, supervisor: Supervisor
+    ) -> None:
+        self._state, self._run_dir = state, run_dir
+        self._notifier, self._supervisor = notifier, supervisor
+        self.stop_signal: str | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop)
+        signal.signal(signal.SIGUSR1, self._on_checkpoint)
+
+    def _on_stop(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if not self._state.request_stop():
+            # Second signal: no more waiting for a final checkpoint.
+            self._supervisor.kill_all()
+            os._exit(128 + signum)
+        self.stop_signal = name
+        self._notifier.send(STOPPING=1, STATUS=f"{name}: saving a final checkpoint")
+        request_stop(self._run_dir)
+        log.warning("stop_requested", signal=name, note="a second signal exits at once")
+
+    def _on_checkpoint(self, signum: int, frame: FrameType | None) -> None:
+        request_id = request_checkpoint(self._run_dir)
+        log.info("checkpoint_requested", signal="SIGUSR1", request=request_id)
+
+
+def run_daemon(cfg: DaemonConfig) -> int:
+    """Run this node's part of the job; returns the process exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    obs = cfg.observability
+    chosen = configure_logging(obs.log_format, level=obs.log_level.upper())
+    bind_process_context(node=cfg.launch.node_rank, run_id=cfg.run_id, role="daemon")
+    run_dir, owned = _make_run_dir(cfg)
+    notifier = Notifier()
+    state = NodeState(local_ranks=cfg.launch.nproc_per_node)
+    server: MetricsServer | None = None
+    supervisor: Supervisor | None = None
+    try:
+        try:
+            check_startup(cfg, run_dir)
+            aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
+            collector = NodeCollector(aggregator, state, build_info_labels(distribution_version()))
+            supervisor = Supervisor(
+                state,
+                aggregator,
+                notifier,
+                heartbeat_timeout_s=obs.heartbeat_timeout_s,
+                shutdown_timeout_s=cfg.launch.shutdown_timeout_s,
+                progress=progress_stream(chosen is LogFormat.CONSOLE),
+            )
+            try:
+                server = MetricsServer(
+                    make_registry(collector),
+                    state,
+                    supervisor.rank_heartbeats,
+                    heartbeat_timeout_s=obs.heartbeat_timeout_s,
+                    host=obs.metrics_host,
+                    port=obs.metrics_port,
+                ).start()
+            except OSError as err:
+                raise StartupCheckError(
+                    f"metrics_port={obs.metrics_port} on {obs.metrics_host}: cannot bind "
+                    f"({err.strerror}); pick another port or 0 for a free one"
+                ) from None
+        except ConfigError as err:
+            print(f"trainingd: {err}", file=sys.stderr)
+            return EXIT_CONFIG
+        url = f"http://{server.host}:{server.port}"
+        log.info(
+            "daemon_started",
+            metrics=f"{url}/metrics",
+            health=f"{url}/healthz",
+            checkpoints=cfg.checkpoint.ckpt_uri,
+            run_dir=str(run_dir),
+            nproc_per_node=cfg.launch.nproc_per_node,
+            nnodes=cfg.launch.nnodes,
+            strategy=cfg.train.strategy.value,
+        )
+        signals = _Signals(state, run_dir, notifier, supervisor)
+        signals.install()
+        supervisor.start()
+        state.update(phase=NodePhase.RENDEZVOUS)
+        # [Note: a fresh worker store per restart] By default the ranks' process group
+        # bootstraps through the agent's shared rendezvous store under the same keys in every
+        # attempt; after a restart a rank can read the dead attempt's gloo addresses and fail
+        # with "connection refused". Unshared, each attempt gets its own store (rank 0 hosts it
+        # on a port the agent picks per round).
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        try:
+            results = elastic_launch(_launch_config(cfg, run_dir), _entry())(
+                cfg, str(run_dir), os.getpid()
+            )
+        except ChildFailedError as err:
+            log.error("workers_failed", max_restarts=cfg.launch.max_restarts, error=str(err))
+            return EXIT_FAILED
+        if supervisor.budget_exceeded.is_set():
+            return EXIT_FAILED
+        final = max((r.get("final_step", 0) for r in results.values()), default=None)
+        log.info("daemon_finished", final_step=final, stopped_by=signals.stop_signal)
+        print(
+            f"trainingd: run {cfg.run_id} finished at step {final}; checkpoints in "
+            f"{cfg.checkpoint.ckpt_uri} (see `ckptctl list {cfg.checkpoint.ckpt_uri}`); "
+            f"metrics were served at {url}/metrics",
+            flush=True,
+        )
+        return EXIT_OK
+    finally:
+        state.update(phase=NodePhase.STOPPED)
+        notifier.send(STOPPING=1)
+        if supervisor is not None:
+            supervisor.kill_all()
+            supervisor.close()
+        if server is not None:
+            server.close()
+        notifier.close()
+        if owned:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _entry() -> Any:
+    from daemon.worker import elastic_entry
+
+    return elastic_entry

@@ -1,0 +1,221 @@
+"""Rank-side metric recording and the snapshot files the node collector reads.
+
+See [Note: one endpoint per node, ranks publish snapshots] in `daemon/metrics.py`. A rank records
+into plain dicts (no Prometheus objects in the training processes) and publishes its cumulative
+values as one JSON file, atomically, at most every `publish_interval_s` and when forced (phase
+changes, exit). The file format (`SNAPSHOT_SCHEMA`):
+
+    {"schema": 1, "pid": 4242, "rank": 0, "local_rank": 0, "world_size": 2, "restart": 0,
+     "phase": "training", "published_unix_s": 1.7e9,
+     "counters":   {"<name>": {"<label value or ''>": 12.0}},
+     "gauges":     {"<name>": {"": 3.5}},
+     "histograms": {"<name>": {"": {"counts": [per-bucket counts, +Inf last], "sum": 1.2}}}}
+
+The engines' observers (`sharding.CollectiveObserver`, `ckpt_manager.SaveObserver`) are methods
+of `RankTelemetry`, so the engines never see Prometheus either.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from daemon.metrics import spec
+
+if TYPE_CHECKING:
+    from ckpt_manager import ManagerStats, SaveReport
+    from sharding import ShardingStatsSnapshot
+
+__all__ = ["SNAPSHOT_SCHEMA", "RankTelemetry", "read_snapshot", "snapshot_path"]
+
+SNAPSHOT_SCHEMA = 1
+"""Version of the snapshot file format; readers skip files of another version."""
+
+
+def snapshot_path(run_dir: Path, local_rank: int) -> Path:
+    """Where local rank `local_rank` publishes its snapshot inside the per-run directory."""
+    return run_dir / "ranks" / f"local-{local_rank}.json"
+
+
+def read_snapshot(path: Path) -> dict[str, Any] | None:
+    """Parse one snapshot file; `None` when it is missing, torn or of another schema."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("schema") != SNAPSHOT_SCHEMA:
+        return None
+    return data
+
+
+@dataclasses.dataclass
+class _Histogram:
+    counts: list[int]
+    total: float = 0.0
+
+
+class RankTelemetry:
+    """Cumulative metrics of one rank process, published as a snapshot file.
+
+    Thread-safe: the checkpoint manager reports saves from its own thread.
+
+    Args:
+        path: snapshot file (see `snapshot_path`); `None` records without publishing
+            (the exporter-off mode of the overhead benchmark).
+        rank: global rank.
+        local_rank: rank on this node.
+        world_size: ranks in the job.
+        restart: `TORCHELASTIC_RESTART_COUNT` of this incarnation.
+        publish_interval_s: minimum time between two unforced publishes.
+        clock: Unix time source (tests inject one).
+    """
+
+    def __init__(
+        self,
+        path: Path | None,
+        *,
+        rank: int,
+        local_rank: int,
+        world_size: int,
+        restart: int = 0,
+        publish_interval_s: float = 0.5,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._path = path
+        self._identity = {
+            "schema": SNAPSHOT_SCHEMA,
+            "pid": os.getpid(),
+            "rank": rank,
+            "local_rank": local_rank,
+            "world_size": world_size,
+            "restart": restart,
+        }
+        self._interval_s = publish_interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._counters: dict[str, dict[str, float]] = {}
+        self._gauges: dict[str, dict[str, float]] = {}
+        self._histograms: dict[str, dict[str, _Histogram]] = {}
+        self._phase = "starting"
+        self._last_publish = float("-inf")
+        self.started_unix_s = clock()
+        """When this rank process started recording (for `trainingd_rank_recovery_seconds`)."""
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    # --- recording ---------------------------------------------------------------------------
+    def inc(self, name: str, amount: float = 1.0, label: str = "") -> None:
+        """Add `amount` to counter `name` (with optional label value)."""
+        with self._lock:
+            series = self._counters.setdefault(name, {})
+            series[label] = series.get(label, 0.0) + amount
+
+    def set_total(self, name: str, value: float, label: str = "") -> None:
+        """Set counter `name` to a cumulative value an engine counted since the process started."""
+        with self._lock:
+            self._counters.setdefault(name, {})[label] = float(value)
+
+    def set(self, name: str, value: float, label: str = "") -> None:
+        """Set gauge `name`."""
+        with self._lock:
+            self._gauges.setdefault(name, {})[label] = float(value)
+
+    def observe(self, name: str, value: float, label: str = "") -> None:
+        """Record one observation in histogram `name`."""
+        buckets = spec(name).buckets
+        with self._lock:
+            series = self._histograms.setdefault(name, {})
+            hist = series.get(label)
+            if hist is None:
+                hist = series[label] = _Histogram(counts=[0] * (len(buckets) + 1))
+            # bisect_left: a value equal to an edge belongs to that bucket (le is inclusive).
+            hist.counts[bisect.bisect_left(buckets, value)] += 1
+            hist.total += value
+
+    def heartbeat(self, phase: str | None = None) -> None:
+        """Mark the loop alive (and change phase); publishes at once when the phase changes."""
+        changed = phase is not None and phase != self._phase
+        if phase is not None:
+            self._phase = phase
+        self.set("trainingd_rank_heartbeat_timestamp_seconds", self._clock())
+        self.publish(force=changed)
+
+    @property
+    def phase(self) -> str:
+        """The rank's current phase (`starting`, `restoring`, `training`, `stopping`, ...)."""
+        return self._phase
+
+    # --- engine observers --------------------------------------------------------------------
+    def on_collective(self, op: str, num_bytes: int, seconds: float) -> None:
+        """`sharding.CollectiveObserver`: one completed collective and the time waited on it."""
+        self.observe("trainingd_fsdp_collective_seconds", seconds, op)
+
+    def on_save_finished(self, report: SaveReport) -> None:
+        """`ckpt_manager.SaveObserver`: one save reached its final state."""
+        result = str(getattr(report.result, "value", report.result))
+        self.inc("trainingd_ckpt_saves_total", 1.0, result)
+        self.observe("trainingd_ckpt_save_stall_seconds", report.stall_s)
+        self.observe("trainingd_ckpt_staging_seconds", report.staging_s)
+        self.observe("trainingd_ckpt_write_seconds", report.write_s)
+        self.observe("trainingd_ckpt_finalize_seconds", report.finalize_s)
+        if result == "committed":
+            self.observe("trainingd_ckpt_save_latency_seconds", report.latency_s)
+            self.inc("trainingd_ckpt_bytes_total", float(report.num_bytes))
+
+    def update_sharding(self, stats: ShardingStatsSnapshot) -> None:
+        """Copy a `sharding.ShardingStatsSnapshot` (cumulative since the engine was built)."""
+        self.set("trainingd_fsdp_allgather_queue_depth", stats.allgather_queue_depth_peak)
+        self.set("trainingd_fsdp_reduce_queue_depth", stats.reduce_queue_depth_peak)
+        self.set_total("trainingd_fsdp_prefetch_hits_total", stats.prefetch_hits)
+        self.set_total("trainingd_fsdp_prefetch_misses_total", stats.prefetch_misses)
+        for op, totals in stats.collectives.items():
+            self.set_total("trainingd_fsdp_collective_bytes_total", totals.num_bytes, op)
+
+    def update_checkpoints(self, stats: ManagerStats) -> None:
+        """Copy a `ckpt_manager.ManagerStats`."""
+        self.set("trainingd_ckpt_inflight", stats.inflight)
+        if stats.last_committed_step is not None:
+            self.set("trainingd_ckpt_last_committed_step", stats.last_committed_step)
+        if stats.last_committed_unix_s is not None:
+            self.set("trainingd_ckpt_last_committed_timestamp_seconds", stats.last_committed_unix_s)
+
+    # --- publishing --------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """The current cumulative values, in the snapshot file format."""
+        with self._lock:
+            return {
+                **self._identity,
+                "phase": self._phase,
+                "published_unix_s": self._clock(),
+                "counters": {k: dict(v) for k, v in self._counters.items()},
+                "gauges": {k: dict(v) for k, v in self._gauges.items()},
+                "histograms": {
+                    k: {lv: {"counts": list(h.counts), "sum": h.total} for lv, h in v.items()}
+                    for k, v in self._histograms.items()
+                },
+            }
+
+    def publish(self, *, force: bool = False) -> bool:
+        """Write the snapshot file if forced or the publish interval has passed.
+
+        Returns:
+            Whether a file was written.
+        """
+        if self._path is None:
+            return False
+        now = time.monotonic()
+        if not force and now - self._last_publish < self._interval_s:
+            return False
+        self._last_publish = now
+        data = json.dumps(self.snapshot(), separators=(",", ":"))
+        tmp = self._path.with_name(f".{self._path.name}.{os.getpid()}.tmp")
+        tmp.write_text(data)
+        os.replace(tmp, self._path)
+        return True

@@ -1,0 +1,245 @@
+"""The daemon's configuration: frozen dataclasses, one per component, and nothing else.
+
+`DaemonConfig` groups four sections, which are also the tables of the TOML file:
+`[launch]` (`LaunchSettings`), `[train]` (`TrainSettings`), `[checkpoint]`
+(`CheckpointSettings`) and `[observability]` (`ObservabilitySettings`). Key names are unique
+across sections, so each key also has a flag (`max_steps` -> `--max-steps`) and an environment
+variable (`TRAININGD_MAX_STEPS`). Loading, precedence and error messages live in
+`daemon/_config_load.py`; this module only declares and validates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import re
+
+from daemon._logging import LogFormat
+
+__all__ = [
+    "AsyncMode",
+    "CheckpointSettings",
+    "DaemonConfig",
+    "LaunchSettings",
+    "ObservabilitySettings",
+    "Strategy",
+    "TrainSettings",
+]
+
+
+class Strategy(enum.StrEnum):
+    """Sharding strategy names (the values of `sharding.Strategy`)."""
+
+    NO_SHARD = "no_shard"
+    """Replicated weights, all-reduced gradients (DDP)."""
+    OPTIM = "optim"
+    """Sharded optimizer state (ZeRO-1)."""
+    OPTIM_GRADS = "optim_grads"
+    """Sharded optimizer state and gradients (ZeRO-2)."""
+    OPTIM_GRADS_PARAMS = "optim_grads_params"
+    """Everything sharded (ZeRO-3)."""
+
+
+class AsyncMode(enum.StrEnum):
+    """Checkpoint writer modes (the values of `ckpt_manager.AsyncMode`)."""
+
+    PERSISTENT = "persistent"
+    """One long-lived writer process per rank."""
+    TEMPORAL = "temporal"
+    """A fresh writer process per save."""
+    SYNC = "sync"
+    """Inline in the training loop."""
+
+
+_NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
+_JOB = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def _positive(section: object, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value <= 0:
+            raise ValueError(f"{name}={value}: use a positive number")
+
+
+def _non_negative(section: object, *names: str) -> None:
+    for name in names:
+        value = getattr(section, name)
+        if value < 0:
+            raise ValueError(f"{name}={value}: use 0 or more")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LaunchSettings:
+    """How this node joins the job: local ranks, rendezvous, restarts, shutdown."""
+
+    nproc_per_node: int = 2
+    """Rank processes started on this node."""
+    nnodes: str = "1"
+    """Nodes in the job: `N`, or `MIN:MAX` for an elastic range."""
+    node_rank: int = 0
+    """This node's index; node 0 hosts the rendezvous store at `rdzv_endpoint`."""
+    rdzv_endpoint: str = ""
+    """`host:port` of the c10d rendezvous; empty runs a single node on a free loopback port."""
+    rdzv_id: str = ""
+    """Rendezvous id shared by all nodes of the job; empty uses the run id."""
+    rdzv_timeout_s: int = 300
+    """How long to wait for all nodes to join."""
+    max_restarts: int = 3
+    """Worker-group restarts the elastic agent may do before the run fails."""
+    shutdown_timeout_s: float = 300.0
+    """After SIGTERM: time granted to finish the step, save and finalize before workers are
+    killed (keep it under systemd's TimeoutStopSec and Kubernetes' grace period)."""
+    run_id: str = ""
+    """Name of the run (checkpoints, logs); empty derives it from the job and checkpoint root,
+    so restarting the same job resumes the same run."""
+    run_dir: str = ""
+    """Per-run scratch directory for rank snapshots and control files; empty uses
+    `$RUNTIME_DIRECTORY` or the system temp directory."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "nproc_per_node", "rdzv_timeout_s", "shutdown_timeout_s")
+        _non_negative(self, "node_rank", "max_restarts")
+        match = _NNODES.match(self.nnodes)
+        if match is None:
+            raise ValueError(f"nnodes={self.nnodes!r}: use N or MIN:MAX, e.g. 2 or 1:4")
+        lo, hi = self.min_nodes, self.max_nodes
+        if lo < 1 or hi < lo:
+            raise ValueError(f"nnodes={self.nnodes!r}: need 1 <= MIN <= MAX")
+        if self.node_rank >= hi:
+            raise ValueError(f"node_rank={self.node_rank}: must be below nnodes ({hi})")
+        if hi > 1 and not self.rdzv_endpoint:
+            raise ValueError("rdzv_endpoint is empty: several nodes need host:port of node 0")
+        if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
+            raise ValueError(f"rdzv_endpoint={self.rdzv_endpoint!r}: use host:port")
+        if self.run_id and not _RUN_ID.match(self.run_id):
+            raise ValueError(f"run_id={self.run_id!r}: use letters, digits, '_', '.', '-'")
+
+    @property
+    def min_nodes(self) -> int:
+        """Lower bound of `nnodes`."""
+        match = _NNODES.match(self.nnodes)
+        assert match is not None
+        return int(match.group(1))
+
+    @property
+    def max_nodes(self) -> int:
+        """Upper bound of `nnodes`."""
+        match = _NNODES.match(self.nnodes)
+        assert match is not None
+        return int(match.group(2) or match.group(1))
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class TrainSettings:
+    """What each rank trains and how."""
+
+    job: str = "daemon.default_job:build"
+    """`module:callable` returning a `daemon.JobSpec` (model, datasets, loss)."""
+    max_steps: int = 300
+    """Optimizer steps of the whole run (a resumed run continues up to it)."""
+    strategy: Strategy = Strategy.OPTIM_GRADS_PARAMS
+    """Sharding strategy."""
+    batch_size: int = 8
+    """Sequences per micro-batch per rank."""
+    micro_batches: int = 1
+    """Micro-batches accumulated per optimizer step."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 20
+    """Linear warm-up steps, then cosine decay to 10% of `lr` at `max_steps`."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+    seed: int = 0
+    """Seed of model init, data order and RNG streams."""
+    threads_per_rank: int = 1
+    """`torch.set_num_threads` in each rank."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "batch_size", "micro_batches", "lr", "threads_per_rank")
+        _non_negative(self, "max_steps", "warmup_steps", "weight_decay", "grad_clip", "seed")
+        if not _JOB.match(self.job):
+            raise ValueError(f"job={self.job!r}: use module:callable, e.g. mypkg.jobs:build")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class CheckpointSettings:
+    """Where and how often checkpoints are written, and which are kept."""
+
+    ckpt_uri: str = "./trainingd-checkpoints"
+    """Checkpoint root: a local path, `file://`, or `s3://bucket/prefix`."""
+    ckpt_every: int = 50
+    """Save every this many steps (plus a final save on stop); 0 saves only on stop."""
+    keep_last: int = 3
+    """Keep the newest N committed checkpoints; 0 keeps all."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this; 0 disables."""
+    async_mode: AsyncMode = AsyncMode.PERSISTENT
+    """Writer mode."""
+    s3_endpoint_url: str = ""
+    """S3 endpoint for `s3://` roots (MinIO, SeaweedFS, moto); empty uses AWS or
+    `$AWS_ENDPOINT_URL`. Credentials come from the usual AWS variables."""
+
+    def __post_init__(self) -> None:
+        if not self.ckpt_uri:
+            raise ValueError("ckpt_uri is empty: give a local path or s3://bucket/prefix")
+        _non_negative(self, "ckpt_every", "keep_last", "keep_every")
+        if self.s3_endpoint_url and not self.s3_endpoint_url.startswith(("http://", "https://")):
+            raise ValueError(f"s3_endpoint_url={self.s3_endpoint_url!r}: use http(s)://host:port")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ObservabilitySettings:
+    """The metrics/health endpoint and logs."""
+
+    metrics_host: str = "127.0.0.1"
+    """Address the /metrics, /healthz, /readyz server binds (0.0.0.0 in a pod)."""
+    metrics_port: int = 9464
+    """Port of that server; 0 picks a free port and logs it."""
+    publish_interval_s: float = 0.5
+    """Longest time between two metric snapshots of a rank."""
+    heartbeat_timeout_s: float = 300.0
+    """/healthz fails when a rank's loop has not beaten for this long."""
+    log_format: LogFormat = LogFormat.AUTO
+    """`json`, `console`, or `auto` (console on a TTY)."""
+    log_level: str = "info"
+    """Minimum log level: debug, info, warning, error."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port={self.metrics_port}: use 0..65535")
+        _positive(self, "publish_interval_s", "heartbeat_timeout_s")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level={self.log_level!r}: use debug, info, warning or error")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class DaemonConfig:
+    """Everything `trainingd run` needs; one section per component."""
+
+    launch: LaunchSettings = dataclasses.field(default_factory=LaunchSettings)
+    """Local ranks, rendezvous, restarts, shutdown."""
+    train: TrainSettings = dataclasses.field(default_factory=TrainSettings)
+    """Job, steps, sharding, optimizer."""
+    checkpoint: CheckpointSettings = dataclasses.field(default_factory=CheckpointSettings)
+    """Checkpoint root, cadence, retention, writer mode."""
+    observability: ObservabilitySettings = dataclasses.field(default_factory=ObservabilitySettings)
+    """Metrics endpoint and logs."""
+
+    @property
+    def run_id(self) -> str:
+        """The run id: `launch.run_id`, or `<job module>-<hash of job and checkpoint root>`."""
+        if self.launch.run_id:
+            return self.launch.run_id
+        name = self.train.job.split(":", 1)[0].rsplit(".", 1)[-1].replace("_", "-")
+        digest = hashlib.sha256(f"{self.train.job}\n{self.checkpoint.ckpt_uri}".encode())
+        return f"{name}-{digest.hexdigest()[:10]}"
+
+    @property
+    def rdzv_id(self) -> str:
+        """The rendezvous id: `launch.rdzv_id`, or the run id."""
+        return self.launch.rdzv_id or self.run_id

@@ -1,0 +1,39 @@
+"""Errors raised by the daemon.
+
+DaemonError
+├── ConfigError (ValueError)          a key or value is wrong: exit code 2, nothing started
+│   └── StartupCheckError             the environment fails a start-up check (storage
+│                                     unreachable or not writable, port taken, job missing)
+├── JobError (ValueError)             `--job` cannot be imported or returned a bad `JobSpec`
+└── WorkersFailedError (RuntimeError) the worker group failed after `max_restarts` restarts
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "DaemonError",
+    "JobError",
+    "StartupCheckError",
+    "WorkersFailedError",
+]
+
+
+class DaemonError(Exception):
+    """Base of every error the daemon raises on purpose."""
+
+
+class ConfigError(DaemonError, ValueError):
+    """A configuration key or value is invalid; the message names the key and what is allowed."""
+
+
+class StartupCheckError(ConfigError):
+    """A start-up check of the environment failed (before any rank started)."""
+
+
+class JobError(DaemonError, ValueError):
+    """The `--job` callable cannot be loaded or returned something that is not a `JobSpec`."""
+
+
+class WorkersFailedError(DaemonError, RuntimeError):
+    """The elastic agent gave up: workers failed more often than `max_restarts` allows."""

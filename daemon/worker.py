@@ -1,0 +1,153 @@
+"""The rank process: what the elastic agent (or a plain `torchrun`) starts on each local rank.
+
+Under `trainingd run` the daemon's in-process elastic agent calls `elastic_entry(cfg, run_dir,
+daemon_pid)` in a spawned process. Under plain torchrun, run the module with the same config
+flags as `trainingd run` (a run directory enables the snapshot/control files):
+
+    torchrun --nproc-per-node 2 -m daemon.worker --max-steps 100 --ckpt-uri /tmp/ck
+
+Both read the rank layout from torchrun's environment (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
+`MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RESTART_COUNT`, `GROUP_RANK`). Start-up order matters:
+become a process-group leader and start the parent watch before anything can spawn (see
+`daemon/_lifecycle.py`), publish a first snapshot (so the daemon knows the pid), then join the
+process group, build the job and train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import structlog
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from daemon._config_load import add_config_flags, load_config
+from daemon._control import RankControl
+from daemon._lifecycle import ParentWatch, become_group_leader
+from daemon._logging import bind_process_context, configure_logging
+from daemon._telemetry import RankTelemetry, snapshot_path
+from daemon.config import DaemonConfig
+from daemon.errors import ConfigError
+
+__all__ = ["elastic_entry", "main", "run_rank"]
+
+_COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value is not None else default
+
+
+def run_rank(
+    cfg: DaemonConfig, run_dir: Path | None, parent_pid: int, *, supervised: bool
+) -> dict[str, Any]:
+    """Run one rank to the end of training; returns a small summary.
+
+    Args:
+        cfg: effective configuration.
+        run_dir: per-run directory for snapshots and control files (None: none).
+        parent_pid: the supervising process; this rank kills its group if that one dies.
+        supervised: started by `trainingd run` (stop requests arrive as files).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from daemon._loop import run_training
+    from daemon.job import JobContext, load_job
+
+    become_group_leader()
+    watch = ParentWatch(parent_pid).start()
+    rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    configure_logging(cfg.observability.log_format, level=cfg.observability.log_level.upper())
+    bind_process_context(
+        rank=rank,
+        local_rank=local_rank,
+        node=_env_int("GROUP_RANK", cfg.launch.node_rank),
+        run_id=cfg.run_id,
+        restart=restart,
+    )
+    log = structlog.get_logger("trainingd.worker")
+    telemetry = RankTelemetry(
+        snapshot_path(run_dir, local_rank) if run_dir is not None else None,
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        restart=restart,
+        publish_interval_s=cfg.observability.publish_interval_s,
+    )
+    telemetry.heartbeat("starting")
+    # Under the daemon, stop requests come as files; SIGTERM keeps its default action so the
+    # elastic agent can end a rank at once when it restarts the group. Under plain torchrun the
+    # rank turns SIGTERM/SIGINT into a graceful stop (torchrun forwards them to its workers).
+    control = RankControl(run_dir, graceful_signals=not supervised)
+    torch.set_num_threads(cfg.train.threads_per_rank)
+    try:
+        dist.init_process_group("gloo", timeout=_COLLECTIVE_TIMEOUT)
+        torch.manual_seed(cfg.train.seed)
+        job = load_job(cfg.train.job)(
+            JobContext(rank=rank, world_size=world_size, seed=cfg.train.seed)
+        )
+        telemetry.heartbeat("loading")
+        result = run_training(cfg, job, telemetry=telemetry, control=control)
+        log.info(
+            "rank_finished",
+            final_step=result.final_step,
+            stopped=result.stopped,
+            loss=result.last_loss,
+        )
+        dist.barrier()
+    except Exception:
+        # The agent keeps only the first failure's traceback; every rank's goes to the log.
+        log.exception("rank_failed")
+        raise
+    else:
+        return {
+            "final_step": result.final_step,
+            "start_step": result.start_step,
+            "stopped": result.stopped,
+            "loss": result.last_loss,
+        }
+    finally:
+        telemetry.heartbeat("exited")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        watch.close()
+
+
+@record
+def elastic_entry(cfg: DaemonConfig, run_dir: str, daemon_pid: int) -> dict[str, Any]:
+    """Entry point the daemon's elastic agent runs in every rank process."""
+    return run_rank(cfg, Path(run_dir), daemon_pid, supervised=True)
+
+
+@record
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m daemon.worker [config flags]` under plain torchrun."""
+    parser = argparse.ArgumentParser(
+        prog="python -m daemon.worker",
+        description="One trainingd rank under torchrun (same config flags as `trainingd run`).",
+    )
+    parser.add_argument("--config", type=Path, default=None, help="TOML config file")
+    add_config_flags(parser)
+    args = vars(parser.parse_args(argv))
+    config_file = args.pop("config")
+    try:
+        cfg = load_config(args, file=config_file)
+    except ConfigError as err:
+        print(f"trainingd worker: {err}", file=sys.stderr)
+        return 2
+    run_dir = Path(cfg.launch.run_dir) if cfg.launch.run_dir else None
+    run_rank(cfg, run_dir, os.getppid(), supervised=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

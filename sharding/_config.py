@@ -1,0 +1,110 @@
+"""`ShardingConfig` and the `Strategy` enum: what the user chooses."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+from torch import nn
+
+__all__ = ["ShardingConfig", "Strategy"]
+
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Strategy(enum.Enum):
+    """Which training state is sharded across the data-parallel ranks.
+
+    | strategy | model weights | fp32 main weights + optimizer state | fp32 main grads |
+    |---|---|---|---|
+    | `NO_SHARD` (DDP) | whole | whole | whole, all-reduced on the last micro-batch |
+    | `OPTIM` (ZeRO-1) | whole | shard | whole, reduce-scattered on the last micro-batch |
+    | `OPTIM_GRADS` (ZeRO-2) | whole | shard | shard, reduce-scattered every micro-batch |
+    | `OPTIM_GRADS_PARAMS` (ZeRO-3) | shard | shard | shard, reduce-scattered every micro-batch |
+    """
+
+    NO_SHARD = "no_shard"
+    OPTIM = "optim"
+    OPTIM_GRADS = "optim_grads"
+    OPTIM_GRADS_PARAMS = "optim_grads_params"
+
+    @property
+    def shards_optimizer(self) -> bool:
+        """Whether main weights and optimizer state are sharded."""
+        return self is not Strategy.NO_SHARD
+
+    @property
+    def shards_grads(self) -> bool:
+        """Whether main gradients are sharded (reduced every micro-batch)."""
+        return self in (Strategy.OPTIM_GRADS, Strategy.OPTIM_GRADS_PARAMS)
+
+    @property
+    def shards_params(self) -> bool:
+        """Whether model weights are sharded between uses (gathered per unit)."""
+        return self is Strategy.OPTIM_GRADS_PARAMS
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class ShardingConfig:
+    """How `FullyShardedDataParallel` shards and communicates.
+
+    Gradients are always accumulated and reduced in fp32, whatever `param_dtype` is.
+    """
+
+    strategy: Strategy = Strategy.OPTIM_GRADS_PARAMS
+    """What is sharded: see `Strategy`."""
+    unit_modules: tuple[type[nn.Module], ...] | None = None
+    """Module classes whose instances become FSDP units (outermost wins); `None` detects the
+    repeated block classes (non-`torch.nn` classes with at least two instances)."""
+    bucket_size_bytes: int = 40_000_000
+    """Largest flat bucket for parameters outside any unit (a unit is never split)."""
+    prefetch: bool = True
+    """Issue the next units' all-gathers (forward and backward order) before they are needed."""
+    communication_unit_bytes: int | None = None
+    """All-gather prefetch budget in unsharded compute-dtype bytes, counted from the unit being
+    gathered; `None` means twice the average unit size (the next unit is fetched while the
+    current one runs)."""
+    param_dtype: torch.dtype = torch.float32
+    """Compute dtype of the model weights (`torch.float32`, `torch.bfloat16`, `torch.float16`);
+    main weights, optimizer state and gradient reduction stay fp32."""
+    max_inflight_reductions: int = 2
+    """Bound of the gradient-reduction queue: before another reduction is issued, the oldest
+    is waited on once this many are in flight."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, Strategy):
+            raise ValueError(
+                f"ShardingConfig.strategy must be a sharding.Strategy, got {self.strategy!r}; "
+                f"use e.g. Strategy.OPTIM_GRADS_PARAMS or Strategy('{Strategy.NO_SHARD.value}')"
+            )
+        if self.unit_modules is not None:
+            bad = [
+                c
+                for c in self.unit_modules
+                if not (isinstance(c, type) and issubclass(c, nn.Module))
+            ]
+            if bad:
+                raise ValueError(
+                    f"ShardingConfig.unit_modules must hold nn.Module subclasses, got {bad!r}; "
+                    "pass classes such as (Block,), not instances"
+                )
+        if self.bucket_size_bytes <= 0:
+            raise ValueError(
+                f"ShardingConfig.bucket_size_bytes must be positive, got {self.bucket_size_bytes}"
+            )
+        if self.communication_unit_bytes is not None and self.communication_unit_bytes <= 0:
+            raise ValueError(
+                "ShardingConfig.communication_unit_bytes must be positive or None (twice the "
+                f"average unit), got {self.communication_unit_bytes}"
+            )
+        if self.param_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(
+                f"ShardingConfig.param_dtype must be one of {_COMPUTE_DTYPES}, "
+                f"got {self.param_dtype}"
+            )
+        if self.max_inflight_reductions < 1:
+            raise ValueError(
+                "ShardingConfig.max_inflight_reductions must be at least 1, "
+                f"got {self.max_inflight_reductions}"
+            )

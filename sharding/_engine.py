@@ -1,0 +1,216 @@
+"""The training-state machine: what every hook does, per unit, per pass.
+
+```
+IDLE --forward--> FORWARD --first grad at the output--> BACKWARD --end of graph--> IDLE
+```
+* root pre-forward: start recording the unit order; ZeRO-3 gathers the root unit and issues
+  the first unit ahead.
+* unit pre-forward: IDLE means the inner module was called directly (error); BACKWARD means
+  an activation-checkpoint recompute (reuse the gathered weights, nothing else); FORWARD:
+  count the call, unshard with forward prefetch, wrap the inputs for post-backward.
+* unit post-forward: ZeRO-3 releases the weights; register the unit's pre-backward hook.
+* root pre-backward (once per backward): queue the end-of-graph callback; ZeRO-3 issues the
+  last forward unit ahead.
+* unit pre-backward: unshard with backward (reverse) prefetch.
+* unit post-backward: once every forward call of the unit has run backward, hand its
+  gradients to the reduce pipeline and (ZeRO-3) release its weights.
+* end of graph: finish units that never reported (unused, no differentiable input), then the
+  root unit, drain the reduce queue, release everything, back to IDLE.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sharding._allgather import Phase, UnitGather, UnshardPipeline
+from sharding._buffer import FlatBucket
+from sharding._comm import Communicator
+from sharding._config import ShardingConfig
+from sharding._hooks import (
+    TrainingState,
+    queue_end_of_backward,
+    register_pre_backward,
+    wrap_inputs,
+)
+from sharding._reduce import ReducePipeline
+from sharding._stats import ShardingStats
+from sharding.errors import UnwrappedModuleError
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """Runtime state shared by the wrapper, its hooks and its optimizer."""
+
+    def __init__(
+        self,
+        config: ShardingConfig,
+        comm: Communicator,
+        stats: ShardingStats,
+        unit_buckets: list[list[FlatBucket]],
+    ) -> None:
+        """Build the pipelines.
+
+        Args:
+            config: the user's configuration.
+            comm: the data-parallel communicator.
+            stats: counters to update.
+            unit_buckets: buckets of each unit; the root unit is last.
+        """
+        self.config = config
+        self.comm = comm
+        self.stats = stats
+        self.unit_buckets = unit_buckets
+        self.buckets = [b for group in unit_buckets for b in group]
+        self.root = len(unit_buckets) - 1
+        self.state = TrainingState.IDLE
+        self.is_last_microbatch = True
+        num = len(unit_buckets)
+        self._fwd_calls = [0] * num
+        self._bwd_calls = [0] * num
+        self._done = [False] * num
+        self._backward_expected = False
+        self.reduce = ReducePipeline(comm, stats, max_inflight=config.max_inflight_reductions)
+        self.gather: UnshardPipeline | None = None
+        if config.strategy.shards_params:
+            units = [UnitGather(i, buckets) for i, buckets in enumerate(unit_buckets)]
+            sizes = [u.nbytes for u in units[: self.root]]
+            budget = config.communication_unit_bytes or (
+                2 * sum(sizes) // len(sizes) if sizes else 1
+            )
+            self.gather = UnshardPipeline(
+                units,
+                stats,
+                prefetch=config.prefetch,
+                budget_bytes=budget,
+                counted=set(range(self.root)),
+            )
+
+    # ---- forward ----
+
+    def check_wrapped(self) -> None:
+        """Raise if the inner module runs outside the wrapper (state IDLE)."""
+        if self.state is TrainingState.IDLE:
+            raise UnwrappedModuleError(
+                "the wrapped module was called directly; call the FullyShardedDataParallel "
+                "wrapper instead (its forward gathers weights and its hooks reduce gradients)"
+            )
+
+    def root_pre_forward(self) -> None:
+        """Wrapper forward starts."""
+        if self.state is TrainingState.IDLE:
+            self.state = TrainingState.FORWARD
+        if self.gather is not None:
+            self.gather.start_recording()
+            # Root and first unit travel together; only the root is waited on here.
+            self.gather.issue_ahead(self.root)
+            if self.gather.prefetch_enabled and self.gather.order:
+                self.gather.issue_ahead(self.gather.order[0])
+            self.gather.unshard(self.root, Phase.FORWARD)
+
+    def root_post_forward(self, output: Any) -> None:
+        """Wrapper forward returned `output`."""
+        if self.gather is not None:
+            self.gather.stop_recording()
+        if torch.is_grad_enabled() and register_pre_backward(output, self.root_pre_backward):
+            self._backward_expected = True
+        if self.state is TrainingState.FORWARD:
+            self.state = TrainingState.IDLE
+            if self.gather is not None and not self._backward_expected:
+                self.gather.reshard_all()
+
+    def unit_pre_forward(
+        self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Unit `index` is about to run forward."""
+        self.check_wrapped()
+        if self.state is TrainingState.BACKWARD:
+            if self.gather is not None:
+                self.gather.unshard(index, Phase.BACKWARD)
+            return None
+        self._fwd_calls[index] += 1
+        if self.gather is not None:
+            self.gather.note_forward(index)
+            self.gather.unshard(index, Phase.FORWARD)
+        if not torch.is_grad_enabled():
+            return None
+        new_args, new_kwargs, _ = wrap_inputs(args, kwargs, lambda: self.unit_post_backward(index))
+        return new_args, new_kwargs
+
+    def unit_post_forward(self, index: int, output: Any) -> None:
+        """Unit `index` returned `output`."""
+        if self.state is not TrainingState.FORWARD:
+            return
+        if self.gather is not None:
+            self.gather.reshard(index)
+        if torch.is_grad_enabled():
+            register_pre_backward(output, lambda: self.unit_pre_backward(index))
+
+    # ---- backward ----
+
+    def root_pre_backward(self) -> None:
+        """The first gradient reached the wrapper's output."""
+        if self.state is TrainingState.BACKWARD:
+            return
+        self.state = TrainingState.BACKWARD
+        queue_end_of_backward(self.root_post_backward)
+        if self.gather is not None:
+            self.gather.unshard(self.root, Phase.BACKWARD)
+            if self.gather.prefetch_enabled and self.gather.order:
+                self.gather.issue_ahead(self.gather.order[-1])
+
+    def unit_pre_backward(self, index: int) -> None:
+        """The gradient of unit `index`'s output is complete."""
+        if self.gather is not None and self.state is TrainingState.BACKWARD:
+            self.gather.unshard(index, Phase.BACKWARD)
+
+    def unit_post_backward(self, index: int) -> None:
+        """Gradients of one forward call of unit `index` are complete."""
+        self._bwd_calls[index] += 1
+        if self._bwd_calls[index] >= self._fwd_calls[index]:
+            self._finish_unit(index)
+
+    def _finish_unit(self, index: int) -> None:
+        if self._done[index]:
+            return
+        self._done[index] = True
+        for bucket in self.unit_buckets[index]:
+            self.reduce.reduce(bucket, bucket.take_grads(), last_microbatch=self.is_last_microbatch)
+        if self.gather is not None and index != self.root:
+            self.gather.reshard(index)
+
+    def root_post_backward(self) -> None:
+        """End of the backward graph: finish stragglers, drain, release, reset."""
+        order = self.gather.order if self.gather is not None else list(range(self.root))
+        rest = [i for i in range(self.root) if i not in order]
+        for index in [*order[::-1], *rest, self.root]:
+            self._finish_unit(index)
+        self.reduce.drain()
+        if self.gather is not None:
+            self.gather.reshard_all()
+        num = len(self.unit_buckets)
+        self._fwd_calls = [0] * num
+        self._bwd_calls = [0] * num
+        self._done = [False] * num
+        self._backward_expected = False
+        self.state = TrainingState.IDLE
+
+    # ---- outside the passes ----
+
+    def check_no_stray_grads(self) -> None:
+        """Raise if parameters hold gradients the hooks never collected."""
+        for bucket in self.buckets:
+            for param in bucket.params:
+                if param.grad is not None:
+                    raise UnwrappedModuleError(
+                        "parameters hold gradients that the engine never reduced: backward "
+                        "ran through the unwrapped module (or a graph built outside the "
+                        "wrapper's forward); call the FullyShardedDataParallel wrapper"
+                    )
+
+    def reshard_all(self) -> None:
+        """Release every gathered unit (ZeRO-3), e.g. before weights are replaced."""
+        if self.gather is not None:
+            self.gather.reshard_all()

@@ -1,0 +1,168 @@
+"""`DistributedOptimizer`: a torch optimizer over this rank's fp32 main-weight shards.
+
+Each bucket's main weights (its shard, or the whole bucket under `NO_SHARD`) are handed to
+the torch optimizer as contiguous chunks of `CHUNK_NUMEL` elements whose `.grad` are the
+matching chunks of the reduced fp32 gradient. Chunks, not per-parameter tensors, keep the
+Python work per step small; chunks, not one flat tensor per bucket, keep each update's
+working set in cache (AdamW over 13M elements: 235 ms flat, 53 ms in 256K chunks, one CPU
+thread). This suits elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...);
+optimizers that look at a parameter's shape or norm (LAMB, Adafactor) would see chunks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sharding._engine import Engine
+
+if TYPE_CHECKING:
+    from sharding._state_dict import StateDict
+
+__all__ = ["CHUNK_NUMEL", "DistributedOptimizer"]
+
+CHUNK_NUMEL = 1 << 18
+
+
+class DistributedOptimizer:
+    """Steps a torch optimizer on main-weight shards and pushes the result to the model."""
+
+    def __init__(
+        self, engine: Engine, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> None:
+        """Build `optimizer_class(shards, **kwargs)`; use `FullyShardedDataParallel.make_optimizer`.
+
+        Args:
+            engine: the wrapper's engine.
+            optimizer_class: a `torch.optim.Optimizer` subclass.
+            **kwargs: its hyperparameters (`lr`, `weight_decay`, ...).
+        """
+        self._engine = engine
+        self.buckets = [b for b in engine.buckets if b.trains]
+        # (bucket position, start, end) of every optimizer tensor, in main-weight coordinates.
+        self.chunks: list[tuple[int, int, int]] = [
+            (pos, start, min(start + CHUNK_NUMEL, b.main_weight.numel()))
+            for pos, b in enumerate(self.buckets)
+            for start in range(0, b.main_weight.numel(), CHUNK_NUMEL)
+        ]
+        self.params = [self.buckets[pos].main_weight[a:e] for pos, a, e in self.chunks]
+        self.optimizer: torch.optim.Optimizer = optimizer_class(self.params, **kwargs)
+        """The underlying torch optimizer (give it to LR schedulers)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The torch optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    def _link_grads(self) -> None:
+        grads = [b.optimizer_grad() for b in self.buckets]
+        for param, (pos, a, e) in zip(self.params, self.chunks, strict=True):
+            grad = grads[pos]
+            assert grad is not None
+            param.grad = grad[a:e]
+
+    def bucket_state(self, pos: int) -> dict[str, Any] | None:
+        """The optimizer state of bucket `pos` as flat main-weight-shaped tensors (copies)."""
+        indices = [i for i, c in enumerate(self.chunks) if c[0] == pos]
+        states: list[dict[str, Any]] = []
+        for i in indices:
+            state = self.optimizer.state.get(self.params[i])
+            if not state:
+                return None
+            states.append(state)
+        if not states:
+            return None
+        out: dict[str, Any] = {}
+        for key, value in states[0].items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                out[key] = torch.cat([s[key].reshape(-1) for s in states])
+            else:
+                out[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        return out
+
+    def chunk_state(self, flat: dict[str, Any], index: int) -> dict[str, Any]:
+        """Slice one chunk's torch state out of a bucket's flat state."""
+        _, a, e = self.chunks[index]
+        return {
+            key: value[a:e].clone()
+            if isinstance(value, torch.Tensor) and value.dim() > 0
+            else value
+            for key, value in flat.items()
+        }
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale gradients so that their global norm (across all shards) is at most `max_norm`.
+
+        Args:
+            max_norm: largest allowed norm.
+            norm_type: the p of the p-norm (`math.inf` for the max norm).
+
+        Returns:
+            The global norm before clipping, a float32 scalar tensor.
+        """
+        self._engine.check_no_stray_grads()
+        for bucket in self.buckets:
+            bucket.settle_grad()
+        grads = [g for b in self.buckets if (g := b.optimizer_grad()) is not None]
+        sharded = self._engine.config.strategy.shards_optimizer
+        device = self._engine.comm.device
+        if math.isinf(norm_type):
+            local = torch.stack([g.abs().max() for g in grads]).max() if grads else None
+            value = local if local is not None else torch.zeros((), device=device)
+            if sharded and self._engine.comm.distributed:
+                import torch.distributed as dist
+
+                dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._engine.comm.group)
+            total = value.float()
+        else:
+            powers = [torch.linalg.vector_norm(g, norm_type) ** norm_type for g in grads]
+            local_sum = torch.stack(powers).sum() if powers else torch.zeros((), device=device)
+            if sharded:
+                local_sum = self._engine.comm.sum_scalar(local_sum)
+            total = (local_sum ** (1.0 / norm_type)).float()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        if grads:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One optimizer step on the shards, then refresh the model's weights."""
+        self._engine.check_no_stray_grads()
+        for bucket in self.buckets:
+            bucket.settle_grad()
+        self._link_grads()
+        self.optimizer.step()
+        pending = [p for b in self._engine.buckets if (p := b.push_main_weights()) is not None]
+        for p in pending:
+            p.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the main gradients (the next reduction overwrites them, no memset)."""
+        del set_to_none
+        for param in self.params:
+            param.grad = None
+        for bucket in self._engine.buckets:
+            bucket.zero_grad()
+
+    def sharded_state_dict(self) -> StateDict:
+        """This rank's optimizer state: per parameter, `ShardedTensor` pieces of each state.
+
+        Returns:
+            `{"state": {name: {key: ShardedTensor | Tensor | value}}, "param_groups": [...]}`.
+        """
+        from sharding._state_dict import optimizer_sharded_state_dict
+
+        return optimizer_sharded_state_dict(self)
+
+    def load_sharded_state_dict(self, state_dict: StateDict) -> None:
+        """Load state saved by `sharded_state_dict` (any world size, any strategy).
+
+        Raises:
+            StateDictLayoutError: pieces are missing or have the wrong shape.
+        """
+        from sharding._state_dict import load_optimizer_sharded_state_dict
+
+        load_optimizer_sharded_state_dict(self, state_dict)

@@ -1,0 +1,141 @@
+"""The gradient reduce pipeline: fp32 reduce-scatter / all-reduce with a bounded queue.
+
+Gradients are pre-divided by the world size and summed by the collective, as DDP does (with
+a power-of-two world size the division is exact, so the result equals DDP's bit for bit).
+
+* grads-sharded strategies (`OPTIM_GRADS`, `OPTIM_GRADS_PARAMS`): every micro-batch, the
+  unit's gradients are packed into a fresh fp32 bucket and reduce-scattered. The first
+  reduction after `zero_grad` writes straight into the persistent fp32 shard; later ones go
+  to a temporary shard that is added into it once the collective is done.
+* `NO_SHARD` / `OPTIM`: gradients are accumulated locally into the whole fp32 main gradient;
+  on the last micro-batch it is scaled and all-reduced in place (`NO_SHARD`) or
+  reduce-scattered into the shard the optimizer reads (`OPTIM`, whose local buffer then
+  counts as empty again).
+
+At most `max_inflight` reductions are in flight: the oldest is waited on (and finished)
+before another is issued. `drain()` at the end of backward waits for the rest.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from collections.abc import Callable
+
+import torch
+
+from sharding._buffer import FlatBucket
+from sharding._comm import Communicator, PendingCollective
+from sharding._config import Strategy
+from sharding._stats import ShardingStats
+
+__all__ = ["ReducePipeline"]
+
+
+def _add(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.add_(src)
+
+
+class _Inflight:
+    __slots__ = ("finish", "keep", "pending")
+
+    def __init__(
+        self,
+        pending: PendingCollective,
+        finish: Callable[[], None] | None,
+        keep: tuple[torch.Tensor, ...],
+    ) -> None:
+        self.pending = pending
+        self.finish = finish
+        # Tensors the collective reads or writes live until it has been waited on.
+        self.keep = keep
+
+
+class ReducePipeline:
+    """Issues gradient reductions bucket by bucket and bounds how many are in flight."""
+
+    def __init__(self, comm: Communicator, stats: ShardingStats, *, max_inflight: int) -> None:
+        self._comm = comm
+        self._stats = stats
+        self.max_inflight = max_inflight
+        self._queue: collections.deque[_Inflight] = collections.deque()
+        self._scale = 1.0 / comm.world_size
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def _pop_oldest(self) -> None:
+        entry = self._queue.popleft()
+        entry.pending.wait()
+        self._stats.reduce_waited()
+        if entry.finish is not None:
+            entry.finish()
+
+    def _make_room(self) -> None:
+        while len(self._queue) >= self.max_inflight:
+            self._pop_oldest()
+
+    def _push(
+        self,
+        pending: PendingCollective,
+        finish: Callable[[], None] | None,
+        keep: tuple[torch.Tensor, ...],
+    ) -> None:
+        self._queue.append(_Inflight(pending, finish, keep))
+        self._stats.reduce_issued()
+
+    def reduce(
+        self, bucket: FlatBucket, grads: list[torch.Tensor | None], *, last_microbatch: bool
+    ) -> None:
+        """Fold one bucket's fresh gradients in and reduce them when the strategy says so."""
+        if not bucket.trains:
+            return
+        if bucket.strategy.shards_grads:
+            # Wait for the oldest first and drop the unsharded grads once packed: fewer
+            # full-size gradient buffers are alive at once.
+            self._make_room()
+            full = bucket.flat_grads(grads)
+            grads.clear()
+            full.mul_(self._scale)
+            if bucket.grad_is_zero:
+                shard = bucket.new_grad_shard()
+                self._push(self._comm.reduce_scatter(shard, full), None, (full,))
+                return
+            main = bucket.main_grad
+            assert main is not None
+            out = torch.empty_like(main)
+            pending = self._comm.reduce_scatter(out, full)
+            self._push(pending, functools.partial(_add, main, out), (full, out))
+            return
+        if not last_microbatch:
+            bucket.accumulate_local(grads, scale=None)
+            return
+        bucket.accumulate_local(grads, scale=self._scale)
+        self._make_room()
+        main = bucket.main_grad
+        assert main is not None
+        if bucket.strategy is Strategy.NO_SHARD:
+            self._push(self._comm.all_reduce(main), None, ())
+            return
+
+        def consumed() -> None:
+            bucket.local_is_zero = True
+
+        if bucket.grad_is_zero:
+            shard = bucket.new_grad_shard()
+            self._push(self._comm.reduce_scatter(shard, main), consumed, ())
+            return
+        reduced = bucket.reduced_grad
+        assert reduced is not None
+        out = torch.empty_like(reduced)
+
+        def finish() -> None:
+            reduced.add_(out)
+            bucket.local_is_zero = True
+
+        self._push(self._comm.reduce_scatter(out, main), finish, (out,))
+
+    def drain(self) -> None:
+        """Wait for and finish every reduction in flight."""
+        while self._queue:
+            self._pop_oldest()

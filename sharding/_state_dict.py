@@ -1,0 +1,279 @@
+"""Sharded and full state dicts, and resharding on load.
+
+The engine emits the neutral flat form (CONTRACTS.md): one `ShardedTensor` per parameter
+(first name of tied parameters) holding this rank's elements `[start, end)` of the flattened
+fp32 main weight, possibly none. Pieces are views of live buffers; a checkpointer copies
+them before the next optimizer step. Loading accepts, per key, a piece with exactly this
+rank's range, the whole tensor, or a list of pieces from any layout (e.g. every rank's
+pieces of a checkpoint written at another world size or strategy) that covers the range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sharding._buffer import FlatBucket
+from sharding._layout import ParamSlot
+from sharding.errors import StateDictLayoutError
+
+if TYPE_CHECKING:
+    from sharding._optimizer import DistributedOptimizer
+
+__all__ = [
+    "ShardedTensor",
+    "StateDict",
+    "full_state_dict",
+    "load_model_sharded_state_dict",
+    "load_optimizer_sharded_state_dict",
+    "model_sharded_state_dict",
+    "optimizer_sharded_state_dict",
+]
+
+StateDict = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedTensor:
+    """A rank's piece of a larger tensor (the neutral form of CONTRACTS.md)."""
+
+    local: torch.Tensor
+    """This rank's elements (1-D in the flat form; may be empty)."""
+    global_shape: tuple[int, ...]
+    """Shape of the whole tensor."""
+    global_offset: tuple[int, ...]
+    """N-D offset of `local` in the whole (all zeros and ignored in the flat form)."""
+    flat_range: tuple[int, int] | None
+    """Elements `[start, end)` of the row-major flattened whole that `local` holds."""
+
+
+def _piece_bounds(bucket: FlatBucket, slot: ParamSlot) -> tuple[int, int]:
+    """Bucket range of `slot` that this rank owns."""
+    lo = max(slot.offset, bucket.start)
+    hi = min(slot.offset + slot.numel, bucket.end)
+    return (lo, hi) if lo < hi else (bucket.start, bucket.start)
+
+
+def _local_of(bucket: FlatBucket, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Slice bucket range `[lo, hi)` out of a main-weight-shaped tensor."""
+    base = 0 if flat.numel() == bucket.layout.padded_numel else bucket.start
+    return flat[lo - base : hi - base]
+
+
+def _shard_of(bucket: FlatBucket, slot: ParamSlot, flat: torch.Tensor) -> ShardedTensor:
+    lo, hi = _piece_bounds(bucket, slot)
+    start = max(lo - slot.offset, 0)
+    return ShardedTensor(
+        local=_local_of(bucket, flat, lo, hi).detach(),
+        global_shape=tuple(slot.shape),
+        global_offset=(0,) * len(slot.shape),
+        flat_range=(start, start + (hi - lo)),
+    )
+
+
+def _as_pieces(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _is_piece(value: Any) -> bool:
+    return hasattr(value, "local") and hasattr(value, "global_shape")
+
+
+def _is_elementwise(value: Any) -> bool:
+    """Whether a saved optimizer-state value is a (piece of a) per-element tensor."""
+    pieces = _as_pieces(value)
+    return any(_is_piece(p) or (isinstance(p, torch.Tensor) and p.dim() > 0) for p in pieces)
+
+
+def _fill(dst: torch.Tensor, start: int, key: str, shape: torch.Size, value: Any) -> None:
+    """Copy elements `[start, start + dst.numel())` of the flattened `key` out of `value`."""
+    end = start + dst.numel()
+    covered = 0
+    for piece in _as_pieces(value):
+        if isinstance(piece, torch.Tensor):
+            if piece.shape != shape:
+                raise StateDictLayoutError(
+                    f"{key!r}: saved shape {tuple(piece.shape)} != model shape {tuple(shape)}"
+                )
+            dst.copy_(piece.reshape(-1)[start:end])
+            covered = dst.numel()
+            continue
+        global_shape = tuple(getattr(piece, "global_shape", ()))
+        if global_shape != tuple(shape):
+            raise StateDictLayoutError(
+                f"{key!r}: saved global shape {global_shape} != model shape {tuple(shape)}"
+            )
+        local = piece.local
+        flat_range = piece.flat_range
+        if flat_range is None:
+            if local.shape != shape:
+                raise StateDictLayoutError(
+                    f"{key!r}: a box-form piece of shape {tuple(local.shape)} at offset "
+                    f"{piece.global_offset} is not supported; pass the whole tensor"
+                )
+            flat_range = (0, shape.numel())
+        a, b = max(flat_range[0], start), min(flat_range[1], end)
+        if a < b:
+            dst[a - start : b - start].copy_(
+                local.reshape(-1)[a - flat_range[0] : b - flat_range[0]]
+            )
+            covered += b - a
+    if covered < dst.numel():
+        raise StateDictLayoutError(
+            f"{key!r}: this rank needs elements [{start}, {end}) but the state dict covers only "
+            f"{covered} of them: it was saved at another world size or strategy; pass every "
+            "rank's pieces for the key (a list) or the whole tensor, e.g. via "
+            "ckpt_manager's restore"
+        )
+
+
+def model_sharded_state_dict(
+    buckets: list[FlatBucket], buffers: dict[str, torch.Tensor]
+) -> StateDict:
+    """Per parameter this rank's `ShardedTensor` of the fp32 main weight; buffers whole."""
+    out: StateDict = {}
+    for bucket in buckets:
+        for slot in bucket.layout.slots:
+            out[slot.names[0]] = _shard_of(bucket, slot, bucket.main_weight)
+    for name, buf in buffers.items():
+        out[name] = buf.detach()
+    return out
+
+
+def load_model_sharded_state_dict(
+    buckets: list[FlatBucket], buffers: dict[str, torch.Tensor], state_dict: StateDict
+) -> None:
+    """Write main weights (and buffers) from `state_dict`; the caller refreshes model weights."""
+    expected = {s.names[0] for b in buckets for s in b.layout.slots} | set(buffers)
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    if missing or unexpected:
+        raise StateDictLayoutError(
+            f"state dict does not match the model: missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]} (keys are the unwrapped module's parameter names)"
+        )
+    with torch.no_grad():
+        for bucket in buckets:
+            for slot in bucket.layout.slots:
+                lo, hi = _piece_bounds(bucket, slot)
+                dst = _local_of(bucket, bucket.main_weight, lo, hi)
+                _fill(
+                    dst,
+                    max(lo - slot.offset, 0),
+                    slot.names[0],
+                    slot.shape,
+                    state_dict[slot.names[0]],
+                )
+        for name, buf in buffers.items():
+            buf.copy_(_as_pieces(state_dict[name])[0])
+
+
+def _json_group(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+
+
+def optimizer_sharded_state_dict(opt: DistributedOptimizer) -> StateDict:
+    """Per parameter and state key: `ShardedTensor` pieces (elementwise state) or values."""
+    state: dict[str, dict[str, Any]] = {}
+    for pos, bucket in enumerate(opt.buckets):
+        flat = opt.bucket_state(pos)
+        if flat is None:
+            continue
+        for slot in bucket.layout.slots:
+            state[slot.names[0]] = {
+                key: _shard_of(bucket, slot, value)
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in flat.items()
+            }
+    groups = opt.optimizer.state_dict()["param_groups"]
+    return {"state": state, "param_groups": [_json_group(g) for g in groups]}
+
+
+def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: StateDict) -> None:
+    """Rebuild the torch optimizer's chunked state from per-parameter pieces."""
+    saved_state: dict[str, dict[str, Any]] = state_dict.get("state", {})
+    groups: Sequence[dict[str, Any]] = state_dict.get("param_groups", [])
+    current = opt.optimizer.state_dict()
+    if len(groups) != len(current["param_groups"]):
+        raise StateDictLayoutError(
+            f"optimizer state has {len(groups)} parameter groups, this optimizer has "
+            f"{len(current['param_groups'])}; build it with make_optimizer like the saved one"
+        )
+    flat_states: dict[int, dict[str, Any]] = {}
+    for pos, bucket in enumerate(opt.buckets):
+        entries = [saved_state.get(s.names[0]) for s in bucket.layout.slots]
+        if all(e is None for e in entries):
+            continue
+        if any(e is None for e in entries):
+            raise StateDictLayoutError(
+                f"optimizer state covers only some parameters of bucket {pos}; it must "
+                "hold either every trained parameter or none"
+            )
+        flat_state: dict[str, Any] = {}
+        for key in entries[0] or {}:
+            values = [entry[key] for entry in entries if entry is not None]
+            if not _is_elementwise(values[0]):
+                first = _as_pieces(values[0])[0]
+                flat_state[key] = first.clone() if isinstance(first, torch.Tensor) else first
+                continue
+            flat = torch.zeros_like(bucket.main_weight)
+            for slot, value in zip(bucket.layout.slots, values, strict=True):
+                lo, hi = _piece_bounds(bucket, slot)
+                dst = _local_of(bucket, flat, lo, hi)
+                start = max(lo - slot.offset, 0)
+                _fill(dst, start, f"{slot.names[0]}.{key}", slot.shape, value)
+            flat_state[key] = flat
+        flat_states[pos] = flat_state
+    new_state = {
+        index: opt.chunk_state(flat_states[pos], index)
+        for index, (pos, _, _) in enumerate(opt.chunks)
+        if pos in flat_states
+    }
+    new_groups = []
+    for saved, cur in zip(groups, current["param_groups"], strict=True):
+        group = dict(saved)
+        if isinstance(cur.get("betas"), tuple) and isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+        group["params"] = cur["params"]
+        new_groups.append(group)
+    opt.optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+
+
+def full_state_dict(
+    buckets: list[FlatBucket],
+    names_in_order: list[str],
+    buffers: dict[str, torch.Tensor],
+    rank: int,
+) -> StateDict:
+    """Gather every parameter's fp32 main weight; on rank 0 return the plain module's dict.
+
+    Values are CPU tensors in the parameters' original dtypes; tied names share one tensor.
+    """
+    values: dict[str, torch.Tensor] = {}
+    for bucket in buckets:
+        weight = bucket.main_weight
+        if weight.numel() != bucket.layout.padded_numel:
+            full = torch.empty(bucket.layout.padded_numel, dtype=weight.dtype, device=weight.device)
+            bucket.comm.all_gather(full, weight.contiguous()).wait()
+            weight = full
+        if rank != 0:
+            continue
+        for slot in bucket.layout.slots:
+            tensor = weight[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            # Host copies: rank 0 must not hold a second model on the accelerator.
+            tensor = tensor.to("cpu", slot.dtype, copy=True)
+            for name in slot.names:
+                values[name] = tensor
+    if rank != 0:
+        return {}
+    out: StateDict = {}
+    for name in names_in_order:
+        if name in values:
+            out[name] = values[name]
+        elif name in buffers:
+            out[name] = buffers[name].detach().to("cpu", copy=True)
+    return out

@@ -1,0 +1,242 @@
+"""`FullyShardedDataParallel`: the public wrapper that builds buffers, hooks and the engine."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sharding._buffer import FlatBucket
+from sharding._comm import Communicator
+from sharding._config import ShardingConfig
+from sharding._engine import Engine
+from sharding._layout import build_layout, detect_unit_classes
+from sharding._optimizer import DistributedOptimizer
+from sharding._state_dict import (
+    StateDict,
+    full_state_dict,
+    load_model_sharded_state_dict,
+    model_sharded_state_dict,
+)
+from sharding._stats import CollectiveObserver, ShardingStats
+from sharding.errors import DeviceMismatchError
+
+__all__ = ["FullyShardedDataParallel"]
+
+
+def _resolve_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is None:
+        first = next(iter(module.parameters()), None)
+        resolved = first.device if first is not None else torch.device("cpu")
+    else:
+        resolved = torch.device(device)
+    index: int | None = getattr(resolved, "index", None)
+    if resolved.type == "cuda" and index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _check_device(module: nn.Module, device: torch.device) -> None:
+    for kind, named in (
+        ("parameter", module.named_parameters()),
+        ("buffer", module.named_buffers()),
+    ):
+        for name, tensor in named:
+            if tensor.device != device:
+                raise DeviceMismatchError(
+                    f"{kind} {name!r} is on {tensor.device} but the engine runs on {device}; "
+                    f"move the module first (module.to({str(device)!r})) or pass device="
+                )
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shards a module's training state across data-parallel ranks (see `ShardingConfig`).
+
+    The wrapped module's parameters are replaced by views of flat per-bucket buffers; build
+    the optimizer with `make_optimizer`, never on `module.parameters()`. Every rank must run
+    the same forward and backward calls in the same order (collectives are issued from them).
+
+    Example:
+        model = FullyShardedDataParallel(gpt, ShardingConfig(unit_modules=(Block,)))
+        opt = model.make_optimizer(torch.optim.AdamW, lr=3e-4)
+        lm_loss(model(x), y).backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: ShardingConfig | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        observer: CollectiveObserver | None = None,
+    ) -> None:
+        """Wrap `module` (collective: every rank of the group calls it).
+
+        Args:
+            module: the model, already on `device`; rank 0's weights are broadcast.
+            config: sharding configuration (defaults to ZeRO-3 with detected units).
+            process_group: data-parallel group (default group when None; world size 1 when
+                `torch.distributed` is not initialised).
+            device: compute device; defaults to the device of the module's parameters.
+            observer: receives one call per completed collective.
+
+        Raises:
+            DeviceMismatchError: a parameter or buffer is on another device.
+            SharedParameterError: a parameter is used by two units.
+        """
+        super().__init__()
+        self.config = config or ShardingConfig()
+        self.device = _resolve_device(module, device)
+        _check_device(module, self.device)
+        self.module = module
+        self.stats = ShardingStats()
+        """Engine counters; `stats.snapshot()` returns a `ShardingStatsSnapshot`."""
+        self._comm = Communicator(process_group, self.device, self.stats, observer)
+        unit_classes = self.config.unit_modules
+        if unit_classes is None:
+            unit_classes = detect_unit_classes(module)
+        units, layouts, unit_modules = build_layout(
+            module,
+            unit_classes,
+            world_size=self._comm.world_size,
+            compute_dtype=self.config.param_dtype,
+            bucket_size_bytes=self.config.bucket_size_bytes,
+        )
+        current = dict(module.named_parameters(remove_duplicate=False))
+        buckets = [
+            FlatBucket(
+                layout,
+                self.config.strategy,
+                self._comm,
+                self.config.param_dtype,
+                [current[slot.names[0]].detach() for slot in layout.slots],
+            )
+            for layout in layouts
+        ]
+        for bucket in buckets:
+            for slot, param in zip(bucket.layout.slots, bucket.params, strict=True):
+                for name in slot.names:
+                    owner, _, attr = name.rpartition(".")
+                    module.get_submodule(owner)._parameters[attr] = param
+        self._buffers_by_name = dict(module.named_buffers())
+        with torch.no_grad():
+            for buf in self._buffers_by_name.values():
+                self._comm.broadcast_(buf)
+        self._param_names = [name for name in module.state_dict(keep_vars=True) if name in current]
+        self._state_names = list(module.state_dict(keep_vars=True))
+        self._engine = Engine(
+            self.config,
+            self._comm,
+            self.stats,
+            [[buckets[b] for b in unit.buckets] for unit in units],
+        )
+        self.unit_names = [unit.name for unit in units[:-1]]
+        """Qualified names of the FSDP units, in registration order."""
+        self._register_hooks(unit_modules)
+
+    def _register_hooks(self, unit_modules: list[nn.Module | None]) -> None:
+        engine = self._engine
+
+        def check_wrapped(module: nn.Module, args: Any) -> None:
+            engine.check_wrapped()
+
+        self.module.register_forward_pre_hook(check_wrapped, prepend=True)
+        for index, unit in enumerate(unit_modules):
+            if unit is None:
+                continue
+
+            def pre_forward(module: nn.Module, args: Any, kwargs: Any, index: int = index) -> Any:
+                return engine.unit_pre_forward(index, args, kwargs)
+
+            def post_forward(module: nn.Module, args: Any, output: Any, index: int = index) -> None:
+                engine.unit_post_forward(index, output)
+
+            unit.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
+            unit.register_forward_hook(post_forward)
+
+    @property
+    def world_size(self) -> int:
+        """Number of data-parallel ranks."""
+        return self._comm.world_size
+
+    @property
+    def rank(self) -> int:
+        """This process's data-parallel rank."""
+        return self._comm.rank
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module (gathering weights as the strategy requires)."""
+        self._engine.root_pre_forward()
+        output = self.module(*args, **kwargs)
+        self._engine.root_post_forward(output)
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients without reducing them (`NO_SHARD`, `OPTIM`).
+
+        Grads-sharded strategies reduce every micro-batch anyway (their gradients are not kept
+        whole); inside the context they still accumulate correctly.
+        """
+        previous = self._engine.is_last_microbatch
+        self._engine.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            self._engine.is_last_microbatch = previous
+
+    def make_optimizer(
+        self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> DistributedOptimizer:
+        """Build a distributed optimizer over this rank's fp32 main-weight shards.
+
+        Args:
+            optimizer_class: e.g. `torch.optim.AdamW` (elementwise optimizers).
+            **kwargs: its hyperparameters.
+
+        Returns:
+            The optimizer; `.optimizer` is the torch optimizer (for LR schedulers).
+        """
+        return DistributedOptimizer(self._engine, optimizer_class, **kwargs)
+
+    def sharded_state_dict(self) -> StateDict:
+        """This rank's pieces of every parameter (`ShardedTensor`, flat form) and buffers."""
+        return model_sharded_state_dict(self._engine.buckets, self._buffers_by_name)
+
+    def load_sharded_state_dict(self, state_dict: StateDict) -> None:
+        """Load weights saved by `sharded_state_dict` (collective under sharded strategies).
+
+        Each value may be a piece with exactly this rank's range, the whole tensor, or a list
+        of pieces from any world size or strategy that covers this rank's range.
+
+        Raises:
+            StateDictLayoutError: keys, shapes or coverage do not match.
+        """
+        self._engine.reshard_all()
+        load_model_sharded_state_dict(self._engine.buckets, self._buffers_by_name, state_dict)
+        pending = [p for b in self._engine.buckets if (p := b.push_main_weights()) is not None]
+        for p in pending:
+            p.wait()
+
+    def full_state_dict(self) -> StateDict:
+        """Every weight gathered (fp32 main weights in the original dtypes), on rank 0.
+
+        Collective under sharded strategies: every rank must call it.
+
+        Returns:
+            On rank 0 a dict loadable by the unwrapped module's `load_state_dict`; `{}` elsewhere.
+        """
+        return full_state_dict(
+            self._engine.buckets, self._state_names, self._buffers_by_name, self._comm.rank
+        )
+
+    @functools.cached_property
+    def num_units(self) -> int:
+        """Number of FSDP units (the root unit not counted)."""
+        return len(self.unit_names)

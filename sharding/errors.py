@@ -1,0 +1,42 @@
+"""Errors raised by the sharding engine.
+
+```
+ShardingError (RuntimeError)                    base of everything the engine raises itself
+├── DeviceMismatchError (+ ValueError)          a module tensor is not on the engine's device
+├── SharedParameterError (+ ValueError)         one parameter belongs to two FSDP units
+├── UnwrappedModuleError                        the inner module ran outside the wrapper
+└── StateDictLayoutError (+ ValueError)         a loaded state dict does not fit this engine
+```
+
+Configuration mistakes raise plain `ValueError` from `ShardingConfig.__post_init__`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DeviceMismatchError",
+    "ShardingError",
+    "SharedParameterError",
+    "StateDictLayoutError",
+    "UnwrappedModuleError",
+]
+
+
+class ShardingError(RuntimeError):
+    """Base class of the sharding engine's errors."""
+
+
+class DeviceMismatchError(ShardingError, ValueError):
+    """A parameter or buffer of the wrapped module is not on the engine's device."""
+
+
+class SharedParameterError(ShardingError, ValueError):
+    """A parameter is used by two FSDP units, so no single unit can own its shard."""
+
+
+class UnwrappedModuleError(ShardingError):
+    """The inner module ran forward or produced gradients without going through the wrapper."""
+
+
+class StateDictLayoutError(ShardingError, ValueError):
+    """A state dict's keys, shapes or shard layout do not match this engine."""

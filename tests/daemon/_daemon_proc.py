@@ -1,0 +1,188 @@
+"""Run the real `trainingd` console script as a subprocess and observe it from outside.
+
+`DaemonProc` starts `trainingd run` in its own session (so every process of the run, ranks and
+checkpoint writers included, can be found by session id and nothing outlives a test), reads its
+JSON log lines, finds the metrics URL it logs, scrapes `/metrics`, and waits with timeouts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+BIN = Path(sys.executable).parent
+TRAININGD = BIN / "trainingd"
+CKPTCTL = BIN / "ckptctl"
+
+Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every live (non-zombie) process whose session id is `sid`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[3] == str(sid) and fields[0] not in ("Z", "X"):
+            pids.append(int(entry))
+    return pids
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    """Poll `predicate` until it returns a truthy value; fail with `what` on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.2)
+
+
+class DaemonProc:
+    """One `trainingd run` subprocess.
+
+    Args:
+        workdir: directory for its log files.
+        args: flags after `trainingd run` (a free metrics port and JSON logs are added).
+        env: extra environment variables.
+        name: distinguishes log files when a test runs several daemons.
+    """
+
+    def __init__(
+        self, workdir: Path, args: list[str], env: dict[str, str] | None = None, name: str = "d"
+    ) -> None:
+        self.stderr_path = workdir / f"{name}.stderr"
+        self.stdout_path = workdir / f"{name}.stdout"
+        # Only the test's own TRAININGD_* / NOTIFY_SOCKET settings reach the daemon.
+        inherited = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("TRAININGD_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")
+        }
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
+        cmd = [str(TRAININGD), "run", "--metrics-port", "0", "--log-format", "json", *args]
+        with open(self.stderr_path, "wb") as err, open(self.stdout_path, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=err, env=full_env, start_new_session=True
+            )
+        self.pid = self.proc.pid
+
+    # --- logs ------------------------------------------------------------------------------
+    def events(self) -> list[dict[str, Any]]:
+        """Every JSON log line written so far (torch's own C++ lines are skipped)."""
+        out = []
+        for line in self.stderr_path.read_text(errors="replace").splitlines():
+            if line.startswith("{"):
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+        return out
+
+    def find(self, event: str) -> list[dict[str, Any]]:
+        """Log events named `event`."""
+        return [e for e in self.events() if e.get("event") == event]
+
+    def logs(self) -> str:
+        """Both output streams, for assertion messages."""
+        return (
+            self.stdout_path.read_text(errors="replace")
+            + self.stderr_path.read_text(errors="replace")[-6000:]
+        )
+
+    # --- metrics -----------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Base URL of the metrics server (waits for the start-up log line)."""
+        started = wait_for(lambda: self.find("daemon_started"), 60, "daemon_started")
+        return str(started[0]["metrics"]).removesuffix("/metrics")
+
+    def get(self, path: str) -> tuple[int, str]:
+        """GET `path` on the daemon's server."""
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    def scrape(self) -> Samples:
+        """Parse `/metrics` with prometheus_client's parser."""
+        code, text = self.get("/metrics")
+        assert code == 200, text
+        samples: Samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples.setdefault(s.name, []).append((dict(s.labels), s.value))
+        return samples
+
+    def max_value(self, name: str, **labels: str) -> float:
+        """Largest value of sample `name` among series matching `labels` (0 when absent)."""
+        try:
+            samples = self.scrape().get(name, [])
+        except (OSError, AssertionError):
+            return 0.0
+        values = [v for lab, v in samples if all(lab.get(k) == x for k, x in labels.items())]
+        return max(values, default=0.0)
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def signal(self, sig: int) -> None:
+        """Send `sig` to the daemon process only (as systemd's KillMode=mixed does)."""
+        os.kill(self.pid, sig)
+
+    def wait(self, timeout_s: float) -> int:
+        """Wait for exit; returns the exit code."""
+        return self.proc.wait(timeout=timeout_s)
+
+    def rank_pids(self) -> list[int]:
+        """Rank processes: the daemon's children that lead their own process group."""
+        pids = []
+        for pid in session_pids(self.pid):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == str(self.pid) and fields[2] == str(pid):
+                pids.append(pid)
+        return pids
+
+    def cleanup(self) -> None:
+        """Kill whatever is left of the run (test teardown)."""
+        for pid in session_pids(self.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Committed steps under a checkpoint root, via `ckptctl list --json`."""
+    out = subprocess.run(
+        [str(CKPTCTL), "list", str(root), "--json"], capture_output=True, text=True, check=True
+    )
+    rows = json.loads(out.stdout)
+    rows = rows.get("steps", rows) if isinstance(rows, dict) else rows
+    return sorted(int(r["step"]) for r in rows if r.get("state", "committed") == "committed")

@@ -1,0 +1,124 @@
+"""Configuration: precedence, rejection of unknown keys and bad values, TOML round trip."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon._config_load import KEYS, config_reference, dump_toml, load_config
+from daemon.config import AsyncMode, DaemonConfig, Strategy
+from daemon.errors import ConfigError
+
+BIN = Path(sys.executable).parent
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_valid_and_run_id_is_derived_from_job_and_root(tmp_path: Path) -> None:
+    cfg = load_config({}, env={})
+    assert cfg.train.strategy is Strategy.OPTIM_GRADS_PARAMS
+    assert Path(cfg.checkpoint.ckpt_uri).is_absolute()
+    same = load_config({"ckpt_uri": cfg.checkpoint.ckpt_uri}, env={})
+    assert same.run_id == cfg.run_id
+    assert cfg.run_id.startswith("default-job-")
+    other = load_config({"ckpt_uri": str(tmp_path)}, env={})
+    assert other.run_id != cfg.run_id
+    assert load_config({"run_id": "mine"}, env={}).run_id == "mine"
+    assert cfg.rdzv_id == cfg.run_id
+
+
+def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[train]\nmax_steps = 10\nlr = 0.5\nseed = 3\n")
+    env = {"TRAININGD_MAX_STEPS": "20", "TRAININGD_LR": "0.25"}
+    cfg = load_config({"max_steps": "30"}, env=env, file=path)
+    assert cfg.train.max_steps == 30  # flag
+    assert cfg.train.lr == 0.25  # env beats file
+    assert cfg.train.seed == 3  # file beats default
+    assert cfg.train.batch_size == DaemonConfig().train.batch_size  # default
+    by_env = load_config({}, env={"TRAININGD_CONFIG": str(path)})
+    assert by_env.train.max_steps == 10
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "toml", "match"),
+    [
+        ({}, {}, "[train]\nmax_stepz = 1\n", r"key 'max_stepz'.*did you mean 'max_steps'"),
+        ({}, {}, "[bogus]\nx = 1\n", r"unknown config section \[bogus\]"),
+        ({}, {}, "[launch]\nmax_steps = 1\n", r"belongs in \[train\]"),
+        ({}, {"TRAININGD_NOPE": "1"}, "", r"unknown config key 'nope' \(from \$TRAININGD_NOPE\)"),
+        ({"max_steps": "-1"}, {}, "", r"max_steps=-1: use 0 or more \(from --max-steps\)"),
+        ({}, {}, "[train]\nmax_steps = -4\n", r"max_steps=-4: use 0 or more \(from .*c.toml"),
+        ({"max_steps": "ten"}, {}, "", r"'ten' \(from --max-steps\) is invalid: use an int"),
+        ({"async_mode": "later"}, {}, "", r"use one of persistent, temporal, sync"),
+        ({}, {}, "[train]\nmax_steps = 1.5\n", r"use an integer"),
+        ({"nnodes": "2"}, {}, "", r"rdzv_endpoint is empty"),
+        ({"metrics_port": "70000"}, {}, "", r"metrics_port=70000"),
+        ({"job": "nocolon"}, {}, "", r"job='nocolon': use module:callable"),
+        ({}, {}, "[train\n", r"not valid TOML"),
+    ],
+)  # fmt: skip
+def test_bad_keys_and_values_name_the_key_and_the_fix(
+    tmp_path: Path, flags: dict[str, str], env: dict[str, str], toml: str, match: str
+) -> None:
+    path = _write(tmp_path, toml) if toml else None
+    with pytest.raises(ConfigError, match=match) as info:
+        load_config(flags, env=env, file=path)
+    assert "\n" not in str(info.value)
+
+
+def test_dump_toml_round_trips(tmp_path: Path) -> None:
+    cfg = load_config(
+        {"max_steps": "7", "async_mode": "sync", "rdzv_endpoint": "h:1", "nnodes": "1:2"}, env={}
+    )
+    again = load_config({}, env={}, file=_write(tmp_path, dump_toml(cfg)))
+    assert again == cfg
+    assert again.checkpoint.async_mode is AsyncMode.SYNC
+    assert (again.launch.min_nodes, again.launch.max_nodes) == (1, 2)
+
+
+def test_every_key_has_a_docstring_flag_and_reference_row() -> None:
+    ref = config_reference()
+    for key in KEYS:
+        assert f"--{key.replace('_', '-')}" in ref
+        assert f"TRAININGD_{key.upper()}" in ref
+    assert "| `[train] max_steps` |" in ref
+    assert all(row.count("|") >= 5 and not row.endswith("|  |") for row in ref.splitlines())
+
+
+def test_enum_values_match_the_engines() -> None:
+    import ckpt_manager._config
+    import sharding
+
+    assert {s.value for s in Strategy} == {s.value for s in sharding.Strategy}
+    assert {m.value for m in AsyncMode} == {m.value for m in ckpt_manager._config.AsyncMode}
+
+
+def test_config_show_prints_effective_toml_and_bad_config_exits_2(tmp_path: Path) -> None:
+    exe = BIN / "trainingd"
+    out = subprocess.run(
+        [exe, "config", "show", "--max-steps", "9"],
+        capture_output=True,
+        text=True,
+        env={"TRAININGD_SEED": "5", "PATH": ""},
+        check=True,
+    )
+    assert "max_steps = 9" in out.stdout
+    assert "seed = 5" in out.stdout
+    bad = subprocess.run(
+        [exe, "run", "--max-steps", "-3"],
+        capture_output=True,
+        text=True,
+        env={"PATH": ""},
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().splitlines() == [
+        "trainingd: max_steps=-3: use 0 or more (from --max-steps)"
+    ]

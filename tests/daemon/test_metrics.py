@@ -1,0 +1,225 @@
+"""The metric catalog, rank snapshots and the node collector, parsed like Prometheus would."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ckpt_manager import ManagerStats, SaveReport, SaveResult
+from daemon._collector import NodeCollector, SnapshotAggregator, make_registry
+from daemon._state import NodePhase, NodeState
+from daemon._telemetry import RankTelemetry, snapshot_path
+from daemon.metrics import CATALOG, MetricKind, MetricSpec, build_info_labels, spec
+
+# The names the daemon issue requires; dashboards and alerts rely on them.
+REQUIRED = {
+    "trainingd_train_steps_total",
+    "trainingd_train_step",
+    "trainingd_train_step_duration_seconds",
+    "trainingd_train_tokens_total",
+    "trainingd_train_loss",
+    "trainingd_fsdp_allgather_queue_depth",
+    "trainingd_fsdp_reduce_queue_depth",
+    "trainingd_fsdp_prefetch_hits_total",
+    "trainingd_fsdp_prefetch_misses_total",
+    "trainingd_fsdp_collective_seconds",
+    "trainingd_fsdp_collective_bytes_total",
+    "trainingd_ckpt_save_stall_seconds",
+    "trainingd_ckpt_save_latency_seconds",
+    "trainingd_ckpt_write_seconds",
+    "trainingd_ckpt_finalize_seconds",
+    "trainingd_ckpt_bytes_total",
+    "trainingd_ckpt_saves_total",
+    "trainingd_ckpt_inflight",
+    "trainingd_ckpt_last_committed_step",
+    "trainingd_ckpt_last_committed_timestamp_seconds",
+    "trainingd_rank_heartbeat_timestamp_seconds",
+    "trainingd_build_info",
+}
+
+_NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|rank|build)_[a-z0-9_]+$")
+_UNITS = ("_seconds", "_bytes", "_total", "_ratio", "_depth", "_step", "_info", "_loss",
+          "_norm", "_rate", "_size", "_ranks", "_state", "_ready", "_inflight")  # fmt: skip
+
+
+def test_catalog_names_follow_conventions() -> None:
+    names = [s.name for s in CATALOG]
+    assert len(names) == len(set(names))
+    assert set(names) >= REQUIRED
+    for s in CATALOG:
+        assert _NAME.match(s.name), s.name
+        assert s.name.endswith(_UNITS), f"{s.name}: unit suffix?"
+        assert "percent" not in s.name
+        assert "millis" not in s.name
+        if s.kind is MetricKind.HISTOGRAM:
+            assert 8 <= len(s.buckets) <= 15, s.name
+            # Never the client's web defaults (5 ms .. 10 s).
+            assert s.buckets != (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                 2.5, 5.0, 7.5, 10.0)  # fmt: skip
+    assert spec("trainingd_fsdp_collective_seconds").label == "op"
+    assert spec("trainingd_ckpt_saves_total").label == "result"
+    with pytest.raises(KeyError, match="similar"):
+        spec("trainingd_train_stepz")
+
+
+def test_spec_validation_says_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="end in _total"):
+        MetricSpec(name="trainingd_x_things", kind=MetricKind.COUNTER, help="h", per_rank=True)
+    with pytest.raises(ValueError, match="ascending"):
+        MetricSpec(
+            name="trainingd_x_seconds",
+            kind=MetricKind.HISTOGRAM,
+            help="h",
+            per_rank=True,
+            buckets=(2.0, 1.0),
+        )
+
+
+@dataclasses.dataclass
+class _Totals:
+    count: int
+    num_bytes: int
+    seconds: float
+
+
+@dataclasses.dataclass
+class _ShardingStats:
+    allgather_queue_depth: int = 0
+    allgather_queue_depth_peak: int = 2
+    reduce_queue_depth: int = 0
+    reduce_queue_depth_peak: int = 1
+    prefetch_hits: int = 7
+    prefetch_misses: int = 1
+    collectives: dict[str, _Totals] = dataclasses.field(
+        default_factory=lambda: {"all_gather": _Totals(3, 4096, 0.01)}
+    )
+
+
+def _report(result: SaveResult) -> SaveReport:
+    return SaveReport(
+        step=10,
+        result=result,
+        stall_s=0.02,
+        staging_s=0.01,
+        write_s=0.3,
+        finalize_s=0.004,
+        latency_s=0.5,
+        num_bytes=1000,
+        error=None if result is SaveResult.COMMITTED else "disk full",
+    )
+
+
+def _record_some_work(tel: RankTelemetry) -> None:
+    tel.heartbeat("training")
+    tel.inc("trainingd_train_steps_total")
+    tel.set("trainingd_train_step", 10)
+    tel.observe("trainingd_train_step_duration_seconds", 0.1)  # exactly an edge: le="0.1"
+    tel.observe("trainingd_train_step_duration_seconds", 200.0)  # beyond the last edge
+    tel.inc("trainingd_train_tokens_total", 512)
+    tel.set("trainingd_train_loss", 2.5)
+    tel.on_collective("all_gather", 4096, 0.0003)
+    tel.update_sharding(_ShardingStats())
+    tel.on_save_finished(_report(SaveResult.COMMITTED))
+    tel.on_save_finished(_report(SaveResult.FAILED))
+    tel.update_checkpoints(
+        ManagerStats(inflight=1, last_committed_step=10, last_committed_unix_s=1.7e9)
+    )
+
+
+def _scrape(collector: NodeCollector) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    text = generate_latest(make_registry(collector, process_metrics=False)).decode()
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            samples.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return samples
+
+
+def _value(
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, **labels: str
+) -> float:
+    return samples[name][tuple(sorted(labels.items()))]
+
+
+def test_rank_snapshots_become_labelled_series(tmp_path: Path) -> None:
+    for local in (0, 1):
+        tel = RankTelemetry(
+            snapshot_path(tmp_path, local), rank=2 + local, local_rank=local, world_size=4
+        )
+        _record_some_work(tel)
+        tel.publish(force=True)
+    state = NodeState(local_ranks=2)
+    state.update(phase=NodePhase.TRAINING, world_size=4, restarts=1)
+    collector = NodeCollector(SnapshotAggregator(tmp_path, 2), state, build_info_labels("1.2"))
+    s = _scrape(collector)
+
+    r1 = {"rank": "3", "local_rank": "1"}
+    assert _value(s, "trainingd_train_steps_total", **r1) == 1
+    assert _value(s, "trainingd_train_step", **r1) == 10
+    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="0.05", **r1) == 0
+    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="0.1", **r1) == 1
+    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="128.0", **r1) == 1
+    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="+Inf", **r1) == 2
+    assert _value(s, "trainingd_train_step_duration_seconds_count", **r1) == 2
+    assert _value(s, "trainingd_train_step_duration_seconds_sum", **r1) == pytest.approx(200.1)
+    assert _value(s, "trainingd_fsdp_prefetch_hits_total", **r1) == 7
+    assert _value(s, "trainingd_fsdp_allgather_queue_depth", **r1) == 2
+    assert _value(s, "trainingd_fsdp_collective_bytes_total", op="all_gather", **r1) == 4096
+    # Known label values exist at zero before any event.
+    assert _value(s, "trainingd_fsdp_collective_bytes_total", op="reduce_scatter", **r1) == 0
+    assert _value(s, "trainingd_fsdp_collective_seconds_count", op="all_gather", **r1) == 1
+    assert _value(s, "trainingd_ckpt_saves_total", result="committed", **r1) == 1
+    assert _value(s, "trainingd_ckpt_saves_total", result="failed", **r1) == 1
+    assert _value(s, "trainingd_ckpt_save_latency_seconds_count", **r1) == 1
+    assert _value(s, "trainingd_ckpt_bytes_total", **r1) == 1000
+    assert _value(s, "trainingd_ckpt_last_committed_step", **r1) == 10
+    assert _value(s, "trainingd_daemon_state", state="training") == 1
+    assert _value(s, "trainingd_daemon_state", state="draining") == 0
+    assert _value(s, "trainingd_daemon_ready") == 1
+    assert _value(s, "trainingd_daemon_world_size") == 4
+    assert _value(s, "trainingd_daemon_restarts_total") == 1
+    info = next(iter(s["trainingd_build_info"]))
+    assert ("version", "1.2") in info
+    assert {"trainingd_" + n.removeprefix("trainingd_") for n in REQUIRED} <= {
+        n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in s
+    }
+
+
+def test_counters_stay_monotonic_across_a_worker_restart(tmp_path: Path) -> None:
+    path = snapshot_path(tmp_path, 0)
+    state = NodeState(local_ranks=1)
+    collector = NodeCollector(SnapshotAggregator(tmp_path, 1), state, {"version": "x"})
+    first = RankTelemetry(path, rank=0, local_rank=0, world_size=1)
+    first.inc("trainingd_train_steps_total", 5)
+    first.observe("trainingd_train_step_duration_seconds", 0.3)
+    first.publish(force=True)
+    assert _value(_scrape(collector), "trainingd_train_steps_total", rank="0", local_rank="0") == 5
+    second = RankTelemetry(path, rank=0, local_rank=0, world_size=1, restart=1)
+    second._identity["pid"] = os.getpid() + 1  # a new incarnation of local rank 0
+    second.inc("trainingd_train_steps_total", 2)
+    second.observe("trainingd_train_step_duration_seconds", 0.3)
+    second.publish(force=True)
+    s = _scrape(collector)
+    assert _value(s, "trainingd_train_steps_total", rank="0", local_rank="0") == 7
+    assert _value(s, "trainingd_train_step_duration_seconds_count", rank="0", local_rank="0") == 2
+
+
+def test_publish_is_rate_limited_and_atomic(tmp_path: Path) -> None:
+    now = [100.0]
+    tel = RankTelemetry(
+        snapshot_path(tmp_path, 0), rank=0, local_rank=0, world_size=1, publish_interval_s=60
+    )
+    assert tel.publish()
+    assert not tel.publish()
+    assert tel.publish(force=True)
+    assert [p.name for p in (tmp_path / "ranks").iterdir()] == ["local-0.json"]
+    off = RankTelemetry(None, rank=0, local_rank=0, world_size=1, clock=lambda: now[0])
+    off.inc("trainingd_train_steps_total")
+    assert not off.publish(force=True)
+    assert off.snapshot()["counters"]["trainingd_train_steps_total"] == {"": 1.0}

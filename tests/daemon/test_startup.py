@@ -1,0 +1,77 @@
+"""A bad configuration fails `trainingd run` at start: one line, exit code 2, no rank started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.dist import free_port
+
+TRAININGD = Path(sys.executable).parent / "trainingd"
+
+
+def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGD_")}
+    return subprocess.run(
+        [TRAININGD, "run", "--metrics-port", "0", "--log-format", "json", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+
+
+def _bad_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
+    toml = tmp_path / "bad.toml"
+    toml.write_text("[train]\nmax_steps = 10\nlearning_rate = 0.1\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    closed = free_port()
+    return {
+        "unknown key": (["--config", str(toml)], "unknown config key 'learning_rate'"),
+        "negative steps": (["--max-steps", "-5"], "max_steps=-5: use 0 or more"),
+        "unreachable s3": (
+            [
+                "--ckpt-uri",
+                "s3://bucket/run",
+                "--s3-endpoint-url",
+                f"http://127.0.0.1:{closed}",
+            ],
+            f"s3_endpoint_url='http://127.0.0.1:{closed}' is unreachable",
+        ),
+        "unwritable path": (
+            ["--ckpt-uri", str(a_file / "ckpt")],
+            f"checkpoint root {a_file / 'ckpt'} is not writable",
+        ),
+        "missing job": (["--job", "nosuchmodule:build"], "cannot import nosuchmodule"),
+    }
+
+
+@pytest.mark.parametrize(
+    "case", ["unknown key", "negative steps", "unreachable s3", "unwritable path", "missing job"]
+)
+def test_bad_config_exits_2_with_one_line_before_any_rank(tmp_path: Path, case: str) -> None:
+    args, expected = _bad_cases(tmp_path)[case]
+    result = _run(args, tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 or all(line.startswith("{") for line in lines[:-1]), lines
+    assert lines[-1].startswith("trainingd: ")
+    assert expected in lines[-1]
+    assert "training" not in result.stderr.replace("trainingd", "")  # no rank started
+    assert result.stdout == ""
+
+
+def test_missing_bucket_on_a_live_endpoint_exits_2(tmp_path: Path, s3: object) -> None:
+    endpoint = s3.endpoint_url  # type: ignore[attr-defined]
+    result = _run(
+        ["--ckpt-uri", "s3://no-such-bucket/run", "--s3-endpoint-url", endpoint], tmp_path
+    )
+    assert result.returncode == 2, result.stderr
+    assert "bucket 'no-such-bucket' does not exist" in result.stderr.strip().splitlines()[-1]

@@ -1,0 +1,24 @@
+"""The package's public names are deliberate."""
+
+from __future__ import annotations
+
+import sharding
+import sharding.errors
+
+
+def test_all_is_pinned_and_documented() -> None:
+    assert sorted(sharding.__all__) == [
+        "CollectiveObserver",
+        "CollectiveTotals",
+        "DistributedOptimizer",
+        "FullyShardedDataParallel",
+        "ShardedTensor",
+        "ShardingConfig",
+        "ShardingStats",
+        "ShardingStatsSnapshot",
+        "Strategy",
+    ]
+    for name in sharding.__all__:
+        assert getattr(sharding, name).__doc__, name
+    assert "Module plan" in (sharding.__doc__ or "")
+    assert "ShardingError" in (sharding.errors.__doc__ or "")

@@ -1,0 +1,82 @@
+"""Sharded state dicts round-trip, reshard 2 -> 4 -> 1 across strategies; full state dicts."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+
+from sharding import ShardedTensor, Strategy
+from tests.sharding._ckpt_ranks import load_and_continue, save_after_training
+from tests.sharding._helpers import Setup, make_model, merge_ranks
+from tests.support.dist import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def two_rank_save() -> list[dict[str, Any]]:
+    return run_on_ranks(save_after_training, 2, Strategy.OPTIM_GRADS_PARAMS, timeout_s=120)
+
+
+@pytest.mark.slow
+def test_sharded_state_dict_round_trips(two_rank_save: list[dict[str, Any]]) -> None:
+    for rank_result in two_rank_save:
+        assert rank_result["again"] == rank_result["after"]
+
+
+@pytest.mark.slow
+def test_pieces_are_flat_and_tile_every_parameter(two_rank_save: list[dict[str, Any]]) -> None:
+    models = [r["saved"]["model"] for r in two_rank_save]
+    full = two_rank_save[0]["full"]
+    for key, piece in models[0].items():
+        assert isinstance(piece, ShardedTensor), key
+        covered = sorted(m[key].flat_range for m in models)
+        numel = torch.Size(piece.global_shape).numel()
+        nonempty = [r for r in covered if r[1] > r[0]]
+        assert nonempty[0][0] == 0, key
+        assert nonempty[-1][1] == numel, key
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(nonempty)), key
+        joined = torch.cat([m[key].local for m in sorted(models, key=lambda m: m[key].flat_range)])
+        assert torch.equal(joined, full[key].reshape(-1)), key
+    exp_avg = two_rank_save[0]["saved"]["optim"]["state"]["tok_emb.weight"]["exp_avg"]
+    assert isinstance(exp_avg, ShardedTensor)
+    assert exp_avg.flat_range is not None
+
+
+@pytest.mark.slow
+def test_full_state_dict_loads_into_plain_module(two_rank_save: list[dict[str, Any]]) -> None:
+    rank0 = two_rank_save[0]
+    assert two_rank_save[1]["full"] == {}
+    plain = make_model(Setup(strategy=Strategy.NO_SHARD), seed=7)
+    plain.load_state_dict(rank0["full"])
+    with torch.no_grad():
+        assert torch.equal(plain(rank0["probe"]), rank0["probe_out"])
+
+
+@pytest.mark.slow
+def test_reshard_two_to_four_to_one_across_strategies(
+    two_rank_save: list[dict[str, Any]],
+) -> None:
+    expected_full = two_rank_save[0]["full"]
+    expected_losses = two_rank_save[0]["after"]
+    four = run_on_ranks(
+        load_and_continue,
+        4,
+        Strategy.OPTIM,
+        merge_ranks([r["saved"] for r in two_rank_save]),
+        timeout_s=120,
+    )
+    one = run_on_ranks(
+        load_and_continue,
+        1,
+        Strategy.NO_SHARD,
+        merge_ranks([r["saved"] for r in four]),
+        timeout_s=120,
+    )
+    for result in (four[0], one[0]):
+        assert result["full"].keys() == expected_full.keys()
+        for key, value in expected_full.items():
+            assert torch.equal(result["full"][key], value), key
+        for a, b in zip(result["after"], expected_losses, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b)

@@ -1,0 +1,68 @@
+"""Prefetch hits/misses, queue bounds, collective accounting and ZeRO-3 memory (2 ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.sharding._stats_ranks import delta, stats_and_memory
+from tests.support.dist import run_on_ranks
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, Any]]:
+    return run_on_ranks(stats_and_memory, 2, timeout_s=180)
+
+
+@pytest.mark.slow
+def test_prefetch_on_every_unit_hits_in_steady_state(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        run = rank["prefetch"][True]
+        hits, misses = delta(run["after"], run["before"])
+        # Forward and backward each unshard every unit once; all were issued ahead.
+        assert (hits, misses) == (2 * run["units"], 0)
+        assert run["after"].allgather_queue_depth_peak <= 2
+        assert run["after"].allgather_queue_depth == 0
+
+
+@pytest.mark.slow
+def test_prefetch_off_every_unit_misses(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        run = rank["prefetch"][False]
+        hits, misses = delta(run["after"], run["before"])
+        assert (hits, misses) == (0, 2 * run["units"])
+        assert run["after"].allgather_queue_depth_peak == 1
+
+
+@pytest.mark.slow
+def test_reduce_queue_never_exceeds_its_bound(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        assert rank["reduce_peak"] == {1: 1, 2: 2, 3: 3}
+
+
+@pytest.mark.slow
+def test_collectives_are_counted_and_observed(results: list[dict[str, Any]]) -> None:
+    run = results[0]["prefetch"][True]
+    snap = run["after"]
+    totals = snap.collectives
+    assert set(totals) == {"all_gather", "reduce_scatter", "all_reduce"}
+    # 3 steps; per step: units + root gathered in forward, units again in backward; one
+    # reduce-scatter per bucket.
+    assert totals["all_gather"].count == 3 * (2 * run["units"] + 1)
+    assert totals["reduce_scatter"].count > 0
+    assert totals["all_gather"].num_bytes > 0
+    assert totals["all_gather"].seconds >= 0.0
+    assert snap.reduce_queue_depth == 0
+    count = sum(t.count for t in totals.values())
+    assert run["observer_calls"] == count
+
+
+@pytest.mark.slow
+def test_zero3_memory_is_a_shard_plus_units_in_flight(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        # Weights, grads and both Adam moments: exactly half of NO_SHARD's at two ranks.
+        assert rank["zero3_bytes"] * 2 == rank["noshard_bytes"]
+        *units, root = rank["unit_bytes"]
+        assert rank["peak_unsharded"] <= root + 2 * max(units)
+        assert rank["released"]
