@@ -7,6 +7,8 @@ Public names are imported lazily, so the writer process and `ckptctl` start with
 Module plan:
     _manager.py     CheckpointManager: save / before_optimizer_step / maybe_finalize /
                     wait_until_finished / restore / close; the composition root.
+    _pipeline.py    LocalPipeline: one rank's staging buffers, staging thread and writer.
+    _finalize.py    Finalizer: saves in flight; agree, commit or fail across ranks, report.
     _config.py      AsyncMode (persistent | temporal | sync), CheckpointConfig.
     _types.py       ShardedTensorLike, RankLocal, SaveResult, SaveReport, SaveObserver,
                     ManagerStats, RestoreResult.
@@ -26,11 +28,15 @@ Module plan:
     _writer_proc.py WriterProcess: trainer-side handle (start, submit, poll, stop, kill).
     _coord.py       Coordinator: dedicated gloo group; MAX agreement OK(0) < WRITING(1) <
                     FAILED(2), gather/broadcast, all bounded by the finalize timeout.
+    _retention_file.py  the run's retention policy recorded in the root (`_RETENTION.json`)
+                    for `ckptctl list`'s reasons.
     _lease.py       Lease on the root: run id, host, pid, refreshed; takeover rules.
     _deleter.py     background retention + GC of uncommitted leftovers (coordinator).
     _pins.py        pinned steps under `_pins/` (shared with ckptctl).
-    _restore.py     listing, manifest reading, verification, loading into a template,
-                    start-up removal of dead attempts.
+    _catalog.py     listing steps, manifest reading, file verification, start-up removal
+                    of dead attempts (torch-free: `ckptctl list` never imports torch).
+    _dtypes.py      dtype names and item sizes without torch (manifest validation).
+    _restore.py     loading a verified step, whole or into a template (resharded).
     _recover.py     collective restore: same verified step on every rank, with fallback.
     _reshard.py     assemble any box / flat-range region from stored pieces.
     errors.py       CheckpointError tree.

@@ -12,15 +12,14 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ckpt_manager._catalog import list_step_dirs, read_manifest
 from ckpt_manager._manifest import MANIFEST_NAME, Manifest, step_dir
-from ckpt_manager._restore import list_step_dirs, read_manifest
 from ckpt_manager._storage import Storage
-from ckpt_manager.errors import CheckpointError, StepNotFoundError, StorageError
+from ckpt_manager.errors import CheckpointError, StepNotFoundError, StorageError, UsageError
 
 __all__ = [
     "LATEST",
     "StorageFlags",
-    "UsageError",
     "describe_error",
     "nearest_steps",
     "open_root",
@@ -30,10 +29,6 @@ __all__ = [
 LATEST = "latest"
 _S3_PROTOCOLS = ("s3", "s3a")
 _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound")
-
-
-class UsageError(ValueError):
-    """The command line is wrong (exit code 2); the message says how to fix it."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)

@@ -25,12 +25,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckpt_manager._ctl_common import UsageError
 from ckpt_manager._ctl_render import Progress
 from ckpt_manager._ctl_stream import TensorSource, stream_range, tensor_bytes
 from ckpt_manager._manifest import Manifest
 from ckpt_manager._storage import Storage
-from ckpt_manager.errors import CorruptCheckpointError
+from ckpt_manager.errors import CorruptCheckpointError, UsageError
 
 __all__ = ["Selection", "export_safetensors", "export_torch", "select"]
 

@@ -1,6 +1,6 @@
 """`ckptctl show` (a manifest in human or JSON form) and `ckptctl verify` (re-read and check).
 
-Verification is `_restore.verify_files`, the check restore itself runs, applied one file at
+Verification is `_catalog.verify_files`, the check restore itself runs, applied one file at
 a time so that every bad file is reported, not only the first.
 """
 
@@ -12,12 +12,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ckpt_manager._catalog import list_step_dirs, read_manifest, verify_files
 from ckpt_manager._ctl_common import parallel_map
 from ckpt_manager._ctl_list import strategy_of
 from ckpt_manager._ctl_render import format_age, format_bytes, format_local_time, iso_local, table
 from ckpt_manager._manifest import Manifest
 from ckpt_manager._pins import pinned_steps
-from ckpt_manager._restore import list_step_dirs, read_manifest, verify_files
 from ckpt_manager._storage import Storage
 from ckpt_manager.errors import CheckpointError, StepNotFoundError
 

@@ -15,14 +15,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ckpt_manager._catalog import list_step_dirs, read_manifest, verify_files
 from ckpt_manager._ctl_common import metrics_text, parallel_map
 from ckpt_manager._ctl_render import format_age, format_bytes, format_local_time, iso_local, table
 from ckpt_manager._ctl_retention import RetentionFlags, retained_by
 from ckpt_manager._lease import read_lease
 from ckpt_manager._manifest import Manifest
 from ckpt_manager._pins import pinned_steps
-from ckpt_manager._restore import list_step_dirs, read_manifest, verify_files
 from ckpt_manager._retention import StepInfo
+from ckpt_manager._retention_file import read_retention
 from ckpt_manager._storage import Storage
 from ckpt_manager.errors import CheckpointError, StepNotFoundError
 
@@ -140,6 +141,9 @@ def collect_rows(
 ) -> list[StepRow]:
     """Read every step's manifest (in parallel on object stores) and build the rows.
 
+    `retained_by` comes from the retention `flags` when any is given, else from the policy the
+    run recorded in the root (none recorded: only `latest` and `pinned`).
+
     Raises:
         StorageError: the root cannot be listed.
     """
@@ -151,7 +155,9 @@ def collect_rows(
         for s, r in zip(steps, results, strict=True)
         if isinstance(r, Manifest)
     ]
-    reasons = retained_by(infos, pinned, flags)
+    # Flags override the policy the run recorded in the root.
+    labelled = flags.labelled() if flags.given else (read_retention(storage) or [])
+    reasons = retained_by(infos, pinned, labelled)
     rows = []
     for step, result in zip(steps, results, strict=True):
         if isinstance(result, Manifest):

@@ -12,16 +12,16 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from ckpt_manager._ctl_common import UsageError, parallel_map
+from ckpt_manager._catalog import delete_step, list_step_dirs, read_manifest
+from ckpt_manager._ctl_common import parallel_map
 from ckpt_manager._ctl_render import format_age, format_bytes
 from ckpt_manager._ctl_retention import RetentionFlags, retained_by
-from ckpt_manager._lease import _holder_is_live, read_lease
-from ckpt_manager._manifest import MANIFEST_NAME, Manifest, step_dir
+from ckpt_manager._lease import holder_is_live, read_lease
+from ckpt_manager._manifest import Manifest
 from ckpt_manager._pins import pin_step, pinned_steps, unpin_step
-from ckpt_manager._restore import list_step_dirs, read_manifest
 from ckpt_manager._retention import StepInfo, plan_deletions
 from ckpt_manager._storage import Storage
-from ckpt_manager.errors import CheckpointError, LeaseHeldError, StepNotFoundError
+from ckpt_manager.errors import CheckpointError, LeaseHeldError, StepNotFoundError, UsageError
 
 __all__ = ["PrunePlan", "apply_prune", "pin", "plan_prune", "unpin"]
 
@@ -44,7 +44,7 @@ def check_lease(storage: Storage, *, force: bool) -> None:
         LeaseHeldError: a live lease exists and `force` is False.
     """
     doc = read_lease(storage)
-    if doc is None or force or not _holder_is_live(doc, time.time()):
+    if doc is None or force or not holder_is_live(doc, time.time()):
         return
     raise LeaseHeldError(
         f"{storage.root_uri} is held by live run {doc.get('run_id')} on host {doc.get('host')} "
@@ -82,7 +82,7 @@ def plan_prune(storage: Storage, flags: RetentionFlags) -> PrunePlan:
     infos = [StepInfo(s, m.committed_unix_s, dict(m.metrics)) for s, m in manifests.items()]
     pinned = pinned_steps(storage)
     doomed = plan_deletions(policy, infos, protected=pinned)
-    reasons = retained_by(infos, pinned, flags)
+    reasons = retained_by(infos, pinned, flags.labelled())
     keep = [(s, reasons[s]) for s in sorted(manifests) if s not in doomed]
     return PrunePlan([manifests[s] for s in doomed], keep, skipped)
 
@@ -91,10 +91,8 @@ def apply_prune(storage: Storage, plan: PrunePlan) -> list[tuple[int, str | None
     """Delete the planned steps; returns `(step, error or None)` per step (never stops early)."""
     out: list[tuple[int, str | None]] = []
     for m in plan.delete:
-        folder = step_dir(m.step)
         try:
-            storage.remove(f"{folder}/{MANIFEST_NAME}")
-            storage.remove_tree(folder)
+            delete_step(storage, m.step)
             out.append((m.step, None))
         except CheckpointError as err:
             out.append((m.step, str(err)))

@@ -29,7 +29,6 @@ import torch
 
 from ckpt_manager._commit import build_contribution, merge_manifest
 from ckpt_manager._ctl_render import Progress
-from ckpt_manager._ctl_sink import publish
 from ckpt_manager._ctl_stream import TensorSource, stream_range, tensor_bytes
 from ckpt_manager._format import dtype_from_name, plan_layout
 from ckpt_manager._manifest import MANIFEST_NAME, Manifest, shard_file_name, step_dir
@@ -199,7 +198,7 @@ def write_resharded(
             with os.fdopen(fd, "wb") as out:
                 layout, size, crc = _write_file(source, m, parts, out, chunk_bytes, progress)
             if name is not None:
-                publish(dest, tmp, f"{folder}/{name}")
+                dest.put_file(tmp, f"{folder}/{name}")
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -13,12 +13,13 @@ import enum
 import sys
 from collections.abc import Iterator
 
-from ckpt_manager._ctl_common import StorageFlags, UsageError, open_root, resolve_step
+from ckpt_manager._catalog import verify_files
+from ckpt_manager._ctl_common import StorageFlags, open_root, resolve_step
 from ckpt_manager._ctl_export import export_safetensors, export_torch, select, selected_bytes
 from ckpt_manager._ctl_render import Progress, format_bytes
 from ckpt_manager._ctl_reshard import plan_reshard, write_resharded
 from ckpt_manager._ctl_sink import OutputFile
-from ckpt_manager._restore import verify_files
+from ckpt_manager.errors import UsageError
 
 __all__ = ["OutputFormat", "RestoreRequest", "run_restore"]
 

@@ -2,8 +2,9 @@
 
 `list` shows *why* each step survives retention and `prune` applies it offline; both use
 `_retention.py`'s policies and `plan_deletions` (the same invariants as the manager: the
-newest committed step and pinned steps are never deleted). The run's own policy lives in its
-config, not in the root, so both commands take it as flags.
+newest committed step and pinned steps are never deleted). `list` shows the run's own policy,
+recorded in the root by the manager (`_retention_file.py`), unless retention flags override it;
+`prune` applies only the policy its flags give.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ckpt_manager._retention import (
     StepInfo,
     plan_deletions,
 )
+from ckpt_manager._retention_file import label_of
 
 __all__ = ["LATEST_REASON", "PINNED", "RetentionFlags", "retained_by"]
 
@@ -58,20 +60,25 @@ class RetentionFlags:
         Raises:
             ValueError: a value the policy rejects (its message says how to fix it).
         """
-        out: list[tuple[str, RetentionPolicy]] = []
+        parts: list[RetentionPolicy] = []
         if self.keep_last is not None:
-            out.append((f"last-{self.keep_last}", KeepLast(n=self.keep_last)))
+            parts.append(KeepLast(n=self.keep_last))
         if self.keep_every is not None:
-            out.append((f"every-{self.keep_every}", KeepEvery(every=self.keep_every)))
+            parts.append(KeepEvery(every=self.keep_every))
         if self.keep_interval_s is not None:
-            label = f"interval-{self.keep_interval_s:g}s"
-            out.append((label, KeepInterval(interval_s=self.keep_interval_s)))
+            parts.append(KeepInterval(interval_s=self.keep_interval_s))
         if self.keep_best is not None:
             assert self.metric is not None
-            n = self.keep_best
-            label = f"best {self.metric}" if n == 1 else f"best-{n} {self.metric}"
-            out.append((label, KeepBest(metric=self.metric, n=self.keep_best, mode=self.mode)))
-        return out
+            parts.append(KeepBest(metric=self.metric, n=self.keep_best, mode=self.mode))
+        return [(label_of(p) or type(p).__name__, p) for p in parts]
+
+    @property
+    def given(self) -> bool:
+        """Whether any retention flag was given (flags override the root's record)."""
+        return any(
+            v is not None
+            for v in (self.keep_last, self.keep_every, self.keep_interval_s, self.keep_best)
+        )
 
     def policy(self) -> RetentionPolicy | None:
         """The union of the configured policies, or None when no flag was given."""
@@ -80,26 +87,33 @@ class RetentionFlags:
 
 
 def retained_by(
-    infos: Sequence[StepInfo], pinned: set[int], flags: RetentionFlags
+    infos: Sequence[StepInfo], pinned: set[int], labelled: Sequence[tuple[str, RetentionPolicy]]
 ) -> dict[int, list[str]]:
     """Why retention keeps each committed step: `latest`, `pinned` and policy labels.
 
-    A step with an empty list would be deleted by `prune` with the same flags (when flags
-    are given; without flags only `latest` and `pinned` are known).
+    Args:
+        infos: the committed steps.
+        pinned: pinned steps.
+        labelled: the policy's parts with their labels (`RetentionFlags.labelled()`, or the
+            run's record from `_retention_file.read_retention`); empty when unknown.
+
+    Returns:
+        Reasons per step. A step with an empty list would be deleted by retention with that
+        policy (when one is known; without one only `latest` and `pinned` are known).
     """
     ordered = sorted(infos, key=lambda s: s.step)
     reasons: dict[int, list[str]] = {s.step: [] for s in ordered}
     if ordered:
         reasons[ordered[-1].step].append(LATEST_REASON)
-    for label, policy in flags.labelled():
+    for label, policy in labelled:
         for step in sorted(policy.keep(ordered)):
             if step in reasons:
                 reasons[step].append(label)
     for step in sorted(pinned):
         if step in reasons:
             reasons[step].append(PINNED)
-    union = flags.policy()
-    if union is not None:
+    if labelled:
+        union = AnyOf(*(p for _, p in labelled))
         # Cross-check with the manager's own planner: what it would delete has no reason.
         doomed = set(plan_deletions(union, ordered, protected=pinned))
         assert all(bool(reasons[s]) != (s in doomed) for s in reasons), "reason/plan mismatch"

@@ -1,6 +1,7 @@
 """Where `ckptctl restore` puts a file it produces: local disk or any fsspec URL (S3).
 
-A file is written to a local temporary first and published whole: on local disk by fsync and
+A file is written to a local temporary first and published whole by `Storage.put_file`: on
+local disk by fsync and
 `os.replace` next to the destination (atomic), elsewhere by a streamed upload (s3fs: a
 multipart upload completed at the end, so the object appears whole or not at all). The
 temporary never holds more than the one file being produced.
@@ -14,11 +15,11 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 
-from ckpt_manager._ctl_common import StorageFlags, UsageError, open_root
-from ckpt_manager._storage import Storage, _translated
-from ckpt_manager.errors import ObjectExistsError
+from ckpt_manager._ctl_common import StorageFlags, open_root
+from ckpt_manager._storage import Storage
+from ckpt_manager.errors import UsageError
 
-__all__ = ["OutputFile", "publish", "split_uri"]
+__all__ = ["OutputFile", "split_uri"]
 
 
 def split_uri(uri: str) -> tuple[str, str]:
@@ -65,31 +66,7 @@ class OutputFile:
             os.close(fd)
         try:
             yield tmp
-            publish(self.storage, tmp, self.name)
+            self.storage.put_file(tmp, self.name)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-
-
-def publish(storage: Storage, local_path: str, name: str, *, exclusive: bool = False) -> None:
-    """Move a finished local file to `name` under `storage` (atomic; streamed upload remotely).
-
-    Raises:
-        ObjectExistsError: `exclusive` and the destination exists.
-        StorageError: the move or upload failed.
-    """
-    dest = storage.path(name)
-    with _translated("write", dest):
-        if storage.is_local:
-            with open(local_path, "rb+") as f:
-                os.fsync(f.fileno())
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            if exclusive:
-                os.link(local_path, dest)
-                os.unlink(local_path)
-            else:
-                os.replace(local_path, dest)
-            return
-        if exclusive and storage.exists(name):
-            raise ObjectExistsError(17, f"write {dest}: already exists")
-        storage.fs.put_file(local_path, dest)

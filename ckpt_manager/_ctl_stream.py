@@ -22,7 +22,7 @@ import torch
 from ckpt_manager._format import dtype_from_name
 from ckpt_manager._manifest import Manifest, Piece
 from ckpt_manager._reshard import Region, fill_region
-from ckpt_manager._restore import _Loader
+from ckpt_manager._restore import read_piece
 from ckpt_manager._storage import Storage
 
 __all__ = ["TensorSource", "as_flat_piece", "chunk_ranges", "stream_range"]
@@ -100,24 +100,27 @@ def chunk_ranges(start: int, end: int, itemsize: int, chunk_bytes: int) -> list[
     return [(a, min(end, a + per)) for a in range(start, end, per)]
 
 
-def _fill_flat(loader: _Loader, src: TensorSource, start: int, end: int) -> torch.Tensor:
+def _reader(
+    storage: Storage, manifest: Manifest, src: TensorSource
+) -> Callable[[Piece, int, int], torch.Tensor]:
+    def read(p: Piece, s: int, e: int) -> torch.Tensor:
+        return read_piece(storage, manifest.step, p, src.dtype, s, e)
+
+    return read
+
+
+def _fill_flat(
+    read: Callable[[Piece, int, int], torch.Tensor], src: TensorSource, start: int, end: int
+) -> torch.Tensor:
     out = torch.empty(end - start, dtype=src.dtype)
     if end > start:
-
-        def read(p: Piece, s: int, e: int) -> torch.Tensor:
-            return loader.read(p, src.dtype, s, e)
-
         region = Region(src.global_shape, flat_range=(start, end))
         fill_region(out, region, src.pieces, read, src.key)
     return out
 
 
-def _fill_whole(loader: _Loader, src: TensorSource) -> torch.Tensor:
+def _fill_whole(read: Callable[[Piece, int, int], torch.Tensor], src: TensorSource) -> torch.Tensor:
     out = torch.empty(src.global_shape, dtype=src.dtype)
-
-    def read(p: Piece, s: int, e: int) -> torch.Tensor:
-        return loader.read(p, src.dtype, s, e)
-
     region = Region(src.global_shape, offset=(0,) * len(src.global_shape), shape=src.global_shape)
     fill_region(out, region, src.pieces, read, src.key)
     return out.reshape(-1)
@@ -138,14 +141,14 @@ def stream_range(
 
     Up to `prefetch` chunks are read ahead on `pool` (object stores: latency hides there).
     """
-    loader = _Loader(storage, manifest, 0)
+    read = _reader(storage, manifest, src)
     if not src.contiguous:
-        yield _fill_whole(loader, src)[start:end]
+        yield _fill_whole(read, src)[start:end]
         return
     ranges = chunk_ranges(start, end, src.dtype.itemsize, chunk_bytes)
     if pool is None or prefetch < 1:
         for a, b in ranges:
-            yield _fill_flat(loader, src, a, b)
+            yield _fill_flat(read, src, a, b)
         return
     queue: collections.deque[Future[torch.Tensor]] = collections.deque()
     pending = iter(ranges)
@@ -154,7 +157,7 @@ def stream_range(
         nxt = next(pending, None)
         if nxt is None:
             return False
-        queue.append(pool.submit(_fill_flat, loader, src, nxt[0], nxt[1]))
+        queue.append(pool.submit(_fill_flat, read, src, nxt[0], nxt[1]))
         return True
 
     try:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 import structlog
 
+from ckpt_manager._catalog import delete_step, list_step_dirs, read_manifest
 from ckpt_manager._manifest import MANIFEST_NAME, step_dir
 from ckpt_manager._pins import pinned_steps
-from ckpt_manager._restore import list_step_dirs, read_manifest
 from ckpt_manager._retention import RetentionPolicy, StepInfo, plan_deletions
 from ckpt_manager._storage import Storage
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
@@ -150,13 +150,11 @@ class Deleter:
                 self._storage.remove_tree(step_dir(s))
 
     def _delete_step(self, step: int) -> None:
-        folder = step_dir(step)
         self._doomed.add(step)
-        # Manifest first: if we stop halfway the step is uncommitted, not corrupt, and the
-        # next pass finishes it (it is remembered in `_doomed`).
-        self._storage.remove(f"{folder}/{MANIFEST_NAME}")
+        # [Note: manifest first] in `_catalog.delete_step`; a step whose deletion stopped
+        # halfway is remembered in `_doomed` and finished by the next pass.
+        delete_step(self._storage, step)
         self._infos.pop(step, None)
-        self._storage.remove_tree(folder)
         self._doomed.discard(step)
         self.num_deleted += 1
         _log.info("ckpt_retention_deleted", ckpt_step=step)

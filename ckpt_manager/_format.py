@@ -20,6 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from ckpt_manager._dtypes import ITEM_SIZES
+
 __all__ = [
     "MAGIC",
     "FileLayout",
@@ -34,8 +36,12 @@ MAGIC = b"TDCKPT01"
 _ALIGN = 64
 _PREFIX = struct.Struct("<8sQ")
 
+# Names come from `_dtypes.ITEM_SIZES` (what a manifest may name); a test pins that table to
+# torch's own dtypes.
 _DTYPES: dict[str, torch.dtype] = {
-    name: value for name, value in vars(torch).items() if isinstance(value, torch.dtype)
+    name: value
+    for name in ITEM_SIZES
+    if isinstance(value := getattr(torch, name, None), torch.dtype)
 }
 
 

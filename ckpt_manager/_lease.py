@@ -64,9 +64,6 @@ def holder_is_live(doc: dict[str, Any], now: float) -> bool:
     return True
 
 
-_holder_is_live = holder_is_live  # the name ckptctl first imported
-
-
 class Lease:
     """The lease of one run on one root (held by the coordinator rank only)."""
 

@@ -21,7 +21,6 @@ the dedicated gloo group line up without extra barriers; every one is bounded by
 
 from __future__ import annotations
 
-import collections
 import json
 import time
 import uuid
@@ -30,23 +29,23 @@ from types import TracebackType
 from typing import Any
 
 import structlog
-import torch
 
-from ckpt_manager._commit import build_contribution, commit_manifest, leaves_to_write
+from ckpt_manager._catalog import committed_steps, drop_dead_attempts
+from ckpt_manager._commit import build_contribution, leaves_to_write
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Status
 from ckpt_manager._deleter import Deleter
+from ckpt_manager._finalize import Finalizer
 from ckpt_manager._format import plan_layout
 from ckpt_manager._lease import Lease
-from ckpt_manager._manifest import shard_file_name, step_dir
+from ckpt_manager._manifest import shard_file_name
+from ckpt_manager._pipeline import LocalPipeline
 from ckpt_manager._recover import restore_agreed
 from ckpt_manager._request import Limits, SaveRequest
-from ckpt_manager._restore import committed_steps, drop_dead_attempts
-from ckpt_manager._staging import BackgroundThread, Slab, copy_into_slab
+from ckpt_manager._retention_file import record_retention
 from ckpt_manager._storage import Storage
 from ckpt_manager._tree import flatten
-from ckpt_manager._types import ManagerStats, RestoreResult, SaveObserver, SaveReport, SaveResult
-from ckpt_manager._writer import write_shard
+from ckpt_manager._types import ManagerStats, RestoreResult, SaveObserver
 from ckpt_manager._writer_proc import WriterProcess
 from ckpt_manager.errors import (
     CheckpointError,
@@ -98,7 +97,6 @@ class CheckpointManager:
                 f"{root_uri!r} lives in this process only; writer processes cannot see it: "
                 "use CheckpointConfig(async_mode=AsyncMode.SYNC)"
             )
-        self._observer = observer
         self._coord = Coordinator(self.config.finalize_timeout_s)
         self.rank = self._coord.rank
         """This rank."""
@@ -112,23 +110,25 @@ class CheckpointManager:
             self.config.writer_start_timeout_s,
             self.config.write_timeout_s,
         )
-        self._pending: collections.deque[SaveRequest] = collections.deque()
-        self._slabs: list[Slab | None] = [None] * self.config.max_inflight
         self._next_request_id = 0
-        self._next_slab_id = 0
-        self._unclean_steps: set[int] = set()
         self._restored_from: int | None = None
         self._closed = False
         self._lease: Lease | None = None
         self._deleter: Deleter | None = None
-        self._stager: BackgroundThread | None = None
-        self._writer: WriterProcess | None = None
-        self._last_committed: tuple[int, float] | None = None
+        self._final = Finalizer(
+            config=self.config,
+            storage=self._storage,
+            coord=self._coord,
+            run_id=self.run_id,
+            limits=self._limits,
+            observer=observer,
+            log=self._log,
+            forget_writer=self._forget_writer,
+            on_idle=self._wake_deleter,
+        )
+        self._pending = self._final.pending  # the same deque: saves in flight, oldest first
         self._open_root()
-        if self.config.async_mode is not AsyncMode.SYNC:
-            self._stager = BackgroundThread(f"ckpt-stager-{self.rank}")
-        if self.config.async_mode is AsyncMode.PERSISTENT:
-            self._writer = WriterProcess(self.rank)
+        self._pipeline = LocalPipeline(self.config, self._storage, self.rank, self._log)
 
     # ----------------------------------------------------------------- start-up
     def _open_root(self) -> None:
@@ -137,6 +137,7 @@ class CheckpointManager:
             try:
                 self._lease = Lease(self._storage, self.run_id, self.config.lease_ttl_s)
                 self._lease.acquire()
+                record_retention(self._storage, self.run_id, self.config.retention)
                 outcome = ("ok", "", drop_dead_attempts(self._storage))
             except LeaseHeldError as err:
                 outcome = ("lease", str(err), None)
@@ -150,7 +151,8 @@ class CheckpointManager:
                 self._lease.release()
             self._coord.destroy()
             raise LeaseHeldError(message) if kind == "lease" else CheckpointError(message)
-        self._last_committed = (int(latest[0]), float(latest[1])) if latest is not None else None
+        if latest is not None:
+            self._final.last_committed = (int(latest[0]), float(latest[1]))
         if self._coord.is_coordinator:
             self._deleter = Deleter(
                 self._storage,
@@ -161,6 +163,14 @@ class CheckpointManager:
                 retry_s=self.config.deletion_retry_s,
             )
             # No pass before this run's first commit: the run may still restore an old step.
+
+    def _forget_writer(self, writer: WriterProcess) -> None:
+        # The pipeline starts after the root is open; it exists once anything is finalized.
+        self._pipeline.forget_writer(writer)
+
+    def _wake_deleter(self) -> None:
+        if self._deleter is not None:
+            self._deleter.trigger()
 
     def _protected_steps(self) -> set[int]:
         return {self._restored_from} if self._restored_from is not None else set()
@@ -192,31 +202,27 @@ class CheckpointManager:
         except (TypeError, ValueError) as err:
             raise ValueError(f"metrics must be JSON values: {err}") from err
         newest = max([r.step for r in self._pending], default=-1)
-        if self._last_committed is not None:
-            newest = max(newest, self._last_committed[0])
+        if self._final.last_committed is not None:
+            newest = max(newest, self._final.last_committed[0])
         if step <= newest:
             raise ValueError(
                 f"step {step} is not after the newest saved step {newest}: a step is never "
                 "written twice (to roll back, delete the newer steps first, e.g. with "
                 "`ckptctl prune`, or save under another root)"
             )
-        if step in self._unclean_steps:
+        if step in self._final.unclean_steps:
             raise CheckpointError(
                 f"step {step}: the folder of its failed save could not be removed; "
                 "save a later step"
             )
         while len(self._pending) >= self.config.max_inflight:
-            self._finalize(blocking=True)
+            self._final.run(blocking=True)
         request = self._prepare(step, state, metrics, started)
         self._pending.append(request)
-        if self.config.async_mode is AsyncMode.SYNC:
-            self._stage_and_dispatch(request)
-            request.stall_s += time.monotonic() - started
-            self._finalize(blocking=True)
-            return
-        assert self._stager is not None
-        self._stager.submit(lambda: self._stage_and_dispatch(request))
+        self._pipeline.submit(request)
         request.stall_s += time.monotonic() - started
+        if self.config.async_mode is AsyncMode.SYNC:
+            self._final.run(blocking=True)
 
     def _prepare(
         self, step: int, state: Any, metrics: dict[str, Any], started: float
@@ -226,13 +232,7 @@ class CheckpointManager:
         layout = plan_layout([(x.key, x.tensor.dtype, tuple(x.tensor.shape)) for x in leaves])
         file_name = shard_file_name(self.rank) if leaves else None
         slot = next(i for i in range(self.config.max_inflight) if not self._slot_in_use(i))
-        if self.config.async_mode is AsyncMode.PERSISTENT and (
-            self._writer is None or self._writer.exit_code() is not None
-        ):
-            if self._writer is not None:
-                self._log.warning("ckpt_writer_restarted", old_pid=self._writer.pid)
-                self._writer.kill()
-            self._writer = WriterProcess(self.rank)
+        writer = self._pipeline.writer_for_next_save()
         request = SaveRequest(
             request_id=self._next_request_id,
             step=step,
@@ -242,7 +242,7 @@ class CheckpointManager:
             layout=layout,
             file_name=file_name,
             contribution=build_contribution(self.rank, flat, leaves, layout, file_name, metrics),
-            writer=self._writer if self.config.async_mode is AsyncMode.PERSISTENT else None,
+            writer=writer,
         )
         request.tensors = [x.tensor for x in leaves]
         self._next_request_id += 1
@@ -250,99 +250,6 @@ class CheckpointManager:
 
     def _slot_in_use(self, slot: int) -> bool:
         return any(r.slot == slot for r in self._pending)
-
-    def _slab_for(self, slot: int, nbytes: int) -> Slab:
-        """The slot's staging buffer, (re)allocated when too small (staging thread only)."""
-        slab = self._slabs[slot]
-        if slab is not None and slab.capacity >= nbytes:
-            return slab
-        if slab is not None:
-            if self._writer is not None:
-                self._writer.drop_slab(slab.slab_id)
-            slab.close()
-        slab = self._slabs[slot] = Slab(self._next_slab_id, nbytes)
-        self._next_slab_id += 1
-        return slab
-
-    def _stage_and_dispatch(self, request: SaveRequest) -> None:
-        """Staging-thread job (inline in sync mode): copy, then hand to the writer."""
-        try:
-            self._stage(request)
-            if request.error is None and not request.cancelled:
-                self._dispatch(request)
-        finally:
-            request.copied.set()
-            request.handed_off.set()
-
-    def _stage(self, request: SaveRequest) -> None:
-        tensors: list[torch.Tensor] = request.tensors
-        try:
-            t0 = time.monotonic()
-            # Allocating here, not in save(), keeps even the first save() non-blocking.
-            request.slab = self._slab_for(request.slot, request.layout.total_bytes)
-            copy_into_slab(request.slab, request.layout, tensors)
-            request.staging_s = time.monotonic() - t0
-        except Exception as err:
-            request.fail(f"snapshot copy failed: {type(err).__name__}: {err}")
-        finally:
-            request.tensors = []
-            request.copied.set()  # the training loop may now change the tensors
-
-    def _dispatch(self, request: SaveRequest) -> None:
-        slab = request.slab
-        assert slab is not None
-        if request.file_name is None:
-            request.done = True
-            request.dispatched = time.monotonic()
-            return
-        name = f"{step_dir(request.step)}/{request.file_name}"
-        if self.config.async_mode is AsyncMode.SYNC:
-            self._write_inline(request, name)
-            return
-        try:
-            if self.config.async_mode is AsyncMode.TEMPORAL:
-                request.writer = WriterProcess(self.rank)
-            assert request.writer is not None
-            request.dispatched = time.monotonic()
-            request.writer.submit(slab, self._write_message(request, name, slab))
-            if self.config.async_mode is AsyncMode.TEMPORAL:
-                request.writer.request_stop()
-        except OSError as err:
-            request.fail(f"writer process unreachable: {err}")
-
-    def _write_message(self, request: SaveRequest, name: str, slab: Slab) -> dict[str, Any]:
-        return {
-            "op": "write",
-            "request_id": request.request_id,
-            "step": request.step,
-            "name": name,
-            "slab_id": slab.slab_id,
-            "nbytes": request.layout.total_bytes,
-            "root_uri": self._storage.root_uri,
-            "storage_options": dict(self._storage.storage_options),
-            "chunk_bytes": self.config.upload_chunk_bytes,
-            "concurrency": self.config.upload_concurrency,
-        }
-
-    def _write_inline(self, request: SaveRequest, name: str) -> None:
-        request.dispatched = t0 = time.monotonic()
-        assert request.slab is not None
-        view = request.slab.view(request.layout.total_bytes)
-        try:
-            size, crc = write_shard(
-                self._storage,
-                name,
-                view,
-                chunk_bytes=self.config.upload_chunk_bytes,
-                concurrency=self.config.upload_concurrency,
-            )
-            request.contribution.update(size=size, crc32=crc)
-            request.done = True
-        except CheckpointError as err:
-            request.fail(f"write failed: {err}")
-        finally:
-            view.release()
-            request.write_s = time.monotonic() - t0
 
     def before_optimizer_step(self) -> None:
         """Fence: return once every snapshot copy is done, so tensors may change.
@@ -374,7 +281,7 @@ class CheckpointManager:
             CheckpointError: a checkpoint collective failed (a peer died or timed out).
         """
         self._check_open()
-        self._finalize(blocking=False)
+        self._final.run(blocking=False)
 
     def wait_until_finished(self) -> None:
         """Block until every save in flight is committed or failed (collective).
@@ -383,7 +290,7 @@ class CheckpointManager:
             SaveFailedError: a save failed on some rank.
         """
         self._check_open()
-        self._finalize(blocking=True)
+        self._final.run(blocking=True)
         if self._deleter is not None:
             self._deleter.flush(self.config.finalize_timeout_s)
 
@@ -400,135 +307,6 @@ class CheckpointManager:
             if request.local_status(self._limits) == Status.FAILED:
                 raise SaveFailedError(request.step, {self.rank: request.error or "failed"})
 
-    def _finalize(self, *, blocking: bool) -> None:
-        while self._pending:
-            request = self._pending[0]
-            if blocking:
-                status = request.wait_local(self._limits)
-            else:
-                status = request.local_status(self._limits)
-            t0 = time.monotonic()
-            try:
-                agreement = self._coord.agree(request.request_id, status)
-            except CheckpointError as err:
-                self._abandon(request, str(err))
-                raise SaveFailedError(request.step, {self.rank: str(err)}) from err
-            if not agreement.consistent:
-                cause = (
-                    f"ranks disagree on which save to finalize (request {request.request_id}, "
-                    "step {request.step}): call save()/maybe_finalize() on every rank alike"
-                )
-                self._abandon(request, cause)
-                raise CheckpointError(cause)
-            if agreement.status == Status.WRITING:
-                return
-            try:
-                if agreement.status == Status.FAILED:
-                    self._fail(request)
-                self._commit(request, t0)
-            except SaveFailedError:
-                raise
-            except CheckpointError as err:  # a collective of the commit itself failed
-                self._abandon(request, str(err))
-                raise SaveFailedError(request.step, {self.rank: str(err)}) from err
-
-    def _stop_local_writer(self, request: SaveRequest) -> None:
-        """Kill this rank's writer if it may still touch the request's files or buffer."""
-        # Cancel first, then wait for the staging job: afterwards it can no longer hand the
-        # request to a writer behind our back (and reuse of the slab is safe).
-        request.cancelled = True
-        request.handed_off.wait(self.config.staging_timeout_s)
-        writer = request.writer
-        if writer is None or request.answered or writer.exit_code() is not None:
-            return
-        writer.kill()
-        if writer is self._writer:
-            self._writer = None  # restarted by the next save()
-
-    def _abandon(self, request: SaveRequest, cause: str) -> None:
-        """Local clean-up when the group cannot agree any more (a peer is gone)."""
-        request.fail(cause)
-        self._stop_local_writer(request)
-        self._retire(request, SaveResult.FAILED, 0.0)
-
-    def _fail(self, request: SaveRequest) -> None:
-        local = request.error if request.error is not None else None
-        causes = {r: c for r, c in enumerate(self._coord.all_gather(local)) if c is not None}
-        self._stop_local_writer(request)
-        if self.config.async_mode is AsyncMode.TEMPORAL and request.writer is not None:
-            request.writer.kill()
-        removed = True
-        self._coord.barrier()  # every writer of this request is stopped
-        if self._coord.is_coordinator:
-            removed = self._remove_attempt(request.step)
-        if not self._coord.broadcast(removed):
-            self._unclean_steps.add(request.step)
-        request.fail("; ".join(f"rank {r}: {c}" for r, c in sorted(causes.items())))
-        self._retire(request, SaveResult.FAILED, 0.0)
-        raise SaveFailedError(request.step, causes)
-
-    def _remove_attempt(self, step: int) -> bool:
-        try:
-            self._storage.remove_tree(step_dir(step))
-            return True
-        except CheckpointError as err:
-            self._log.warning("ckpt_failed_attempt_not_removed", ckpt_step=step, error=str(err))
-            return False
-
-    def _commit(self, request: SaveRequest, t0: float) -> None:
-        gathered = self._coord.gather(request.contribution)
-        outcome: tuple[bool, str | float] = (True, 0.0)
-        if gathered is not None:
-            outcome = commit_manifest(
-                self._storage,
-                step=request.step,
-                run_id=self.run_id,
-                created_unix_s=request.created_unix_s,
-                contributions=gathered,
-            )
-        ok, detail = self._coord.broadcast(outcome)
-        if not ok:
-            cause = f"commit failed on the coordinator: {detail}"
-            removed = self._remove_attempt(request.step) if self._coord.is_coordinator else True
-            if not self._coord.broadcast(removed):
-                self._unclean_steps.add(request.step)
-            request.fail(cause)
-            self._retire(request, SaveResult.FAILED, time.monotonic() - t0)
-            raise SaveFailedError(request.step, {0: cause})
-        assert isinstance(detail, float)
-        self._last_committed = (request.step, detail)
-        self._retire(request, SaveResult.COMMITTED, time.monotonic() - t0)
-        self._log.info("ckpt_committed", ckpt_step=request.step)
-        if self._deleter is not None and not self._pending:
-            self._deleter.trigger()
-
-    def _retire(self, request: SaveRequest, result: SaveResult, finalize_s: float) -> None:
-        if self._pending and self._pending[0] is request:
-            self._pending.popleft()
-        if request.writer is not None and self.config.async_mode is AsyncMode.TEMPORAL:
-            request.writer.stop(self.config.writer_start_timeout_s)  # reap the one-shot writer
-        latency = time.monotonic() - request.started
-        sync = self.config.async_mode is AsyncMode.SYNC
-        report = SaveReport(
-            step=request.step,
-            result=result,
-            # In sync mode the whole save, commit included, blocks the training loop.
-            stall_s=latency if sync else request.stall_s,
-            staging_s=request.staging_s,
-            write_s=request.write_s,
-            finalize_s=finalize_s,
-            latency_s=latency,
-            num_bytes=int(request.contribution["size"]) if result is SaveResult.COMMITTED else 0,
-            error=request.error if result is SaveResult.FAILED else None,
-        )
-        if result is SaveResult.FAILED:
-            self._log.error("ckpt_save_failed", ckpt_step=request.step, error=request.error)
-        if self._observer is not None:
-            try:
-                self._observer.on_save_finished(report)
-            except Exception as err:  # an observer must not break checkpointing
-                self._log.warning("ckpt_observer_failed", error=str(err))
-
     # ----------------------------------------------------------------- queries
     def latest_step(self) -> int | None:
         """Newest committed step under the root (manifest present), or None."""
@@ -541,7 +319,7 @@ class CheckpointManager:
 
     def stats(self) -> ManagerStats:
         """In-flight count and the last commit."""
-        last = self._last_committed
+        last = self._final.last_committed
         return ManagerStats(
             inflight=len(self._pending),
             last_committed_step=last[0] if last else None,
@@ -551,7 +329,8 @@ class CheckpointManager:
     @property
     def writer_pid(self) -> int | None:
         """Pid of the persistent writer process (None in other modes or before start)."""
-        return self._writer.pid if self._writer is not None else None
+        writer = self._pipeline.writer
+        return writer.pid if writer is not None else None
 
     @property
     def storage(self) -> Storage:
@@ -605,30 +384,19 @@ class CheckpointManager:
             return
         try:
             if self._pending:
-                self._finalize(blocking=True)
+                self._final.run(blocking=True)
         finally:
             self._closed = True
             self._shutdown()
 
     def _shutdown(self) -> None:
         timeout = self.config.writer_start_timeout_s
-        if self._stager is not None:
-            self._stager.close(timeout)
-        for request in self._pending:
-            if request.writer is not None and request.writer is not self._writer:
-                request.writer.kill()
+        self._pipeline.close(self._pending)
         self._pending.clear()
-        if self._writer is not None:
-            self._writer.stop(timeout)
-            self._writer = None
         if self._deleter is not None:
             self._deleter.close(timeout)
         if self._lease is not None:
             self._lease.release()
-        for slab in self._slabs:
-            if slab is not None:
-                slab.close()
-        self._slabs = [None] * self.config.max_inflight
         self._coord.destroy()
 
     def __enter__(self) -> CheckpointManager:

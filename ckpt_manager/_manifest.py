@@ -33,7 +33,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt_manager._format import dtype_from_name
+from ckpt_manager._dtypes import item_size
 from ckpt_manager._storage import validate_relative_name
 from ckpt_manager.errors import CorruptCheckpointError
 
@@ -221,7 +221,7 @@ def _piece(doc: Any, files: Mapping[str, FileEntry], dtype_name: str, what: str)
     offset = _int(doc["offset"], f"{what} offset")
     nbytes = _int(doc["nbytes"], f"{what} nbytes")
     shape = _shape(doc["shape"], f"{what} shape")
-    itemsize = dtype_from_name(dtype_name).itemsize
+    itemsize = item_size(dtype_name)
     if math.prod(shape) * itemsize != nbytes:
         raise ValueError(f"{what}: {nbytes} bytes do not hold shape {shape} of {dtype_name}")
     if offset + nbytes > files[name].size:
@@ -253,7 +253,7 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
     }
     tensors: dict[str, dict[str, Any]] = {}
     for key, rec in dict(doc["tensors"]).items():
-        dtype_from_name(rec["dtype"])
+        item_size(rec["dtype"])
         if rec["kind"] not in ("replicated", "sharded"):
             raise ValueError(f"tensor {key!r}: unknown kind {rec['kind']!r}")
         tensors[key] = {
@@ -266,7 +266,7 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
     for rl in list(doc["rank_local"]):
         rl_tensors = {}
         for key, rec in dict(rl["tensors"]).items():
-            dtype_from_name(rec["dtype"])
+            item_size(rec["dtype"])
             piece = _piece(rec["piece"], files, rec["dtype"], f"rank-local tensor {key!r}")
             rl_tensors[key] = {"dtype": rec["dtype"], "piece": piece}
         rank_local.append({"trees": list(rl["trees"]), "tensors": rl_tensors})

@@ -13,8 +13,9 @@ from typing import Any
 
 import structlog
 
+from ckpt_manager._catalog import committed_steps, read_manifest, verify_files
 from ckpt_manager._coord import Coordinator
-from ckpt_manager._restore import committed_steps, load_state, read_manifest, verify_files
+from ckpt_manager._restore import load_state
 from ckpt_manager._storage import Storage
 from ckpt_manager._types import RestoreResult
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError

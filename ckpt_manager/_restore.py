@@ -1,124 +1,54 @@
-"""Reading committed steps: listing, manifests, verification and loading into a state.
+"""Loading a verified step into a state: the saved structure, or a template filled in place.
 
 Loading never unpickles: manifests are JSON, tensors are raw bytes at manifest offsets.
+Listing and verifying steps lives in `_catalog` (torch-free).
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Iterable
 from typing import Any
 
-import structlog
 import torch
 
 from ckpt_manager._format import dtype_from_name
-from ckpt_manager._manifest import MANIFEST_NAME, Manifest, Piece, parse_step_dir, step_dir
+from ckpt_manager._manifest import Manifest, Piece, step_dir
 from ckpt_manager._reshard import Region, fill_region
 from ckpt_manager._storage import Storage
-from ckpt_manager._tree import is_sharded
+from ckpt_manager._tree import is_sharded, placement_of
 from ckpt_manager._types import RankLocal
-from ckpt_manager.errors import (
-    CheckpointError,
-    CorruptCheckpointError,
-    ObjectNotFoundError,
-    StepNotFoundError,
-)
+from ckpt_manager.errors import CheckpointError, CorruptCheckpointError
 
-__all__ = [
-    "committed_steps",
-    "drop_dead_attempts",
-    "list_step_dirs",
-    "load_state",
-    "read_manifest",
-    "verify_files",
-]
-
-_READ_CHUNK = 64 << 20
-_log = structlog.get_logger("ckpt_manager.restore")
+__all__ = ["load_state", "read_piece"]
 
 
-def list_step_dirs(storage: Storage) -> list[int]:
-    """Steps that have a folder under the root (committed or not), ascending."""
-    steps = (parse_step_dir(n) for n in storage.list_names())
-    return sorted(s for s in steps if s is not None)
+def read_piece(
+    storage: Storage, step: int, piece: Piece, dtype: torch.dtype, start: int, end: int
+) -> torch.Tensor:
+    """Read elements `[start, end)` of one stored piece: only those bytes are fetched.
 
-
-def committed_steps(storage: Storage) -> list[int]:
-    """Steps whose manifest exists, ascending (contents not verified)."""
-    return [s for s in list_step_dirs(storage) if storage.exists(f"{step_dir(s)}/{MANIFEST_NAME}")]
-
-
-def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:
-    """Coordinator at start, holding the lease: remove uncommitted folders past the newest commit.
-
-    No live run writes under a leased root, so such a folder is a dead attempt; removing it
-    first guarantees a step folder is never written twice.
+    Args:
+        storage: the checkpoint root.
+        step: the committed step the piece belongs to.
+        piece: the piece (file, byte offset) from the step's manifest.
+        dtype: the tensor's element type.
+        start: first element, counted within the piece.
+        end: one past the last element.
 
     Returns:
-        `(newest committed step, its commit time)`, or None when nothing is committed.
-    """
-    steps = list_step_dirs(storage)
-    committed = [s for s in steps if storage.exists(f"{step_dir(s)}/{MANIFEST_NAME}")]
-    latest = committed[-1] if committed else None
-    for s in steps:
-        if s not in committed and (latest is None or s > latest):
-            _log.warning("ckpt_removing_stale_attempt", ckpt_step=s)
-            storage.remove_tree(step_dir(s))
-    if latest is None:
-        return None
-    try:
-        return (latest, read_manifest(storage, latest).committed_unix_s)
-    except CheckpointError:
-        return (latest, 0.0)
-
-
-def read_manifest(storage: Storage, step: int) -> Manifest:
-    """Read and validate a step's manifest.
+        A new 1-D CPU tensor of `end - start` elements (empty when `end <= start`).
 
     Raises:
-        StepNotFoundError: no manifest (the step is not committed).
-        CorruptCheckpointError: the manifest is invalid.
+        CorruptCheckpointError: the file is shorter than the manifest says.
+        StorageError: the read failed.
     """
-    try:
-        data = storage.read(f"{step_dir(step)}/{MANIFEST_NAME}")
-    except ObjectNotFoundError as err:
-        raise StepNotFoundError(
-            f"step {step} is not committed under {storage.root_uri} (no manifest)"
-        ) from err
-    return Manifest.from_json(data, expected_step=step)
-
-
-def verify_files(
-    storage: Storage, manifest: Manifest, names: Iterable[str], *, check_crc: bool
-) -> None:
-    """Check that files exist with the manifest's size (and crc32).
-
-    Raises:
-        CorruptCheckpointError: the first file that fails, and why.
-    """
-    folder = step_dir(manifest.step)
-    for name in names:
-        entry = manifest.files[name]
-        path = f"{folder}/{name}"
-        try:
-            size = storage.size(path)
-        except ObjectNotFoundError as err:
-            raise CorruptCheckpointError(f"step {manifest.step}: file {name} is missing") from err
-        if size != entry.size:
-            raise CorruptCheckpointError(
-                f"step {manifest.step}: file {name} has {size} bytes, manifest says {entry.size}"
-            )
-        if not check_crc:
-            continue
-        crc = 0
-        for start in range(0, size, _READ_CHUNK):
-            crc = zlib.crc32(storage.read(path, start, min(size, start + _READ_CHUNK)), crc)
-        if crc != entry.crc32:
-            raise CorruptCheckpointError(
-                f"step {manifest.step}: file {name} checksum {crc:#010x} != manifest "
-                f"{entry.crc32:#010x} (corrupted bytes)"
-            )
+    if end <= start:
+        return torch.empty(0, dtype=dtype)
+    lo = piece.offset + start * dtype.itemsize
+    hi = piece.offset + end * dtype.itemsize
+    data = storage.read(f"{step_dir(step)}/{piece.file}", lo, hi)
+    if len(data) != hi - lo:
+        raise CorruptCheckpointError(f"step {step}: {piece.file} is short")
+    return torch.frombuffer(bytearray(data), dtype=dtype)
 
 
 class _Loader:
@@ -126,17 +56,9 @@ class _Loader:
         self.storage = storage
         self.m = manifest
         self.rank = rank
-        self.folder = step_dir(manifest.step)
 
     def read(self, piece: Piece, dtype: torch.dtype, start: int, end: int) -> torch.Tensor:
-        if end <= start:
-            return torch.empty(0, dtype=dtype)
-        lo = piece.offset + start * dtype.itemsize
-        hi = piece.offset + end * dtype.itemsize
-        data = self.storage.read(f"{self.folder}/{piece.file}", lo, hi)
-        if len(data) != hi - lo:
-            raise CorruptCheckpointError(f"step {self.m.step}: {piece.file} is short")
-        return torch.frombuffer(bytearray(data), dtype=dtype)
+        return read_piece(self.storage, self.m.step, piece, dtype, start, end)
 
     def _record(self, key: str) -> tuple[torch.dtype, list[Piece], tuple[int, ...]]:
         rec = self.m.tensors.get(key)
@@ -252,11 +174,14 @@ class _Loader:
                 f"template has {tuple(template.global_shape)}"
             )
         local = template.local
-        if template.flat_range is not None:
-            start, end = (int(x) for x in template.flat_range)
-            region = Region(shape, flat_range=(start, end))
+        try:
+            where = placement_of(template, path)
+        except ValueError as err:
+            raise CheckpointError(f"step {self.m.step}: template {err}") from err
+        if where.flat_range is not None:
+            region = Region(shape, flat_range=where.flat_range)
         else:
-            region = Region(shape, offset=template.global_offset, shape=tuple(local.shape))
+            region = Region(shape, offset=where.global_offset, shape=tuple(local.shape))
         if local.dtype == dtype and local.device.type == "cpu":
             with torch.no_grad():
                 self.fill(local, region, key, dtype, pieces)

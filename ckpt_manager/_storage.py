@@ -7,7 +7,8 @@ operations on names relative to the root. Object-store quirks live here and nowh
 * Atomic writes. Local disk: a temp file in the target folder, fsync, then `os.replace`
   (or `os.link` for an exclusive create, which fails if the name exists), then fsync the
   folder. Object stores: one PUT, or a parallel multipart upload completed at the end, so
-  an object is either whole or absent.
+  an object is either whole or absent. `put_file` publishes a finished local file the same
+  way: moved into place on local disk, streamed from disk (parallel multipart) elsewhere.
 * Exclusive create (the commit marker). Local: `os.link`. S3: `If-None-Match: *` through
   s3fs `pipe_file(mode="create")`. Other fsspec backends: their `mode="create"`, which is
   check-then-write (not race-free); the lease keeps two runs from committing to one root.
@@ -22,6 +23,7 @@ import datetime
 import errno
 import os
 import posixpath
+import shutil
 import uuid
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -212,6 +214,72 @@ class Storage:
             if exclusive and _is_precondition_failed(err):
                 raise FileExistsError(str(err)) from err
             raise
+
+    def put_file(
+        self,
+        local_path: str,
+        name: str,
+        *,
+        exclusive: bool = False,
+        chunk_bytes: int = 64 << 20,
+        concurrency: int = 8,
+    ) -> None:
+        """Publish a finished local file as `name`, atomically (whole or absent).
+
+        Local disk: the file is fsynced and moved into place (`local_path` is consumed; a
+        file on another filesystem is copied next to the target first). Object stores: the
+        file is streamed from disk, as a parallel multipart upload when it is large, never
+        held in memory whole.
+
+        Args:
+            local_path: the finished file.
+            name: relative destination name; parent folders are created on local disk.
+            exclusive: fail with `ObjectExistsError` if `name` exists.
+            chunk_bytes: multipart part size on object stores.
+            concurrency: parts uploaded in parallel on object stores.
+
+        Raises:
+            ObjectExistsError: `exclusive` and the destination exists.
+            StorageError: the move or upload failed; nothing was published under `name`.
+        """
+        dest = self.path(name)
+        with _translated("write", dest):
+            if self.is_local:
+                self._put_local(local_path, dest, exclusive=exclusive)
+                return
+            if exclusive and self.exists(name):
+                raise ObjectExistsError(errno.EEXIST, f"write {dest}: already exists")
+            if self.protocol in ("s3", "s3a"):
+                self.fs.put_file(
+                    local_path, dest, chunksize=chunk_bytes, max_concurrency=concurrency
+                )
+            else:
+                self.fs.put_file(local_path, dest)
+
+    @staticmethod
+    def _put_local(local_path: str, dest: str, *, exclusive: bool) -> None:
+        folder = os.path.dirname(dest)
+        os.makedirs(folder, exist_ok=True)
+        with open(local_path, "rb+") as f:
+            os.fsync(f.fileno())
+        if os.stat(local_path).st_dev != os.stat(folder).st_dev:
+            staged = f"{dest}.tmp-{uuid.uuid4().hex[:12]}"
+            shutil.copyfile(local_path, staged)
+            with open(staged, "rb+") as f:
+                os.fsync(f.fileno())
+            os.unlink(local_path)
+            local_path = staged
+        try:
+            if exclusive:
+                os.link(local_path, dest)  # see [Note: link, not replace]
+                os.unlink(local_path)
+            else:
+                os.replace(local_path, dest)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                if local_path.startswith(f"{dest}.tmp-"):
+                    os.unlink(local_path)
+        _fsync_dir(folder)
 
     @staticmethod
     def _write_local(path: str, data: memoryview, *, exclusive: bool) -> None:

@@ -16,13 +16,22 @@ key containing `/`) are rejected rather than silently merged.
 from __future__ import annotations
 
 import enum
+import math
 from typing import Any, NamedTuple
 
 import torch
 
 from ckpt_manager._types import RankLocal, ShardedTensorLike
 
-__all__ = ["Flattened", "LeafKind", "TensorLeaf", "flatten", "is_sharded"]
+__all__ = [
+    "Flattened",
+    "LeafKind",
+    "Placement",
+    "TensorLeaf",
+    "flatten",
+    "is_sharded",
+    "placement_of",
+]
 
 
 class LeafKind(enum.StrEnum):
@@ -76,37 +85,82 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
         raise TypeError(f"state leaf {path!r}: quantized tensors cannot be saved")
 
 
-def _sharded_leaf(value: Any, key: str) -> TensorLeaf:
+class Placement(NamedTuple):
+    """Where a sharded piece lies in its whole tensor: exactly one of the two is set."""
+
+    global_offset: tuple[int, ...] | None
+    """Box offset, or None for a flat piece."""
+    flat_range: tuple[int, int] | None
+    """Flat range of the row-major whole, or None for a box."""
+
+
+def placement_of(value: Any, key: str) -> Placement:
+    """Validate a ShardedTensorLike's placement against its local tensor and global shape.
+
+    [Note: empty pieces anywhere] A rank that owns none of a parameter gets an empty piece,
+    and the sharding engine places it at its flat cursor, e.g. `(1648, 1648)` for a
+    16-element parameter. An empty piece carries no data, so where it claims to lie does not
+    matter: it is normalised to the origin (`(0, 0)`, or a zero box offset) instead of being
+    rejected. Non-empty pieces must lie inside the whole tensor.
+
+    Args:
+        value: the ShardedTensorLike (its `local`, `global_shape`, `global_offset`,
+            `flat_range`).
+        key: the leaf's path, for messages.
+
+    Returns:
+        The (normalised) placement.
+
+    Raises:
+        ValueError: the placement does not fit the local tensor or the global shape.
+    """
     local = value.local
-    if not isinstance(local, torch.Tensor):
-        raise TypeError(f"state leaf {key!r}: ShardedTensorLike.local must be a tensor")
-    _check_tensor(local, key)
     global_shape = tuple(int(d) for d in value.global_shape)
+    empty = local.numel() == 0
     flat = value.flat_range
     if flat is not None:
         start, end = int(flat[0]), int(flat[1])
-        numel = 1
-        for d in global_shape:
-            numel *= d
-        if local.dim() != 1 or end - start != local.numel() or not 0 <= start <= end <= numel:
+        if local.dim() != 1 or end - start != local.numel():
             raise ValueError(
-                f"state leaf {key!r}: flat_range {flat} does not match a 1-D local of "
-                f"{local.numel()} elements inside global shape {global_shape}"
+                f"state leaf {key!r}: flat_range {tuple(flat)} does not match a 1-D local of "
+                f"{local.numel()} elements"
             )
-        return TensorLeaf(key, LeafKind.SHARDED, local, global_shape, None, (start, end))
+        if empty:
+            return Placement(None, (0, 0))
+        numel = math.prod(global_shape)
+        if not 0 <= start < end <= numel:
+            raise ValueError(
+                f"state leaf {key!r}: flat_range {tuple(flat)} lies outside the {numel} "
+                f"elements of global shape {global_shape}"
+            )
+        return Placement(None, (start, end))
     offset = tuple(int(o) for o in value.global_offset)
     if len(offset) != len(global_shape) or local.dim() != len(global_shape):
         raise ValueError(
             f"state leaf {key!r}: offset {offset} / local shape {tuple(local.shape)} do not "
             f"match global shape {global_shape}"
         )
+    if empty:
+        return Placement((0,) * len(offset), None)
     for o, n, g in zip(offset, local.shape, global_shape, strict=True):
         if o < 0 or o + n > g:
             raise ValueError(
                 f"state leaf {key!r}: box at {offset} of shape {tuple(local.shape)} "
                 f"exceeds global shape {global_shape}"
             )
-    return TensorLeaf(key, LeafKind.SHARDED, local, global_shape, offset, None)
+    return Placement(offset, None)
+
+
+def _sharded_leaf(value: Any, key: str) -> TensorLeaf:
+    local = value.local
+    if not isinstance(local, torch.Tensor):
+        raise TypeError(f"state leaf {key!r}: ShardedTensorLike.local must be a tensor")
+    _check_tensor(local, key)
+    global_shape = tuple(int(d) for d in value.global_shape)
+    where = placement_of(value, key)
+    return TensorLeaf(
+        key, LeafKind.SHARDED, local, global_shape, where.global_offset, where.flat_range
+    )
 
 
 class _Flattener:

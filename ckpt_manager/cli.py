@@ -258,6 +258,15 @@ def _configure_logging(debug: bool) -> None:
 
     import structlog
 
+    class _StderrLogger(structlog.PrintLogger):
+        # Resolve sys.stderr at each write, not once at configure time: `main()` also runs
+        # in-process (tests, embedding) where the stderr of that moment is closed later.
+        def msg(self, message: str) -> None:
+            print(message, file=sys.stderr, flush=True)
+
+        log = debug = info = warn = warning = err = error = critical = exception = msg
+        fatal = failure = msg
+
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
@@ -266,7 +275,7 @@ def _configure_logging(debug: bool) -> None:
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.DEBUG if debug else logging.WARNING
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=lambda *_: _StderrLogger(),
         cache_logger_on_first_use=False,
     )
 
@@ -280,7 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(exc.code) if isinstance(exc.code, int) else EXIT_USAGE
     debug = bool(getattr(args, "debug", False))
     _configure_logging(debug)
-    from ckpt_manager._ctl_common import UsageError, describe_error
+    from ckpt_manager._ctl_common import describe_error
+    from ckpt_manager.errors import UsageError
 
     try:
         handler: Callable[[argparse.Namespace], int] = _HANDLERS[args.command]
@@ -368,8 +378,9 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ckpt_manager._ctl_common import UsageError, open_root, resolve_step
+    from ckpt_manager._ctl_common import open_root, resolve_step
     from ckpt_manager._ctl_inspect import render_checks, verify_steps
+    from ckpt_manager.errors import UsageError
 
     if args.all and args.step is not None:
         raise UsageError("give a STEP or --all, not both")

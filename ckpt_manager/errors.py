@@ -12,6 +12,11 @@ Backend errors (OSError, botocore/aiobotocore) are translated where storage is t
     ├── LeaseHeldError                           another live run holds the checkpoint root
     ├── SaveFailedError                          a save failed on some rank (names rank + cause)
     └── CheckpointTimeoutError (+ TimeoutError)  a bounded wait ran out
+
+    UsageError (ValueError)                      `ckptctl`: the command line is wrong (exit 2)
+
+`UsageError` stands apart from `CheckpointError` on purpose: code that tolerates a failing
+storage call (`except CheckpointError`) must never swallow an operator's mistake.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ __all__ = [
     "SaveFailedError",
     "StepNotFoundError",
     "StorageError",
+    "UsageError",
 ]
 
 
@@ -74,3 +80,7 @@ class SaveFailedError(CheckpointError):
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A bounded wait (writer, collective, storage) ran out of time."""
+
+
+class UsageError(ValueError):
+    """The `ckptctl` command line is wrong (exit code 2); the message says how to fix it."""

@@ -51,16 +51,38 @@ class ShardedTensor:
 
 
 def _piece_bounds(bucket: FlatBucket, slot: ParamSlot) -> tuple[int, int]:
-    """Bucket range of `slot` that this rank owns."""
+    """Bucket range of `slot` that this rank owns (empty, at the slot's start, if none).
+
+    An empty piece is placed inside the parameter so its `flat_range` is `(0, 0)`: a range
+    past the parameter's end would describe a position the tensor does not have.
+    """
     lo = max(slot.offset, bucket.start)
     hi = min(slot.offset + slot.numel, bucket.end)
-    return (lo, hi) if lo < hi else (bucket.start, bucket.start)
+    return (lo, hi) if lo < hi else (slot.offset, slot.offset)
 
 
 def _local_of(bucket: FlatBucket, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Slice bucket range `[lo, hi)` out of a main-weight-shaped tensor."""
+    if lo == hi:
+        return flat[:0]
     base = 0 if flat.numel() == bucket.layout.padded_numel else bucket.start
     return flat[lo - base : hi - base]
+
+
+def _complete_replicated(bucket: FlatBucket, flat: torch.Tensor) -> None:
+    """Fill the ranges other ranks own in a tensor every rank holds whole.
+
+    [Note: replicated state is saved once] `no_shard` keeps whole main weights and optimizer
+    state on every rank, but each rank saves (and so loads) only the range it owns, so a
+    checkpoint holds every element once. After loading its own range, a rank gathers the
+    others' from its peers; every rank calls this for the same buckets in the same order.
+    """
+    whole = flat.numel() == bucket.layout.padded_numel
+    if not whole or (bucket.start == 0 and bucket.end == flat.numel()):
+        return
+    full = torch.empty_like(flat)
+    bucket.comm.all_gather(full, flat[bucket.start : bucket.end].contiguous()).wait()
+    flat.copy_(full)
 
 
 def _shard_of(bucket: FlatBucket, slot: ParamSlot, flat: torch.Tensor) -> ShardedTensor:
@@ -167,6 +189,7 @@ def load_model_sharded_state_dict(
                     slot.shape,
                     state_dict[slot.names[0]],
                 )
+            _complete_replicated(bucket, bucket.main_weight)
         for name, buf in buffers.items():
             buf.copy_(_as_pieces(state_dict[name])[0])
 
@@ -226,6 +249,7 @@ def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: Sta
                 dst = _local_of(bucket, flat, lo, hi)
                 start = max(lo - slot.offset, 0)
                 _fill(dst, start, f"{slot.names[0]}.{key}", slot.shape, value)
+            _complete_replicated(bucket, flat)
             flat_state[key] = flat
         flat_states[pos] = flat_state
     new_state = {

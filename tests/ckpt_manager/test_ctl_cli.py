@@ -10,15 +10,18 @@ import sys
 import time
 
 import pytest
+import structlog
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
-from ckpt_manager._ctl_common import StorageFlags, UsageError, nearest_steps
+from ckpt_manager._ctl_common import StorageFlags, nearest_steps
 from ckpt_manager._ctl_render import Progress, format_age, format_bytes
 from ckpt_manager._ctl_sink import split_uri
 from ckpt_manager._ctl_stream import as_flat_piece, chunk_ranges
+from ckpt_manager._dtypes import ITEM_SIZES, item_size
 from ckpt_manager._manifest import Piece
 from ckpt_manager.cli import main
+from ckpt_manager.errors import UsageError
 from tests.support.s3 import S3Target
 
 COMMANDS = ["list", "show", "verify", "restore", "prune", "pin", "unpin"]
@@ -47,6 +50,53 @@ def test_console_script_help_is_fast_and_imports_no_torch() -> None:
     out = subprocess.run([CKPTCTL, "--help"], check=True, capture_output=True, timeout=60)
     assert b"examples:" in out.stdout
     assert time.monotonic() - started < 20  # generous: the CI machine is shared
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["list"], ["show"], ["verify"], ["prune", "--keep-last", "1", "--dry-run"], ["pin", "3"]],
+    ids=lambda argv: argv[0],
+)
+def test_reading_manifests_imports_no_torch(argv: list[str], tmp_path: pathlib.Path) -> None:
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(str(tmp_path), cfg, run_id="notorch") as mgr:
+        mgr.save(3, {"w": torch.arange(4, dtype=torch.bfloat16), "step": 3}, metrics={"loss": 1.5})
+    code = (
+        "import sys; from ckpt_manager.cli import main; "
+        f"rc = main({[argv[0], str(tmp_path), *argv[1:]]!r}); "
+        "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"3" in done.stdout
+
+
+def test_logging_after_main_survives_a_closed_stderr(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # main() configures structlog; a manager logging later (another test, another caller)
+    # must write to the stderr of that moment, not to the one main() saw.
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    assert main(["list", str(tmp_path)]) == 0
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    structlog.get_logger("ckpt_manager").warning("ckpt_after_main", ckpt_step=7)
+    assert "ckpt_after_main" in second.getvalue()
+
+
+def test_dtype_table_matches_torch() -> None:
+    assert {
+        name: value.itemsize
+        for name, value in vars(torch).items()
+        if isinstance(value, torch.dtype)
+    } == ITEM_SIZES
+    assert item_size("bfloat16") == 2
+    with pytest.raises(ValueError, match="unknown dtype 'float33'"):
+        item_size("float33")
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,6 @@ root work on a copy (`copy_root`). It has no tests of its own.
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import uuid
 from typing import Any, NamedTuple
@@ -16,7 +15,7 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, RankLocal
 from daemon.gpt import GPT, Block, GPTConfig, lm_loss
-from sharding import FullyShardedDataParallel, ShardedTensor, ShardingConfig, Strategy
+from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
 from tests.support.dist import run_on_ranks
 from tests.support.s3 import MotoS3, S3Target
 
@@ -38,21 +37,6 @@ def wrap(seed: int) -> FullyShardedDataParallel:
     torch.manual_seed(seed)
     config = ShardingConfig(strategy=Strategy.OPTIM_GRADS_PARAMS, unit_modules=(Block,))
     return FullyShardedDataParallel(GPT(CFG), config)
-
-
-def in_bounds(tree: Any) -> Any:
-    """Empty pieces with an in-bounds flat range.
-
-    [Note: empty pieces out of bounds] The engine (`sharding/_state_dict.py` `_shard_of`)
-    gives a rank that owns none of a parameter an empty piece at flat range `(s, s)` with `s`
-    past the parameter's numel, which `ckpt_manager._tree` rejects ("flat_range does not
-    match"). Reported to the lead; until one side changes, empty pieces move to `(0, 0)`.
-    """
-    if isinstance(tree, dict):
-        return {k: in_bounds(v) for k, v in tree.items()}
-    if isinstance(tree, ShardedTensor) and tree.local.numel() == 0 and tree.flat_range:
-        return dataclasses.replace(tree, flat_range=(0, 0))
-    return tree
 
 
 def train_and_save(
@@ -81,8 +65,8 @@ def train_and_save(
             opt.step()
             opt.zero_grad()
             state = {
-                "model": in_bounds(model.sharded_state_dict()),
-                "optimizer": in_bounds(opt.sharded_state_dict()),
+                "model": model.sharded_state_dict(),
+                "optimizer": opt.sharded_state_dict(),
                 "rng": RankLocal({"torch": torch.get_rng_state(), "rank": rank}),
             }
             for mgr in managers:
@@ -134,6 +118,6 @@ def copy_root(run: Run, backend: str, base: Any) -> str:
     fs = run.bucket.filesystem()
     src = run.s3.removeprefix("s3://")
     dest = f"{run.bucket.bucket}/{name}"
-    for path in fs.find(src):
-        fs.copy(path, dest + path.removeprefix(src))
+    paths = fs.find(src)
+    fs.copy(paths, [dest + path.removeprefix(src) for path in paths])  # one concurrent batch
     return f"s3://{dest}"

@@ -46,12 +46,33 @@ def test_flatten_kinds_and_skeleton() -> None:
         ({1.5: 1}, "use str or int keys"),
         ({"s": Shard(torch.ones(3), (4,), (2,))}, "exceeds global shape"),
         ({"s": Shard(torch.ones(3), (4,), (0,), (2, 4))}, "does not match"),
+        ({"s": Shard(torch.ones(2), (4,), (0,), (3, 5))}, r"lies outside the 4 elements"),
+        ({"s": Shard(torch.ones(2), (4,), (0,), (-1, 1))}, r"lies outside the 4 elements"),
+        ({"s": Shard(torch.ones(0), (4,), (0,), (5, 6))}, "does not match"),
         ({"r": RankLocal(RankLocal(1))}, "cannot be nested"),
     ],
 )
 def test_flatten_rejects_with_path(state: object, message: str) -> None:
     with pytest.raises((TypeError, ValueError), match=message):
         flatten(state)
+
+
+@pytest.mark.parametrize(
+    ("shard", "offset", "flat_range"),
+    [
+        # What the sharding engine emits for a rank owning none of a 16-element parameter.
+        (Shard(torch.ones(0), (16,), (0,), (1648, 1648)), None, (0, 0)),
+        (Shard(torch.ones(0), (16,), (0,), (16, 16)), None, (0, 0)),
+        (Shard(torch.ones(0, 4), (3, 4), (7, 9)), (0, 0), None),
+    ],
+)
+def test_flatten_normalises_empty_pieces_wherever_they_lie(
+    shard: Shard, offset: tuple[int, ...] | None, flat_range: tuple[int, int] | None
+) -> None:
+    (leaf,) = flatten({"s": shard}).leaves
+    assert leaf.kind is LeafKind.SHARDED
+    assert (leaf.global_offset, leaf.flat_range) == (offset, flat_range)
+    assert leaf.global_shape == shard.global_shape
 
 
 def test_layout_header_offsets_are_aligned_and_self_describing() -> None:

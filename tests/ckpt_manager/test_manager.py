@@ -130,6 +130,23 @@ def test_restore_into_template_fills_in_place(tmp_path: pathlib.Path) -> None:
             mgr.restore(1, into={"model": {"missing": torch.zeros(1)}})
 
 
+def test_empty_template_piece_past_the_end_restores(tmp_path: pathlib.Path) -> None:
+    whole = torch.arange(16, dtype=torch.float32)
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(str(tmp_path), cfg, run_id="run") as mgr:
+        mgr.save(1, {"p": Shard(whole, (16,), (0,), (0, 16))})
+        # A rank that owns none of the parameter, placed at the engine's flat cursor.
+        empty = Shard(torch.zeros(0), (16,), (0,), (1648, 1648))
+        result = mgr.restore(1, into={"p": empty})
+        assert result is not None
+        assert result.state["p"] is empty
+        tail = Shard(torch.zeros(4), (16,), (0,), (12, 16))
+        mgr.restore(1, into={"p": tail})
+        assert torch.equal(tail.local, whole[12:])
+        with pytest.raises(CheckpointError, match="lies outside the 16 elements"):
+            mgr.restore(1, into={"p": Shard(torch.zeros(4), (16,), (0,), (14, 18))})
+
+
 def test_memory_root_needs_sync_mode() -> None:
     with pytest.raises(ValueError, match=r"AsyncMode\.SYNC"):
         CheckpointManager("memory://needs-sync", CheckpointConfig())

@@ -9,7 +9,7 @@ import pathlib
 import queue
 import signal
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -125,10 +125,32 @@ def _modes_then_reshard(rank: int, world: int, root: str, saved_at_2: str) -> li
     return [*done, "resharded"]
 
 
-def test_every_mode_at_2_and_3_ranks_and_resharding(tmp_path: pathlib.Path) -> None:
-    two, three = tmp_path / "two", tmp_path / "three"
-    out = run_on_ranks(_modes_on_ranks, 2, str(two), timeout_s=240)
-    assert out == [[m.value for m in AsyncMode]] * 2
+def _two_rank_scenarios(rank: int, world: int, modes_root: str, fault_root: str) -> Any:
+    """Both 2-rank scenarios in one spawn (spawning ranks costs more than either scenario)."""
+    modes = _modes_on_ranks(rank, world, modes_root)
+    return {"modes": modes, "fault": _writer_fault_on_rank1(rank, world, fault_root)}
+
+
+class _TwoRanks(NamedTuple):
+    modes_root: pathlib.Path
+    fault_root: pathlib.Path
+    out: list[Any]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> _TwoRanks:
+    """One 2-rank run: every mode (then resharded to 3), and a writer fault on rank 1."""
+    base = tmp_path_factory.mktemp("two-ranks")
+    modes_root, fault_root = base / "two", base / "fault"
+    out = run_on_ranks(_two_rank_scenarios, 2, str(modes_root), str(fault_root), timeout_s=300)
+    return _TwoRanks(modes_root, fault_root, out)
+
+
+def test_every_mode_at_2_and_3_ranks_and_resharding(
+    two_ranks: _TwoRanks, tmp_path: pathlib.Path
+) -> None:
+    two, three = two_ranks.modes_root, tmp_path / "three"
+    assert [o["modes"] for o in two_ranks.out] == [[m.value for m in AsyncMode]] * 2
     saved_at_2 = str(two / AsyncMode.PERSISTENT.value)
     out = run_on_ranks(_modes_then_reshard, 3, str(three), saved_at_2, timeout_s=240)
     assert out == [[*(m.value for m in AsyncMode), "resharded"]] * 3
@@ -169,13 +191,12 @@ def _writer_fault_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
         return {"error": error, "elapsed": elapsed, "steps": mgr.all_steps()}
 
 
-def test_writer_exception_reaches_every_rank(tmp_path: pathlib.Path) -> None:
-    out = run_on_ranks(_writer_fault_on_rank1, 2, str(tmp_path), timeout_s=120)
-    for rank_out in out:
+def test_writer_exception_reaches_every_rank(two_ranks: _TwoRanks) -> None:
+    for rank_out in (o["fault"] for o in two_ranks.out):
         assert "step 2 failed: rank 1: writer failed: RuntimeError: injected" in rank_out["error"]
         assert rank_out["elapsed"] < 20
         assert rank_out["steps"] == [1, 3]
-    assert not (tmp_path / step_dir(2)).exists()
+    assert not (two_ranks.fault_root / step_dir(2)).exists()
 
 
 def _rank1_dies_mid_save(rank: int, world: int, root: str, report: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pathlib
 
 import pytest
 
@@ -89,6 +90,41 @@ def test_large_object_uses_parallel_multipart(backend_root: Root) -> None:
     st.write("big/obj", payload, chunk_bytes=chunk, concurrency=3)
     assert st.size("big/obj") == len(payload)
     assert st.read("big/obj", chunk - 7, chunk + 7) == payload[chunk - 7 : chunk + 7]
+
+
+def test_put_file_publishes_whole_and_streams_multipart(
+    backend_root: Root, tmp_path: pathlib.Path
+) -> None:
+    st = _storage(backend_root)
+    chunk = 5 << 20
+    payload = os.urandom(2 * chunk + 4321)
+    src = tmp_path / "payload.bin"
+    src.write_bytes(payload)
+    st.put_file(str(src), "out/big.bin", chunk_bytes=chunk, concurrency=3)
+    assert st.size("out/big.bin") == len(payload)
+    assert st.read("out/big.bin", chunk - 5, chunk + 5) == payload[chunk - 5 : chunk + 5]
+    again = tmp_path / "again.bin"
+    again.write_bytes(b"second")
+    with pytest.raises(ObjectExistsError):
+        st.put_file(str(again), "out/big.bin", exclusive=True)
+    assert st.size("out/big.bin") == len(payload)
+    st.put_file(str(again), "out/big.bin")
+    assert st.read("out/big.bin") == b"second"
+    if st.is_local:  # no temporaries left next to the published file
+        assert os.listdir(tmp_path / "ckpt" / "out") == ["big.bin"]
+
+
+def test_put_file_across_filesystems_copies_then_moves(tmp_path: pathlib.Path) -> None:
+    shm = pathlib.Path("/dev/shm")
+    if not shm.is_dir() or os.stat(shm).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("needs /dev/shm on another filesystem than the temporary folder")
+    st = Storage(str(tmp_path / "root"))
+    src = shm / f"ckpt-put-{os.getpid()}.bin"
+    src.write_bytes(b"across")
+    st.put_file(str(src), "a/b.bin")
+    assert st.read("a/b.bin") == b"across"
+    assert not src.exists()
+    assert os.listdir(tmp_path / "root" / "a") == ["b.bin"]
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,41 @@
+"""Committed steps on storage: listing, manifests and deletion (the torch-free catalog)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, StepNotFoundError
+from ckpt_manager._catalog import committed_steps, delete_step, list_step_dirs, read_manifest
+from ckpt_manager._manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._storage import Storage
+
+
+def _root_with_steps(root: pathlib.Path, steps: list[int]) -> Storage:
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(str(root), cfg, run_id="catalog") as mgr:
+        for step in steps:
+            mgr.save(step, {"w": torch.full((3,), float(step))}, metrics={"loss": 1.0 / step})
+    return Storage(str(root))
+
+
+def test_delete_step_removes_manifest_then_folder(tmp_path: pathlib.Path) -> None:
+    storage = _root_with_steps(tmp_path, [1, 2, 3])
+    assert read_manifest(storage, 2).metrics == {"loss": 0.5}
+    delete_step(storage, 2)
+    assert committed_steps(storage) == [1, 3]
+    assert list_step_dirs(storage) == [1, 3]
+    with pytest.raises(StepNotFoundError, match="step 2 is not committed"):
+        read_manifest(storage, 2)
+    delete_step(storage, 2)  # already gone: fine
+
+
+def test_delete_step_finishes_a_half_done_deletion(tmp_path: pathlib.Path) -> None:
+    storage = _root_with_steps(tmp_path, [1, 2])
+    storage.remove(f"{step_dir(1)}/{MANIFEST_NAME}")  # stopped after the manifest went
+    assert committed_steps(storage) == [2]
+    assert storage.exists(f"{step_dir(1)}/{shard_file_name(0)}")
+    delete_step(storage, 1)
+    assert list_step_dirs(storage) == [2]
