@@ -57,7 +57,7 @@ JSON_KEYS = (
     "retained_by",
     "error",
 )
-"""Keys of every `list --json` object, in order (documented in docs/ckptctl.md)."""
+"""Keys of every `list --json` object, in order (documented in the README, section ckptctl)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,7 +8,7 @@ never initialised and the argument parser imports nothing heavy (see [Note: impo
 [Note: import cost] Only `--help` / `--version` / usage errors avoid the `ckpt_manager`
 modules entirely. Every other command reads manifests with `_manifest.py`, which validates
 dtypes through `_format.py` and so imports torch (about 1 s on an idle machine, several on a
-loaded one); `docs/ckptctl.md` records the measured start-up times.
+loaded one); the README's ckptctl section records the measured start-up times.
 """
 
 from __future__ import annotations
@@ -182,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also re-read every file (size, crc32); damaged steps show as corrupt",
     )
-    p.add_argument("--json", action="store_true", help="a JSON array (keys: docs/ckptctl.md)")
+    p.add_argument(
+        "--json", action="store_true", help="a JSON array (keys: see the README, ckptctl list)"
+    )
     _retention_options(p)
 
     p = command("show", "A step's manifest: files, tensors, metrics, versions.")
