@@ -34,6 +34,7 @@ import dataclasses
 import enum
 import platform
 import sys
+from typing import Any
 
 __all__ = [
     "CATALOG",
@@ -171,7 +172,8 @@ _CKPT_BACKGROUND_S = (
 """Background checkpoint phases (write, schedule to commit, restore): 100 ms to an hour."""
 
 
-def _c(
+def _scalar(
+    kind: MetricKind,
     name: str,
     help_: str,
     *,
@@ -181,7 +183,7 @@ def _c(
 ) -> MetricSpec:
     return MetricSpec(
         name=name,
-        kind=MetricKind.COUNTER,
+        kind=kind,
         help=help_,
         per_rank=per_rank,
         label=label,
@@ -189,22 +191,12 @@ def _c(
     )
 
 
-def _g(
-    name: str,
-    help_: str,
-    *,
-    per_rank: bool = True,
-    label: str | None = None,
-    values: tuple[str, ...] = (),
-) -> MetricSpec:
-    return MetricSpec(
-        name=name,
-        kind=MetricKind.GAUGE,
-        help=help_,
-        per_rank=per_rank,
-        label=label,
-        label_values=values,
-    )
+def _c(name: str, help_: str, **kwargs: Any) -> MetricSpec:
+    return _scalar(MetricKind.COUNTER, name, help_, **kwargs)
+
+
+def _g(name: str, help_: str, **kwargs: Any) -> MetricSpec:
+    return _scalar(MetricKind.GAUGE, name, help_, **kwargs)
 
 
 def _h(

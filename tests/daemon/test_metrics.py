@@ -16,32 +16,9 @@ from daemon._collector import NodeCollector, SnapshotAggregator, make_registry
 from daemon._state import NodePhase, NodeState
 from daemon._telemetry import RankTelemetry, snapshot_path
 from daemon.metrics import CATALOG, MetricKind, MetricSpec, build_info_labels, spec
+from tests.support.metric_names import ISSUE_METRICS
 
-# The names the daemon issue requires; dashboards and alerts rely on them.
-REQUIRED = {
-    "trainingd_train_steps_total",
-    "trainingd_train_step",
-    "trainingd_train_step_duration_seconds",
-    "trainingd_train_tokens_total",
-    "trainingd_train_loss",
-    "trainingd_fsdp_allgather_queue_depth",
-    "trainingd_fsdp_reduce_queue_depth",
-    "trainingd_fsdp_prefetch_hits_total",
-    "trainingd_fsdp_prefetch_misses_total",
-    "trainingd_fsdp_collective_seconds",
-    "trainingd_fsdp_collective_bytes_total",
-    "trainingd_ckpt_save_stall_seconds",
-    "trainingd_ckpt_save_latency_seconds",
-    "trainingd_ckpt_write_seconds",
-    "trainingd_ckpt_finalize_seconds",
-    "trainingd_ckpt_bytes_total",
-    "trainingd_ckpt_saves_total",
-    "trainingd_ckpt_inflight",
-    "trainingd_ckpt_last_committed_step",
-    "trainingd_ckpt_last_committed_timestamp_seconds",
-    "trainingd_rank_heartbeat_timestamp_seconds",
-    "trainingd_build_info",
-}
+REQUIRED = set(ISSUE_METRICS)
 
 _NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|rank|build)_[a-z0-9_]+$")
 _UNITS = ("_seconds", "_bytes", "_total", "_ratio", "_depth", "_step", "_info", "_loss",

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests.dashboards import _promql as promql
+from tests.support.metric_names import ISSUE_METRICS
 
 DS_REF = {"type": "prometheus", "uid": "${datasource}"}
 PINNED_UIDS = {
@@ -16,31 +17,6 @@ PINNED_UIDS = {
     "fsdp-communication.json": "trainingd-fsdp",
     "checkpointing.json": "trainingd-checkpointing",
 }
-# The names the daemon issue requires; each must be on a dashboard.
-ISSUE_METRICS = (
-    "trainingd_train_steps_total",
-    "trainingd_train_step",
-    "trainingd_train_step_duration_seconds",
-    "trainingd_train_tokens_total",
-    "trainingd_train_loss",
-    "trainingd_fsdp_allgather_queue_depth",
-    "trainingd_fsdp_reduce_queue_depth",
-    "trainingd_fsdp_prefetch_hits_total",
-    "trainingd_fsdp_prefetch_misses_total",
-    "trainingd_fsdp_collective_seconds",
-    "trainingd_fsdp_collective_bytes_total",
-    "trainingd_ckpt_save_stall_seconds",
-    "trainingd_ckpt_save_latency_seconds",
-    "trainingd_ckpt_write_seconds",
-    "trainingd_ckpt_finalize_seconds",
-    "trainingd_ckpt_bytes_total",
-    "trainingd_ckpt_saves_total",
-    "trainingd_ckpt_inflight",
-    "trainingd_ckpt_last_committed_step",
-    "trainingd_ckpt_last_committed_timestamp_seconds",
-    "trainingd_rank_heartbeat_timestamp_seconds",
-    "trainingd_build_info",
-)
 RANGE_VARIABLES = ("$__rate_interval", "$__range")
 RATE_FUNCTIONS = ("rate(", "irate(", "increase(")
 

@@ -1,0 +1,26 @@
+"""The metric names the daemon issue requires: the daemon exports them, dashboards show them."""
+
+ISSUE_METRICS: tuple[str, ...] = (
+    "trainingd_train_steps_total",
+    "trainingd_train_step",
+    "trainingd_train_step_duration_seconds",
+    "trainingd_train_tokens_total",
+    "trainingd_train_loss",
+    "trainingd_fsdp_allgather_queue_depth",
+    "trainingd_fsdp_reduce_queue_depth",
+    "trainingd_fsdp_prefetch_hits_total",
+    "trainingd_fsdp_prefetch_misses_total",
+    "trainingd_fsdp_collective_seconds",
+    "trainingd_fsdp_collective_bytes_total",
+    "trainingd_ckpt_save_stall_seconds",
+    "trainingd_ckpt_save_latency_seconds",
+    "trainingd_ckpt_write_seconds",
+    "trainingd_ckpt_finalize_seconds",
+    "trainingd_ckpt_bytes_total",
+    "trainingd_ckpt_saves_total",
+    "trainingd_ckpt_inflight",
+    "trainingd_ckpt_last_committed_step",
+    "trainingd_ckpt_last_committed_timestamp_seconds",
+    "trainingd_rank_heartbeat_timestamp_seconds",
+    "trainingd_build_info",
+)
