@@ -90,8 +90,20 @@ def test_bf16_compute_trains(two_rank_runs: list[dict[str, Any]]) -> None:
 
 @pytest.mark.slow
 def test_four_rank_parity_every_strategy() -> None:
-    # Accumulation and checkpointing are covered at two ranks; four ranks keep it light.
-    setups = [Setup(strategy=s, clip=1.0, unused=True, per_rank_batch=1, num_layers=2) for s in ALL]
+    # The full acceptance mix at four ranks, kept light by a 2-layer model and batch 1.
+    setups = [
+        Setup(
+            strategy=s,
+            tie=False,
+            micro_batches=4,
+            clip=1.0,
+            unused=True,
+            checkpointing=True,
+            per_rank_batch=1,
+            num_layers=2,
+        )
+        for s in ALL
+    ]
     results = run_on_ranks(train_many, 4, setups, timeout_s=300)
     for setup, got in zip(setups, results[0], strict=True):
         _assert_parity(setup, 4, got)
