@@ -11,17 +11,18 @@ the training loop, plain s3fs `pipe_file` to SeaweedFS) and ours (`ckpt_manager`
 two never share memory or background threads. Measured:
 
 - stall per save: wall time the loop is blocked by checkpointing: inside `save()` plus the
-  wait in `before_optimizer_step()` (ours); the return time of `async_save` plus the wait for
-  the previous save's future (DCP);
-- inflation per save: extra wall time of the training loop saving every `--every` steps over
-  the same loop without saves (loops alternate: none, saving, none, saving), and the extra
-  CPU seconds per save (the rank process plus our writer process): with training using
-  every core, CPU spent on checkpointing is what inflates the loop;
+  wait in `before_optimizer_step()` (ours); the return time of `async_save` (DCP);
+- inflation per save: windows of `--every` training steps, one save at the start of every
+  other window, in `--pairs` (no save, one save) pairs run in ABBA order; a saving window
+  ends by waiting for its save to finish (inside the timing), so everything the save costs
+  the loop lands in its window. Inflation is the median over pairs of (saving window -
+  plain window); also the extra CPU seconds per save (the rank process plus our writer
+  process): with training using every core, CPU spent on checkpointing is what inflates it;
 - local throughput: state bytes of all ranks / wall time from `save()` to committed, idle
   loop; vs all ranks writing the same bytes to one file each with fsync, same directory;
 - S3 throughput: the same against SeaweedFS on loopback vs plain s3fs `pipe_file`.
 
-One untimed save precedes the loops on both sides (DCP caches its plan; ours allocates its
+One untimed save precedes the windows on both sides (DCP caches its plan; ours allocates its
 staging memory): the first save of a run is reported separately. Targets: stall <= 0.1x DCP
 async_save, inflation <= 1.5x one memcpy, local >= 0.8x raw,
 S3 >= 0.8x s3fs.
@@ -100,12 +101,20 @@ class _Trainer:
         self.optimizer_step()
 
     def forward_backward(self) -> float:
+        import torch.distributed as dist
+
         from daemon.gpt import lm_loss
 
         b = self.batches[self.num_steps % len(self.batches)]
         loss = lm_loss(self.model(b[:, :-1]), b[:, 1:])
         loss.backward()
-        return float(loss.detach())
+        # Data-parallel training synchronises every step (gradient all-reduce); the replicas
+        # here are independent, so a scalar all-reduce stands in for it. Without it ranks
+        # drift apart, and the first collective of a save (ours agrees in maybe_finalize)
+        # would charge one rank for waiting on the other.
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        return float(mean_loss) / dist.get_world_size()
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -217,63 +226,94 @@ def _cpu_s(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _training_loop(trainer: _Trainer, steps: int, on_step_end: Any = None) -> dict[str, float]:
-    """`steps` training steps; `on_step_end(i, before_optimizer=...)` hooks checkpointing in."""
-    cpu0, t0 = _cpu_s(), time.perf_counter()
+def _window(
+    trainer: _Trainer,
+    steps: int,
+    cpu_pids: list[int],
+    save: Any = None,
+    before_optimizer: Any = None,
+    after_optimizer: Any = None,
+    drain: Any = None,
+) -> dict[str, float]:
+    """`steps` training steps; with `save`, one save after the first optimizer step.
+
+    `before_optimizer()` and `after_optimizer()` run around every optimizer step (our fence,
+    our `maybe_finalize()`); `drain()` runs at the end, inside the timing, so a save still
+    writing when the window ends is paid for here.
+    CPU seconds are this process's plus those of `cpu_pids` (our writer process).
+    """
+    cpu0 = _cpu_s() + sum(_cpu_s(p) for p in cpu_pids)
+    t0 = time.perf_counter()
+    hooks_s = 0.0  # time inside the checkpointing calls (where the loop waits, if anywhere)
     for i in range(steps):
         trainer.forward_backward()
-        if on_step_end is not None:
-            on_step_end(i, before_optimizer=True)
+        t1 = time.perf_counter()
+        if before_optimizer is not None:
+            before_optimizer()
+        t2 = time.perf_counter()
         trainer.optimizer_step()
-        if on_step_end is not None:
-            on_step_end(i, before_optimizer=False)
-    return {"loop_s": time.perf_counter() - t0, "cpu_s": _cpu_s() - cpu0}
+        t3 = time.perf_counter()
+        if after_optimizer is not None:
+            after_optimizer()
+        if save is not None and i == 0:
+            save()
+        hooks_s += (t2 - t1) + (time.perf_counter() - t3)
+    t4 = time.perf_counter()
+    if drain is not None:
+        drain()
+    end = time.perf_counter()
+    return {
+        "loop_s": end - t0,
+        "cpu_s": _cpu_s() + sum(_cpu_s(p) for p in cpu_pids) - cpu0,
+        "hooks_s": hooks_s,
+        "drain_s": end - t4,
+    }
 
 
-def _dcp_loop(trainer: _Trainer, rank: int, steps: int, every: int, root: Path) -> dict[str, Any]:
+def _window_pairs(pairs: int, plain: Any, saving: Any) -> dict[str, list[dict[str, float]]]:
+    """`pairs` (window without saves, window with one save), in ABBA order.
+
+    Adjacent windows see the same machine, and alternating which comes first cancels a
+    linear drift (warm-up, other load) that a fixed order would book as save cost. One
+    untimed pair runs first.
+    """
+    plain()
+    saving()
+    out: dict[str, list[dict[str, float]]] = {"none": [], "saving": []}
+    for p in range(pairs):
+        order = (("none", plain), ("saving", saving))
+        for kind, fn in order if p % 2 == 0 else order[::-1]:
+            out[kind].append(fn())
+    return out
+
+
+def _dcp_windows(trainer: _Trainer, rank: int, spec: dict[str, Any], root: Path) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     state = trainer.dcp_state(rank)
     returns: list[float] = []
-    stalls: list[float] = []
-    future: Any = None
+    future: list[Any] = []
 
-    def hook(i: int, *, before_optimizer: bool) -> None:
-        nonlocal future
-        if before_optimizer or i % every:
-            return
+    def save() -> None:
         t0 = time.perf_counter()
-        if future is not None:
-            future.result(timeout=600)  # torchtitan's pattern: one async save at a time
-        t1 = time.perf_counter()
-        future = dcp.async_save(state, checkpoint_id=str(root / f"step-{trainer.num_steps}"))
-        t2 = time.perf_counter()
-        returns.append(t2 - t1)
-        stalls.append(t2 - t0)
+        future.append(dcp.async_save(state, checkpoint_id=str(root / f"step-{trainer.num_steps}")))
+        returns.append(time.perf_counter() - t0)
 
-    cpu0 = _cpu_s()
-    out: dict[str, Any] = _training_loop(trainer, steps, hook)
-    t0 = time.perf_counter()
-    if future is not None:
-        future.result(timeout=600)
-    # The writes run on DCP's thread in this process: its CPU is this process's.
-    out.update(
-        num_saves=len(returns),
-        return_s=returns,
-        stall_s=stalls,
-        drain_s=time.perf_counter() - t0,
-        cpu_with_drain_s=_cpu_s() - cpu0,
+    def drain() -> None:
+        future.pop().result(timeout=600)
+
+    def saving() -> dict[str, float]:
+        # DCP's writes run on a thread of this process: its CPU is this process's.
+        result = _window(trainer, spec["every"], [], save=save, drain=drain)
+        _rank0_rmtree(rank, root)
+        return result
+
+    windows: dict[str, Any] = _window_pairs(
+        spec["pairs"], lambda: _window(trainer, spec["every"], []), saving
     )
-    return out
-
-
-def _loop_pairs(trainer: _Trainer, steps: int, pairs: int, saving_loop: Any) -> dict[str, list]:
-    """Alternate a loop without saves and a saving loop, `pairs` times (shared load drifts)."""
-    loops: dict[str, list[Any]] = {"none": [], "saving": []}
-    for _ in range(pairs):
-        loops["none"].append(_training_loop(trainer, steps))
-        loops["saving"].append(saving_loop())
-    return loops
+    # The first (untimed) pair's save is the one that builds DCP's cached plan.
+    windows["return_s"] = returns[1:]
+    return windows
 
 
 def _baselines(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -307,14 +347,7 @@ def _baselines(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
     out["dcp_first_async_save_s"] = time.perf_counter() - t0
     _rank0_rmtree(rank, root / "dcp-warmup")
 
-    steps = spec["every"] * spec["saves"]
-
-    def saving_loop() -> dict[str, Any]:
-        result = _dcp_loop(trainer, rank, steps, spec["every"], root / "dcp")
-        _rank0_rmtree(rank, root / "dcp")
-        return result
-
-    out["loops"] = _loop_pairs(trainer, steps, spec["alternations"], saving_loop)
+    out["windows"] = _dcp_windows(trainer, rank, spec, root / "dcp")
 
     if spec["s3"] is not None:
         out["s3fs_pipe_s"] = _s3fs_pipe(trainer, rank, spec)
@@ -348,45 +381,42 @@ class _Reports:
         self.reports.append(report)
 
 
-def _our_loop(
-    trainer: _Trainer, mgr: Any, rank: int, world_size: int, steps: int, every: int
+def _our_windows(
+    trainer: _Trainer, mgr: Any, rank: int, world_size: int, spec: dict[str, Any]
 ) -> dict[str, Any]:
     state = trainer.manager_state(rank, world_size)
     stalls: list[float] = []
-    finalize_s = 0.0
 
-    def hook(i: int, *, before_optimizer: bool) -> None:
-        nonlocal finalize_s
-        if before_optimizer:
-            t0 = time.perf_counter()
-            mgr.before_optimizer_step()
-            if stalls:
-                stalls[-1] += time.perf_counter() - t0
-            return
+    def save() -> None:
+        state["step"] = trainer.num_steps
         t0 = time.perf_counter()
-        mgr.maybe_finalize()
-        finalize_s += time.perf_counter() - t0
-        if i % every == 0:
-            state["step"] = trainer.num_steps
-            t0 = time.perf_counter()
-            mgr.save(trainer.num_steps, state)
-            stalls.append(time.perf_counter() - t0)
+        mgr.save(trainer.num_steps, state)
+        stalls.append(time.perf_counter() - t0)
 
-    writer_pid = mgr.writer_pid
-    cpu0 = _cpu_s()
-    writer_cpu0 = _cpu_s(writer_pid) if writer_pid else 0.0
-    out: dict[str, Any] = _training_loop(trainer, steps, hook)
-    t0 = time.perf_counter()
-    mgr.wait_until_finished()
-    out.update(
-        num_saves=len(stalls),
-        stall_s=stalls,
-        maybe_finalize_s=finalize_s,
-        drain_s=time.perf_counter() - t0,
-        cpu_with_drain_s=_cpu_s() - cpu0,
-        writer_cpu_s=(_cpu_s(writer_pid) - writer_cpu0) if writer_pid else None,
+    def fence() -> None:
+        # The training loop's part of a save: the wait before parameters change.
+        t0 = time.perf_counter()
+        mgr.before_optimizer_step()
+        if stalls:
+            stalls[-1] += time.perf_counter() - t0
+
+    def window(with_save: bool) -> dict[str, float]:
+        pid = mgr.writer_pid  # the persistent writer; a restart would show as a new pid
+        return _window(
+            trainer,
+            spec["every"],
+            [pid] if pid else [],
+            save=save if with_save else None,
+            before_optimizer=fence,
+            after_optimizer=mgr.maybe_finalize,
+            drain=lambda: _wait_committed(mgr),
+        )
+
+    windows: dict[str, Any] = _window_pairs(
+        spec["pairs"], lambda: window(False), lambda: window(True)
     )
-    return out
+    windows["stall_s"] = stalls[1:]  # without the untimed first pair
+    return windows
 
 
 def _manager(root: str, spec: dict[str, Any], storage_options: dict[str, Any]) -> Any:
@@ -402,6 +432,19 @@ def _manager(root: str, spec: dict[str, Any], storage_options: dict[str, Any]) -
     return CheckpointManager(root, config, run_id="bench", observer=observer), observer
 
 
+def _wait_committed(mgr: Any) -> None:
+    """Finalize until nothing is in flight (what `wait_until_finished()` does, minus its wait
+    for the retention deleter: deleting old steps runs in the background, costs I/O wait and
+    no CPU, and a training loop never waits for it).
+
+    `maybe_finalize()` agrees across ranks, so every rank sees the commit in the same call
+    and this loop runs equally often on each.
+    """
+    while mgr.stats().inflight:
+        mgr.maybe_finalize()
+        time.sleep(0.002)
+
+
 def _idle_saves(trainer: _Trainer, mgr: Any, rank: int, world_size: int, n: int) -> list[float]:
     """Save-to-committed wall time with nothing else running (end-to-end throughput)."""
     state = trainer.manager_state(rank, world_size)
@@ -413,7 +456,7 @@ def _idle_saves(trainer: _Trainer, mgr: Any, rank: int, world_size: int, n: int)
         def one(step: int = trainer.num_steps) -> None:
             mgr.save(step, state)
             mgr.before_optimizer_step()
-            mgr.wait_until_finished()
+            _wait_committed(mgr)
 
         times.append(_timed_all(one))
     return times
@@ -424,19 +467,13 @@ def _ours(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     trainer = _Trainer(spec, rank)
     root = Path(spec["dir"]) / "ours"
     out: dict[str, Any] = {"state_bytes": trainer.num_bytes()}
-    steps = spec["every"] * spec["saves"]
 
     mgr, observer = _manager(str(root / "local"), spec, {})
     with mgr:
         # The first save of a run allocates and first-touches the staging memory: reported,
         # then kept out of the steady-state figures.
         out["first_save_s"] = _idle_saves(trainer, mgr, rank, world_size, 1)[0]
-        out["loops"] = _loop_pairs(
-            trainer,
-            steps,
-            spec["alternations"],
-            lambda: _our_loop(trainer, mgr, rank, world_size, steps, spec["every"]),
-        )
+        out["windows"] = _our_windows(trainer, mgr, rank, world_size, spec)
         out["local_save_s"] = _idle_saves(trainer, mgr, rank, world_size, spec["repeats"])
     out["local_reports"] = [r._asdict() for r in observer.reports]
     _rank0_rmtree(rank, root / "local")
@@ -488,9 +525,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
-    p.add_argument("--every", type=int, default=4, help="save every N steps (default 4)")
-    p.add_argument("--saves", type=int, default=3, help="saves per training loop (default 3)")
-    p.add_argument("--alternations", type=int, default=3, help="(none, saving) loop pairs")
+    p.add_argument("--every", type=int, default=4, help="steps per window (default 4)")
+    p.add_argument("--pairs", type=int, default=8, help="(no save, one save) window pairs")
     p.add_argument("--repeats", type=int, default=3, help="repeats of each local one-shot timing")
     p.add_argument("--s3-repeats", type=int, default=2, help="repeats of each S3 timing")
     p.add_argument("--async-mode", default="persistent", help="our AsyncMode (default persistent)")
@@ -501,37 +537,32 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout-s", type=float, default=1800.0, help="per set of ranks")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     args = p.parse_args(argv)
-    if min(args.size_mib, args.saves, args.repeats, args.s3_repeats, args.alternations) < 1:
-        p.error("--size-mib, --saves, --repeats, --s3-repeats, --alternations must be >= 1")
+    if min(args.size_mib, args.repeats, args.s3_repeats, args.pairs) < 1:
+        p.error("--size-mib, --repeats, --s3-repeats, --pairs must be >= 1")
     if args.every < 2:
         p.error("--every must be >= 2 (a save needs following steps to overlap with)")
     return args
 
 
-def _loop_figures(loops: dict[str, list[Any]]) -> dict[str, Any]:
-    """Inflation per save: pooled (total extra wall / saves) and per (none, saving) pair."""
-    none, saving = loops["none"], loops["saving"]
-    num_saves = sum(r["num_saves"] for r in saving)
-    extra = sum(r["loop_s"] for r in saving) - sum(r["loop_s"] for r in none)
-    per_pair = [
-        (s["loop_s"] - n["loop_s"]) / s["num_saves"] for n, s in zip(none, saving, strict=True)
-    ]
-    extra_cpu = [
-        (s["cpu_with_drain_s"] + (s.get("writer_cpu_s") or 0.0) - n["cpu_s"]) / s["num_saves"]
-        for n, s in zip(none, saving, strict=True)
-    ]
-    stalls = [x for r in saving for x in r["stall_s"]]
-    return {
-        "loop_none_s": [r["loop_s"] for r in none],
-        "loop_saving_s": [r["loop_s"] for r in saving],
-        "num_saves": num_saves,
-        "inflation_per_save_s": extra / num_saves,
-        "inflation_per_save_per_pair_s": per_pair,
+def _window_figures(windows: dict[str, Any]) -> dict[str, Any]:
+    """Inflation per save: the median over pairs of (saving window - window without saves)."""
+    none, saving = windows["none"], windows["saving"]
+    extra = [s["loop_s"] - n["loop_s"] for n, s in zip(none, saving, strict=True)]
+    extra_cpu = [s["cpu_s"] - n["cpu_s"] for n, s in zip(none, saving, strict=True)]
+    out = {
+        "window_none_s": [r["loop_s"] for r in none],
+        "window_saving_s": [r["loop_s"] for r in saving],
+        "inflation_per_save_s": median(extra),
+        "inflation_per_save_mean_s": sum(extra) / len(extra),
+        "inflation_per_pair_s": extra,
         "extra_cpu_per_save_s": median(extra_cpu),
-        "stall_per_save_s": median(stalls),
-        "stall_max_s": max(stalls),
-        "drain_after_loop_s": median(r["drain_s"] for r in saving),
+        "hooks_per_save_s": median(r["hooks_s"] for r in saving),
+        "drain_per_save_s": median(r["drain_s"] for r in saving),
     }
+    if "stall_s" in windows:
+        out["stall_per_save_s"] = median(windows["stall_s"])
+        out["stall_max_s"] = max(windows["stall_s"])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -554,8 +585,7 @@ def main(argv: list[str] | None = None) -> int:
                 "batch": args.batch,
                 "seq_len": args.seq_len,
                 "every": args.every,
-                "saves": args.saves,
-                "alternations": args.alternations,
+                "pairs": args.pairs,
                 "repeats": args.repeats,
                 "s3_repeats": args.s3_repeats,
                 "async_mode": args.async_mode,
@@ -608,19 +638,16 @@ def _report(
         figures["memcpy_s"] = max(r["memcpy_s"] for r in base)
         figures["raw_write_s"] = median(b0["raw_write_s"])
         figures["dcp_save_s"] = median(b0["dcp_save_s"])
-        dcp_loops = [_loop_figures(r["loops"]) for r in base]
-        figures["dcp_async_return_s"] = median(
-            t for r in base for run in r["loops"]["saving"] for t in run["return_s"]
-        )
+        dcp_loops = [_window_figures(r["windows"]) for r in base]
+        figures["dcp_async_return_s"] = median(t for r in base for t in r["windows"]["return_s"])
         figures["dcp_first_async_save_s"] = max(r["dcp_first_async_save_s"] for r in base)
-        figures["dcp_async_stall_s"] = max(f["stall_per_save_s"] for f in dcp_loops)
         figures["dcp_async_inflation_s"] = max(f["inflation_per_save_s"] for f in dcp_loops)
         figures["dcp_loop_per_rank"] = dcp_loops
         if "s3fs_pipe_s" in b0:
             figures["s3fs_pipe_s"] = median(b0["s3fs_pipe_s"])
     if ours is not None:
         o0 = ours[0]
-        our_loops = [_loop_figures(r["loops"]) for r in ours]
+        our_loops = [_window_figures(r["windows"]) for r in ours]
         figures["ours_stall_s"] = max(f["stall_per_save_s"] for f in our_loops)
         figures["ours_inflation_s"] = max(f["inflation_per_save_s"] for f in our_loops)
         figures["ours_first_save_s"] = max(r["first_save_s"] for r in ours)
@@ -675,8 +702,8 @@ def _render(report: dict[str, Any]) -> str:
     lines = [
         f"{cfg['world_size']} gloo ranks, state "
         + (", ".join(f"{b / MIB:.0f}" for b in per_rank) if per_rank else "n/a")
-        + f" MiB per rank (GPT {LAYERS} blocks + AdamW), save every {cfg['every']} steps, "
-        f"{cfg['saves']} saves x {cfg['alternations']} loops, async mode {cfg['async_mode']}",
+        + f" MiB per rank (GPT {LAYERS} blocks + AdamW), {cfg['pairs']} pairs of "
+        f"{cfg['every']}-step windows (no save, one save), async mode {cfg['async_mode']}",
         "",
     ]
     rows = [
@@ -684,7 +711,6 @@ def _render(report: dict[str, Any]) -> str:
         ["raw sequential write + fsync", f.get("raw_write_s"), thr["raw_write"]],
         ["dcp.save (blocking)", f.get("dcp_save_s"), thr["dcp_save"]],
         ["dcp.async_save: return time", f.get("dcp_async_return_s"), None],
-        ["dcp.async_save: stall in loop", f.get("dcp_async_stall_s"), None],
         ["dcp.async_save: inflation/save", f.get("dcp_async_inflation_s"), None],
         ["dcp.async_save: extra CPU-s/save", _cpu(f, "dcp_loop_per_rank"), None],
         ["ours: stall/save", f.get("ours_stall_s"), None],

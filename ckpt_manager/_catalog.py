@@ -6,11 +6,11 @@ manifests without paying for importing torch (see `_dtypes`).
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable
 
 import structlog
 
+from ckpt_manager._checksum import crc32
 from ckpt_manager._manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from ckpt_manager._storage import Storage
 from ckpt_manager.errors import (
@@ -26,6 +26,7 @@ __all__ = [
     "drop_dead_attempts",
     "list_step_dirs",
     "read_manifest",
+    "read_manifests",
     "verify_files",
 ]
 
@@ -84,6 +85,31 @@ def read_manifest(storage: Storage, step: int) -> Manifest:
     return Manifest.from_json(data, expected_step=step)
 
 
+def read_manifests(storage: Storage, steps: list[int]) -> list[Manifest | CheckpointError]:
+    """`read_manifest` for many steps, the reads issued concurrently on object stores.
+
+    Each result is the validated manifest or the error (`StepNotFoundError`: not committed;
+    `CorruptCheckpointError`; `StorageError`) in the step's place.
+    """
+    blobs = storage.read_many([f"{step_dir(s)}/{MANIFEST_NAME}" for s in steps])
+    out: list[Manifest | CheckpointError] = []
+    for step, blob in zip(steps, blobs, strict=True):
+        if isinstance(blob, ObjectNotFoundError):
+            out.append(
+                StepNotFoundError(
+                    f"step {step} is not committed under {storage.root_uri} (no manifest)"
+                )
+            )
+        elif isinstance(blob, CheckpointError):
+            out.append(blob)
+        else:
+            try:
+                out.append(Manifest.from_json(blob, expected_step=step))
+            except CorruptCheckpointError as err:
+                out.append(err)
+    return out
+
+
 def verify_files(
     storage: Storage, manifest: Manifest, names: Iterable[str], *, check_crc: bool
 ) -> None:
@@ -108,7 +134,7 @@ def verify_files(
             continue
         crc = 0
         for start in range(0, size, _READ_CHUNK):
-            crc = zlib.crc32(storage.read(path, start, min(size, start + _READ_CHUNK)), crc)
+            crc = crc32(storage.read(path, start, min(size, start + _READ_CHUNK)), crc)
         if crc != entry.crc32:
             raise CorruptCheckpointError(
                 f"step {manifest.step}: file {name} checksum {crc:#010x} != manifest "

@@ -21,12 +21,12 @@ import dataclasses
 import os
 import tempfile
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import torch
 
+from ckpt_manager._checksum import crc32
 from ckpt_manager._commit import build_contribution, merge_manifest
 from ckpt_manager._ctl_render import Progress
 from ckpt_manager._ctl_stream import TensorSource, stream_range, tensor_bytes
@@ -136,7 +136,7 @@ def _write_file(
     layout = plan_layout(
         [(p.leaf.key, p.leaf.tensor.dtype, tuple(p.leaf.tensor.shape)) for p in parts]
     )
-    crc = zlib.crc32(layout.header)
+    crc = crc32(layout.header)
     out.write(layout.header)
     written = len(layout.header)
     prefetch = 3 if storage.is_object_store else 0
@@ -147,7 +147,7 @@ def _write_file(
             gap = slot.offset - written
             if gap:
                 out.write(b"\x00" * gap)
-                crc = zlib.crc32(b"\x00" * gap, crc)
+                crc = crc32(b"\x00" * gap, crc)
                 written += gap
             for chunk in stream_range(
                 storage,
@@ -161,7 +161,7 @@ def _write_file(
             ):
                 data = tensor_bytes(chunk)
                 out.write(data)
-                crc = zlib.crc32(data, crc)
+                crc = crc32(data, crc)
                 written += len(data)
                 progress.advance(len(data))
     assert written == layout.total_bytes, (written, layout.total_bytes)

@@ -174,7 +174,9 @@ class Manifest:
                 for rl in self.rank_local
             ],
         }
-        return json.dumps(doc, indent=1, allow_nan=True).encode()
+        # Compact: `ckptctl list` reads one manifest per step, and a manifest grows with
+        # ranks x tensors; indentation made them 2.3x larger and 25% slower to parse.
+        return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes, *, expected_step: int | None = None) -> Manifest:

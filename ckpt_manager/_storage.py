@@ -4,7 +4,8 @@
 `file://`, `s3://bucket/prefix`, `memory://`, any registered protocol) and exposes a handful of
 operations on names relative to the root. Object-store quirks live here and nowhere else:
 
-* Atomic writes. Local disk: a temp file in the target folder, fsync, then `os.replace`
+* Atomic writes. Local disk: a temp file in the target folder (large buffers written with
+  `O_DIRECT`, see `_direct_write.py`), fsync, then `os.replace`
   (or `os.link` for an exclusive create, which fails if the name exists), then fsync the
   folder. Object stores: one PUT, or a parallel multipart upload completed at the end, so
   an object is either whole or absent. `put_file` publishes a finished local file the same
@@ -32,6 +33,7 @@ import fsspec
 import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
+from ckpt_manager._direct_write import write_at_start
 from ckpt_manager.errors import (
     CheckpointError,
     ObjectExistsError,
@@ -66,22 +68,29 @@ def validate_relative_name(name: str) -> str:
     return name
 
 
+def _storage_error(op: str, path: str, err: Exception) -> CheckpointError:
+    """The `StorageError` subclass for a backend error (a `CheckpointError` is kept)."""
+    if isinstance(err, CheckpointError):
+        return err
+    if isinstance(err, FileExistsError):
+        return ObjectExistsError(errno.EEXIST, f"{op} {path}: already exists ({err})")
+    if isinstance(err, FileNotFoundError):
+        return ObjectNotFoundError(errno.ENOENT, f"{op} {path}: not found ({err})")
+    if isinstance(err, OSError):
+        code = err.errno if err.errno is not None else errno.EIO
+        return StorageError(code, f"{op} {path} failed: {err}")
+    # botocore/aiohttp errors that s3fs did not translate (connection refused, timeouts).
+    return StorageError(errno.EIO, f"{op} {path} failed: {type(err).__name__}: {err}")
+
+
 @contextlib.contextmanager
 def _translated(op: str, path: str) -> Iterator[None]:
     try:
         yield
     except CheckpointError:
         raise
-    except FileExistsError as err:
-        raise ObjectExistsError(errno.EEXIST, f"{op} {path}: already exists ({err})") from err
-    except FileNotFoundError as err:
-        raise ObjectNotFoundError(errno.ENOENT, f"{op} {path}: not found ({err})") from err
-    except OSError as err:
-        code = err.errno if err.errno is not None else errno.EIO
-        raise StorageError(code, f"{op} {path} failed: {err}") from err
     except Exception as err:
-        # botocore/aiohttp errors that s3fs did not translate (connection refused, timeouts).
-        raise StorageError(errno.EIO, f"{op} {path} failed: {type(err).__name__}: {err}") from err
+        raise _storage_error(op, path, err) from err
 
 
 def _is_precondition_failed(err: BaseException) -> bool:
@@ -289,9 +298,7 @@ class Storage:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             try:
-                view = data.cast("B")
-                while view:
-                    view = view[os.write(fd, view) :]
+                write_at_start(fd, tmp, data)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -311,6 +318,22 @@ class Storage:
         path = self.path(name)
         with _translated("read", path):
             return bytes(self.fs.cat_file(path, start=start, end=end))
+
+    def read_many(self, names: list[str]) -> list[bytes | CheckpointError]:
+        """Read whole objects; on async filesystems (S3) as concurrent requests in one batch.
+
+        Returns, in order, each object's bytes or the `StorageError` (`ObjectNotFoundError`
+        for a missing object) its read failed with, so one bad name never hides the others.
+        """
+        paths = [self.path(n) for n in names]
+        if not paths:
+            return []
+        with _translated("read", paths[0]):
+            results = self.fs.cat_ranges(paths, None, None, on_error="return")
+        return [
+            _storage_error("read", path, r) if isinstance(r, Exception) else bytes(r)
+            for path, r in zip(paths, results, strict=True)
+        ]
 
     def size(self, name: str) -> int:
         """Size in bytes of an object."""

@@ -31,12 +31,12 @@ import os
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ckpt_manager._checksum import crc32
 from ckpt_manager._storage import Storage
 
 __all__ = ["FAULT_ENV", "main", "write_shard"]
@@ -55,15 +55,15 @@ def write_shard(
 ) -> tuple[int, int]:
     """Checksum and atomically write one shard file; returns `(size, crc32)`.
 
-    The checksum runs on a second thread while the bytes are written (zlib and file writes
+    The checksum runs on a second thread while the bytes are written (the CRC and file writes
     both release the GIL), so it costs no extra wall time on a machine with two cores.
     """
     if len(data) < _PARALLEL_CRC_BYTES:
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         storage.write(name, data, chunk_bytes=chunk_bytes, concurrency=concurrency)
         return len(data), crc
     box: list[int] = []
-    crc_thread = threading.Thread(target=lambda: box.append(zlib.crc32(data)), name="crc32")
+    crc_thread = threading.Thread(target=lambda: box.append(crc32(data)), name="crc32")
     crc_thread.start()
     try:
         storage.write(name, data, chunk_bytes=chunk_bytes, concurrency=concurrency)

@@ -1,0 +1,96 @@
+"""Large local writes past the page cache, and the checksum they are recorded with."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import zlib
+from pathlib import Path
+
+import pytest
+
+from ckpt_manager import _checksum, _direct_write
+from ckpt_manager._direct_write import DIRECT_ALIGN, write_at_start
+from ckpt_manager._storage import Storage
+
+SIZE = (6 << 20) + 1234  # over the O_DIRECT threshold, not a whole number of blocks
+
+
+def _slab(size: int) -> mmap.mmap:
+    """A page-aligned shared mapping like the staging slabs, filled with a pattern."""
+    mm = mmap.mmap(-1, size)
+    mm.write(bytes(range(251)) * (size // 251) + b"\x07" * (size % 251))
+    return mm
+
+
+def _write(path: Path, data: memoryview) -> bytes:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_at_start(fd, str(path), data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path.read_bytes()
+
+
+def test_aligned_slab_is_written_whole_through_the_direct_path(tmp_path: Path) -> None:
+    mm = _slab(SIZE)
+    view = memoryview(mm)
+    assert _direct_write._direct_candidate(view)
+    assert _write(tmp_path / "shard.bin", view) == mm[:]
+    view.release()
+
+
+def test_direct_prefix_is_block_aligned_or_refused(tmp_path: Path) -> None:
+    mm = _slab(SIZE)
+    view = memoryview(mm)
+    path = tmp_path / "prefix.bin"
+    path.touch()
+    written = _direct_write._write_direct(str(path), view)
+    # 0 only where the filesystem refuses O_DIRECT (then the buffered path writes it all).
+    assert written in (0, SIZE // DIRECT_ALIGN * DIRECT_ALIGN)
+    assert path.read_bytes() == mm[:written]
+    view.release()
+
+
+@pytest.mark.parametrize("kind", ["read-only bytes", "unaligned view", "small"])
+def test_other_buffers_take_the_buffered_path(tmp_path: Path, kind: str) -> None:
+    mm = _slab(SIZE + 1)
+    data = {
+        "read-only bytes": memoryview(mm[:SIZE]),
+        "unaligned view": memoryview(mm)[1:],
+        "small": memoryview(mm)[:4096 + 3],
+    }[kind]
+    assert not _direct_write._direct_candidate(data)
+    assert _write(tmp_path / "f.bin", data) == bytes(data)
+    data.release()
+
+
+def test_storage_write_of_a_slab_is_atomic_and_exact(tmp_path: Path) -> None:
+    mm = _slab(SIZE)
+    storage = Storage(str(tmp_path / "root"))
+    view = memoryview(mm)
+    storage.write("step-000000000001/rank-00000.bin", view)
+    view.release()
+    folder = tmp_path / "root" / "step-000000000001"
+    assert [p.name for p in folder.iterdir()] == ["rank-00000.bin"]  # no temp file left
+    assert (folder / "rank-00000.bin").read_bytes() == mm[:]
+
+
+def test_disk_full_is_an_error_not_a_fallback(tmp_path: Path) -> None:
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full")
+    fd = os.open("/dev/full", os.O_WRONLY)
+    try:
+        with pytest.raises(OSError) as info:
+            write_at_start(fd, "/dev/full", memoryview(b"x" * 10))
+    finally:
+        os.close(fd)
+    assert info.value.errno == 28  # ENOSPC
+
+
+def test_checksum_matches_zlib_in_pieces() -> None:
+    data = os.urandom((3 << 20) + 17)
+    assert _checksum.crc32(data) == zlib.crc32(data)
+    assert _checksum.crc32(data[1000:], _checksum.crc32(data[:1000])) == zlib.crc32(data)
+    assert _checksum.IMPLEMENTATION == "isal"  # a dependency: the fast path is the real one
