@@ -59,7 +59,7 @@ def test_other_buffers_take_the_buffered_path(tmp_path: Path, kind: str) -> None
     data = {
         "read-only bytes": memoryview(mm[:SIZE]),
         "unaligned view": memoryview(mm)[1:],
-        "small": memoryview(mm)[:4096 + 3],
+        "small": memoryview(mm)[: 4096 + 3],
     }[kind]
     assert not _direct_write._direct_candidate(data)
     assert _write(tmp_path / "f.bin", data) == bytes(data)
