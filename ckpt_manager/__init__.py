@@ -18,6 +18,9 @@ Module plan:
                     multipart uploads, error translation; validate_relative_name.
     _tree.py        state <-> JSON skeleton + tensor leaves (replicated, sharded, rank-local).
     _format.py      shard file format: magic + JSON header + aligned raw tensor bytes.
+    _direct_write.py  large local writes with O_DIRECT from page-aligned slabs (no page
+                    cache: 0.03 vs 0.2-2 CPU-s per 580 MiB), buffered tail and fallback.
+    _checksum.py    zlib-compatible CRC-32 through ISA-L (`isal`), zlib as the fallback.
     _manifest.py    layout names (step-<N:012d>, rank-<r:05d>.bin, manifest.json, _pins/),
                     Manifest schema with validation.
     _commit.py      per-rank contributions, their merge into a manifest, the exclusive commit.

@@ -209,3 +209,32 @@ def test_reshard_reports_missing_coverage() -> None:
             lambda p, s, e: store[p.file][s:e],
             "t",
         )
+
+
+def test_is_sharded_agrees_with_the_protocol_check() -> None:
+    import dataclasses
+
+    import torch
+
+    from ckpt_manager._tree import is_sharded
+    from ckpt_manager._types import ShardedTensorLike
+
+    @dataclasses.dataclass
+    class Full:
+        local: torch.Tensor
+        global_shape: tuple[int, ...]
+        global_offset: tuple[int, ...]
+        flat_range: tuple[int, int] | None
+
+    @dataclasses.dataclass
+    class NoFlatRange:
+        local: torch.Tensor
+        global_shape: tuple[int, ...]
+        global_offset: tuple[int, ...]
+
+    t = torch.zeros(2)
+    cases = [Full(t, (4,), (0,), None), NoFlatRange(t, (4,), (0,)), {"local": t}, 3, None]
+    for value in cases:
+        assert is_sharded(value) == isinstance(value, ShardedTensorLike), value
+    assert is_sharded(cases[0])
+    assert not is_sharded(t)
