@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+from collections.abc import Iterable
 
 __all__ = ["DIRECT_ALIGN", "write_at_start"]
 
@@ -29,15 +30,44 @@ _CHUNK = 64 << 20
 _O_DIRECT: int | None = getattr(os, "O_DIRECT", None)
 
 
-def write_at_start(fd: int, path: str, data: memoryview) -> None:
+def write_at_start(
+    fd: int, path: str, data: memoryview, staged: Iterable[int] | None = None
+) -> None:
     """Write all of `data` at offset 0 of the new, empty file `path`, open for writing as `fd`.
+
+    Args:
+        fd: the file, open for writing (buffered).
+        path: its path (reopened with `O_DIRECT` for the aligned bulk).
+        data: the bytes.
+        staged: increasing counts of leading bytes of `data` that are final, ending with
+            `len(data)`, each arriving as the producer finishes them (a pipelined
+            snapshot): bytes are written as soon as they are final. None: all final now.
 
     The caller fsyncs `fd`; that flushes the direct and the buffered parts alike.
     """
     view = data.cast("B") if (data.format, data.ndim) != ("B", 1) else data
-    done = _write_direct(path, view) if _direct_candidate(view) else 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done : done + _CHUNK], done)
+    total = len(view)
+    marks = (total,) if staged is None else staged
+    dfd = _open_direct(path) if _direct_candidate(view) else None
+    done = 0
+    try:
+        for upto in marks:
+            if not done <= upto <= total:
+                raise ValueError(f"staged byte count {upto} outside [{done}, {total}]")
+            if dfd is not None:
+                aligned = upto // DIRECT_ALIGN * DIRECT_ALIGN
+                done, ok = _write_direct(dfd, view, done, aligned)
+                if not ok:  # refused after all: the rest goes buffered
+                    os.close(dfd)
+                    dfd = None
+            if dfd is None or upto == total:
+                while done < upto:
+                    done += os.pwrite(fd, view[done : min(done + _CHUNK, upto)], done)
+    finally:
+        if dfd is not None:
+            os.close(dfd)
+    if done != total:
+        raise ValueError(f"staging stopped at {done} of {total} bytes")
 
 
 def _direct_candidate(view: memoryview) -> bool:
@@ -47,28 +77,31 @@ def _direct_candidate(view: memoryview) -> bool:
     return address % DIRECT_ALIGN == 0
 
 
-def _write_direct(path: str, view: memoryview) -> int:
-    """Write the block-aligned prefix of `view` with `O_DIRECT`; returns bytes written."""
+def _open_direct(path: str) -> int | None:
+    """`path` reopened with `O_DIRECT`, or None where the filesystem refuses it."""
     assert _O_DIRECT is not None
-    aligned = len(view) // DIRECT_ALIGN * DIRECT_ALIGN
     try:
-        fd = os.open(path, os.O_WRONLY | _O_DIRECT)
+        return os.open(path, os.O_WRONLY | _O_DIRECT)
     except OSError as err:
         if err.errno == errno.EINVAL:
-            return 0
+            return None
         raise
-    done = 0
-    try:
-        while done < aligned:
-            try:
-                n = os.pwrite(fd, view[done : min(done + _CHUNK, aligned)], done)
-            except OSError as err:
-                if err.errno == errno.EINVAL:  # refused after all: finish buffered
-                    return done
-                raise
-            done += n
-            if n % DIRECT_ALIGN:  # a short, unaligned write: the rest must go buffered
-                return done
-    finally:
-        os.close(fd)
-    return done
+
+
+def _write_direct(fd: int, view: memoryview, start: int, end: int) -> tuple[int, bool]:
+    """Write `view[start:end]` (block-aligned) at `start` through the `O_DIRECT` fd.
+
+    Returns `(bytes written up to, whether O_DIRECT may be used further)`.
+    """
+    done = start
+    while done < end:
+        try:
+            n = os.pwrite(fd, view[done : min(done + _CHUNK, end)], done)
+        except OSError as err:
+            if err.errno == errno.EINVAL:
+                return done, False
+            raise
+        done += n
+        if n % DIRECT_ALIGN:  # a short, unaligned write: the rest must go buffered
+            return done, False
+    return done, True

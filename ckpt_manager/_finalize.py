@@ -123,6 +123,8 @@ class Finalizer:
         request.cancelled = True
         request.handed_off.wait(self._config.staging_timeout_s)
         writer = request.writer
+        if request.abort_sent:  # it drops the file and answers: no need to restart it
+            request.await_answer(self._config.writer_start_timeout_s)
         if writer is None or request.answered or writer.exit_code() is not None:
             return
         writer.kill()

@@ -11,8 +11,9 @@ Owns (and `close()` releases): the staging thread, the persistent writer, the sl
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -105,22 +106,45 @@ class LocalPipeline:
         return slab
 
     def _stage_and_dispatch(self, request: SaveRequest) -> None:
-        """Staging-thread job (inline in sync mode): copy, then hand to the writer."""
+        """Staging-thread job (inline in sync mode): copy, then hand to the writer.
+
+        [Note: streamed writes] To local disk, a writer process gets the request before the
+        copy starts and writes each part of the file as soon as it is staged (progress
+        messages every 32 MiB), so the write overlaps the copy instead of following it.
+        Object stores upload whole parts after the copy, so they gain nothing from it.
+        """
         try:
-            self._stage(request)
-            if request.error is None and not request.cancelled:
-                self._dispatch(request)
+            if self._streams(request):
+                self._stage_streamed(request)
+            else:
+                self._stage(request)
+                if request.error is None and not request.cancelled:
+                    self._dispatch(request)
         finally:
             request.copied.set()
             request.handed_off.set()
 
-    def _stage(self, request: SaveRequest) -> None:
+    def _streams(self, request: SaveRequest) -> bool:
+        return (
+            self._config.async_mode is not AsyncMode.SYNC
+            and self._storage.is_local
+            and request.file_name is not None
+        )
+
+    def _stage(
+        self,
+        request: SaveRequest,
+        on_progress: Callable[[int], None] | None = None,
+        slab: Slab | None = None,
+    ) -> None:
         tensors: list[torch.Tensor] = request.tensors
         try:
             t0 = time.monotonic()
             # Allocating here, not in save(), keeps even the first save() non-blocking.
-            request.slab = self._slab_for(request.slot, request.layout.total_bytes)
-            copy_into_slab(request.slab, request.layout, tensors)
+            if slab is None:
+                slab = self._slab_for(request.slot, request.layout.total_bytes)
+            request.slab = slab
+            copy_into_slab(slab, request.layout, tensors, on_progress)
             request.staging_s = time.monotonic() - t0
         except Exception as err:
             request.fail(f"snapshot copy failed: {type(err).__name__}: {err}")
@@ -128,7 +152,32 @@ class LocalPipeline:
             request.tensors = []
             request.copied.set()  # the training loop may now change the tensors
 
-    def _dispatch(self, request: SaveRequest) -> None:
+    def _stage_streamed(self, request: SaveRequest) -> None:
+        """Hand the request to the writer first, then copy, reporting progress."""
+        try:
+            slab = self._slab_for(request.slot, request.layout.total_bytes)
+        except Exception as err:
+            request.tensors = []
+            request.fail(f"snapshot copy failed: {type(err).__name__}: {err}")
+            return
+        request.slab = slab
+        self._dispatch(request, streamed=True)
+        writer = request.writer
+        if request.error is not None or writer is None:
+            request.tensors = []
+            return
+
+        def progress(upto: int) -> None:
+            writer.send_progress(request.request_id, upto)
+
+        self._stage(request, progress, slab)
+        error = _error_of(request)  # set by a failed copy (or a failed progress message)
+        if error is not None:
+            with contextlib.suppress(OSError):  # the writer's own failure is reported too
+                writer.send_progress(request.request_id, 0, error=error)
+                request.abort_sent = True
+
+    def _dispatch(self, request: SaveRequest, *, streamed: bool = False) -> None:
         slab = request.slab
         assert slab is not None
         if request.file_name is None:
@@ -144,14 +193,17 @@ class LocalPipeline:
                 request.writer = WriterProcess(self._rank)
             assert request.writer is not None
             request.dispatched = time.monotonic()
-            request.writer.submit(slab, self._write_message(request, name, slab))
+            request.writer.submit(slab, self._write_message(request, name, slab, streamed))
             if self._config.async_mode is AsyncMode.TEMPORAL:
                 request.writer.request_stop()
         except OSError as err:
             request.fail(f"writer process unreachable: {err}")
 
-    def _write_message(self, request: SaveRequest, name: str, slab: Slab) -> dict[str, Any]:
+    def _write_message(
+        self, request: SaveRequest, name: str, slab: Slab, streamed: bool
+    ) -> dict[str, Any]:
         return {
+            "streamed": streamed,
             "op": "write",
             "request_id": request.request_id,
             "step": request.step,
@@ -183,3 +235,7 @@ class LocalPipeline:
         finally:
             view.release()
             request.write_s = time.monotonic() - t0
+
+
+def _error_of(request: SaveRequest) -> str | None:
+    return request.error

@@ -77,6 +77,9 @@ class SaveRequest:
     """The file is durable (or there was none)."""
     answered: bool = False
     """The writer has answered this request (it no longer touches its buffer)."""
+    abort_sent: bool = False
+    """A streamed write was told that its copy failed: the writer answers instead of
+    waiting for more bytes, so it need not be killed."""
     error: str | None = None
     """Local failure cause."""
 
@@ -84,6 +87,17 @@ class SaveRequest:
         """Record a local failure (the first cause wins)."""
         if self.error is None:
             self.error = cause
+
+    def await_answer(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the writer's answer (taken and recorded); True if in."""
+        writer = self.writer
+        deadline = time.monotonic() + timeout_s
+        while writer is not None and not self.answered:
+            if writer.exit_code() is not None or time.monotonic() > deadline:
+                break
+            writer.poll(0.05)
+            self._take(writer)
+        return self.answered
 
     def local_status(self, limits: Limits) -> int:
         """Poll without blocking: OK, WRITING or FAILED (may kill a writer that timed out)."""

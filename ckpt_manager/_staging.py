@@ -62,12 +62,23 @@ class Slab:
             os.close(self.fd)
 
 
-def copy_into_slab(slab: Slab, layout: FileLayout, tensors: Sequence[torch.Tensor]) -> None:
-    """Copy the header and every tensor into the slab at its planned offset."""
+def copy_into_slab(
+    slab: Slab,
+    layout: FileLayout,
+    tensors: Sequence[torch.Tensor],
+    on_progress: Callable[[int], None] | None = None,
+    progress_bytes: int = 32 << 20,
+) -> None:
+    """Copy the header and every tensor into the slab at its planned offset.
+
+    `on_progress(n)` is called whenever the first `n` bytes of the file are final, at least
+    `progress_bytes` apart, and last with `layout.total_bytes` (a streamed write follows it).
+    """
     buf = slab.tensor
     if buf is None:
         raise RuntimeError(f"staging buffer {slab.slab_id} is closed")
     header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+    reported = 0
     with torch.no_grad():
         buf[: len(layout.header)].copy_(header)
         for slot, src in zip(layout.slots, tensors, strict=True):
@@ -75,6 +86,12 @@ def copy_into_slab(slab: Slab, layout: FileLayout, tensors: Sequence[torch.Tenso
                 continue
             dst = buf[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
             dst.copy_(src.detach())
+            end = slot.offset + slot.nbytes
+            if on_progress is not None and end - reported >= progress_bytes:
+                on_progress(end)
+                reported = end
+    if on_progress is not None and reported < layout.total_bytes:
+        on_progress(layout.total_bytes)
 
 
 class BackgroundThread:

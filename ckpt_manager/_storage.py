@@ -26,7 +26,7 @@ import os
 import posixpath
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import fsspec
@@ -178,6 +178,7 @@ class Storage:
         exclusive: bool = False,
         chunk_bytes: int = 64 << 20,
         concurrency: int = 8,
+        staged: Iterable[int] | None = None,
     ) -> None:
         """Write one object atomically (whole or absent).
 
@@ -187,6 +188,9 @@ class Storage:
             exclusive: fail with `ObjectExistsError` if the object exists (commit marker).
             chunk_bytes: multipart part size on object stores.
             concurrency: parts uploaded in parallel on object stores.
+            staged: `data` is still being filled: increasing counts of its leading bytes
+                that are final, ending with `len(data)` (see `_direct_write`). Local disk
+                writes each part as it becomes final; other stores wait for the last count.
 
         Raises:
             ObjectExistsError: `exclusive` and the object exists.
@@ -195,8 +199,11 @@ class Storage:
         path = self.path(name)
         with _translated("write", path):
             if self.is_local:
-                self._write_local(path, memoryview(data), exclusive=exclusive)
-            elif self.protocol in ("s3", "s3a"):
+                self._write_local(path, memoryview(data), exclusive=exclusive, staged=staged)
+                return
+            for _ in staged or ():  # object stores upload finished bytes only
+                pass
+            if self.protocol in ("s3", "s3a"):
                 self._write_s3(path, data, exclusive, chunk_bytes, concurrency)
             else:
                 self.fs.pipe_file(path, bytes(data), mode="create" if exclusive else "overwrite")
@@ -291,14 +298,16 @@ class Storage:
         _fsync_dir(folder)
 
     @staticmethod
-    def _write_local(path: str, data: memoryview, *, exclusive: bool) -> None:
+    def _write_local(
+        path: str, data: memoryview, *, exclusive: bool, staged: Iterable[int] | None
+    ) -> None:
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             try:
-                write_at_start(fd, tmp, data)
+                write_at_start(fd, tmp, data, staged)
                 os.fsync(fd)
             finally:
                 os.close(fd)

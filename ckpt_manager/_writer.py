@@ -8,7 +8,10 @@ Protocol over a private Unix socket (`multiprocessing.connection.Connection`)::
 
     trainer -> writer  {"op": "slab", "slab_id", "size"} + the memfd (SCM_RIGHTS)
                        {"op": "write", "request_id", "step", "name", "slab_id", "nbytes",
-                        "root_uri", "storage_options", "chunk_bytes", "concurrency"}
+                        "root_uri", "storage_options", "chunk_bytes", "concurrency",
+                        "streamed"}
+                       {"op": "staged", "request_id", "upto" | "error"}  (streamed writes:
+                        the first `upto` bytes of the slab are final; sent while copying)
                        {"op": "stop"}                         sentinel: exit 0
     writer -> trainer  {"op": "ready", "pid"}
                        {"op": "done", "request_id", "ok", "size", "crc32", "write_s", "error"}
@@ -25,13 +28,15 @@ before the real write).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import mmap
 import os
+import queue
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
@@ -52,23 +57,50 @@ def write_shard(
     *,
     chunk_bytes: int,
     concurrency: int,
+    staged: Iterable[int] | None = None,
 ) -> tuple[int, int]:
     """Checksum and atomically write one shard file; returns `(size, crc32)`.
 
     The checksum runs on a second thread while the bytes are written (the CRC and file writes
-    both release the GIL), so it costs no extra wall time on a machine with two cores.
+    both release the GIL). With `staged` (the snapshot is still being copied into `data`;
+    see `Storage.write`), both follow the staged byte counts: each part is checksummed and
+    written as soon as it is final.
     """
-    if len(data) < _PARALLEL_CRC_BYTES:
+    if staged is None and len(data) < _PARALLEL_CRC_BYTES:
         crc = crc32(data)
         storage.write(name, data, chunk_bytes=chunk_bytes, concurrency=concurrency)
         return len(data), crc
+    marks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
     box: list[int] = []
-    crc_thread = threading.Thread(target=lambda: box.append(crc32(data)), name="crc32")
+
+    def checksum() -> None:
+        value = start = 0
+        while (end := marks.get()) is not None:
+            value = crc32(data[start:end], value)
+            start = end
+        if start == len(data):
+            box.append(value)
+
+    def forwarded(counts: Iterable[int]) -> Iterator[int]:
+        for count in counts:
+            marks.put(count)
+            yield count
+
+    crc_thread = threading.Thread(target=checksum, name="crc32")
     crc_thread.start()
     try:
-        storage.write(name, data, chunk_bytes=chunk_bytes, concurrency=concurrency)
+        storage.write(
+            name,
+            data,
+            chunk_bytes=chunk_bytes,
+            concurrency=concurrency,
+            staged=forwarded(staged if staged is not None else (len(data),)),
+        )
     finally:
+        marks.put(None)
         crc_thread.join()
+    if not box:
+        raise RuntimeError(f"checksum of {name} did not cover the whole file")
     return len(data), box[0]
 
 
@@ -97,6 +129,7 @@ class _Server:
         self.slabs: dict[int, mmap.mmap] = {}
         self.storages: dict[str, Storage] = {}
         self.fault = os.environ.get(FAULT_ENV, "")
+        self.backlog: collections.deque[dict[str, Any]] = collections.deque()
 
     def storage(self, root_uri: str, options: dict[str, Any]) -> Storage:
         key = json.dumps([root_uri, options], sort_keys=True, default=str)
@@ -133,6 +166,7 @@ class _Server:
                     view,
                     chunk_bytes=int(msg["chunk_bytes"]),
                     concurrency=int(msg["concurrency"]),
+                    staged=self.staged_counts(msg) if msg.get("streamed") else None,
                 )
             finally:
                 view.release()
@@ -142,16 +176,50 @@ class _Server:
         reply["write_s"] = time.monotonic() - started
         return reply
 
+    def staged_counts(self, msg: dict[str, Any]) -> Iterator[int]:
+        """The trainer's `staged` messages for a streamed write, as byte counts.
+
+        Other messages arriving meanwhile wait in the backlog (a `slab` is taken at once:
+        its fd follows it on the socket).
+
+        Raises:
+            RuntimeError: the trainer reports that the snapshot copy failed.
+            EOFError: the trainer is gone.
+        """
+        request_id, total = msg["request_id"], int(msg["nbytes"])
+        while True:
+            got = self.conn.recv()
+            if got.get("op") == "slab":
+                self.add_slab(got)
+                continue
+            if got.get("op") != "staged" or got.get("request_id") != request_id:
+                self.backlog.append(got)
+                continue
+            if got.get("error"):
+                raise RuntimeError(f"snapshot copy failed in the trainer: {got['error']}")
+            count = int(got["upto"])
+            yield count
+            if count >= total:
+                return
+
+    def next_message(self, parent_pid: int) -> dict[str, Any] | None:
+        """The next request (backlog first); None once the trainer is gone."""
+        if self.backlog:
+            return self.backlog.popleft()
+        while not self.conn.poll(1.0):
+            if os.getppid() != parent_pid:
+                return None
+        try:
+            msg: dict[str, Any] = self.conn.recv()
+        except EOFError:
+            return None
+        return msg
+
     def serve(self, parent_pid: int) -> int:
         self.conn.send({"op": "ready", "pid": os.getpid()})
         while True:
-            if not self.conn.poll(1.0):
-                if os.getppid() != parent_pid:
-                    return 0
-                continue
-            try:
-                msg = self.conn.recv()
-            except EOFError:
+            msg = self.next_message(parent_pid)
+            if msg is None:
                 return 0
             op = msg.get("op")
             if op == "stop":
@@ -164,6 +232,8 @@ class _Server:
                     old.close()
             elif op == "write":
                 self.conn.send(self.write(msg))
+            elif op == "staged":
+                pass  # progress of a streamed write that failed before reading it all
             else:
                 raise ValueError(f"unknown writer request {op!r}")
 

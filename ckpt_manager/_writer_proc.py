@@ -81,6 +81,19 @@ class WriterProcess:
                 self._slabs_sent.add(slab.slab_id)
             self._conn.send(request)
 
+    def send_progress(self, request_id: int, upto: int, error: str | None = None) -> None:
+        """Tell the writer of a streamed write that the first `upto` bytes are final (or
+        that the copy failed with `error`).
+
+        Raises:
+            OSError: the writer is gone (broken pipe).
+        """
+        msg: dict[str, Any] = {"op": "staged", "request_id": request_id, "upto": upto}
+        if error is not None:
+            msg["error"] = error
+        with self._send_lock:
+            self._conn.send(msg)
+
     def drop_slab(self, slab_id: int) -> None:
         """Tell the writer to unmap a retired staging buffer (best effort)."""
         with self._send_lock:

@@ -46,11 +46,44 @@ def test_direct_prefix_is_block_aligned_or_refused(tmp_path: Path) -> None:
     view = memoryview(mm)
     path = tmp_path / "prefix.bin"
     path.touch()
-    written = _direct_write._write_direct(str(path), view)
-    # 0 only where the filesystem refuses O_DIRECT (then the buffered path writes it all).
-    assert written in (0, SIZE // DIRECT_ALIGN * DIRECT_ALIGN)
+    fd = _direct_write._open_direct(str(path))
+    if fd is None:
+        pytest.skip("this filesystem refuses O_DIRECT (the buffered path writes it all)")
+    try:
+        aligned = SIZE // DIRECT_ALIGN * DIRECT_ALIGN
+        written, usable = _direct_write._write_direct(fd, view, 0, aligned)
+    finally:
+        os.close(fd)
+    assert (written, usable) == (aligned, True)
     assert path.read_bytes() == mm[:written]
     view.release()
+
+
+@pytest.mark.parametrize(
+    "marks", [[SIZE], [1, 4096, 5000, (4 << 20) + 7, SIZE], [0, 3 << 20, 3 << 20, SIZE]]
+)
+def test_staged_counts_write_each_final_part(tmp_path: Path, marks: list[int]) -> None:
+    mm = _slab(SIZE)
+    assert _write_staged(tmp_path / "s.bin", memoryview(mm), marks) == mm[:]
+
+
+@pytest.mark.parametrize(
+    ("marks", "message"),
+    [([5000, 4000, SIZE], "outside"), ([4096, SIZE + 1], "outside"), ([4096, 8192], "stopped")],
+)
+def test_bad_staged_counts_are_refused(tmp_path: Path, marks: list[int], message: str) -> None:
+    mm = _slab(SIZE)
+    with pytest.raises(ValueError, match=message):
+        _write_staged(tmp_path / "bad.bin", memoryview(mm), marks)
+
+
+def _write_staged(path: Path, data: memoryview, marks: list[int]) -> bytes:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        write_at_start(fd, str(path), data, iter(marks))
+    finally:
+        os.close(fd)
+    return path.read_bytes()
 
 
 @pytest.mark.parametrize("kind", ["read-only bytes", "unaligned view", "small"])

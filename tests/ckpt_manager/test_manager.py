@@ -300,6 +300,30 @@ def test_writer_exception_fails_save_and_next_save_works(
     assert "injected writer fault" in (reports.reports[1].error or "")
 
 
+@pytest.mark.parametrize("mode", [AsyncMode.PERSISTENT, AsyncMode.TEMPORAL])
+def test_copy_failing_mid_stream_fails_the_save_and_the_writer_keeps_serving(
+    tmp_path: pathlib.Path, mode: AsyncMode
+) -> None:
+    # Local disk streams: the writer already holds the request and has written the first
+    # parts when the copy fails; it must drop the file and stay usable.
+    big = torch.arange(12 << 20, dtype=torch.float32)  # 48 MiB: progress is reported first
+    cfg = CheckpointConfig(async_mode=mode, write_timeout_s=60)
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        pid = mgr.writer_pid
+        mgr.save(1, {"a": big, "b": torch.empty(4, device="meta")})
+        with pytest.raises(SaveFailedError, match="snapshot copy failed") as info:
+            mgr.wait_until_finished()
+        assert info.value.step == 1
+        assert not (tmp_path / step_dir(1)).exists()
+        mgr.save(2, {"a": big, "b": torch.ones(4)})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2]
+        assert mgr.writer_pid == pid
+        restored = mgr.restore(2).state
+    assert torch.equal(restored["a"], big)
+    assert torch.equal(restored["b"], torch.ones(4))
+
+
 def test_writer_sigkilled_mid_write(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
