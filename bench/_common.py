@@ -17,7 +17,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +161,31 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
     out = [line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(row) for row in text_rows]
     return "\n".join(out)
+
+
+def verdict_lines(report: Mapping[str, Any]) -> list[str]:
+    """`key: value (target op x) meets|MISSES` for each of `report["targets"]` (`{key: (op,
+    x)}`, op `<=` or `>=`), then `skipped NAME: why` for each of `report["skipped"]`."""
+    lines = []
+    for key, (op, target) in report["targets"].items():
+        value = report.get(key)
+        if value is None:
+            lines.append(f"{key}: n/a (target {op} {target})")
+            continue
+        ok = value <= target if op == "<=" else value >= target
+        lines.append(f"{key}: {value:.3f} (target {op} {target}) {'meets' if ok else 'MISSES'}")
+    for name, why in report.get("skipped", {}).items():
+        lines.append(f"skipped {name}: {why.splitlines()[0] if why else ''}")
+    return lines
+
+
+def conditions_line(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
+    """One line on the machine around a run (`machine_conditions()` before and after)."""
+    return (
+        f"load average before {before['loadavg_1_5_15']} after {after['loadavg_1_5_15']}, "
+        f"{before['cpu_count']} cores, {before['mem_available_gib']} GiB available, "
+        f"torch {before['torch']}"
+    )
 
 
 def print_json(obj: dict[str, Any]) -> None:

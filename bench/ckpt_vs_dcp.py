@@ -779,20 +779,8 @@ def _render(report: dict[str, Any]) -> str:
         )
     )
     lines.append("")
-    for key, (op, target) in report["targets"].items():
-        value = report[key]
-        if value is None:
-            lines.append(f"{key}: n/a (target {op} {target})")
-            continue
-        ok = value <= target if op == "<=" else value >= target
-        lines.append(f"{key}: {value:.3f} (target {op} {target}) {'meets' if ok else 'MISSES'}")
-    for name, why in report["skipped"].items():
-        lines.append(f"skipped {name}: {why.splitlines()[0] if why else ''}")
-    c0, c1 = report["conditions_before"], report["conditions_after"]
-    lines.append(
-        f"load average before {c0['loadavg_1_5_15']} after {c1['loadavg_1_5_15']}, "
-        f"{c0['cpu_count']} cores, {c0['mem_available_gib']} GiB available, torch {c0['torch']}"
-    )
+    lines += _common.verdict_lines(report)
+    lines.append(_common.conditions_line(report["conditions_before"], report["conditions_after"]))
     return "\n".join(lines)
 
 

@@ -367,9 +367,9 @@ def main(argv: list[str] | None = None) -> int:
             get("no_shard", "median_cpu_s"), get("ddp", "median_cpu_s")
         ),
         "targets": {
-            "zero3_vs_fsdp2_step_time": 0.9,
-            "noshard_vs_ddp_step_time": 1.05,
-            "zero3_vs_fsdp2_peak_rss": 1.0,
+            "zero3_vs_fsdp2_step_time": ("<=", 0.9),
+            "noshard_vs_ddp_step_time": ("<=", 1.05),
+            "zero3_vs_fsdp2_peak_rss": ("<=", 1.0),
         },
         "config": {**spec_base, "rounds": args.rounds, "world_size": args.world_size},
         "conditions_before": conditions_before,
@@ -425,22 +425,11 @@ def _render(report: dict[str, Any]) -> str:
         _common.markdown_table(headers, rows),
         "",
     ]
-    targets = report["targets"]
-    for key, target in targets.items():
-        value = report[key]
-        verdict = "n/a" if value is None else ("meets" if value <= target else "MISSES")
-        shown = "n/a" if value is None else f"{value:.3f}"
-        lines.append(f"{key}: {shown} (target <= {target}) {verdict}")
-    for name, why in report["skipped"].items():
-        lines.append(f"skipped {name}: {why.splitlines()[0] if why else ''}")
+    lines += _common.verdict_lines(report)
     for key in ("zero3_vs_fsdp2_cpu_time", "noshard_vs_ddp_cpu_time"):
         value = report.get(key)
         lines.append(f"{key}: {'n/a' if value is None else f'{value:.3f}'} (no target)")
-    c0, c1 = report["conditions_before"], report["conditions_after"]
-    lines.append(
-        f"load average before {c0['loadavg_1_5_15']} after {c1['loadavg_1_5_15']}, "
-        f"{c0['cpu_count']} cores, {c0['mem_available_gib']} GiB available, torch {c0['torch']}"
-    )
+    lines.append(_common.conditions_line(report["conditions_before"], report["conditions_after"]))
     return "\n".join(lines)
 
 
