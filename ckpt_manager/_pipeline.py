@@ -168,7 +168,11 @@ class LocalPipeline:
             return
 
         def progress(upto: int) -> None:
-            writer.send_progress(request.request_id, upto)
+            try:
+                writer.send_progress(request.request_id, upto)
+            except OSError as err:  # the first cause wins: name the writer, not the copy
+                request.fail(f"writer process {writer.pid} unreachable: {err}")
+                raise
 
         self._stage(request, progress, slab)
         error = _error_of(request)  # set by a failed copy (or a failed progress message)
