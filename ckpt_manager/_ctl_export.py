@@ -7,7 +7,8 @@ no meaning in a single consolidated file and are left out (reported on stderr).
 
 torch format: `torch.save` writes the archive with empty storage records, then each tensor
 is streamed into its record (see [Note: torch.save without the tensors in memory]); the
-output loads with `torch.load(weights_only=True)`.
+output loads with `torch.load(weights_only=True)`. Tied names listed under `__aliases__`
+become keys sharing their target's tensor, so a strict `load_state_dict` accepts the file.
 safetensors: the header is computed from the manifest and tensors are streamed straight into
 the file.
 """
@@ -29,6 +30,7 @@ from ckpt_manager._ctl_render import Progress
 from ckpt_manager._ctl_stream import TensorSource, stream_range, tensor_bytes
 from ckpt_manager._manifest import Manifest
 from ckpt_manager._storage import Storage
+from ckpt_manager._types import ALIASES_KEY
 from ckpt_manager.errors import CorruptCheckpointError, UsageError
 
 __all__ = ["Selection", "export_safetensors", "export_torch", "select"]
@@ -242,7 +244,7 @@ def export_torch(
         if tag == "v":
             return body
         if tag == "d":
-            return {k: build(v) for k, v in body}
+            return _with_aliases({k: build(v) for k, v in body})
         if tag in ("l", "t"):
             items = [build(v) for v in body]
             return tuple(items) if tag == "t" else items
@@ -272,6 +274,24 @@ def export_torch(
         out.flush()
         os.fsync(out.fileno())
     return len(sources)
+
+
+def _with_aliases(d: dict[str, Any]) -> dict[str, Any]:
+    """Resolve a state dict's `ALIASES_KEY` (`{tied name: saved name}`, CONTRACTS.md).
+
+    Each alias becomes a key holding the very tensor of its target (one storage in the
+    archive, shared after `torch.load`, as in a tied module's own `state_dict()`), so a
+    strict `load_state_dict` finds every name. Entries that do not name a tensor of the same
+    dict are left out.
+    """
+    aliases = d.get(ALIASES_KEY)
+    if not isinstance(aliases, dict):
+        return d
+    out = {k: v for k, v in d.items() if k != ALIASES_KEY}
+    for alias, target in aliases.items():
+        if isinstance(target, str) and isinstance(out.get(target), torch.Tensor):
+            out.setdefault(str(alias), out[target])
+    return out
 
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")

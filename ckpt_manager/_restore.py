@@ -15,7 +15,7 @@ from ckpt_manager._manifest import Manifest, Piece, step_dir
 from ckpt_manager._reshard import Region, fill_region
 from ckpt_manager._storage import Storage
 from ckpt_manager._tree import is_sharded, placement_of
-from ckpt_manager._types import RankLocal
+from ckpt_manager._types import ALIASES_KEY, RankLocal
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["load_state", "read_piece"]
@@ -150,12 +150,15 @@ class _Loader:
             if tag != "d":
                 raise self._mismatch(path, "dict", tag)
             saved = {k: v for k, v in node[1]}
-            missing = [k for k in template if k not in saved]
+            missing = [k for k in template if k not in saved and k != ALIASES_KEY]
             if missing:
                 raise CheckpointError(
                     f"step {self.m.step}: keys {missing} under {path!r} are not in the checkpoint"
                 )
-            return {k: self.into(saved[k], v, f"{path}/{k}", rl) for k, v in template.items()}
+            return {
+                k: self.into(saved[k], v, f"{path}/{k}", rl) if k in saved else v
+                for k, v in template.items()
+            }
         if isinstance(template, list | tuple):
             if tag not in ("l", "t") or len(node[1]) != len(template):
                 raise self._mismatch(path, f"sequence of {len(template)}", tag)

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import torch
 
 __all__ = [
+    "ALIASES_KEY",
     "ManagerStats",
     "RankLocal",
     "RestoreResult",
@@ -17,6 +18,12 @@ __all__ = [
     "SaveResult",
     "ShardedTensorLike",
 ]
+
+
+ALIASES_KEY = "__aliases__"
+"""Contract key (CONTRACTS.md): `{tied name: saved name}` inside a model's state dict. Exports
+turn it into shared keys; restoring into a template whose checkpoint lacks it keeps the
+template's (ties come from the module)."""
 
 
 @runtime_checkable

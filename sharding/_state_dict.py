@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from sharding._optimizer import DistributedOptimizer
 
 __all__ = [
+    "ALIASES_KEY",
     "ShardedTensor",
     "StateDict",
     "full_state_dict",
@@ -152,26 +153,42 @@ def _fill(dst: torch.Tensor, start: int, key: str, shape: torch.Size, value: Any
         )
 
 
+ALIASES_KEY = "__aliases__"
+"""Key of `{tied name: first name}` in a model's sharded state dict (CONTRACTS.md): a tied
+parameter is saved once, and exports use this to give the plain module every name it has."""
+
+
 def model_sharded_state_dict(
     buckets: list[FlatBucket], buffers: dict[str, torch.Tensor]
 ) -> StateDict:
-    """Per parameter this rank's `ShardedTensor` of the fp32 main weight; buffers whole."""
+    """Per parameter this rank's `ShardedTensor` of the fp32 main weight; buffers whole.
+
+    Tied parameters appear once, under their first name; `ALIASES_KEY` maps the others to it.
+    """
     out: StateDict = {}
+    aliases: dict[str, str] = {}
     for bucket in buckets:
         for slot in bucket.layout.slots:
             out[slot.names[0]] = _shard_of(bucket, slot, bucket.main_weight)
+            aliases.update((name, slot.names[0]) for name in slot.names[1:])
     for name, buf in buffers.items():
         out[name] = buf.detach()
+    if aliases:
+        out[ALIASES_KEY] = aliases
     return out
 
 
 def load_model_sharded_state_dict(
     buckets: list[FlatBucket], buffers: dict[str, torch.Tensor], state_dict: StateDict
 ) -> None:
-    """Write main weights (and buffers) from `state_dict`; the caller refreshes model weights."""
+    """Write main weights (and buffers) from `state_dict`; the caller refreshes model weights.
+
+    `ALIASES_KEY` (tied names) is optional and not checked: ties come from the module.
+    """
     expected = {s.names[0] for b in buckets for s in b.layout.slots} | set(buffers)
-    missing = sorted(expected - set(state_dict))
-    unexpected = sorted(set(state_dict) - expected)
+    given = set(state_dict) - {ALIASES_KEY}
+    missing = sorted(expected - given)
+    unexpected = sorted(given - expected)
     if missing or unexpected:
         raise StateDictLayoutError(
             f"state dict does not match the model: missing {missing[:5]}, unexpected "

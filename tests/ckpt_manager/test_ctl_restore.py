@@ -47,13 +47,9 @@ def _restore_resharded(rank: int, world: int, uri: str, options: dict[str, Any])
     return {"full": model.full_state_dict(), "rng_rank": result.state["rng"]["rank"]}
 
 
-def _plain(state: dict[str, torch.Tensor], *, strict: bool = True) -> GPT:
+def _plain(state: dict[str, torch.Tensor]) -> GPT:
     model = GPT(CFG)
-    result = model.load_state_dict(state, strict=strict)
-    if not strict:
-        # The engine saves tied parameters once, under their first name.
-        assert result.unexpected_keys == []
-        assert result.missing_keys == ["head.weight"]
+    model.load_state_dict(state)  # strict: every key present, none unknown
     return model.eval()
 
 
@@ -68,11 +64,14 @@ def test_torch_format_from_s3_gives_identical_outputs(run: Run, tmp_path: pathli
     assert main([*argv, "--endpoint-url", run.bucket.endpoint_url]) == 0
     restored = torch.load(out, weights_only=True)
     full = run.fulls[STEP]
-    assert set(restored) == set(full) - {"head.weight"}
+    # Every name of the plain module, the tied head included, sharing its embedding's
+    # storage as in the module's own state_dict(): a strict load_state_dict accepts it.
+    assert set(restored) == set(full)
+    assert restored["head.weight"].data_ptr() == restored["tok_emb.weight"].data_ptr()
     for key, value in restored.items():
         assert torch.equal(value, full[key]), key
     with torch.no_grad():
-        assert torch.equal(_plain(restored, strict=False)(_probe()), _plain(full)(_probe()))
+        assert torch.equal(_plain(restored)(_probe()), _plain(full)(_probe()))
 
 
 def test_safetensors_from_local_to_s3(run: Run, tmp_path: pathlib.Path) -> None:
@@ -98,10 +97,12 @@ def test_full_state_keeps_optimizer_and_leaves_out_rank_local(
     assert "left out rank-local state 'rng'" in capsys.readouterr().err
     state = torch.load(out, weights_only=True)
     assert set(state) == {"model", "optimizer"}
-    assert set(state["optimizer"]["state"]) == set(state["model"])
+    # Optimizer state is per parameter (a tied one once); the model has every module name.
+    assert set(state["optimizer"]["state"]) == set(state["model"]) - {"head.weight"}
     for key, value in state["model"].items():
         assert torch.equal(value, run.fulls[4][key]), key  # latest = step 4
-        assert state["optimizer"]["state"][key]["exp_avg"].shape == value.shape
+    for key, per_param in state["optimizer"]["state"].items():
+        assert per_param["exp_avg"].shape == state["model"][key].shape
 
 
 def test_reshard_two_ranks_to_three_restores_same_weights(run: Run, tmp_path: pathlib.Path) -> None:
@@ -179,3 +180,10 @@ def test_restore_memory_is_bounded_by_the_buffer(tmp_path: pathlib.Path) -> None
     assert control > 48
     loaded = torch.load(tmp_path / "big.torch", weights_only=True, mmap=True)
     assert torch.equal(loaded["big"], torch.arange(numel, dtype=torch.float32))
+
+
+def test_alias_key_is_the_same_string_on_both_sides_of_the_contract() -> None:
+    from ckpt_manager._types import ALIASES_KEY as EXPORT_KEY
+    from sharding._state_dict import ALIASES_KEY as ENGINE_KEY
+
+    assert EXPORT_KEY == ENGINE_KEY == "__aliases__"

@@ -494,3 +494,20 @@ def test_cuda_tensors_roundtrip(tmp_path: pathlib.Path) -> None:
     assert result is not None
     assert torch.equal(template["w"].cpu(), want_w)
     assert torch.equal(template["s"].local.cpu(), want_s)
+
+
+def test_template_aliases_missing_from_an_older_checkpoint_are_kept(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Tie metadata (CONTRACTS.md) comes from the module; a checkpoint without it still loads.
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        mgr.save(1, {"model": {"w": torch.ones(3)}})
+        mgr.wait_until_finished()
+        template = {"model": {"w": torch.zeros(3), "__aliases__": {"head.w": "w"}}}
+        result = mgr.restore(into=template)
+        assert result is not None
+        assert result.state["model"]["__aliases__"] == {"head.w": "w"}
+        assert torch.equal(result.state["model"]["w"], torch.ones(3))
+        with pytest.raises(CheckpointError, match=r"keys \['b'\] under"):
+            mgr.restore(into={"model": {"w": torch.zeros(3), "b": torch.zeros(1)}})

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sharding import ShardedTensor, Strategy
+from sharding._state_dict import ALIASES_KEY
 from tests.sharding._ckpt_ranks import load_and_continue, save_after_training
 from tests.sharding._helpers import Setup, make_model, merge_ranks
 from tests.support.dist import run_on_ranks
@@ -38,7 +39,12 @@ def test_round_trip_restores_state_every_rank_holds_whole(strategy: Strategy) ->
 def test_pieces_are_flat_and_tile_every_parameter(two_rank_save: list[dict[str, Any]]) -> None:
     models = [r["saved"]["model"] for r in two_rank_save]
     full = two_rank_save[0]["full"]
+    # Tied parameters are saved once, under their first name; the rest are aliases.
+    assert models[0][ALIASES_KEY] == {"head.weight": "tok_emb.weight"}
+    assert set(models[0]) - {ALIASES_KEY} == set(full) - {"head.weight"}
     for key, piece in models[0].items():
+        if key == ALIASES_KEY:
+            continue
         assert isinstance(piece, ShardedTensor), key
         covered = sorted(m[key].flat_range for m in models)
         numel = torch.Size(piece.global_shape).numel()
