@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
-
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._manifest import step_dir
 from ckpt_manager._request import SaveRequest
@@ -114,12 +112,13 @@ class LocalPipeline:
         Object stores upload whole parts after the copy, so they gain nothing from it.
         """
         try:
+            slab = self._allocate(request)
+            if slab is None:
+                return
             if self._streams(request):
-                self._stage_streamed(request)
-            else:
-                self._stage(request)
-                if request.error is None and not request.cancelled:
-                    self._dispatch(request)
+                self._stage_streamed(request, slab)
+            elif self._copy(request, slab) and request.error is None and not request.cancelled:
+                self._dispatch(request)  # not if the save failed elsewhere meanwhile
         finally:
             request.copied.set()
             request.handed_off.set()
@@ -131,36 +130,37 @@ class LocalPipeline:
             and request.file_name is not None
         )
 
-    def _stage(
-        self,
-        request: SaveRequest,
-        on_progress: Callable[[int], None] | None = None,
-        slab: Slab | None = None,
-    ) -> None:
-        tensors: list[torch.Tensor] = request.tensors
+    def _allocate(self, request: SaveRequest) -> Slab | None:
+        """The request's staging buffer (None: allocation failed, the request too)."""
+        t0 = time.monotonic()
+        try:
+            # Allocating here, not in save(), keeps even the first save() non-blocking.
+            request.slab = self._slab_for(request.slot, request.layout.total_bytes)
+        except Exception as err:
+            request.tensors = []
+            request.fail(f"snapshot copy failed: {type(err).__name__}: {err}")
+            return None
+        request.staging_s += time.monotonic() - t0
+        return request.slab
+
+    def _copy(
+        self, request: SaveRequest, slab: Slab, on_progress: Callable[[int], None] | None = None
+    ) -> bool:
+        """Copy the snapshot into `slab`; False (and the request failed) if that failed."""
         try:
             t0 = time.monotonic()
-            # Allocating here, not in save(), keeps even the first save() non-blocking.
-            if slab is None:
-                slab = self._slab_for(request.slot, request.layout.total_bytes)
-            request.slab = slab
-            copy_into_slab(slab, request.layout, tensors, on_progress)
-            request.staging_s = time.monotonic() - t0
+            copy_into_slab(slab, request.layout, request.tensors, on_progress)
+            request.staging_s += time.monotonic() - t0
+            return True
         except Exception as err:
             request.fail(f"snapshot copy failed: {type(err).__name__}: {err}")
+            return False
         finally:
             request.tensors = []
             request.copied.set()  # the training loop may now change the tensors
 
-    def _stage_streamed(self, request: SaveRequest) -> None:
+    def _stage_streamed(self, request: SaveRequest, slab: Slab) -> None:
         """Hand the request to the writer first, then copy, reporting progress."""
-        try:
-            slab = self._slab_for(request.slot, request.layout.total_bytes)
-        except Exception as err:
-            request.tensors = []
-            request.fail(f"snapshot copy failed: {type(err).__name__}: {err}")
-            return
-        request.slab = slab
         self._dispatch(request, streamed=True)
         writer = request.writer
         if request.error is not None or writer is None:
@@ -174,11 +174,9 @@ class LocalPipeline:
                 request.fail(f"writer process {writer.pid} unreachable: {err}")
                 raise
 
-        self._stage(request, progress, slab)
-        error = _error_of(request)  # set by a failed copy (or a failed progress message)
-        if error is not None:
+        if not self._copy(request, slab, progress):
             with contextlib.suppress(OSError):  # the writer's own failure is reported too
-                writer.send_progress(request.request_id, 0, error=error)
+                writer.send_progress(request.request_id, 0, error=request.error)
                 request.abort_sent = True
 
     def _dispatch(self, request: SaveRequest, *, streamed: bool = False) -> None:
@@ -207,7 +205,6 @@ class LocalPipeline:
         self, request: SaveRequest, name: str, slab: Slab, streamed: bool
     ) -> dict[str, Any]:
         return {
-            "streamed": streamed,
             "op": "write",
             "request_id": request.request_id,
             "step": request.step,
@@ -218,6 +215,7 @@ class LocalPipeline:
             "storage_options": dict(self._storage.storage_options),
             "chunk_bytes": self._config.upload_chunk_bytes,
             "concurrency": self._config.upload_concurrency,
+            "streamed": streamed,
         }
 
     def _write_inline(self, request: SaveRequest, name: str) -> None:
@@ -239,7 +237,3 @@ class LocalPipeline:
         finally:
             view.release()
             request.write_s = time.monotonic() - t0
-
-
-def _error_of(request: SaveRequest) -> str | None:
-    return request.error
