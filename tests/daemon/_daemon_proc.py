@@ -133,14 +133,17 @@ class DaemonProc:
                 samples.setdefault(s.name, []).append((dict(s.labels), s.value))
         return samples
 
-    def max_value(self, name: str, **labels: str) -> float:
-        """Largest value of sample `name` among series matching `labels` (0 when absent)."""
+    def values(self, name: str, **labels: str) -> list[float]:
+        """Values of sample `name` in the series matching `labels` (none while unreachable)."""
         try:
             samples = self.scrape().get(name, [])
         except (OSError, AssertionError):
-            return 0.0
-        values = [v for lab, v in samples if all(lab.get(k) == x for k, x in labels.items())]
-        return max(values, default=0.0)
+            return []
+        return [v for lab, v in samples if all(lab.get(k) == x for k, x in labels.items())]
+
+    def max_value(self, name: str, **labels: str) -> float:
+        """Largest value of sample `name` among series matching `labels` (0 when absent)."""
+        return max(self.values(name, **labels), default=0.0)
 
     # --- lifecycle ---------------------------------------------------------------------------
     def signal(self, sig: int) -> None:

@@ -128,8 +128,14 @@ def test_trains_scrapes_notifies_and_stops_cleanly_on_sigterm(
         env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"},
     )
     procs.append(d)
-    # Wait until work of every kind has been done and published: steps, two commits.
-    wait_for(lambda: d.max_value("trainingd_ckpt_last_committed_step") >= 8, 120, "2 commits")
+
+    # Wait until work of every kind has been done and published: steps, and two commits in
+    # the snapshot of *each* rank (ranks publish independently; one may lag the other).
+    def two_commits_on_both_ranks() -> bool:
+        committed = d.values("trainingd_ckpt_saves_total", result="committed")
+        return len(committed) == 2 and min(committed) >= 2
+
+    wait_for(two_commits_on_both_ranks, 120, "2 commits on both ranks")
     samples = d.scrape()
     for name, sample in _REQUIRED_NONZERO.items():
         values = [v for _, v in samples.get(sample, [])]
