@@ -1,0 +1,154 @@
+"""CPU floor of one checksummed asynchronous save: the pieces any design must pay, measured.
+
+For a buffer of `--size-mib` (default 580, the per-rank state of `bench/ckpt_vs_dcp.py`) it
+times, in CPU seconds of this process (fastest of `--repeats`; each is fixed work, so the
+minimum is the best estimate of its cost):
+
+- the snapshot copy into a page-aligned shared-memory slab (what the manager's staging does);
+- checksums of the slab: zlib CRC-32, ISA-L CRC-32 (the manager's), and, when installed,
+  CRC-32C (`crc32c` package) and xxh3-64 (`xxhash` package) for comparison;
+- the copy fused with the fastest checksum, chunk by chunk while the chunk is in cache;
+- an `O_DIRECT` write of the slab to `--dir` (submission CPU; the bytes move by DMA).
+
+Each figure is also given in memcpys (the issue's unit for checkpoint inflation).
+
+    .venv/bin/python bench/save_cpu_floor.py [--size-mib 580] [--dir /tmp] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import mmap
+import os
+import sys
+import tempfile
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import _common
+from _common import MIB
+
+
+def _cpu_s(fn: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t0)
+    return best
+
+
+def _optional(module: str, attr: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError:
+        return None
+
+
+def _checksums() -> dict[str, Callable[[Any, int], int]]:
+    from ckpt_manager._checksum import crc32
+
+    out: dict[str, Callable[[Any, int], int]] = {"zlib_crc32": zlib.crc32, "isal_crc32": crc32}
+    if (crc32c := _optional("crc32c", "crc32c")) is not None:
+        out["crc32c"] = crc32c
+    if (xxh := _optional("xxhash", "xxh3_64")) is not None:
+        # Chained through the seed, so chunked use still covers every byte.
+        out["xxh3_64"] = lambda data, value: int(xxh(data, seed=value).intdigest())
+    return out
+
+
+def _slab(nbytes: int) -> tuple[int, mmap.mmap]:
+    fd = os.memfd_create("save-cpu-floor", os.MFD_CLOEXEC)
+    os.ftruncate(fd, nbytes)
+    os.posix_fallocate(fd, 0, nbytes)
+    return fd, mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+
+
+def _direct_write(directory: str, data: memoryview) -> None:
+    from ckpt_manager._direct_write import write_at_start
+
+    fd, path = tempfile.mkstemp(dir=directory, prefix="save-cpu-floor-")
+    try:
+        write_at_start(fd, path, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _measure_slab(
+    mm: mmap.mmap, src: Any, nbytes: int, repeats: int, directory: str
+) -> dict[str, float]:
+    import torch
+
+    dst = torch.frombuffer(mm, dtype=torch.uint8)
+    view = memoryview(mm)
+    figures: dict[str, float] = {"memcpy": _cpu_s(lambda: dst.copy_(src), repeats)}
+    checksums = _checksums()
+    for name, fn in checksums.items():
+        figures[name] = _cpu_s(lambda fn=fn: fn(view, 0), repeats)  # type: ignore[misc]
+    fastest = min(checksums, key=lambda n: figures[n])
+    src_view = memoryview(src.numpy())
+    chunk = 1 * MIB
+
+    def fused() -> None:
+        value = 0
+        for off in range(0, nbytes, chunk):
+            value = checksums[fastest](src_view[off : off + chunk], value)
+            dst[off : off + chunk].copy_(src[off : off + chunk])
+
+    figures[f"memcpy_fused_{fastest}"] = _cpu_s(fused, repeats)
+    figures["odirect_write"] = _cpu_s(lambda: _direct_write(directory, view), repeats)
+    view.release()
+    return figures
+
+
+def measure(size_mib: int, repeats: int, directory: str) -> dict[str, Any]:
+    """Every figure of the module docstring, in CPU seconds and memcpys."""
+    import torch
+
+    torch.set_num_threads(1)
+    nbytes = size_mib * MIB
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator())
+    fd, mm = _slab(nbytes)
+    try:
+        figures = _measure_slab(mm, src, nbytes, repeats, directory)
+    finally:
+        mm.close()
+        os.close(fd)
+    memcpy = figures["memcpy"]
+    return {
+        "size_mib": size_mib,
+        "cpu_s": figures,
+        "x_memcpy": {k: v / memcpy for k, v in figures.items()},
+        "conditions": _common.machine_conditions(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and print a table (or JSON)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=580)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where to write (local fs)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.size_mib < 8 or args.repeats < 1:
+        parser.error("--size-mib must be >= 8 and --repeats >= 1")
+    result = measure(args.size_mib, args.repeats, args.dir)
+    if args.json:
+        _common.print_json(result)
+        return 0
+    rows = [[k, v, result["x_memcpy"][k]] for k, v in result["cpu_s"].items()]
+    print(f"CPU seconds for {args.size_mib} MiB, fastest of {args.repeats}")
+    print(_common.markdown_table(["work", "CPU-s", "x memcpy"], rows))
+    c = result["conditions"]
+    print(f"load average {c['loadavg_1_5_15']}, {c['cpu_count']} cores, torch {c['torch']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
