@@ -41,6 +41,7 @@ import dataclasses
 import importlib
 import math
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -229,6 +230,12 @@ def _cpu_s(pid: int | None = None) -> float:
         fields = f.read().rsplit(")", 1)[1].split()
     # utime, stime are fields 14 and 15 (1-based) of the whole line; [0] here is field 3.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _reaped_children_cpu_s() -> float:
+    """CPU seconds of this process's children that have exited and been waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _window(
@@ -526,15 +533,18 @@ def _cpu_per_save(
     for _ in range(n):
         trainer.num_steps += 1
         state["step"] = trainer.num_steps
-        pid = mgr.writer_pid
-        rank0, writer0 = _cpu_s(), _cpu_s(pid) if pid else 0.0
+        pid = mgr.writer_pid  # persistent mode; a temporal writer is reaped by the commit
+        rank0, children0 = _cpu_s(), _reaped_children_cpu_s()
+        writer0 = _cpu_s(pid) if pid is not None else 0.0
         mgr.save(trainer.num_steps, state)
         mgr.before_optimizer_step()
         mgr.wait_until_finished()
-        pid_after = mgr.writer_pid
-        if pid_after != pid or pid is None:
-            raise RuntimeError(f"writer changed during a save ({pid} -> {pid_after})")
-        out.append({"rank_cpu_s": _cpu_s() - rank0, "writer_cpu_s": _cpu_s(pid) - writer0})
+        if mgr.writer_pid != pid:
+            raise RuntimeError(f"writer changed during a save ({pid} -> {mgr.writer_pid})")
+        writer = _reaped_children_cpu_s() - children0
+        if pid is not None:
+            writer += _cpu_s(pid) - writer0
+        out.append({"rank_cpu_s": _cpu_s() - rank0, "writer_cpu_s": writer})
     return out
 
 

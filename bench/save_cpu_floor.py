@@ -32,7 +32,7 @@ import _common
 from _common import MIB
 
 
-def _cpu_s(fn: Callable[[], object], repeats: int) -> float:
+def _fastest_cpu_s(fn: Callable[[], object], repeats: int) -> float:
     best = float("inf")
     for _ in range(repeats):
         t0 = time.process_time()
@@ -86,10 +86,10 @@ def _measure_slab(
 
     dst = torch.frombuffer(mm, dtype=torch.uint8)
     view = memoryview(mm)
-    figures: dict[str, float] = {"memcpy": _cpu_s(lambda: dst.copy_(src), repeats)}
+    figures: dict[str, float] = {"memcpy": _fastest_cpu_s(lambda: dst.copy_(src), repeats)}
     checksums = _checksums()
     for name, fn in checksums.items():
-        figures[name] = _cpu_s(lambda fn=fn: fn(view, 0), repeats)  # type: ignore[misc]
+        figures[name] = _fastest_cpu_s(lambda fn=fn: fn(view, 0), repeats)  # type: ignore[misc]
     fastest = min(checksums, key=lambda n: figures[n])
     src_view = memoryview(src.numpy())
     chunk = 1 * MIB
@@ -100,8 +100,8 @@ def _measure_slab(
             value = checksums[fastest](src_view[off : off + chunk], value)
             dst[off : off + chunk].copy_(src[off : off + chunk])
 
-    figures[f"memcpy_fused_{fastest}"] = _cpu_s(fused, repeats)
-    figures["odirect_write"] = _cpu_s(lambda: _direct_write(directory, view), repeats)
+    figures[f"memcpy_fused_{fastest}"] = _fastest_cpu_s(fused, repeats)
+    figures["odirect_write"] = _fastest_cpu_s(lambda: _direct_write(directory, view), repeats)
     view.release()
     return figures
 
