@@ -179,6 +179,15 @@ def verdict_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def diagnostic_lines(report: Mapping[str, Any], keys: Iterable[str]) -> list[str]:
+    """`key: value (no target)` for each of `keys`: ratios reported beside the targets."""
+    lines = []
+    for key in keys:
+        value = report.get(key)
+        lines.append(f"{key}: {'n/a' if value is None else f'{value:.3f}'} (no target)")
+    return lines
+
+
 def conditions_line(before: Mapping[str, Any], after: Mapping[str, Any]) -> str:
     """One line on the machine around a run (`machine_conditions()` before and after)."""
     return (

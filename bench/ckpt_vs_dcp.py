@@ -846,13 +846,9 @@ def _render(report: dict[str, Any]) -> str:
     )
     lines.append("")
     lines += _common.verdict_lines(report)
-    diagnostics = [
-        f"{key}: {report[key]:.3f}"
-        for key in ("save_cpu_vs_memcpy", "inflation_vs_background_memcpy")
-        if report.get(key) is not None
-    ]
-    if diagnostics:
-        lines.append("not targets: " + "; ".join(diagnostics))
+    lines += _common.diagnostic_lines(
+        report, ("save_cpu_vs_memcpy", "inflation_vs_background_memcpy")
+    )
     lines.append(_common.conditions_line(report["conditions_before"], report["conditions_after"]))
     return "\n".join(lines)
 

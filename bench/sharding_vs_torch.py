@@ -426,9 +426,9 @@ def _render(report: dict[str, Any]) -> str:
         "",
     ]
     lines += _common.verdict_lines(report)
-    for key in ("zero3_vs_fsdp2_cpu_time", "noshard_vs_ddp_cpu_time"):
-        value = report.get(key)
-        lines.append(f"{key}: {'n/a' if value is None else f'{value:.3f}'} (no target)")
+    lines += _common.diagnostic_lines(
+        report, ("zero3_vs_fsdp2_cpu_time", "noshard_vs_ddp_cpu_time")
+    )
     lines.append(_common.conditions_line(report["conditions_before"], report["conditions_after"]))
     return "\n".join(lines)
 
