@@ -62,8 +62,8 @@ def _timed(cmd: list[str], env: dict[str, str]) -> float:
 
 
 def _sequential_reads(uri: str, options: dict[str, Any]) -> float:
-    from ckpt_manager._catalog import list_step_dirs, read_manifest
-    from ckpt_manager._storage import Storage
+    from ckpt_manager._store.catalog import list_step_dirs, read_manifest
+    from ckpt_manager._store.storage import Storage
 
     storage = Storage(uri, options)
     started = time.monotonic()
@@ -73,9 +73,9 @@ def _sequential_reads(uri: str, options: dict[str, Any]) -> float:
 
 
 def _in_process(uri: str, options: dict[str, Any]) -> tuple[float, int]:
-    from ckpt_manager._ctl_list import collect_rows
-    from ckpt_manager._ctl_retention import RetentionFlags
-    from ckpt_manager._storage import Storage
+    from ckpt_manager._store.storage import Storage
+    from ckpt_manager.ctl.list import collect_rows
+    from ckpt_manager.ctl.retention import RetentionFlags
 
     storage = Storage(uri, options)
     started = time.monotonic()

@@ -49,7 +49,7 @@ def _optional(module: str, attr: str) -> Any:
 
 
 def _checksums() -> dict[str, Callable[[Any, int], int]]:
-    from ckpt_manager._checksum import crc32
+    from ckpt_manager._store.checksum import crc32
 
     out: dict[str, Callable[[Any, int], int]] = {"zlib_crc32": zlib.crc32, "isal_crc32": crc32}
     if (crc32c := _optional("crc32c", "crc32c")) is not None:
@@ -68,7 +68,7 @@ def _slab(nbytes: int) -> tuple[int, mmap.mmap]:
 
 
 def _direct_write(directory: str, data: memoryview) -> None:
-    from ckpt_manager._direct_write import write_at_start
+    from ckpt_manager._store.direct_write import write_at_start
 
     fd, path = tempfile.mkstemp(dir=directory, prefix="save-cpu-floor-")
     try:

@@ -4,46 +4,21 @@ Saves and restores nested state dicts of tensors and plain values to local disk,
 fsspec filesystem. It never imports `sharding` or `daemon`: the daemon hands it state dicts.
 Public names are imported lazily, so the writer process and `ckptctl` start without torch.
 
-Module plan:
-    _manager.py     CheckpointManager: save / before_optimizer_step / maybe_finalize /
-                    wait_until_finished / restore / close; the composition root.
-    _pipeline.py    LocalPipeline: one rank's staging buffers, staging thread and writer.
-    _finalize.py    Finalizer: saves in flight; agree, commit or fail across ranks, report.
-    _config.py      AsyncMode (persistent | temporal | sync), CheckpointConfig.
-    _types.py       ShardedTensorLike, RankLocal, SaveResult, SaveReport, SaveObserver,
-                    ManagerStats, RestoreResult.
-    _retention.py   StepInfo, RetentionPolicy, KeepLast, KeepEvery, KeepInterval, KeepBest,
-                    AnyOf, plan_deletions (invariants: newest/pinned/restored/in-flight kept).
-    _storage.py     Storage: every URL/path operation (fsspec), atomic + exclusive writes,
-                    multipart uploads, error translation; validate_relative_name.
-    _tree.py        state <-> JSON skeleton + tensor leaves (replicated, sharded, rank-local).
-    _format.py      shard file format: magic + JSON header + aligned raw tensor bytes.
-    _direct_write.py  large local writes with O_DIRECT from page-aligned slabs (no page
-                    cache: 0.03 vs 0.2-2 CPU-s per 580 MiB), buffered tail and fallback.
-    _checksum.py    zlib-compatible CRC-32 through ISA-L (`isal`), zlib as the fallback.
-    _manifest.py    layout names (step-<N:012d>, rank-<r:05d>.bin, manifest.json, _pins/),
-                    Manifest schema with validation.
-    _commit.py      per-rank contributions, their merge into a manifest, the exclusive commit.
-    _staging.py     Slab (memfd shared memory reused across saves), copy_into_slab,
-                    BackgroundThread (the staging thread).
-    _request.py     SaveRequest: STAGING -> WRITING -> OK | FAILED (local view).
-    _writer.py      the writer process (no torch): request loop, write_shard, fault hooks.
-    _writer_proc.py WriterProcess: trainer-side handle (start, submit, poll, stop, kill).
-    _coord.py       Coordinator: dedicated gloo group; MAX agreement OK(0) < WRITING(1) <
-                    FAILED(2), gather/broadcast, all bounded by the finalize timeout.
-    _retention_file.py  the run's retention policy recorded in the root (`_RETENTION.json`)
-                    for `ckptctl list`'s reasons.
-    _lease.py       Lease on the root: run id, host, pid, refreshed; takeover rules.
-    _deleter.py     background retention + GC of uncommitted leftovers (coordinator).
-    _pins.py        pinned steps under `_pins/` (shared with ckptctl).
-    _catalog.py     listing steps, manifest reading, file verification, start-up removal
-                    of dead attempts (torch-free: `ckptctl list` never imports torch).
-    _dtypes.py      dtype names and item sizes without torch (manifest validation).
-    _restore.py     loading a verified step, whole or into a template (resharded).
-    _recover.py     collective restore: same verified step on every rank, with fallback.
-    _reshard.py     assemble any box / flat-range region from stored pieces.
-    errors.py       CheckpointError tree.
-    cli.py          `ckptctl` console script: list, show, verify, restore, prune, pin.
+Package layout (one line per sub-package; each sub-package's docstring lists its modules):
+
+    ckpt_manager/
+      __init__.py errors.py _config.py _types.py _manager.py   public API + composition root
+      _coord.py     Coordinator: the dedicated gloo group every cross-rank agreement uses
+      _save/        save path: request state machine, staging, writer process, finalize, commit
+      _load/        load path: restore one step, collective recover with fallback, reshard
+      _store/       storage layer: fsspec I/O, S3 options, manifest, shard format, catalog,
+                    pins, lease (imports none of its siblings)
+      _retention/   which steps to keep: policies, the root's retention record, the deleter
+      ctl/          the `ckptctl` CLI and its UsageError (the engine never imports it)
+
+Why `_coord.py` sits at the root rather than in `_save/`: both the save path (finalize's
+agreement) and the load path (recover's choice of step) agree through it, and `_load` should
+not depend on `_save`. Layering is enforced by `tests/ckpt_manager/test_layering.py`.
 
 Save state machine (global, agreed in maybe_finalize):
     REQUESTED -> STAGED -> WRITTEN(all ranks) -> COMMITTED (manifest written)
@@ -58,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckpt_manager._config import AsyncMode, CheckpointConfig
     from ckpt_manager._manager import CheckpointManager
-    from ckpt_manager._retention import (
+    from ckpt_manager._retention.policies import (
         AnyOf,
         KeepBest,
         KeepEvery,
@@ -130,7 +105,7 @@ _HOME = {
             "RetentionPolicy",
             "StepInfo",
         ],
-        "_retention",
+        "_retention.policies",
     ),
     **dict.fromkeys(
         [

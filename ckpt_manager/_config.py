@@ -7,7 +7,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt_manager._retention import RetentionPolicy
+from ckpt_manager._retention.policies import RetentionPolicy
 
 __all__ = ["AsyncMode", "CheckpointConfig"]
 

@@ -30,23 +30,23 @@ from typing import Any
 
 import structlog
 
-from ckpt_manager._catalog import committed_steps, drop_dead_attempts
-from ckpt_manager._commit import build_contribution, leaves_to_write
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Status
-from ckpt_manager._deleter import Deleter
-from ckpt_manager._finalize import Finalizer
-from ckpt_manager._format import plan_layout
-from ckpt_manager._lease import Lease
-from ckpt_manager._manifest import shard_file_name
-from ckpt_manager._pipeline import LocalPipeline
-from ckpt_manager._recover import restore_agreed
-from ckpt_manager._request import Limits, SaveRequest
-from ckpt_manager._retention_file import record_retention
-from ckpt_manager._storage import Storage
-from ckpt_manager._tree import flatten
+from ckpt_manager._load.recover import restore_agreed
+from ckpt_manager._retention.deleter import Deleter
+from ckpt_manager._retention.record import record_retention
+from ckpt_manager._save.commit import build_contribution, leaves_to_write
+from ckpt_manager._save.finalize import Finalizer
+from ckpt_manager._save.pipeline import LocalPipeline
+from ckpt_manager._save.request import Limits, SaveRequest
+from ckpt_manager._save.writer_proc import WriterProcess
+from ckpt_manager._store.catalog import committed_steps, drop_dead_attempts
+from ckpt_manager._store.format import plan_layout
+from ckpt_manager._store.lease import Lease
+from ckpt_manager._store.manifest import shard_file_name
+from ckpt_manager._store.storage import Storage
+from ckpt_manager._store.tree import flatten
 from ckpt_manager._types import ManagerStats, RestoreResult, SaveObserver
-from ckpt_manager._writer_proc import WriterProcess
 from ckpt_manager.errors import (
     CheckpointError,
     CheckpointTimeoutError,

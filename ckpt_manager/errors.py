@@ -1,7 +1,7 @@
 """Errors raised by `ckpt_manager`.
 
 Backend errors (OSError, botocore/aiobotocore) are translated where storage is touched
-(`_storage.py`) and chained with `raise ... from err`, so callers catch one tree::
+(`_store/storage.py`) and chained with `raise ... from err`, so callers catch one tree::
 
     CheckpointError (Exception)
     ├── StorageError (+ OSError)                 a storage call failed
@@ -13,10 +13,8 @@ Backend errors (OSError, botocore/aiobotocore) are translated where storage is t
     ├── SaveFailedError                          a save failed on some rank (names rank + cause)
     └── CheckpointTimeoutError (+ TimeoutError)  a bounded wait ran out
 
-    UsageError (ValueError)                      `ckptctl`: the command line is wrong (exit 2)
-
-`UsageError` stands apart from `CheckpointError` on purpose: code that tolerates a failing
-storage call (`except CheckpointError`) must never swallow an operator's mistake.
+The CLI's own error (`UsageError`, a wrong command line) lives with the CLI, in
+`ckpt_manager/ctl/errors.py`: the engine never raises it.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ __all__ = [
     "SaveFailedError",
     "StepNotFoundError",
     "StorageError",
-    "UsageError",
 ]
 
 
@@ -80,7 +77,3 @@ class SaveFailedError(CheckpointError):
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):
     """A bounded wait (writer, collective, storage) ran out of time."""
-
-
-class UsageError(ValueError):
-    """The `ckptctl` command line is wrong (exit code 2); the message says how to fix it."""

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, StepNotFoundError
-from ckpt_manager._catalog import committed_steps, delete_step, list_step_dirs, read_manifest
-from ckpt_manager._manifest import MANIFEST_NAME, shard_file_name, step_dir
-from ckpt_manager._storage import Storage
+from ckpt_manager._store.catalog import committed_steps, delete_step, list_step_dirs, read_manifest
+from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._store.storage import Storage
 
 
 def _root_with_steps(root: pathlib.Path, steps: list[int]) -> Storage:

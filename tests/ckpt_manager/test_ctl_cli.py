@@ -14,14 +14,14 @@ import structlog
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
-from ckpt_manager._ctl_common import StorageFlags, nearest_steps
-from ckpt_manager._ctl_render import Progress, format_age, format_bytes
-from ckpt_manager._ctl_sink import split_uri
-from ckpt_manager._ctl_stream import as_flat_piece, chunk_ranges
-from ckpt_manager._dtypes import ITEM_SIZES, item_size
-from ckpt_manager._manifest import Piece
-from ckpt_manager.cli import main
-from ckpt_manager.errors import UsageError
+from ckpt_manager._store.dtypes import ITEM_SIZES, item_size
+from ckpt_manager._store.manifest import Piece
+from ckpt_manager.ctl.cli import main
+from ckpt_manager.ctl.common import StorageFlags, nearest_steps
+from ckpt_manager.ctl.errors import UsageError
+from ckpt_manager.ctl.render import Progress, format_age, format_bytes
+from ckpt_manager.ctl.sink import split_uri
+from ckpt_manager.ctl.stream import as_flat_piece, chunk_ranges
 from tests.support.s3 import S3Target
 
 COMMANDS = ["list", "show", "verify", "restore", "prune", "pin", "unpin"]
@@ -42,7 +42,7 @@ def test_every_help_shows_a_usage_example(
 
 def test_console_script_help_is_fast_and_imports_no_torch() -> None:
     code = (
-        "import sys; from ckpt_manager.cli import main; rc = main(['--help']); "
+        "import sys; from ckpt_manager.ctl.cli import main; rc = main(['--help']); "
         "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=60)
@@ -62,7 +62,7 @@ def test_reading_manifests_imports_no_torch(argv: list[str], tmp_path: pathlib.P
     with CheckpointManager(str(tmp_path), cfg, run_id="notorch") as mgr:
         mgr.save(3, {"w": torch.arange(4, dtype=torch.bfloat16), "step": 3}, metrics={"loss": 1.5})
     code = (
-        "import sys; from ckpt_manager.cli import main; "
+        "import sys; from ckpt_manager.ctl.cli import main; "
         f"rc = main({[argv[0], str(tmp_path), *argv[1:]]!r}); "
         "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)"
     )

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
-from ckpt_manager._lease import LEASE_NAME
-from ckpt_manager._manifest import MANIFEST_NAME, shard_file_name, step_dir
-from ckpt_manager._storage import Storage
-from ckpt_manager.cli import main
+from ckpt_manager._store.lease import LEASE_NAME
+from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._store.storage import Storage
+from ckpt_manager.ctl.cli import main
 from tests.ckpt_manager.test_ctl_support import Run, copy_root, zero3_run
 from tests.support.s3 import MotoS3
 

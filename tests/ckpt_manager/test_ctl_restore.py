@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, RankLocal
-from ckpt_manager.cli import main
+from ckpt_manager.ctl.cli import main
 from daemon.gpt import GPT
 from tests.ckpt_manager.test_ctl_support import CFG, Run, wrap, zero3_run
 from tests.support.dist import run_on_ranks
@@ -121,8 +121,8 @@ def test_reshard_two_ranks_to_three_restores_same_weights(run: Run, tmp_path: pa
 
 _GROWTH = """
 import json, sys
-import ckpt_manager._ctl_export, ckpt_manager._ctl_reshard, ckpt_manager._ctl_restore
-from ckpt_manager.cli import main
+import ckpt_manager.ctl.export, ckpt_manager.ctl.reshard, ckpt_manager.ctl.restore
+from ckpt_manager.ctl.cli import main
 def kib(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))

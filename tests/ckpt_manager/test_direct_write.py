@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_manager import _checksum, _direct_write
-from ckpt_manager._direct_write import DIRECT_ALIGN, write_at_start
-from ckpt_manager._storage import Storage
+from ckpt_manager._store import checksum, direct_write
+from ckpt_manager._store.direct_write import DIRECT_ALIGN, write_at_start
+from ckpt_manager._store.storage import Storage
 
 SIZE = (6 << 20) + 1234  # over the O_DIRECT threshold, not a whole number of blocks
 
@@ -36,7 +36,7 @@ def _write(path: Path, data: memoryview) -> bytes:
 def test_aligned_slab_is_written_whole_through_the_direct_path(tmp_path: Path) -> None:
     mm = _slab(SIZE)
     view = memoryview(mm)
-    assert _direct_write._direct_candidate(view)
+    assert direct_write._direct_candidate(view)
     assert _write(tmp_path / "shard.bin", view) == mm[:]
     view.release()
 
@@ -46,12 +46,12 @@ def test_direct_prefix_is_block_aligned_or_refused(tmp_path: Path) -> None:
     view = memoryview(mm)
     path = tmp_path / "prefix.bin"
     path.touch()
-    fd = _direct_write._open_direct(str(path))
+    fd = direct_write._open_direct(str(path))
     if fd is None:
         pytest.skip("this filesystem refuses O_DIRECT (the buffered path writes it all)")
     try:
         aligned = SIZE // DIRECT_ALIGN * DIRECT_ALIGN
-        written, usable = _direct_write._write_direct(fd, view, 0, aligned)
+        written, usable = direct_write._write_direct(fd, view, 0, aligned)
     finally:
         os.close(fd)
     assert (written, usable) == (aligned, True)
@@ -94,7 +94,7 @@ def test_other_buffers_take_the_buffered_path(tmp_path: Path, kind: str) -> None
         "unaligned view": memoryview(mm)[1:],
         "small": memoryview(mm)[: 4096 + 3],
     }[kind]
-    assert not _direct_write._direct_candidate(data)
+    assert not direct_write._direct_candidate(data)
     assert _write(tmp_path / "f.bin", data) == bytes(data)
     data.release()
 
@@ -124,6 +124,6 @@ def test_disk_full_is_an_error_not_a_fallback(tmp_path: Path) -> None:
 
 def test_checksum_matches_zlib_in_pieces() -> None:
     data = os.urandom((3 << 20) + 17)
-    assert _checksum.crc32(data) == zlib.crc32(data)
-    assert _checksum.crc32(data[1000:], _checksum.crc32(data[:1000])) == zlib.crc32(data)
-    assert _checksum.IMPLEMENTATION == "isal"  # a dependency: the fast path is the real one
+    assert checksum.crc32(data) == zlib.crc32(data)
+    assert checksum.crc32(data[1000:], checksum.crc32(data[:1000])) == zlib.crc32(data)
+    assert checksum.IMPLEMENTATION == "isal"  # a dependency: the fast path is the real one

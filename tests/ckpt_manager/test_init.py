@@ -56,7 +56,7 @@ def test_public_surface_is_pinned_and_documented() -> None:
 
 
 def test_writer_side_imports_do_not_load_torch() -> None:
-    code = "import sys, ckpt_manager._writer; print('torch' in sys.modules)"
+    code = "import sys, ckpt_manager._save.writer; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -27,9 +27,9 @@ from ckpt_manager import (
     SaveResult,
     StepNotFoundError,
 )
-from ckpt_manager._lease import LEASE_NAME
-from ckpt_manager._manifest import MANIFEST_NAME, shard_file_name, step_dir
-from ckpt_manager._writer import FAULT_ENV
+from ckpt_manager._save.writer import FAULT_ENV
+from ckpt_manager._store.lease import LEASE_NAME
+from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
 from tests.ckpt_manager.conftest import Reports, Shard
 
 

@@ -21,10 +21,10 @@ from ckpt_manager import (
     KeepLast,
     RetentionPolicy,
 )
-from ckpt_manager._manifest import shard_file_name, step_dir
-from ckpt_manager._pins import pin_step, pinned_steps, unpin_step
-from ckpt_manager._storage import Storage
-from ckpt_manager._writer import FAULT_ENV
+from ckpt_manager._save.writer import FAULT_ENV
+from ckpt_manager._store.manifest import shard_file_name, step_dir
+from ckpt_manager._store.pins import pin_step, pinned_steps, unpin_step
+from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import StorageError
 
 

@@ -22,8 +22,8 @@ from ckpt_manager import (
     RankLocal,
     SaveFailedError,
 )
-from ckpt_manager._manifest import MANIFEST_NAME, step_dir
-from ckpt_manager._writer import FAULT_ENV
+from ckpt_manager._save.writer import FAULT_ENV
+from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
 from tests.ckpt_manager.conftest import Shard
 from tests.support.dist import _child, free_port, run_on_ranks
 

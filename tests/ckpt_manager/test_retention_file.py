@@ -22,9 +22,9 @@ from ckpt_manager import (
     RetentionPolicy,
     StepInfo,
 )
-from ckpt_manager._retention_file import RETENTION_NAME, read_retention, record_retention
-from ckpt_manager._storage import Storage
-from ckpt_manager.cli import main
+from ckpt_manager._retention.record import RETENTION_NAME, read_retention, record_retention
+from ckpt_manager._store.storage import Storage
+from ckpt_manager.ctl.cli import main
 
 
 class _Odd:

@@ -13,8 +13,8 @@ import s3fs
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, SaveFailedError
-from ckpt_manager._manifest import MANIFEST_NAME, shard_file_name, step_dir
-from ckpt_manager._writer import FAULT_ENV
+from ckpt_manager._save.writer import FAULT_ENV
+from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
 from tests.support.dist import free_port
 from tests.support.s3 import TEST_KEY, TEST_REGION, TEST_SECRET, isolate_aws_environment
 

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from ckpt_manager._storage import Storage, validate_relative_name
+from ckpt_manager._store.storage import Storage, validate_relative_name
 from ckpt_manager.errors import ObjectExistsError, ObjectNotFoundError, StorageError
 from tests.ckpt_manager.conftest import Root
 

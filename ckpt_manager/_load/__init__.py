@@ -1,0 +1,7 @@
+"""The load path: from a committed step on storage back into a state dict.
+
+restore.py      loading one verified step, whole or into a template (resharded).
+recover.py      collective restore: the same verified step on every rank, with fallback
+                to an older step when the newest fails verification.
+reshard.py      assemble any box / flat-range region of a tensor from stored pieces.
+"""

@@ -1,0 +1,87 @@
+"""Collective restore: every rank picks the same step, verified, then loads its part.
+
+Candidates are the committed steps, newest first (listed by the coordinator and broadcast),
+or the one step asked for. For each candidate every rank reads the manifest and verifies its
+share of the files (sizes and crc32, files split round-robin over ranks), then all ranks
+exchange their findings: one bad file anywhere skips the step everywhere (with a warning that
+says why), so no two ranks ever restore different steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+
+from ckpt_manager._coord import Coordinator
+from ckpt_manager._load.restore import load_state
+from ckpt_manager._store.catalog import committed_steps, read_manifest, verify_files
+from ckpt_manager._store.storage import Storage
+from ckpt_manager._types import RestoreResult
+from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+
+__all__ = ["restore_agreed"]
+
+_log = structlog.get_logger("ckpt_manager")
+_MISSING = "missing: "
+
+
+def restore_agreed(
+    storage: Storage,
+    coord: Coordinator,
+    step: int | None,
+    into: Any,
+    *,
+    verify_checksums: bool,
+) -> RestoreResult | None:
+    """Restore on every rank (collective); see `CheckpointManager.restore`.
+
+    Raises:
+        StepNotFoundError: the explicit step is not committed.
+        CorruptCheckpointError: the explicit step fails verification.
+        CheckpointError: the template does not match the checkpoint.
+    """
+    log = _log.bind(rank=coord.rank)
+    if step is not None:
+        candidates = [step]
+    else:
+        listed = committed_steps(storage) if coord.is_coordinator else []
+        candidates = list(reversed(coord.broadcast(listed)))
+    for candidate in candidates:
+        manifest, reason = None, None
+        try:
+            manifest = read_manifest(storage, candidate)
+            names = sorted(manifest.files)[coord.rank :: coord.world_size]
+            verify_files(storage, manifest, names, check_crc=verify_checksums)
+        except StepNotFoundError as err:
+            reason = f"{_MISSING}{err}"
+        except CheckpointError as err:
+            reason = str(err)
+        reasons = [r for r in coord.all_gather(reason) if r]
+        if reasons:
+            if step is not None:
+                if reasons[0].startswith(_MISSING):
+                    raise StepNotFoundError(reasons[0].removeprefix(_MISSING))
+                raise CorruptCheckpointError(reasons[0])
+            log.warning("ckpt_restore_skipped_step", ckpt_step=candidate, reason=reasons[0])
+            continue
+        assert manifest is not None
+        state, error = None, None
+        try:
+            state = load_state(storage, manifest, coord.rank, into)
+        except CorruptCheckpointError as err:
+            error = ("corrupt", str(err))
+        except CheckpointError as err:
+            error = ("mismatch", str(err))
+        errors = [e for e in coord.all_gather(error) if e]
+        if errors:
+            kind, message = errors[0]
+            if kind == "mismatch":
+                raise CheckpointError(message)
+            if step is not None:
+                raise CorruptCheckpointError(message)
+            log.warning("ckpt_restore_skipped_step", ckpt_step=candidate, reason=message)
+            continue
+        log.info("ckpt_restored", ckpt_step=candidate)
+        return RestoreResult(candidate, state)
+    return None

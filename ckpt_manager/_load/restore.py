@@ -1,0 +1,222 @@
+"""Loading a verified step into a state: the saved structure, or a template filled in place.
+
+Loading never unpickles: manifests are JSON, tensors are raw bytes at manifest offsets.
+Listing and verifying steps lives in `_catalog` (torch-free).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ckpt_manager._load.reshard import Region, fill_region
+from ckpt_manager._store.format import dtype_from_name
+from ckpt_manager._store.manifest import Manifest, Piece, step_dir
+from ckpt_manager._store.storage import Storage
+from ckpt_manager._store.tree import is_sharded, placement_of
+from ckpt_manager._types import ALIASES_KEY, RankLocal
+from ckpt_manager.errors import CheckpointError, CorruptCheckpointError
+
+__all__ = ["load_state", "read_piece"]
+
+
+def read_piece(
+    storage: Storage, step: int, piece: Piece, dtype: torch.dtype, start: int, end: int
+) -> torch.Tensor:
+    """Read elements `[start, end)` of one stored piece: only those bytes are fetched.
+
+    Args:
+        storage: the checkpoint root.
+        step: the committed step the piece belongs to.
+        piece: the piece (file, byte offset) from the step's manifest.
+        dtype: the tensor's element type.
+        start: first element, counted within the piece.
+        end: one past the last element.
+
+    Returns:
+        A new 1-D CPU tensor of `end - start` elements (empty when `end <= start`).
+
+    Raises:
+        CorruptCheckpointError: the file is shorter than the manifest says.
+        StorageError: the read failed.
+    """
+    if end <= start:
+        return torch.empty(0, dtype=dtype)
+    lo = piece.offset + start * dtype.itemsize
+    hi = piece.offset + end * dtype.itemsize
+    data = storage.read(f"{step_dir(step)}/{piece.file}", lo, hi)
+    if len(data) != hi - lo:
+        raise CorruptCheckpointError(f"step {step}: {piece.file} is short")
+    return torch.frombuffer(bytearray(data), dtype=dtype)
+
+
+class _Loader:
+    def __init__(self, storage: Storage, manifest: Manifest, rank: int) -> None:
+        self.storage = storage
+        self.m = manifest
+        self.rank = rank
+
+    def read(self, piece: Piece, dtype: torch.dtype, start: int, end: int) -> torch.Tensor:
+        return read_piece(self.storage, self.m.step, piece, dtype, start, end)
+
+    def _record(self, key: str) -> tuple[torch.dtype, list[Piece], tuple[int, ...]]:
+        rec = self.m.tensors.get(key)
+        if rec is None:
+            raise CorruptCheckpointError(f"step {self.m.step}: tree names unknown tensor {key!r}")
+        return dtype_from_name(rec["dtype"]), list(rec["pieces"]), tuple(rec["global_shape"])
+
+    def _local_record(self, key: str, rl: dict[str, Any]) -> tuple[torch.dtype, Piece]:
+        rec = rl["tensors"].get(key)
+        if rec is None:
+            raise CorruptCheckpointError(f"step {self.m.step}: unknown rank-local tensor {key!r}")
+        return dtype_from_name(rec["dtype"]), rec["piece"]
+
+    def whole(self, node: list[Any], rl: dict[str, Any] | None) -> torch.Tensor:
+        key = node[1]
+        if rl is not None:
+            dtype, piece = self._local_record(key, rl)
+            return self.read(piece, dtype, 0, self._numel(piece.shape)).reshape(piece.shape)
+        dtype, pieces, shape = self._record(key)
+        out = torch.empty(shape, dtype=dtype)
+        self.fill(out, Region(shape, offset=(0,) * len(shape), shape=shape), key, dtype, pieces)
+        return out
+
+    @staticmethod
+    def _numel(shape: tuple[int, ...]) -> int:
+        n = 1
+        for d in shape:
+            n *= d
+        return n
+
+    def fill(
+        self,
+        target: torch.Tensor,
+        region: Region,
+        key: str,
+        dtype: torch.dtype,
+        pieces: list[Piece],
+    ) -> None:
+        def read(p: Piece, s: int, e: int) -> torch.Tensor:
+            return self.read(p, dtype, s, e)
+
+        fill_region(target, region, pieces, read, key)
+
+    def build(self, node: Any, rl: dict[str, Any] | None = None) -> Any:
+        tag, body = node[0], node[1]
+        if tag == "v":
+            return body
+        if tag == "d":
+            return {k: self.build(v, rl) for k, v in body}
+        if tag in ("l", "t"):
+            items = [self.build(v, rl) for v in body]
+            return tuple(items) if tag == "t" else items
+        if tag in ("T", "S"):
+            return self.whole(node, rl)
+        if tag == "R":
+            if self.rank >= len(self.m.rank_local):
+                return None
+            mine = self.m.rank_local[self.rank]
+            return self.build(mine["trees"][body], dict(mine))
+        raise CorruptCheckpointError(f"step {self.m.step}: unknown tree node {tag!r}")
+
+    def into(self, node: Any, template: Any, path: str, rl: dict[str, Any] | None = None) -> Any:
+        tag = node[0]
+        if isinstance(template, RankLocal):
+            if tag != "R":
+                raise self._mismatch(path, "RankLocal", tag)
+            if self.rank >= len(self.m.rank_local):
+                return template.value
+            mine = self.m.rank_local[self.rank]
+            return self.into(mine["trees"][node[1]], template.value, path, dict(mine))
+        if isinstance(template, torch.Tensor):
+            if tag not in ("T", "S"):
+                raise self._mismatch(path, "tensor", tag)
+            value = self.whole(node, rl)
+            if tuple(value.shape) != tuple(template.shape):
+                raise CheckpointError(
+                    f"step {self.m.step}: tensor {path!r} was saved with shape "
+                    f"{tuple(value.shape)}, the template has {tuple(template.shape)}"
+                )
+            with torch.no_grad():
+                template.copy_(value)
+            return template
+        if is_sharded(template):
+            if tag not in ("T", "S") or rl is not None:
+                raise self._mismatch(path, "sharded tensor", tag)
+            self._into_sharded(node[1], template, path)
+            return template
+        if isinstance(template, dict):
+            if tag != "d":
+                raise self._mismatch(path, "dict", tag)
+            saved = {k: v for k, v in node[1]}
+            missing = [k for k in template if k not in saved and k != ALIASES_KEY]
+            if missing:
+                raise CheckpointError(
+                    f"step {self.m.step}: keys {missing} under {path!r} are not in the checkpoint"
+                )
+            return {
+                k: self.into(saved[k], v, f"{path}/{k}", rl) if k in saved else v
+                for k, v in template.items()
+            }
+        if isinstance(template, list | tuple):
+            if tag not in ("l", "t") or len(node[1]) != len(template):
+                raise self._mismatch(path, f"sequence of {len(template)}", tag)
+            items = [
+                self.into(n, t, f"{path}/{i}", rl)
+                for i, (n, t) in enumerate(zip(node[1], template, strict=True))
+            ]
+            return tuple(items) if isinstance(template, tuple) else items
+        return self.build(node, rl)
+
+    def _into_sharded(self, key: str, template: Any, path: str) -> None:
+        dtype, pieces, shape = self._record(key)
+        if tuple(int(d) for d in template.global_shape) != shape:
+            raise CheckpointError(
+                f"step {self.m.step}: {path!r} was saved with global shape {shape}, the "
+                f"template has {tuple(template.global_shape)}"
+            )
+        local = template.local
+        try:
+            where = placement_of(template, path)
+        except ValueError as err:
+            raise CheckpointError(f"step {self.m.step}: template {err}") from err
+        if where.flat_range is not None:
+            region = Region(shape, flat_range=where.flat_range)
+        else:
+            region = Region(shape, offset=where.global_offset, shape=tuple(local.shape))
+        if local.dtype == dtype and local.device.type == "cpu":
+            with torch.no_grad():
+                self.fill(local, region, key, dtype, pieces)
+            return
+        # Assemble on the CPU in the saved dtype, then one copy casts and/or moves it.
+        staged = torch.empty(tuple(local.shape), dtype=dtype)
+        self.fill(staged, region, key, dtype, pieces)
+        with torch.no_grad():
+            local.copy_(staged)
+
+    def _mismatch(self, path: str, expected: str, tag: str) -> CheckpointError:
+        kinds = {"v": "value", "d": "dict", "l": "list", "t": "tuple", "T": "tensor"}
+        found = kinds.get(tag, {"S": "sharded tensor", "R": "RankLocal"}.get(tag, tag))
+        return CheckpointError(
+            f"step {self.m.step}: {path or '<root>'!r} is a {expected} in the template but a "
+            f"{found} in the checkpoint"
+        )
+
+
+def load_state(storage: Storage, manifest: Manifest, rank: int, into: Any | None) -> Any:
+    """Load a verified step for `rank`: the saved structure, or the template's filled in place.
+
+    Without a template sharded tensors come back whole (consolidated) and RankLocal subtrees
+    as this rank's subtree (None if the rank did not exist). With one, tensors and sharded
+    tensors are filled in place (resharded to the template's offsets or flat ranges) and
+    returned as the same objects.
+
+    Raises:
+        CheckpointError: the template does not match the checkpoint.
+        CorruptCheckpointError: stored data is inconsistent.
+    """
+    loader = _Loader(storage, manifest, rank)
+    if into is None:
+        return loader.build(manifest.tree)
+    return loader.into(manifest.tree, into, "")

@@ -1,0 +1,160 @@
+"""Background retention and garbage collection (coordinator only, one thread).
+
+Woken after a commit (and on a retry timer), it runs only while no save is in flight: it
+lists the root, applies the retention policy to committed steps (never the newest, pinned,
+restored-from or in-flight ones), deletes each dropped step manifest first (a half-deleted
+step is uncommitted, never "corrupt"), and removes uncommitted leftovers older than the grace
+period. Failures are logged and retried on the next wake; they never stop the thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import structlog
+
+from ckpt_manager._retention.policies import RetentionPolicy, StepInfo, plan_deletions
+from ckpt_manager._store.catalog import delete_step, list_step_dirs, read_manifest
+from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
+from ckpt_manager._store.pins import pinned_steps
+from ckpt_manager._store.storage import Storage
+from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
+
+__all__ = ["Deleter"]
+
+_log = structlog.get_logger("ckpt_manager.deleter")
+
+
+class Deleter:
+    """Owns the deletion thread of one manager."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        policy: RetentionPolicy | None,
+        *,
+        saving: Callable[[], bool],
+        protected: Callable[[], set[int]],
+        grace_s: float,
+        retry_s: float,
+    ) -> None:
+        """Start the thread.
+
+        Args:
+            storage: the root.
+            policy: retention policy (None: keep every committed step).
+            saving: whether a save is in flight (the deleter then waits for the next wake).
+            protected: steps never deleted (restored from).
+            grace_s: age after which uncommitted leftovers are removed.
+            retry_s: wake-up period (retries failed deletions).
+        """
+        self._storage = storage
+        self._policy = policy
+        self._saving = saving
+        self._protected = protected
+        self._grace_s = grace_s
+        self._retry_s = retry_s
+        self._infos: dict[int, StepInfo] = {}
+        self._doomed: set[int] = set()  # deletion started (manifest may be gone): finish them
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self.num_deleted = 0
+        """Steps deleted by retention so far."""
+        self.num_failures = 0
+        """Deletion passes that failed (and were retried)."""
+        self._thread = threading.Thread(target=self._run, name="ckpt-deleter", daemon=True)
+        self._thread.start()
+
+    def trigger(self) -> None:
+        """Ask for a pass (after a commit)."""
+        self._idle.clear()
+        self._wake.set()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until a triggered pass has run; False on timeout."""
+        return self._idle.wait(timeout_s)
+
+    def close(self, timeout_s: float) -> None:
+        """Stop the thread (an in-progress deletion finishes first, up to `timeout_s`)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._retry_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            if self._saving():
+                continue  # a save is in flight; the manager wakes us when it settles
+            try:
+                self._pass()
+                self._idle.set()
+            except CheckpointError as err:
+                self.num_failures += 1
+                _log.warning("ckpt_retention_failed", error=str(err), retry_in_s=self._retry_s)
+            except Exception as err:  # never let the thread die; the next wake retries
+                self.num_failures += 1
+                _log.exception("ckpt_retention_crashed", error=str(err))
+
+    def _info(self, step: int) -> StepInfo | None:
+        found = self._infos.get(step)
+        if found is not None:
+            return found
+        try:
+            m = read_manifest(self._storage, step)
+        except StepNotFoundError:
+            return None
+        except CorruptCheckpointError as err:
+            _log.warning("ckpt_retention_skips_corrupt_step", step=step, error=str(err))
+            return None
+        info = self._infos[step] = StepInfo(step, m.committed_unix_s, dict(m.metrics))
+        return info
+
+    def _pass(self) -> None:
+        for s in sorted(self._doomed):
+            if self._saving():
+                return
+            self._delete_step(s)
+        steps = list_step_dirs(self._storage)
+        infos: list[StepInfo] = []
+        uncommitted: list[int] = []
+        for s in steps:
+            info = self._info(s)
+            if info is not None:
+                infos.append(info)
+            elif not self._storage.exists(f"{step_dir(s)}/{MANIFEST_NAME}"):
+                uncommitted.append(s)
+        if self._policy is not None:
+            protected = pinned_steps(self._storage) | self._protected()
+            for s in plan_deletions(self._policy, infos, protected=protected):
+                if self._saving():
+                    return  # a save started: stop; the next wake resumes
+                if s in self._protected():
+                    continue  # restored from since the plan was made
+                self._delete_step(s)
+        now = time.time()
+        for s in uncommitted:
+            if self._saving():
+                return
+            if s in self._protected():
+                continue
+            modified = self._storage.modified_unix_s(step_dir(s))
+            if modified is None or now - modified >= self._grace_s:
+                _log.info("ckpt_gc_uncommitted", ckpt_step=s)
+                self._storage.remove_tree(step_dir(s))
+
+    def _delete_step(self, step: int) -> None:
+        self._doomed.add(step)
+        # [Note: manifest first] in `catalog.delete_step`; a step whose deletion stopped
+        # halfway is remembered in `_doomed` and finished by the next pass.
+        delete_step(self._storage, step)
+        self._infos.pop(step, None)
+        self._doomed.discard(step)
+        self.num_deleted += 1
+        _log.info("ckpt_retention_deleted", ckpt_step=step)

@@ -1,0 +1,15 @@
+"""The save path: from `CheckpointManager.save()` to a committed manifest.
+
+A save is snapshotted into shared staging memory on the trainer side, written to storage by a
+persistent writer process, then finalized across ranks (agreement, then one manifest commit).
+
+    request.py      SaveRequest: one save on one rank; its explicit SaveState machine
+                    STAGING -> WRITING -> OK | FAILED, guarded transitions, one lock.
+    pipeline.py     LocalPipeline: one rank's staging buffers, staging thread and writer.
+    staging.py      Slab (memfd shared memory reused across saves), copy_into_slab,
+                    BackgroundThread (the staging thread).
+    writer.py       the writer process (no torch): request loop, write_shard, fault hooks.
+    writer_proc.py  WriterProcess: trainer-side handle (start, submit, poll, stop, kill).
+    finalize.py     Finalizer: saves in flight; agree, commit or fail across ranks, report.
+    commit.py       per-rank contributions, their merge into a manifest, the exclusive commit.
+"""

@@ -1,0 +1,215 @@
+"""Finalizing saves across ranks: agree, commit or fail, report.
+
+The manager queues every `SaveRequest` here (`pending`, oldest first). `run()` takes the
+oldest, MAX-agrees its status over the checkpoint group (OK < WRITING < FAILED), and then
+commits it (gather contributions, the coordinator writes the manifest exclusively, broadcast
+the outcome) or fails it on every rank (gather causes, stop writers, remove the attempt,
+raise `SaveFailedError`). Each finished request becomes a `SaveReport` for the observer.
+See [Note: finalize at a step boundary] in `_manager.py`: `run()` is only ever called from
+the training thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckpt_manager._config import AsyncMode, CheckpointConfig
+from ckpt_manager._coord import Coordinator, Status
+from ckpt_manager._save.commit import commit_manifest
+from ckpt_manager._save.request import Limits, SaveRequest
+from ckpt_manager._save.writer_proc import WriterProcess
+from ckpt_manager._store.manifest import step_dir
+from ckpt_manager._store.storage import Storage
+from ckpt_manager._types import SaveObserver, SaveReport, SaveResult
+from ckpt_manager.errors import CheckpointError, SaveFailedError
+
+__all__ = ["Finalizer"]
+
+
+class Finalizer:
+    """The queue of saves in flight and their agreement, commit or failure (one per rank)."""
+
+    def __init__(
+        self,
+        *,
+        config: CheckpointConfig,
+        storage: Storage,
+        coord: Coordinator,
+        run_id: str,
+        limits: Limits,
+        observer: SaveObserver | None,
+        log: Any,
+        forget_writer: Callable[[WriterProcess], None],
+        on_idle: Callable[[], None],
+    ) -> None:
+        """Wire the finalizer.
+
+        Args:
+            config: the manager's config.
+            storage: the checkpoint root.
+            coord: the checkpoint process group.
+            run_id: the run identity written into manifests.
+            limits: local wait limits of requests.
+            observer: receives a `SaveReport` per finished save.
+            log: bound logger.
+            forget_writer: called with a writer this rank had to kill.
+            on_idle: called after a commit that left nothing in flight (wakes retention).
+        """
+        self._config = config
+        self._storage = storage
+        self._coord = coord
+        self._run_id = run_id
+        self._limits = limits
+        self._observer = observer
+        self._log = log
+        self._forget_writer = forget_writer
+        self._on_idle = on_idle
+        self.pending: collections.deque[SaveRequest] = collections.deque()
+        """Saves in flight, oldest first."""
+        self.unclean_steps: set[int] = set()
+        """Steps whose failed attempt could not be removed (never saved again)."""
+        self.last_committed: tuple[int, float] | None = None
+        """`(step, commit time)` of the newest commit known to this run."""
+
+    def run(self, *, blocking: bool) -> None:
+        """Finalize the oldest requests while all ranks agree they are settled.
+
+        Args:
+            blocking: wait for this rank's part of each request (else stop at the first
+                one still writing anywhere).
+
+        Raises:
+            SaveFailedError: a save failed on some rank (raised on every rank).
+            CheckpointError: ranks disagree on the request to finalize.
+        """
+        while self.pending:
+            request = self.pending[0]
+            if blocking:
+                status = request.wait_local(self._limits)
+            else:
+                status = request.local_status(self._limits)
+            t0 = time.monotonic()
+            try:
+                agreement = self._coord.agree(request.request_id, status)
+            except CheckpointError as err:
+                self._abandon(request, str(err))
+                raise SaveFailedError(request.step, {self._coord.rank: str(err)}) from err
+            if not agreement.consistent:
+                cause = (
+                    f"ranks disagree on which save to finalize (request {request.request_id}, "
+                    f"step {request.step}): call save()/maybe_finalize() on every rank alike"
+                )
+                self._abandon(request, cause)
+                raise CheckpointError(cause)
+            if agreement.status == Status.WRITING:
+                return
+            try:
+                if agreement.status == Status.FAILED:
+                    self._fail(request)
+                self._commit(request, t0)
+            except SaveFailedError:
+                raise
+            except CheckpointError as err:  # a collective of the commit itself failed
+                self._abandon(request, str(err))
+                raise SaveFailedError(request.step, {self._coord.rank: str(err)}) from err
+
+    def _stop_local_writer(self, request: SaveRequest) -> None:
+        """Kill this rank's writer if it may still touch the request's files or buffer."""
+        # Cancel first, then wait for the staging job: afterwards it can no longer hand the
+        # request to a writer behind our back (and reuse of the slab is safe).
+        request.cancelled = True
+        request.handed_off.wait(self._config.staging_timeout_s)
+        writer = request.writer
+        if request.abort_sent:  # it drops the file and answers: no need to restart it
+            request.await_answer(self._config.writer_start_timeout_s)
+        if writer is None or request.answered or writer.exit_code() is not None:
+            return
+        writer.kill()
+        self._forget_writer(writer)  # restarted by the next save()
+
+    def _abandon(self, request: SaveRequest, cause: str) -> None:
+        """Local clean-up when the group cannot agree any more (a peer is gone)."""
+        request.fail(cause)
+        self._stop_local_writer(request)
+        self._retire(request, SaveResult.FAILED, 0.0)
+
+    def _fail(self, request: SaveRequest) -> None:
+        local = request.error if request.error is not None else None
+        causes = {r: c for r, c in enumerate(self._coord.all_gather(local)) if c is not None}
+        self._stop_local_writer(request)
+        if self._config.async_mode is AsyncMode.TEMPORAL and request.writer is not None:
+            request.writer.kill()
+        removed = True
+        self._coord.barrier()  # every writer of this request is stopped
+        if self._coord.is_coordinator:
+            removed = self._remove_attempt(request.step)
+        if not self._coord.broadcast(removed):
+            self.unclean_steps.add(request.step)
+        request.fail("; ".join(f"rank {r}: {c}" for r, c in sorted(causes.items())))
+        self._retire(request, SaveResult.FAILED, 0.0)
+        raise SaveFailedError(request.step, causes)
+
+    def _remove_attempt(self, step: int) -> bool:
+        try:
+            self._storage.remove_tree(step_dir(step))
+            return True
+        except CheckpointError as err:
+            self._log.warning("ckpt_failed_attempt_not_removed", ckpt_step=step, error=str(err))
+            return False
+
+    def _commit(self, request: SaveRequest, t0: float) -> None:
+        gathered = self._coord.gather(request.contribution)
+        outcome: tuple[bool, str | float] = (True, 0.0)
+        if gathered is not None:
+            outcome = commit_manifest(
+                self._storage,
+                step=request.step,
+                run_id=self._run_id,
+                created_unix_s=request.created_unix_s,
+                contributions=gathered,
+            )
+        ok, detail = self._coord.broadcast(outcome)
+        if not ok:
+            cause = f"commit failed on the coordinator: {detail}"
+            removed = self._remove_attempt(request.step) if self._coord.is_coordinator else True
+            if not self._coord.broadcast(removed):
+                self.unclean_steps.add(request.step)
+            request.fail(cause)
+            self._retire(request, SaveResult.FAILED, time.monotonic() - t0)
+            raise SaveFailedError(request.step, {0: cause})
+        assert isinstance(detail, float)
+        self.last_committed = (request.step, detail)
+        self._retire(request, SaveResult.COMMITTED, time.monotonic() - t0)
+        self._log.info("ckpt_committed", ckpt_step=request.step)
+        if not self.pending:
+            self._on_idle()
+
+    def _retire(self, request: SaveRequest, result: SaveResult, finalize_s: float) -> None:
+        if self.pending and self.pending[0] is request:
+            self.pending.popleft()
+        if request.writer is not None and self._config.async_mode is AsyncMode.TEMPORAL:
+            request.writer.stop(self._config.writer_start_timeout_s)  # reap the one-shot writer
+        latency = time.monotonic() - request.started
+        sync = self._config.async_mode is AsyncMode.SYNC
+        report = SaveReport(
+            step=request.step,
+            result=result,
+            # In sync mode the whole save, commit included, blocks the training loop.
+            stall_s=latency if sync else request.stall_s,
+            staging_s=request.staging_s,
+            write_s=request.write_s,
+            finalize_s=finalize_s,
+            latency_s=latency,
+            num_bytes=int(request.contribution["size"]) if result is SaveResult.COMMITTED else 0,
+            error=request.error if result is SaveResult.FAILED else None,
+        )
+        if result is SaveResult.FAILED:
+            self._log.error("ckpt_save_failed", ckpt_step=request.step, error=request.error)
+        if self._observer is not None:
+            try:
+                self._observer.on_save_finished(report)
+            except Exception as err:  # an observer must not break checkpointing
+                self._log.warning("ckpt_observer_failed", error=str(err))

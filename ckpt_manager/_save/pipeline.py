@@ -1,0 +1,239 @@
+"""One rank's save pipeline: staging buffers, the staging thread and the writer process.
+
+`CheckpointManager.save()` prepares a `SaveRequest`; `LocalPipeline.submit()` copies its
+tensors into the slot's shared-memory `Slab` (on the staging thread, or inline in sync mode)
+and hands the buffer to a writer: the persistent writer process, a one-shot process
+(temporal mode) or `write_shard` inline (sync mode). Agreement and commit across ranks stay
+in the manager; this module never runs a collective.
+
+Owns (and `close()` releases): the staging thread, the persistent writer, the slabs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from ckpt_manager._config import AsyncMode, CheckpointConfig
+from ckpt_manager._save.request import SaveRequest
+from ckpt_manager._save.staging import BackgroundThread, Slab, copy_into_slab
+from ckpt_manager._save.writer import write_shard
+from ckpt_manager._save.writer_proc import WriterProcess
+from ckpt_manager._store.manifest import step_dir
+from ckpt_manager._store.storage import Storage
+from ckpt_manager.errors import CheckpointError
+
+__all__ = ["LocalPipeline"]
+
+
+class LocalPipeline:
+    """Copies a rank's snapshot into shared memory and hands it to the mode's writer."""
+
+    def __init__(self, config: CheckpointConfig, storage: Storage, rank: int, log: Any) -> None:
+        """Start the staging thread (async modes) and the persistent writer (persistent)."""
+        self._config = config
+        self._storage = storage
+        self._rank = rank
+        self._log = log
+        self._slabs: list[Slab | None] = [None] * config.max_inflight
+        self._next_slab_id = 0
+        self._stager: BackgroundThread | None = None
+        self._writer: WriterProcess | None = None
+        if config.async_mode is not AsyncMode.SYNC:
+            self._stager = BackgroundThread(f"ckpt-stager-{rank}")
+        if config.async_mode is AsyncMode.PERSISTENT:
+            self._writer = WriterProcess(rank)
+
+    @property
+    def writer(self) -> WriterProcess | None:
+        """The persistent writer process (None in other modes, or after it was killed)."""
+        return self._writer
+
+    def writer_for_next_save(self) -> WriterProcess | None:
+        """The persistent writer, restarted if it died or was killed; None in other modes."""
+        if self._config.async_mode is not AsyncMode.PERSISTENT:
+            return None
+        if self._writer is None or self._writer.exit_code() is not None:
+            if self._writer is not None:
+                self._log.warning("ckpt_writer_restarted", old_pid=self._writer.pid)
+                self._writer.kill()
+            self._writer = WriterProcess(self._rank)
+        return self._writer
+
+    def forget_writer(self, writer: WriterProcess) -> None:
+        """`writer` was killed: the next save starts a fresh persistent writer."""
+        if writer is self._writer:
+            self._writer = None
+
+    def submit(self, request: SaveRequest) -> None:
+        """Stage and dispatch `request`: inline in sync mode, else on the staging thread."""
+        if self._stager is None:
+            self._stage_and_dispatch(request)
+            return
+        self._stager.submit(lambda: self._stage_and_dispatch(request))
+
+    def close(self, pending: Iterable[SaveRequest]) -> None:
+        """Stop the staging thread and writers (killing one-shot writers of `pending`)."""
+        timeout = self._config.writer_start_timeout_s
+        if self._stager is not None:
+            self._stager.close(timeout)
+        for request in pending:
+            if request.writer is not None and request.writer is not self._writer:
+                request.writer.kill()
+        if self._writer is not None:
+            self._writer.stop(timeout)
+            self._writer = None
+        for slab in self._slabs:
+            if slab is not None:
+                slab.close()
+        self._slabs = [None] * self._config.max_inflight
+
+    def _slab_for(self, slot: int, nbytes: int) -> Slab:
+        """The slot's staging buffer, (re)allocated when too small (staging thread only)."""
+        slab = self._slabs[slot]
+        if slab is not None and slab.capacity >= nbytes:
+            return slab
+        if slab is not None:
+            if self._writer is not None:
+                self._writer.drop_slab(slab.slab_id)
+            slab.close()
+        slab = self._slabs[slot] = Slab(self._next_slab_id, nbytes)
+        self._next_slab_id += 1
+        return slab
+
+    def _stage_and_dispatch(self, request: SaveRequest) -> None:
+        """Staging-thread job (inline in sync mode): copy, then hand to the writer.
+
+        [Note: streamed writes] To local disk, a writer process gets the request before the
+        copy starts and writes each part of the file as soon as it is staged (progress
+        messages every 32 MiB), so the write overlaps the copy instead of following it.
+        Object stores upload whole parts after the copy, so they gain nothing from it.
+        """
+        try:
+            slab = self._allocate(request)
+            if slab is None:
+                return
+            if self._streams(request):
+                self._stage_streamed(request, slab)
+            elif self._copy(request, slab) and request.error is None and not request.cancelled:
+                self._dispatch(request)  # not if the save failed elsewhere meanwhile
+        finally:
+            request.copied.set()
+            request.handed_off.set()
+
+    def _streams(self, request: SaveRequest) -> bool:
+        return (
+            self._config.async_mode is not AsyncMode.SYNC
+            and self._storage.is_local
+            and request.file_name is not None
+        )
+
+    def _allocate(self, request: SaveRequest) -> Slab | None:
+        """The request's staging buffer (None: allocation failed, the request too)."""
+        t0 = time.monotonic()
+        try:
+            # Allocating here, not in save(), keeps even the first save() non-blocking.
+            request.slab = self._slab_for(request.slot, request.layout.total_bytes)
+        except Exception as err:
+            request.tensors = []
+            request.fail(f"snapshot copy failed: {type(err).__name__}: {err}")
+            return None
+        request.staging_s += time.monotonic() - t0
+        return request.slab
+
+    def _copy(
+        self, request: SaveRequest, slab: Slab, on_progress: Callable[[int], None] | None = None
+    ) -> bool:
+        """Copy the snapshot into `slab`; False (and the request failed) if that failed."""
+        try:
+            t0 = time.monotonic()
+            copy_into_slab(slab, request.layout, request.tensors, on_progress)
+            request.staging_s += time.monotonic() - t0
+            return True
+        except Exception as err:
+            request.fail(f"snapshot copy failed: {type(err).__name__}: {err}")
+            return False
+        finally:
+            request.tensors = []
+            request.copied.set()  # the training loop may now change the tensors
+
+    def _stage_streamed(self, request: SaveRequest, slab: Slab) -> None:
+        """Hand the request to the writer first, then copy, reporting progress."""
+        self._dispatch(request, streamed=True)
+        writer = request.writer
+        if request.error is not None or writer is None:
+            request.tensors = []
+            return
+
+        def progress(upto: int) -> None:
+            try:
+                writer.send_progress(request.request_id, upto)
+            except OSError as err:  # the first cause wins: name the writer, not the copy
+                request.fail(f"writer process {writer.pid} unreachable: {err}")
+                raise
+
+        if not self._copy(request, slab, progress):
+            with contextlib.suppress(OSError):  # the writer's own failure is reported too
+                writer.send_progress(request.request_id, 0, error=request.error)
+                request.abort_sent = True
+
+    def _dispatch(self, request: SaveRequest, *, streamed: bool = False) -> None:
+        slab = request.slab
+        assert slab is not None
+        if request.file_name is None:
+            request.done = True
+            request.dispatched = time.monotonic()
+            return
+        name = f"{step_dir(request.step)}/{request.file_name}"
+        if self._config.async_mode is AsyncMode.SYNC:
+            self._write_inline(request, name)
+            return
+        try:
+            if self._config.async_mode is AsyncMode.TEMPORAL:
+                request.writer = WriterProcess(self._rank)
+            assert request.writer is not None
+            request.dispatched = time.monotonic()
+            request.writer.submit(slab, self._write_message(request, name, slab, streamed))
+            if self._config.async_mode is AsyncMode.TEMPORAL:
+                request.writer.request_stop()
+        except OSError as err:
+            request.fail(f"writer process unreachable: {err}")
+
+    def _write_message(
+        self, request: SaveRequest, name: str, slab: Slab, streamed: bool
+    ) -> dict[str, Any]:
+        return {
+            "op": "write",
+            "request_id": request.request_id,
+            "step": request.step,
+            "name": name,
+            "slab_id": slab.slab_id,
+            "nbytes": request.layout.total_bytes,
+            "root_uri": self._storage.root_uri,
+            "storage_options": dict(self._storage.storage_options),
+            "chunk_bytes": self._config.upload_chunk_bytes,
+            "concurrency": self._config.upload_concurrency,
+            "streamed": streamed,
+        }
+
+    def _write_inline(self, request: SaveRequest, name: str) -> None:
+        request.dispatched = t0 = time.monotonic()
+        assert request.slab is not None
+        view = request.slab.view(request.layout.total_bytes)
+        try:
+            size, crc = write_shard(
+                self._storage,
+                name,
+                view,
+                chunk_bytes=self._config.upload_chunk_bytes,
+                concurrency=self._config.upload_concurrency,
+            )
+            request.contribution.update(size=size, crc32=crc)
+            request.done = True
+        except CheckpointError as err:
+            request.fail(f"write failed: {err}")
+        finally:
+            view.release()
+            request.write_s = time.monotonic() - t0

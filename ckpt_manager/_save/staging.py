@@ -1,0 +1,131 @@
+"""Staging: shared-memory buffers for snapshots and the thread that fills them.
+
+A `Slab` is one anonymous shared-memory file (`memfd`) mapped in the trainer and, through
+fd passing, in the writer: the trainer copies tensors into it, the writer writes it out. Slabs
+are allocated once per in-flight slot and reused across saves while the state fits, so the
+steady state allocates nothing. A memfd has no name, so nothing leaks if a process is killed.
+
+`BackgroundThread` runs queued jobs on one long-lived daemon thread owned by the manager
+(a queue and a sentinel); the manager waits on each job's own event, with a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+import structlog
+import torch
+
+from ckpt_manager._store.format import FileLayout
+
+__all__ = ["BackgroundThread", "Slab", "copy_into_slab"]
+
+_MIN_CAPACITY = 1 << 16
+_log = structlog.get_logger("ckpt_manager.staging")
+
+
+class Slab:
+    """A reusable shared-memory staging buffer."""
+
+    def __init__(self, slab_id: int, capacity: int) -> None:
+        """Allocate and populate `capacity` bytes of shared memory."""
+        self.slab_id = slab_id
+        """Unique per manager; the writer caches mappings by it."""
+        self.capacity = max(_MIN_CAPACITY, capacity)
+        """Size in bytes."""
+        self.fd = os.memfd_create(f"trainingd-ckpt-{os.getpid()}-{slab_id}", os.MFD_CLOEXEC)
+        """The memfd (sent to writers)."""
+        os.ftruncate(self.fd, self.capacity)
+        # Allocate and map every page now: first-touch faults during the snapshot copy
+        # would make the first save's copy several times slower than a memcpy.
+        os.posix_fallocate(self.fd, 0, self.capacity)
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._mm = mmap.mmap(self.fd, self.capacity, flags=flags)
+        self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
+        """The whole buffer as a uint8 tensor."""
+
+    def view(self, nbytes: int) -> memoryview:
+        """The first `nbytes` as a memoryview (for in-process writes)."""
+        return memoryview(self._mm)[:nbytes]
+
+    def close(self) -> None:
+        """Unmap and close; call once no tensor or view of it is alive."""
+        self.tensor = None
+        with contextlib.suppress(BufferError, ValueError):
+            self._mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def copy_into_slab(
+    slab: Slab,
+    layout: FileLayout,
+    tensors: Sequence[torch.Tensor],
+    on_progress: Callable[[int], None] | None = None,
+    progress_bytes: int = 32 << 20,
+) -> None:
+    """Copy the header and every tensor into the slab at its planned offset.
+
+    `on_progress(n)` is called whenever the first `n` bytes of the file are final, at least
+    `progress_bytes` apart, and last with `layout.total_bytes` (a streamed write follows it).
+    """
+    buf = slab.tensor
+    if buf is None:
+        raise RuntimeError(f"staging buffer {slab.slab_id} is closed")
+    header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
+    reported = 0
+    with torch.no_grad():
+        buf[: len(layout.header)].copy_(header)
+        for slot, tensor in zip(layout.slots, tensors, strict=True):
+            if slot.nbytes == 0:
+                continue
+            dst = buf[slot.offset : slot.offset + slot.nbytes]
+            src = tensor.detach()
+            if src.dtype == slot.dtype and src.is_contiguous():
+                # As bytes: a plain memcpy, ~5% cheaper than the typed copy kernel.
+                dst.copy_(src.reshape(-1).view(torch.uint8))
+            else:
+                dst.view(slot.dtype).view(slot.shape).copy_(src)
+            end = slot.offset + slot.nbytes
+            if on_progress is not None and end - reported >= progress_bytes:
+                on_progress(end)
+                reported = end
+    if on_progress is not None and reported < layout.total_bytes:
+        on_progress(layout.total_bytes)
+
+
+class BackgroundThread:
+    """One daemon thread running submitted jobs in order until `close()`."""
+
+    def __init__(self, name: str) -> None:
+        """Start the thread."""
+        self._queue: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Queue a job; jobs must catch their own errors (they report through events)."""
+        self._queue.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception as err:  # jobs report through their own events; keep serving
+                _log.exception(
+                    "ckpt_background_job_crashed", thread=self._thread.name, error=str(err)
+                )
+
+    def close(self, timeout_s: float) -> bool:
+        """Send the sentinel and join; returns False if the thread is still busy."""
+        self._queue.put(None)
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()

@@ -1,0 +1,258 @@
+"""The writer process: writes shard files from shared staging memory, one request at a time.
+
+Started by `writer_proc.WriterProcess` as `python -m ckpt_manager._save.writer --fd N` (a fresh
+interpreter, like multiprocessing's spawn, but usable in daemonic rank processes). It never
+imports torch: it only moves bytes, so it starts fast and stays small.
+
+Protocol over a private Unix socket (`multiprocessing.connection.Connection`)::
+
+    trainer -> writer  {"op": "slab", "slab_id", "size"} + the memfd (SCM_RIGHTS)
+                       {"op": "write", "request_id", "step", "name", "slab_id", "nbytes",
+                        "root_uri", "storage_options", "chunk_bytes", "concurrency",
+                        "streamed"}
+                       {"op": "staged", "request_id", "upto" | "error"}  (streamed writes:
+                        the first `upto` bytes of the slab are final; sent while copying)
+                       {"op": "stop"}                         sentinel: exit 0
+    writer -> trainer  {"op": "ready", "pid"}
+                       {"op": "done", "request_id", "ok", "size", "crc32", "write_s", "error"}
+
+A failed write is answered (`ok: false`) and the loop keeps serving. The writer exits when the
+socket closes or its parent is gone, so it never outlives the trainer.
+
+Fault injection for tests and chaos drills: `TRAININGD_CKPT_WRITER_FAULT=<action>@<step>`
+(optionally `@<step>@<rank>`), action `raise` (the write fails), `exit` (the process dies
+mid-request) or `stall=<seconds>` (a partial temp object is left, then the writer sleeps
+before the real write).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import mmap
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
+from typing import Any
+
+from ckpt_manager._store.checksum import crc32
+from ckpt_manager._store.storage import Storage
+
+__all__ = ["FAULT_ENV", "main", "write_shard"]
+
+FAULT_ENV = "TRAININGD_CKPT_WRITER_FAULT"
+_PARALLEL_CRC_BYTES = 8 << 20
+
+
+def write_shard(
+    storage: Storage,
+    name: str,
+    data: memoryview,
+    *,
+    chunk_bytes: int,
+    concurrency: int,
+    staged: Iterable[int] | None = None,
+) -> tuple[int, int]:
+    """Checksum and atomically write one shard file; returns `(size, crc32)`.
+
+    The checksum runs on a second thread while the bytes are written (the CRC and file writes
+    both release the GIL). With `staged` (the snapshot is still being copied into `data`;
+    see `Storage.write`), both follow the staged byte counts: each part is checksummed and
+    written as soon as it is final.
+    """
+    if staged is None and len(data) < _PARALLEL_CRC_BYTES:
+        crc = crc32(data)
+        storage.write(name, data, chunk_bytes=chunk_bytes, concurrency=concurrency)
+        return len(data), crc
+    marks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+    box: list[int] = []
+
+    def checksum() -> None:
+        value = start = 0
+        while (end := marks.get()) is not None:
+            value = crc32(data[start:end], value)
+            start = end
+        if start == len(data):
+            box.append(value)
+
+    def forwarded(counts: Iterable[int]) -> Iterator[int]:
+        for count in counts:
+            marks.put(count)
+            yield count
+
+    crc_thread = threading.Thread(target=checksum, name="crc32")
+    crc_thread.start()
+    try:
+        storage.write(
+            name,
+            data,
+            chunk_bytes=chunk_bytes,
+            concurrency=concurrency,
+            staged=forwarded(staged if staged is not None else (len(data),)),
+        )
+    finally:
+        marks.put(None)
+        crc_thread.join()
+    if not box:
+        raise RuntimeError(f"checksum of {name} did not cover the whole file")
+    return len(data), box[0]
+
+
+def _apply_fault(
+    spec: str, rank: int, step: int, storage: Storage, name: str, data: memoryview
+) -> None:
+    parts = spec.split("@")
+    if len(parts) < 2 or int(parts[1]) != step:
+        return
+    if len(parts) >= 3 and int(parts[2]) != rank:
+        return
+    action = parts[0]
+    if action == "raise":
+        raise RuntimeError(f"injected writer fault at step {step}")
+    if action == "exit":
+        os._exit(17)
+    if action.startswith("stall="):
+        storage.write(f"{name}.partial", bytes(data[: len(data) // 2]))
+        time.sleep(float(action.removeprefix("stall=")))
+
+
+class _Server:
+    def __init__(self, conn: Connection, rank: int) -> None:
+        self.conn = conn
+        self.rank = rank
+        self.slabs: dict[int, mmap.mmap] = {}
+        self.storages: dict[str, Storage] = {}
+        self.fault = os.environ.get(FAULT_ENV, "")
+        self.backlog: collections.deque[dict[str, Any]] = collections.deque()
+
+    def storage(self, root_uri: str, options: dict[str, Any]) -> Storage:
+        key = json.dumps([root_uri, options], sort_keys=True, default=str)
+        found = self.storages.get(key)
+        if found is None:
+            found = self.storages[key] = Storage(root_uri, options)
+        return found
+
+    def add_slab(self, msg: dict[str, Any]) -> None:
+        fd = reduction.recv_handle(self.conn)
+        try:
+            mm = mmap.mmap(fd, int(msg["size"]))
+        finally:
+            os.close(fd)
+        old = self.slabs.pop(int(msg["slab_id"]), None)
+        if old is not None:
+            old.close()
+        self.slabs[int(msg["slab_id"])] = mm
+
+    def write(self, msg: dict[str, Any]) -> dict[str, Any]:
+        started = time.monotonic()
+        reply: dict[str, Any] = {"op": "done", "request_id": msg["request_id"]}
+        try:
+            storage = self.storage(msg["root_uri"], msg["storage_options"])
+            view = memoryview(self.slabs[int(msg["slab_id"])])[: int(msg["nbytes"])]
+            try:
+                if self.fault:
+                    _apply_fault(
+                        self.fault, self.rank, int(msg["step"]), storage, msg["name"], view
+                    )
+                size, crc = write_shard(
+                    storage,
+                    msg["name"],
+                    view,
+                    chunk_bytes=int(msg["chunk_bytes"]),
+                    concurrency=int(msg["concurrency"]),
+                    staged=self.staged_counts(msg) if msg.get("streamed") else None,
+                )
+            finally:
+                view.release()
+            reply.update(ok=True, size=size, crc32=crc, error=None)
+        except Exception as err:
+            reply.update(ok=False, size=0, crc32=0, error=f"{type(err).__name__}: {err}")
+        reply["write_s"] = time.monotonic() - started
+        return reply
+
+    def staged_counts(self, msg: dict[str, Any]) -> Iterator[int]:
+        """The trainer's `staged` messages for a streamed write, as byte counts.
+
+        Other messages arriving meanwhile wait in the backlog (a `slab` is taken at once:
+        its fd follows it on the socket).
+
+        Raises:
+            RuntimeError: the trainer reports that the snapshot copy failed.
+            EOFError: the trainer is gone.
+        """
+        request_id, total = msg["request_id"], int(msg["nbytes"])
+        while True:
+            got = self.conn.recv()
+            if got.get("op") == "slab":
+                self.add_slab(got)
+                continue
+            if got.get("op") != "staged" or got.get("request_id") != request_id:
+                self.backlog.append(got)
+                continue
+            if got.get("error"):
+                raise RuntimeError(f"snapshot copy failed in the trainer: {got['error']}")
+            count = int(got["upto"])
+            yield count
+            if count >= total:
+                return
+
+    def next_message(self, parent_pid: int) -> dict[str, Any] | None:
+        """The next request (backlog first); None once the trainer is gone."""
+        if self.backlog:
+            return self.backlog.popleft()
+        while not self.conn.poll(1.0):
+            if os.getppid() != parent_pid:
+                return None
+        try:
+            msg: dict[str, Any] = self.conn.recv()
+        except EOFError:
+            return None
+        return msg
+
+    def serve(self, parent_pid: int) -> int:
+        self.conn.send({"op": "ready", "pid": os.getpid()})
+        while True:
+            msg = self.next_message(parent_pid)
+            if msg is None:
+                return 0
+            op = msg.get("op")
+            if op == "stop":
+                return 0
+            if op == "slab":
+                self.add_slab(msg)
+            elif op == "drop_slab":
+                old = self.slabs.pop(int(msg["slab_id"]), None)
+                if old is not None:
+                    old.close()
+            elif op == "write":
+                self.conn.send(self.write(msg))
+            elif op == "staged":
+                pass  # progress of a streamed write that failed before reading it all
+            else:
+                raise ValueError(f"unknown writer request {op!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the writer process; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="ckpt_manager._save.writer")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--parent-pid", type=int, required=True)
+    args = parser.parse_args(argv)
+    conn = Connection(args.fd)
+    try:
+        return _Server(conn, args.rank).serve(args.parent_pid)
+    except (BrokenPipeError, ConnectionResetError):
+        return 0
+    finally:
+        conn.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

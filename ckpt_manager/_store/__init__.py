@@ -1,0 +1,23 @@
+"""The storage layer: bytes, names and formats on a checkpoint root.
+
+It imports none of its sibling sub-packages (`_save`, `_load`, `_retention`, `ctl`): both paths
+and the CLI build on it, never the other way round. Only `format.py` and `tree.py` need
+torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
+
+    storage.py      Storage: every URL/path operation (fsspec), atomic + exclusive writes,
+                    multipart uploads, error translation; validate_relative_name.
+    options.py      S3Options: fsspec options for s3:// roots, shared by the daemon's
+                    start-up checks and `ckptctl`.
+    direct_write.py large local writes with O_DIRECT from page-aligned slabs, buffered tail
+                    and fallback.
+    checksum.py     zlib-compatible CRC-32 through ISA-L (`isal`), zlib as the fallback.
+    manifest.py     layout names (step-<N:012d>, rank-<r:05d>.bin, manifest.json, _pins/),
+                    Manifest schema with validation.
+    format.py       shard file format: magic + JSON header + aligned raw tensor bytes.
+    dtypes.py       dtype names and item sizes without torch (manifest validation).
+    tree.py         state <-> JSON skeleton + tensor leaves (replicated, sharded, rank-local).
+    catalog.py      listing steps, manifest reading, file verification, start-up removal of
+                    dead attempts.
+    pins.py         pinned steps under `_pins/` (shared with ckptctl).
+    lease.py        Lease on the root: run id, host, pid, refreshed; takeover rules.
+"""

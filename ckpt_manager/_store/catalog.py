@@ -1,0 +1,158 @@
+"""Committed steps on storage: listing folders, reading manifests, checking files.
+
+Torch-free on purpose: `ckptctl list`, `show` and `verify` and the background deleter read
+manifests without paying for importing torch (see `_dtypes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import structlog
+
+from ckpt_manager._store.checksum import crc32
+from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from ckpt_manager._store.storage import Storage
+from ckpt_manager.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    StepNotFoundError,
+)
+
+__all__ = [
+    "committed_steps",
+    "delete_step",
+    "drop_dead_attempts",
+    "list_step_dirs",
+    "read_manifest",
+    "read_manifests",
+    "verify_files",
+]
+
+_READ_CHUNK = 64 << 20
+_log = structlog.get_logger("ckpt_manager.catalog")
+
+
+def list_step_dirs(storage: Storage) -> list[int]:
+    """Steps that have a folder under the root (committed or not), ascending."""
+    steps = (parse_step_dir(n) for n in storage.list_names())
+    return sorted(s for s in steps if s is not None)
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """Steps whose manifest exists, ascending (contents not verified)."""
+    return [s for s in list_step_dirs(storage) if storage.exists(f"{step_dir(s)}/{MANIFEST_NAME}")]
+
+
+def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:
+    """Coordinator at start, holding the lease: remove uncommitted folders past the newest commit.
+
+    No live run writes under a leased root, so such a folder is a dead attempt; removing it
+    first guarantees a step folder is never written twice.
+
+    Returns:
+        `(newest committed step, its commit time)`, or None when nothing is committed.
+    """
+    steps = list_step_dirs(storage)
+    committed = [s for s in steps if storage.exists(f"{step_dir(s)}/{MANIFEST_NAME}")]
+    latest = committed[-1] if committed else None
+    for s in steps:
+        if s not in committed and (latest is None or s > latest):
+            _log.warning("ckpt_removing_stale_attempt", ckpt_step=s)
+            storage.remove_tree(step_dir(s))
+    if latest is None:
+        return None
+    try:
+        return (latest, read_manifest(storage, latest).committed_unix_s)
+    except CheckpointError:
+        return (latest, 0.0)
+
+
+def read_manifest(storage: Storage, step: int) -> Manifest:
+    """Read and validate a step's manifest.
+
+    Raises:
+        StepNotFoundError: no manifest (the step is not committed).
+        CorruptCheckpointError: the manifest is invalid.
+    """
+    try:
+        data = storage.read(f"{step_dir(step)}/{MANIFEST_NAME}")
+    except ObjectNotFoundError as err:
+        raise StepNotFoundError(
+            f"step {step} is not committed under {storage.root_uri} (no manifest)"
+        ) from err
+    return Manifest.from_json(data, expected_step=step)
+
+
+def read_manifests(storage: Storage, steps: list[int]) -> list[Manifest | CheckpointError]:
+    """`read_manifest` for many steps, the reads issued concurrently on object stores.
+
+    Each result is the validated manifest or the error (`StepNotFoundError`: not committed;
+    `CorruptCheckpointError`; `StorageError`) in the step's place.
+    """
+    blobs = storage.read_many([f"{step_dir(s)}/{MANIFEST_NAME}" for s in steps])
+    out: list[Manifest | CheckpointError] = []
+    for step, blob in zip(steps, blobs, strict=True):
+        if isinstance(blob, ObjectNotFoundError):
+            out.append(
+                StepNotFoundError(
+                    f"step {step} is not committed under {storage.root_uri} (no manifest)"
+                )
+            )
+        elif isinstance(blob, CheckpointError):
+            out.append(blob)
+        else:
+            try:
+                out.append(Manifest.from_json(blob, expected_step=step))
+            except CorruptCheckpointError as err:
+                out.append(err)
+    return out
+
+
+def verify_files(
+    storage: Storage, manifest: Manifest, names: Iterable[str], *, check_crc: bool
+) -> None:
+    """Check that files exist with the manifest's size (and crc32).
+
+    Raises:
+        CorruptCheckpointError: the first file that fails, and why.
+    """
+    folder = step_dir(manifest.step)
+    for name in names:
+        entry = manifest.files[name]
+        path = f"{folder}/{name}"
+        try:
+            size = storage.size(path)
+        except ObjectNotFoundError as err:
+            raise CorruptCheckpointError(f"step {manifest.step}: file {name} is missing") from err
+        if size != entry.size:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: file {name} has {size} bytes, manifest says {entry.size}"
+            )
+        if not check_crc:
+            continue
+        crc = 0
+        for start in range(0, size, _READ_CHUNK):
+            crc = crc32(storage.read(path, start, min(size, start + _READ_CHUNK)), crc)
+        if crc != entry.crc32:
+            raise CorruptCheckpointError(
+                f"step {manifest.step}: file {name} checksum {crc:#010x} != manifest "
+                f"{entry.crc32:#010x} (corrupted bytes)"
+            )
+
+
+def delete_step(storage: Storage, step: int) -> None:
+    """Delete a step: its manifest first, then its folder.
+
+    [Note: manifest first] If the deletion stops halfway, what is left is an uncommitted
+    folder (which readers ignore and the deleter's GC removes), never a committed step with
+    missing files. Deleting a step that is already (partly) gone is fine, so an interrupted
+    deletion is finished by calling this again.
+
+    Raises:
+        StorageError: a delete failed.
+    """
+    folder = step_dir(step)
+    storage.remove(f"{folder}/{MANIFEST_NAME}")
+    storage.remove_tree(folder)

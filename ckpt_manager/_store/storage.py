@@ -1,0 +1,430 @@
+"""All URL and path logic: one `Storage` per checkpoint root, over any fsspec filesystem.
+
+`Storage(root_uri, options)` resolves the root with `fsspec.core.url_to_fs` (local paths,
+`file://`, `s3://bucket/prefix`, `memory://`, any registered protocol) and exposes a handful of
+operations on names relative to the root. Object-store quirks live here and nowhere else:
+
+* Atomic writes. Local disk: a temp file in the target folder (large buffers written with
+  `O_DIRECT`, see `_store/direct_write.py`), fsync, then `os.replace`
+  (or `os.link` for an exclusive create, which fails if the name exists), then fsync the
+  folder. Object stores: one PUT, or a parallel multipart upload completed at the end, so
+  an object is either whole or absent. `put_file` publishes a finished local file the same
+  way: moved into place on local disk, streamed from disk (parallel multipart) elsewhere.
+* Exclusive create (the commit marker). Local: `os.link`. S3: `If-None-Match: *` through
+  s3fs `pipe_file(mode="create")`. Other fsspec backends: their `mode="create"`, which is
+  check-then-write (not race-free); the lease keeps two runs from committing to one root.
+* Listings are never served from fsspec's cache (another process wrote the objects).
+* Every backend error leaves as a `StorageError` subclass (see `errors.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import os
+import posixpath
+import shutil
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import fsspec
+import fsspec.core
+from fsspec.implementations.local import LocalFileSystem
+
+from ckpt_manager._store.direct_write import write_at_start
+from ckpt_manager.errors import (
+    CheckpointError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+)
+
+__all__ = ["Storage", "validate_relative_name"]
+
+_OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
+_PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
+
+
+def validate_relative_name(name: str) -> str:
+    """Check a name read from a manifest or a listing before it touches storage.
+
+    Args:
+        name: a `/`-separated path relative to the checkpoint root.
+
+    Returns:
+        The name unchanged.
+
+    Raises:
+        ValueError: empty, absolute, `..`/`.` components, backslashes, a URL scheme or NUL.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"invalid name {name!r}: empty or not a string")
+    if name.startswith(("/", "~")) or "://" in name or "\\" in name or "\x00" in name:
+        raise ValueError(f"invalid name {name!r}: must be relative to the checkpoint root")
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        raise ValueError(f"invalid name {name!r}: empty, '.' or '..' path component")
+    return name
+
+
+def _storage_error(op: str, path: str, err: Exception) -> CheckpointError:
+    """The `StorageError` subclass for a backend error (a `CheckpointError` is kept)."""
+    if isinstance(err, CheckpointError):
+        return err
+    if isinstance(err, FileExistsError):
+        return ObjectExistsError(errno.EEXIST, f"{op} {path}: already exists ({err})")
+    if isinstance(err, FileNotFoundError):
+        return ObjectNotFoundError(errno.ENOENT, f"{op} {path}: not found ({err})")
+    if isinstance(err, OSError):
+        code = err.errno if err.errno is not None else errno.EIO
+        return StorageError(code, f"{op} {path} failed: {err}")
+    # botocore/aiohttp errors that s3fs did not translate (connection refused, timeouts).
+    return StorageError(errno.EIO, f"{op} {path} failed: {type(err).__name__}: {err}")
+
+
+@contextlib.contextmanager
+def _translated(op: str, path: str) -> Iterator[None]:
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise _storage_error(op, path, err) from err
+
+
+def _is_precondition_failed(err: BaseException) -> bool:
+    """Whether an S3 error (or its cause) is HTTP 412 PreconditionFailed."""
+    seen: BaseException | None = err
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return True
+        seen = seen.__cause__
+    text = str(err).lower()
+    return "precondition" in text or "pre-condition" in text
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _as_unix_s(value: Any) -> float | None:
+    if isinstance(value, datetime.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=datetime.UTC)
+        return value.timestamp()
+    if isinstance(value, int | float):
+        return float(value)
+    return None
+
+
+class Storage:
+    """A checkpoint root on some filesystem, addressed by names relative to it."""
+
+    def __init__(self, root_uri: str, storage_options: Mapping[str, Any] | None = None) -> None:
+        """Resolve the root.
+
+        Args:
+            root_uri: local path, `file://...`, `s3://bucket/prefix`, `memory://...`, ...
+            storage_options: fsspec options (e.g. `client_kwargs={"endpoint_url": ...}`).
+
+        Raises:
+            ValueError: the URI cannot be resolved to a filesystem.
+        """
+        self.root_uri = root_uri
+        """The root as given."""
+        self.storage_options = dict(storage_options or {})
+        """fsspec options, as given."""
+        try:
+            fs, root = fsspec.core.url_to_fs(root_uri, **self.storage_options)
+        except (ValueError, ImportError) as err:
+            raise ValueError(f"cannot open checkpoint root {root_uri!r}: {err}") from err
+        self.fs: Any = fs
+        """The fsspec filesystem."""
+        self.root: str = root.rstrip("/") or "/"
+        """The root as the filesystem's own path."""
+        protocols = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
+        self.protocol: str = str(protocols[0])
+        """Primary protocol name (`file`, `s3`, `memory` ...)."""
+        self.is_local = isinstance(fs, LocalFileSystem)
+        """True for the local filesystem (POSIX atomicity tricks apply)."""
+        self.is_object_store = bool(set(map(str, protocols)) & _OBJECT_STORE_PROTOCOLS)
+        """True for S3-like stores (no rename, multipart uploads)."""
+        self.shared_across_processes = not (set(map(str, protocols)) & _PROCESS_LOCAL_PROTOCOLS)
+        """False for `memory://`: another process cannot see what this one writes."""
+
+    def __repr__(self) -> str:
+        return f"Storage({self.root_uri!r})"
+
+    def path(self, name: str = "") -> str:
+        """Filesystem path of a relative name (validated); the root for `""`."""
+        if not name:
+            return self.root
+        return posixpath.join(self.root, validate_relative_name(name))
+
+    def write(
+        self,
+        name: str,
+        data: bytes | bytearray | memoryview,
+        *,
+        exclusive: bool = False,
+        chunk_bytes: int = 64 << 20,
+        concurrency: int = 8,
+        staged: Iterable[int] | None = None,
+    ) -> None:
+        """Write one object atomically (whole or absent).
+
+        Args:
+            name: relative name; parent folders are created on local disk.
+            data: the bytes.
+            exclusive: fail with `ObjectExistsError` if the object exists (commit marker).
+            chunk_bytes: multipart part size on object stores.
+            concurrency: parts uploaded in parallel on object stores.
+            staged: `data` is still being filled: increasing counts of its leading bytes
+                that are final, ending with `len(data)` (see `_direct_write`). Local disk
+                writes each part as it becomes final; other stores wait for the last count.
+
+        Raises:
+            ObjectExistsError: `exclusive` and the object exists.
+            StorageError: the write failed; nothing was published under `name`.
+        """
+        path = self.path(name)
+        with _translated("write", path):
+            if self.is_local:
+                self._write_local(path, memoryview(data), exclusive=exclusive, staged=staged)
+                return
+            for _ in staged or ():  # object stores upload finished bytes only
+                pass
+            if self.protocol in ("s3", "s3a"):
+                self._write_s3(path, data, exclusive, chunk_bytes, concurrency)
+            else:
+                self.fs.pipe_file(path, bytes(data), mode="create" if exclusive else "overwrite")
+
+    def _write_s3(
+        self,
+        path: str,
+        data: bytes | bytearray | memoryview,
+        exclusive: bool,
+        chunk_bytes: int,
+        concurrency: int,
+    ) -> None:
+        body = data if isinstance(data, bytes) else bytes(data)
+        try:
+            self.fs.pipe_file(
+                path,
+                body,
+                mode="create" if exclusive else "overwrite",
+                chunksize=chunk_bytes,
+                max_concurrency=concurrency,
+            )
+        except OSError as err:
+            # Servers that omit the `Condition` field (SeaweedFS) come back as a plain EINVAL.
+            if exclusive and _is_precondition_failed(err):
+                raise FileExistsError(str(err)) from err
+            raise
+
+    def put_file(
+        self,
+        local_path: str,
+        name: str,
+        *,
+        exclusive: bool = False,
+        chunk_bytes: int = 64 << 20,
+        concurrency: int = 8,
+    ) -> None:
+        """Publish a finished local file as `name`, atomically (whole or absent).
+
+        Local disk: the file is fsynced and moved into place (`local_path` is consumed; a
+        file on another filesystem is copied next to the target first). Object stores: the
+        file is streamed from disk, as a parallel multipart upload when it is large, never
+        held in memory whole.
+
+        Args:
+            local_path: the finished file.
+            name: relative destination name; parent folders are created on local disk.
+            exclusive: fail with `ObjectExistsError` if `name` exists.
+            chunk_bytes: multipart part size on object stores.
+            concurrency: parts uploaded in parallel on object stores.
+
+        Raises:
+            ObjectExistsError: `exclusive` and the destination exists.
+            StorageError: the move or upload failed; nothing was published under `name`.
+        """
+        dest = self.path(name)
+        with _translated("write", dest):
+            if self.is_local:
+                self._put_local(local_path, dest, exclusive=exclusive)
+                return
+            if exclusive and self.exists(name):
+                raise ObjectExistsError(errno.EEXIST, f"write {dest}: already exists")
+            if self.protocol in ("s3", "s3a"):
+                self.fs.put_file(
+                    local_path, dest, chunksize=chunk_bytes, max_concurrency=concurrency
+                )
+            else:
+                self.fs.put_file(local_path, dest)
+
+    @staticmethod
+    def _put_local(local_path: str, dest: str, *, exclusive: bool) -> None:
+        folder = os.path.dirname(dest)
+        os.makedirs(folder, exist_ok=True)
+        with open(local_path, "rb+") as f:
+            os.fsync(f.fileno())
+        if os.stat(local_path).st_dev != os.stat(folder).st_dev:
+            staged = f"{dest}.tmp-{uuid.uuid4().hex[:12]}"
+            shutil.copyfile(local_path, staged)
+            with open(staged, "rb+") as f:
+                os.fsync(f.fileno())
+            os.unlink(local_path)
+            local_path = staged
+        try:
+            if exclusive:
+                os.link(local_path, dest)  # see [Note: link, not replace]
+                os.unlink(local_path)
+            else:
+                os.replace(local_path, dest)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                if local_path.startswith(f"{dest}.tmp-"):
+                    os.unlink(local_path)
+        _fsync_dir(folder)
+
+    @staticmethod
+    def _write_local(
+        path: str, data: memoryview, *, exclusive: bool, staged: Iterable[int] | None
+    ) -> None:
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            try:
+                write_at_start(fd, tmp, data, staged)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            if exclusive:
+                # [Note: link, not replace] os.link is atomic *and* fails if the name exists;
+                # os.replace would silently overwrite a committed manifest.
+                os.link(tmp, path)
+            else:
+                os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        _fsync_dir(folder)
+
+    def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Read an object, or bytes `[start, end)` of it."""
+        path = self.path(name)
+        with _translated("read", path):
+            return bytes(self.fs.cat_file(path, start=start, end=end))
+
+    def read_many(self, names: list[str]) -> list[bytes | CheckpointError]:
+        """Read whole objects; on async filesystems (S3) as concurrent requests in one batch.
+
+        Returns, in order, each object's bytes or the `StorageError` (`ObjectNotFoundError`
+        for a missing object) its read failed with, so one bad name never hides the others.
+        """
+        paths = [self.path(n) for n in names]
+        if not paths:
+            return []
+        with _translated("read", paths[0]):
+            results = self.fs.cat_ranges(paths, None, None, on_error="return")
+        return [
+            _storage_error("read", path, r) if isinstance(r, Exception) else bytes(r)
+            for path, r in zip(paths, results, strict=True)
+        ]
+
+    def size(self, name: str) -> int:
+        """Size in bytes of an object."""
+        path = self.path(name)
+        with _translated("stat", path):
+            self._invalidate(path)
+            return int(self.fs.size(path))
+
+    def exists(self, name: str) -> bool:
+        """Whether an object or folder exists."""
+        path = self.path(name)
+        with _translated("stat", path):
+            self._invalidate(path)
+            return bool(self.fs.exists(path))
+
+    def list_names(self, name: str = "") -> list[str]:
+        """Names of the direct children of a folder (empty if it does not exist), sorted."""
+        path = self.path(name)
+        with _translated("list", path):
+            self._invalidate(path)
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+        base = path.rstrip("/")
+        out = {posixpath.basename(str(e).rstrip("/")) for e in entries}
+        out.discard(posixpath.basename(base))
+        return sorted(n for n in out if n)
+
+    def modified_unix_s(self, name: str) -> float | None:
+        """Last modification time of an object, or the newest object in a folder."""
+        path = self.path(name)
+        with _translated("stat", path):
+            self._invalidate(path)
+            try:
+                info = self.fs.info(path)
+            except FileNotFoundError:
+                return None
+            found = self._time_of(info)
+            if found is not None or info.get("type") != "directory":
+                return found
+            times = [self._time_of(e) for e in self.fs.ls(path, detail=True)]
+            known = [t for t in times if t is not None]
+            return max(known) if known else None
+
+    @staticmethod
+    def _time_of(info: Mapping[str, Any]) -> float | None:
+        for key in ("mtime", "LastModified", "last_modified", "created"):
+            value = _as_unix_s(info.get(key))
+            if value is not None:
+                return value
+        return None
+
+    def remove(self, name: str) -> None:
+        """Delete one object; a missing object is fine."""
+        path = self.path(name)
+        with _translated("delete", path), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
+    def remove_tree(self, name: str) -> None:
+        """Delete a folder and everything under it; a missing folder is fine."""
+        path = self.path(name)
+        is_s3 = self.protocol in ("s3", "s3a")
+        with _translated("delete", path):
+            self._invalidate(path)
+            folders = [path]
+            with contextlib.suppress(FileNotFoundError):
+                if is_s3:
+                    found = self.fs.find(path, withdirs=True, detail=True)
+                    folders += [p for p, i in found.items() if i.get("type") == "directory"]
+                if self.fs.exists(path):
+                    self.fs.rm(path, recursive=True)
+            if is_s3:
+                # Stores with a real namespace (SeaweedFS's filer) keep emptied folders listed
+                # until their `folder/` keys are deleted too, deepest first.
+                for folder in sorted(set(folders), key=lambda p: p.count("/"), reverse=True):
+                    bucket, key, _ = self.fs.split_path(folder)
+                    with contextlib.suppress(FileNotFoundError):
+                        self.fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
+            self._invalidate(path)
+
+    def _invalidate(self, path: str) -> None:
+        invalidate = getattr(self.fs, "invalidate_cache", None)
+        if invalidate is not None:
+            invalidate(path)

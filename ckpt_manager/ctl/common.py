@@ -1,0 +1,218 @@
+"""What every `ckptctl` command shares: storage options, opening a root, resolving steps.
+
+Storage itself (paths, fsspec, error translation) lives in `_store/storage.py`; this module only
+turns command-line options into fsspec options and turns the few failures an operator can
+fix (unknown scheme, missing bucket, missing path, no credentials) into one-line messages.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ckpt_manager._store.catalog import list_step_dirs, read_manifest
+from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, step_dir
+from ckpt_manager._store.storage import Storage
+from ckpt_manager.ctl.errors import UsageError
+from ckpt_manager.errors import CheckpointError, StepNotFoundError, StorageError
+
+__all__ = [
+    "LATEST",
+    "StorageFlags",
+    "describe_error",
+    "nearest_steps",
+    "open_root",
+    "resolve_step",
+]
+
+LATEST = "latest"
+_S3_PROTOCOLS = ("s3", "s3a")
+_CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class StorageFlags:
+    """Global storage options of `ckptctl` (they apply to every S3 URI of a command)."""
+
+    endpoint_url: str | None = None
+    """S3-compatible endpoint (`http://127.0.0.1:8333`); None: AWS's default."""
+    profile: str | None = None
+    """AWS profile from `~/.aws/config`; None: environment credentials or the default chain."""
+    anon: bool = False
+    """Unsigned requests (public buckets); no credentials are looked up."""
+    region: str | None = None
+    """AWS region; None: from the environment or profile."""
+
+    def __post_init__(self) -> None:
+        if self.anon and self.profile:
+            raise UsageError("--anon and --profile exclude each other: drop one")
+        if self.endpoint_url is not None and "://" not in self.endpoint_url:
+            raise UsageError(
+                f"--endpoint-url {self.endpoint_url!r} needs a scheme, e.g. http://127.0.0.1:9000"
+            )
+
+    def options_for(self, uri: str) -> dict[str, Any]:
+        """fsspec options for `uri`: the S3 flags for `s3://` URIs, nothing for others."""
+        scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+        if scheme not in _S3_PROTOCOLS:
+            return {}
+        options: dict[str, Any] = {}
+        client: dict[str, Any] = {}
+        if self.endpoint_url:
+            client["endpoint_url"] = self.endpoint_url
+        if self.region:
+            client["region_name"] = self.region
+        if client:
+            options["client_kwargs"] = client
+        if self.profile:
+            options["profile"] = self.profile
+        if self.anon:
+            options["anon"] = True
+        return options
+
+
+def _chain(err: BaseException) -> list[BaseException]:
+    seen: list[BaseException] = []
+    cur: BaseException | None = err
+    while cur is not None and cur not in seen:
+        seen.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return seen
+
+
+def describe_error(err: BaseException) -> str:
+    """One line an operator can act on, for any error a command lets escape."""
+    for e in _chain(err):
+        name = type(e).__name__
+        if name in _CREDENTIAL_ERRORS:
+            return (
+                f"no usable AWS credentials ({name}: {e}): set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, pass --profile NAME, or --anon for a public bucket"
+            )
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, OSError) and err.errno is not None and err.strerror:
+        text = err.strerror.strip().splitlines()[0]  # without the "[Errno N]" prefix
+    if isinstance(err, CheckpointError | UsageError):
+        return text
+    return f"{type(err).__name__}: {text}"
+
+
+def open_root(uri: str, flags: StorageFlags, *, must_exist: bool = True) -> Storage:
+    """Open a checkpoint root (or a destination) for a command.
+
+    Args:
+        uri: local path, `file://`, `s3://bucket/prefix` or another fsspec URL.
+        flags: global storage options.
+        must_exist: fail when the root does not exist (every command but restore targets).
+
+    Raises:
+        UsageError: unknown URI scheme.
+        StorageError: the bucket or the path does not exist, or storage failed.
+    """
+    if not uri:
+        raise UsageError("empty checkpoint URI: pass a path or s3://bucket/prefix")
+    try:
+        storage = Storage(uri, flags.options_for(uri))
+    except ValueError as err:
+        scheme = uri.split("://", 1)[0] if "://" in uri else ""
+        hint = f"unknown URI scheme {scheme + '://'!r}" if scheme else "cannot open it"
+        raise UsageError(
+            f"{uri}: {hint} (use a local path or s3://bucket/prefix): {err.__cause__ or err}"
+        ) from err
+    if must_exist and not storage.exists(""):
+        raise StorageError(2, f"{uri}: {_missing_what(storage)}")
+    return storage
+
+
+def _missing_what(storage: Storage) -> str:
+    if storage.is_object_store:
+        bucket = storage.root.split("/", 1)[0]
+        try:
+            bucket_exists = bool(storage.fs.exists(bucket))
+        except Exception:  # a bucket we may not list reads as missing here, same advice
+            bucket_exists = False
+        if not bucket_exists:
+            return f"bucket {bucket!r} does not exist (or these credentials cannot see it)"
+        return "no such prefix in the bucket (no checkpoint was written there)"
+    return "no such file or directory"
+
+
+def nearest_steps(steps: Sequence[int], step: int, count: int = 3) -> list[int]:
+    """Up to `count` steps of `steps` (sorted) closest to `step`, ascending."""
+    i = bisect.bisect_left(steps, step)
+    window = list(steps[max(0, i - count) : i + count])
+    window.sort(key=lambda s: (abs(s - step), s))
+    return sorted(window[:count])
+
+
+def resolve_step(storage: Storage, spec: str | int | None) -> tuple[int, Manifest]:
+    """Resolve `latest` (or None) / a step number to a committed step and its manifest.
+
+    Raises:
+        UsageError: `spec` is neither `latest` nor a non-negative integer.
+        StepNotFoundError: no committed step there; the message lists the nearest ones.
+        CorruptCheckpointError: the manifest exists but is invalid.
+    """
+    if spec is None or spec == LATEST:
+        committed = committed_of(storage, list_step_dirs(storage))
+        if not committed:
+            raise StepNotFoundError(f"{storage.root_uri}: no committed step")
+        return committed[-1], read_manifest(storage, committed[-1])
+    try:
+        step = int(spec)
+    except ValueError:
+        raise UsageError(f"step {spec!r}: use a step number or 'latest'") from None
+    if step < 0:
+        raise UsageError(f"step {step}: steps are >= 0")
+    try:
+        return step, read_manifest(storage, step)
+    except StepNotFoundError as err:
+        steps = list_step_dirs(storage)
+        state = " (its folder exists but it is not committed)" if step in steps else ""
+        near = nearest_steps(committed_of(storage, steps), step)
+        hint = f"; nearest committed: {', '.join(map(str, near))}" if near else "; none committed"
+        raise StepNotFoundError(
+            f"{storage.root_uri}: no committed step {step}{state}{hint}"
+        ) from err
+
+
+def committed_of(storage: Storage, steps: Sequence[int]) -> list[int]:
+    """The steps (ascending) whose manifest exists, probed in parallel on object stores."""
+    names = [f"{step_dir(s)}/{MANIFEST_NAME}" for s in steps]
+    found = parallel_map(storage.exists, names, storage)
+    return [s for s, ok in zip(steps, found, strict=True) if ok]
+
+
+def parallel_map(fn: Any, items: Sequence[Any], storage: Storage) -> list[Any]:
+    """`[fn(x) for x in items]`, on a thread pool for object stores (latency-bound reads).
+
+    Exceptions are returned in place of results, so one bad item never hides the others.
+    """
+    if not storage.is_object_store or len(items) < 2:
+        return [_call(fn, x) for x in items]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=min(32, len(items)), thread_name_prefix="ckptctl") as pool:
+        return list(pool.map(lambda x: _call(fn, x), items))
+
+
+def _call(fn: Any, x: Any) -> Any:
+    try:
+        return fn(x)
+    except Exception as err:  # reported per item by the caller
+        return err
+
+
+def metrics_text(metrics: Mapping[str, Any], limit: int = 3) -> str:
+    """`loss=2.31 acc=0.5` for a table cell (first `limit` numeric or short metrics)."""
+    parts = []
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            parts.append(f"{key}={value:.4g}")
+        elif isinstance(value, int | str | bool):
+            parts.append(f"{key}={value}")
+        if len(parts) == limit:
+            break
+    return " ".join(parts)

@@ -1,0 +1,140 @@
+"""`ckptctl prune` (retention applied offline) and `ckptctl pin` / `unpin`.
+
+Prune plans with the manager's `plan_deletions` (the newest committed step and pinned steps
+are never candidates; uncommitted and corrupt steps are not touched) and deletes like the
+manager's deleter: manifest first, so a step interrupted halfway reads as uncommitted,
+never as corrupt. Pins are `_store/pins.py`'s objects, which the manager's deleter honours.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from ckpt_manager._retention.policies import StepInfo, plan_deletions
+from ckpt_manager._store.catalog import delete_step, list_step_dirs, read_manifest
+from ckpt_manager._store.lease import holder_is_live, read_lease
+from ckpt_manager._store.manifest import Manifest
+from ckpt_manager._store.pins import pin_step, pinned_steps, unpin_step
+from ckpt_manager._store.storage import Storage
+from ckpt_manager.ctl.common import parallel_map
+from ckpt_manager.ctl.errors import UsageError
+from ckpt_manager.ctl.render import format_age, format_bytes
+from ckpt_manager.ctl.retention import RetentionFlags, retained_by
+from ckpt_manager.errors import CheckpointError, LeaseHeldError, StepNotFoundError
+
+__all__ = ["PrunePlan", "apply_prune", "pin", "plan_prune", "unpin"]
+
+
+class PrunePlan(NamedTuple):
+    """What `prune` keeps and deletes."""
+
+    delete: list[Manifest]
+    """Committed steps to delete, oldest first."""
+    keep: list[tuple[int, list[str]]]
+    """Committed steps kept, with why."""
+    skipped: list[tuple[int, str]]
+    """Steps not considered: uncommitted or corrupt, with why."""
+
+
+def check_lease(storage: Storage, *, force: bool) -> None:
+    """Refuse to change a root a live run holds, unless `force`.
+
+    Raises:
+        LeaseHeldError: a live lease exists and `force` is False.
+    """
+    doc = read_lease(storage)
+    if doc is None or force or not holder_is_live(doc, time.time()):
+        return
+    raise LeaseHeldError(
+        f"{storage.root_uri} is held by live run {doc.get('run_id')} on host {doc.get('host')} "
+        f"(pid {doc.get('pid')}, refreshed "
+        f"{format_age(time.time() - float(doc.get('refreshed_unix_s') or 0))} ago): its own "
+        "retention runs there; stop it first or pass --force"
+    )
+
+
+def plan_prune(storage: Storage, flags: RetentionFlags) -> PrunePlan:
+    """Read every manifest and plan the deletions.
+
+    Raises:
+        UsageError: no retention flag was given.
+    """
+    policy = flags.policy()
+    if policy is None:
+        raise UsageError(
+            "nothing to apply: give at least one of --keep-last, --keep-every, "
+            "--keep-interval, --keep-best"
+        )
+    steps = list_step_dirs(storage)
+    found = parallel_map(lambda s: read_manifest(storage, s), steps, storage)
+    manifests: dict[int, Manifest] = {}
+    skipped: list[tuple[int, str]] = []
+    for step, result in zip(steps, found, strict=True):
+        if isinstance(result, Manifest):
+            manifests[step] = result
+        elif isinstance(result, StepNotFoundError):
+            skipped.append((step, "uncommitted"))
+        elif isinstance(result, CheckpointError):
+            skipped.append((step, f"corrupt: {result}"))
+        else:
+            raise result
+    infos = [StepInfo(s, m.committed_unix_s, dict(m.metrics)) for s, m in manifests.items()]
+    pinned = pinned_steps(storage)
+    doomed = plan_deletions(policy, infos, protected=pinned)
+    reasons = retained_by(infos, pinned, flags.labelled())
+    keep = [(s, reasons[s]) for s in sorted(manifests) if s not in doomed]
+    return PrunePlan([manifests[s] for s in doomed], keep, skipped)
+
+
+def apply_prune(storage: Storage, plan: PrunePlan) -> list[tuple[int, str | None]]:
+    """Delete the planned steps; returns `(step, error or None)` per step (never stops early)."""
+    out: list[tuple[int, str | None]] = []
+    for m in plan.delete:
+        try:
+            delete_step(storage, m.step)
+            out.append((m.step, None))
+        except CheckpointError as err:
+            out.append((m.step, str(err)))
+    return out
+
+
+def render_plan(plan: PrunePlan, *, dry_run: bool) -> str:
+    """Human summary of a plan."""
+    verb = "would delete" if dry_run else "deleting"
+    lines = [f"{verb} step {m.step} ({format_bytes(m.num_bytes)})" for m in plan.delete]
+    lines += [f"keep step {s} ({', '.join(why)})" for s, why in plan.keep]
+    lines += [f"skip step {s}: {why}" for s, why in plan.skipped]
+    freed = sum(m.num_bytes for m in plan.delete)
+    lines.append(
+        f"{len(plan.delete)} to delete ({format_bytes(freed)}), {len(plan.keep)} kept, "
+        f"{len(plan.skipped)} not committed or corrupt (untouched)"
+    )
+    return "\n".join(lines)
+
+
+def pin(storage: Storage, steps: Sequence[int]) -> list[str]:
+    """Pin committed steps.
+
+    Raises:
+        StepNotFoundError: a step is not committed (nothing is pinned then).
+    """
+    for step in steps:
+        read_manifest(storage, step)
+    for step in steps:
+        pin_step(storage, step)
+    return [f"pinned step {s}" for s in steps]
+
+
+def unpin(storage: Storage, steps: Sequence[int]) -> list[str]:
+    """Remove pins (a step that is not pinned is reported, not an error)."""
+    pinned = pinned_steps(storage)
+    lines = []
+    for step in steps:
+        if step in pinned:
+            unpin_step(storage, step)
+            lines.append(f"unpinned step {step}")
+        else:
+            lines.append(f"step {step} was not pinned")
+    return lines

@@ -1,0 +1,143 @@
+"""`ckptctl restore`: verify a step, then consolidate it (torch / safetensors) or reshard it.
+
+The step's files are verified first (sizes and checksums, like the manager's restore), so a
+damaged checkpoint fails before anything is written. Output goes to local disk or S3 in
+either direction (`ctl/sink.py`), with bounded memory (`ctl/stream.py`) and a progress bar
+on a TTY.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import sys
+from collections.abc import Iterator
+
+from ckpt_manager._store.catalog import verify_files
+from ckpt_manager.ctl.common import StorageFlags, open_root, resolve_step
+from ckpt_manager.ctl.errors import UsageError
+from ckpt_manager.ctl.export import export_safetensors, export_torch, select, selected_bytes
+from ckpt_manager.ctl.render import Progress, format_bytes
+from ckpt_manager.ctl.reshard import plan_reshard, write_resharded
+from ckpt_manager.ctl.sink import OutputFile
+
+__all__ = ["OutputFormat", "RestoreRequest", "run_restore"]
+
+_MIB = 1 << 20
+
+
+class OutputFormat(enum.StrEnum):
+    """What `restore` produces."""
+
+    TORCH = "torch"
+    """One `torch.save` file of the full (consolidated) state."""
+    SAFETENSORS = "safetensors"
+    """One safetensors file of the full tensors."""
+    CHECKPOINT = "checkpoint"
+    """A checkpoint root with the step resharded into `world_size` rank files."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class RestoreRequest:
+    """One `ckptctl restore` invocation."""
+
+    uri: str
+    """Source checkpoint root."""
+    step: str | int | None = None
+    """Step number, `latest` or None (latest)."""
+    to: str
+    """Output file, or checkpoint root for `--world-size`."""
+    format: str | None = None
+    """`torch`, `safetensors` or None (torch, or checkpoint with `world_size`)."""
+    world_size: int | None = None
+    """Reshard for this many ranks."""
+    only: tuple[str, ...] = ()
+    """Top-level entries to keep (consolidated formats only)."""
+    overwrite: bool = False
+    """Replace an existing output file."""
+    chunk_bytes: int = 64 * _MIB
+    """Read chunk: memory stays within a few of these."""
+    verify_checksums: bool = True
+    """Re-read every file and check its crc32 before restoring (sizes are always checked)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size is not None:
+            if self.world_size < 1:
+                raise UsageError(f"--world-size {self.world_size}: use 1 or more")
+            if self.format is not None:
+                raise UsageError("--world-size writes rank files; drop --format")
+            if self.only:
+                raise UsageError("--only applies to --format torch|safetensors, not --world-size")
+        if self.chunk_bytes < _MIB:
+            raise UsageError("--buffer-mib must be at least 1")
+        if not self.to:
+            raise UsageError("--to needs a path or s3:// URI")
+
+    @property
+    def output_format(self) -> OutputFormat:
+        """The resolved output kind."""
+        if self.world_size is not None:
+            return OutputFormat.CHECKPOINT
+        return OutputFormat(self.format or OutputFormat.TORCH)
+
+
+def run_restore(req: RestoreRequest, flags: StorageFlags) -> Iterator[str]:
+    """Do the restore; yields summary lines for stdout.
+
+    Raises:
+        UsageError: bad selection or destination.
+        StepNotFoundError: no such committed step (nearest steps named).
+        CorruptCheckpointError: the step fails verification.
+        StorageError: reading or writing failed.
+    """
+    source = open_root(req.uri, flags)
+    step, manifest = resolve_step(source, req.step)
+    # Same check as the manager's restore; a damaged step fails before anything is written.
+    verify_files(source, manifest, sorted(manifest.files), check_crc=req.verify_checksums)
+    kind = req.output_format
+    if kind is OutputFormat.CHECKPOINT:
+        assert req.world_size is not None
+        dest = open_root(req.to, flags, must_exist=False)
+        if dest.protocol == source.protocol and dest.root == source.root:
+            raise UsageError("--to is the source root: write the resharded step elsewhere")
+        plan = plan_reshard(manifest, req.world_size)
+        progress = Progress(plan.num_bytes, req.world_size)
+        try:
+            write_resharded(
+                source, manifest, dest, plan, chunk_bytes=req.chunk_bytes, progress=progress
+            )
+        finally:
+            progress.close()
+        if plan.dropped_ranks:
+            print(
+                f"ckptctl restore: note: rank-local state of {plan.dropped_ranks} saved ranks "
+                f"beyond the new world size {req.world_size} was dropped",
+                file=sys.stderr,
+            )
+        yield (
+            f"step {step}: resharded {manifest.world_size} -> {req.world_size} ranks "
+            f"({format_bytes(plan.num_bytes)}) under {req.to}"
+        )
+        return
+    sel = select(manifest, req.only)
+    for path in sel.skipped:
+        print(
+            f"ckptctl restore: note: left out rank-local state {path!r} (per-rank RNG / "
+            "data positions do not belong in a consolidated state dict)",
+            file=sys.stderr,
+        )
+    output = OutputFile(req.to, flags, overwrite=req.overwrite)
+    total = selected_bytes(manifest, sel)
+    progress = Progress(total, 1)
+    try:
+        with output.writing() as local:
+            writer = export_torch if kind is OutputFormat.TORCH else export_safetensors
+            count = writer(
+                source, manifest, sel, local, chunk_bytes=req.chunk_bytes, progress=progress
+            )
+        progress.advance(num_files=1)
+    finally:
+        progress.close()
+    yield (
+        f"step {step}: wrote {count} tensors ({format_bytes(total)}) as {kind.value} to {req.to}"
+    )
