@@ -43,6 +43,7 @@ if TYPE_CHECKING:
         RetentionPolicy,
         StepInfo,
     )
+    from ckpt_manager._store.options import S3Options
     from ckpt_manager._types import (
         ManagerStats,
         RankLocal,
@@ -80,6 +81,7 @@ __all__ = [
     "RankLocal",
     "RestoreResult",
     "RetentionPolicy",
+    "S3Options",
     "SaveFailedError",
     "SaveObserver",
     "SaveReport",
@@ -94,6 +96,7 @@ _HOME = {
     "AsyncMode": "_config",
     "CheckpointConfig": "_config",
     "CheckpointManager": "_manager",
+    "S3Options": "_store.options",
     **dict.fromkeys(
         [
             "AnyOf",

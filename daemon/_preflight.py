@@ -10,28 +10,37 @@ connection within a few seconds and the bucket must exist), the per-run director
 from __future__ import annotations
 
 import importlib
-import os
 import socket
 import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from ckpt_manager import S3Options
 from daemon.config import DaemonConfig
 from daemon.errors import StartupCheckError
 
-__all__ = ["check_startup", "s3_storage_options"]
+__all__ = ["check_startup", "s3_endpoint", "s3_storage_options"]
 
 _CONNECT_TIMEOUT_S = 3.0
 
 
+def s3_endpoint(cfg: DaemonConfig) -> S3Options:
+    """The S3 endpoint of the checkpoint root: from config, else `$AWS_ENDPOINT_URL`, else AWS.
+
+    Raises:
+        StartupCheckError: `$AWS_ENDPOINT_URL` has no http(s) scheme (the config's own
+            `s3_endpoint_url` is validated when the config is loaded).
+    """
+    try:
+        return S3Options.with_environment_endpoint(cfg.checkpoint.s3_endpoint_url or None)
+    except ValueError as err:
+        raise StartupCheckError(f"$AWS_ENDPOINT_URL: {err}") from None
+
+
 def s3_storage_options(cfg: DaemonConfig) -> dict[str, Any]:
-    """fsspec options for an `s3://` checkpoint root (endpoint from config or environment)."""
-    endpoint = cfg.checkpoint.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
-    options: dict[str, Any] = {}
-    if endpoint:
-        options["client_kwargs"] = {"endpoint_url": endpoint}
-    return options
+    """fsspec options for the checkpoint root (empty unless it is an `s3://` URI)."""
+    return s3_endpoint(cfg).fsspec_options(cfg.checkpoint.ckpt_uri)
 
 
 def _check_job(cfg: DaemonConfig) -> None:
@@ -59,7 +68,7 @@ def _check_local_dir(path: Path, what: str) -> None:
 
 def _check_s3(cfg: DaemonConfig) -> None:
     uri = cfg.checkpoint.ckpt_uri
-    endpoint = cfg.checkpoint.s3_endpoint_url or os.environ.get("AWS_ENDPOINT_URL", "")
+    endpoint = s3_endpoint(cfg).endpoint_url
     if endpoint:
         parts = urlsplit(endpoint)
         port = parts.port or (443 if parts.scheme == "https" else 80)

@@ -1,8 +1,9 @@
 """What every `ckptctl` command shares: storage options, opening a root, resolving steps.
 
-Storage itself (paths, fsspec, error translation) lives in `_store/storage.py`; this module only
-turns command-line options into fsspec options and turns the few failures an operator can
-fix (unknown scheme, missing bucket, missing path, no credentials) into one-line messages.
+Storage itself (paths, fsspec, error translation) lives in `_store/storage.py` and S3 options
+in `_store/options.py`; this module only maps command-line flags onto those and turns the few
+failures an operator can fix (unknown scheme, missing bucket, missing path, no credentials)
+into one-line messages.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from ckpt_manager._store.catalog import list_step_dirs, read_manifest
 from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, step_dir
+from ckpt_manager._store.options import S3Options
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.errors import UsageError
 from ckpt_manager.errors import CheckpointError, StepNotFoundError, StorageError
@@ -28,7 +30,6 @@ __all__ = [
 ]
 
 LATEST = "latest"
-_S3_PROTOCOLS = ("s3", "s3a")
 _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound")
 
 
@@ -46,31 +47,21 @@ class StorageFlags:
     """AWS region; None: from the environment or profile."""
 
     def __post_init__(self) -> None:
-        if self.anon and self.profile:
-            raise UsageError("--anon and --profile exclude each other: drop one")
-        if self.endpoint_url is not None and "://" not in self.endpoint_url:
-            raise UsageError(
-                f"--endpoint-url {self.endpoint_url!r} needs a scheme, e.g. http://127.0.0.1:9000"
-            )
+        try:
+            _ = self.s3
+        except ValueError as err:
+            raise UsageError(f"{err} (--endpoint-url, --profile, --anon)") from None
+
+    @property
+    def s3(self) -> S3Options:
+        """These flags as the engine's S3 options (the one place s3fs kwargs are built)."""
+        return S3Options(
+            endpoint_url=self.endpoint_url, profile=self.profile, anon=self.anon, region=self.region
+        )
 
     def options_for(self, uri: str) -> dict[str, Any]:
         """fsspec options for `uri`: the S3 flags for `s3://` URIs, nothing for others."""
-        scheme = uri.split("://", 1)[0] if "://" in uri else "file"
-        if scheme not in _S3_PROTOCOLS:
-            return {}
-        options: dict[str, Any] = {}
-        client: dict[str, Any] = {}
-        if self.endpoint_url:
-            client["endpoint_url"] = self.endpoint_url
-        if self.region:
-            client["region_name"] = self.region
-        if client:
-            options["client_kwargs"] = client
-        if self.profile:
-            options["profile"] = self.profile
-        if self.anon:
-            options["anon"] = True
-        return options
+        return self.s3.fsspec_options(uri)
 
 
 def _chain(err: BaseException) -> list[BaseException]:

@@ -36,6 +36,7 @@ EXPECTED = [
     "RankLocal",
     "RestoreResult",
     "RetentionPolicy",
+    "S3Options",
     "SaveFailedError",
     "SaveObserver",
     "SaveReport",

@@ -1,6 +1,6 @@
 """Every `ckptctl` command on local disk and on S3 (moto), on a real 2-rank ZeRO-3 run.
 
-Each test gets a private copy of the run's root (`test_ctl_support.copy_root`), damaged the
+Each test gets a private copy of the run's root (`_zero3_run.copy_root`), damaged the
 same way: step 1's manifest truncated (corrupt), one byte of a step-3 shard flipped (corrupt
 only when verified), and an uncommitted leftover folder for step 5.
 """
@@ -21,7 +21,7 @@ from ckpt_manager._store.lease import LEASE_NAME
 from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.cli import main
-from tests.ckpt_manager.test_ctl_support import Run, copy_root, zero3_run
+from tests.ckpt_manager.ctl._zero3_run import Run, copy_root, zero3_run
 from tests.support.s3 import MotoS3
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3]

@@ -1,6 +1,6 @@
 """`ckptctl restore` of a real ZeRO-3 checkpoint: consolidate (torch, safetensors), reshard 2 -> 3.
 
-The checkpoints come from one 2-rank run (`test_ctl_support.zero3_run`): the tiny GPT
+The checkpoints come from one 2-rank run (`_zero3_run.zero3_run`): the tiny GPT
 trained under `sharding.FullyShardedDataParallel` (ZeRO-3), saved by the real
 `CheckpointManager` to local disk and to S3 (moto). Every consolidation is compared with the
 full state dict the engine gathered in training at the same step.
@@ -20,7 +20,7 @@ import torch
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, RankLocal
 from ckpt_manager.ctl.cli import main
 from daemon.gpt import GPT
-from tests.ckpt_manager.test_ctl_support import CFG, Run, wrap, zero3_run
+from tests.ckpt_manager.ctl._zero3_run import CFG, Run, wrap, zero3_run
 from tests.support.dist import run_on_ranks
 from tests.support.s3 import MotoS3
 

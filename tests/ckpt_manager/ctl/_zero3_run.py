@@ -1,7 +1,7 @@
 """Shared by the `ckptctl` tests: one real multi-rank ZeRO-3 run, saved locally and on S3.
 
 The run is expensive (spawned gloo ranks, the sharding engine), so it happens once per
-session and every `test_ctl_*` module reads its checkpoints; tests that damage or prune a
+session and every `ctl/test_*` module reads its checkpoints; tests that damage or prune a
 root work on a copy (`copy_root`). It has no tests of its own.
 """
 

@@ -1,0 +1,133 @@
+"""The writer process under faults: exceptions, a failing copy, SIGKILL, a full disk."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, SaveFailedError, SaveResult
+from ckpt_manager._save.writer import FAULT_ENV
+from ckpt_manager._store.lease import LEASE_NAME
+from ckpt_manager._store.manifest import shard_file_name, step_dir
+from tests.ckpt_manager._states import wait_until
+from tests.ckpt_manager.conftest import Reports
+
+
+def test_writer_exception_fails_save_and_next_save_works(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT_ENV, "raise@2")
+    reports = Reports()
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, write_timeout_s=30)
+    with CheckpointManager(str(tmp_path), cfg, run_id="r", observer=reports) as mgr:
+        pid = mgr.writer_pid
+        mgr.save(1, {"t": torch.ones(4)})
+        mgr.wait_until_finished()
+        mgr.save(2, {"t": torch.ones(4) * 2})
+        with pytest.raises(
+            SaveFailedError, match="rank 0: writer failed: RuntimeError: injected"
+        ) as info:
+            mgr.wait_until_finished()
+        assert info.value.step == 2
+        assert not (tmp_path / step_dir(2)).exists()
+        mgr.save(3, {"t": torch.ones(4) * 3})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 3]
+        assert mgr.writer_pid == pid
+    assert [r.result for r in reports.reports] == [
+        SaveResult.COMMITTED,
+        SaveResult.FAILED,
+        SaveResult.COMMITTED,
+    ]
+    assert "injected writer fault" in (reports.reports[1].error or "")
+
+
+@pytest.mark.parametrize("mode", [AsyncMode.PERSISTENT, AsyncMode.TEMPORAL])
+def test_copy_failing_mid_stream_fails_the_save_and_the_writer_keeps_serving(
+    tmp_path: pathlib.Path, mode: AsyncMode
+) -> None:
+    # Local disk streams: the writer already holds the request and has written the first
+    # parts when the copy fails; it must drop the file and stay usable.
+    big = torch.arange(12 << 20, dtype=torch.float32)  # 48 MiB: progress is reported first
+    cfg = CheckpointConfig(async_mode=mode, write_timeout_s=60)
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        pid = mgr.writer_pid
+        mgr.save(1, {"a": big, "b": torch.empty(4, device="meta")})
+        with pytest.raises(SaveFailedError, match="snapshot copy failed") as info:
+            mgr.wait_until_finished()
+        assert info.value.step == 1
+        assert not (tmp_path / step_dir(1)).exists()
+        mgr.save(2, {"a": big, "b": torch.ones(4)})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2]
+        assert mgr.writer_pid == pid
+        restored = mgr.restore(2).state
+    assert torch.equal(restored["a"], big)
+    assert torch.equal(restored["b"], torch.ones(4))
+
+
+def test_writer_sigkilled_mid_write(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT_ENV, "stall=30@2")
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT)
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        mgr.save(1, {"t": torch.full((1000,), 1.0)})
+        mgr.wait_until_finished()
+        pid = mgr.writer_pid
+        assert pid is not None
+        mgr.save(2, {"t": torch.full((1000,), 2.0)})
+        partial = tmp_path / step_dir(2) / f"{shard_file_name(0)}.partial"
+        wait_until(partial.exists)
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(SaveFailedError, match=f"writer process {pid} exited with code -9"):
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+        assert not (tmp_path / step_dir(2)).exists()
+        result = mgr.restore()
+        assert result is not None
+        assert result.step == 1
+        mgr.save(3, {"t": torch.full((1000,), 3.0)})
+        mgr.wait_until_finished()
+        assert mgr.writer_pid not in (None, pid)
+        assert mgr.all_steps() == [1, 3]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: pathlib.Path) -> Any:
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a 2 MiB tmpfs here (needs root/CAP_SYS_ADMIN): {done.stderr}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_keeps_previous_step(tiny_tmpfs: pathlib.Path) -> None:
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT)
+    one = torch.full((300_000,), 1.0)  # 1.2 MB: the second step cannot fit in 2 MiB
+    with CheckpointManager(str(tiny_tmpfs), cfg, run_id="r") as mgr:
+        mgr.save(1, {"t": one})
+        mgr.wait_until_finished()
+        mgr.save(2, {"t": one * 2})
+        with pytest.raises(SaveFailedError, match="No space left"):
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+        assert sorted(p.name for p in tiny_tmpfs.iterdir()) == [LEASE_NAME, step_dir(1)]
+        result = mgr.restore()
+        assert result is not None
+        assert torch.equal(result.state["t"], one)

@@ -1,0 +1,210 @@
+"""The layering of `ckpt_manager`'s sub-packages, read from the source with `ast`.
+
+Every import counts (module level, inside functions, under TYPE_CHECKING) for which parts may
+depend on which; only module-level imports count for torch, because those run whenever the
+module is imported (a function-level import runs only on the path that needs it).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "ckpt_manager"
+
+# Which parts each part may import. A part is a sub-package (`_store`, `ctl`, ...) or a root
+# module (`errors`, `_manager`, ...). `_store` imports none of its siblings; `_load` does not
+# depend on `_save`; nothing but the CLI itself imports `ctl`.
+_ROOT_BASICS = {"errors", "_types"}
+ALLOWED: dict[str, set[str]] = {
+    "_store": _ROOT_BASICS,
+    "_retention": _ROOT_BASICS | {"_store"},
+    "_load": _ROOT_BASICS | {"_store", "_coord"},
+    "_save": _ROOT_BASICS | {"_store", "_coord", "_config"},
+    "ctl": _ROOT_BASICS | {"_store", "_load", "_save", "_retention"},
+    "errors": set(),
+    "_types": set(),
+    "_coord": {"errors"},
+    "_config": {"_retention"},
+    "_manager": _ROOT_BASICS | {"_store", "_load", "_save", "_retention", "_coord", "_config"},
+    "__init__": _ROOT_BASICS | {"_retention", "_config", "_manager", "_store"},
+}
+SUBPACKAGES = {"_store", "_retention", "_load", "_save", "ctl"}
+
+# Modules of `_store` and `ctl` that make tensors and so may import torch when imported.
+# Everything else there stays torch-free, so `ckptctl list/show/verify` start fast.
+TORCH_ALLOWED = {
+    "ckpt_manager._store.format",
+    "ckpt_manager._store.tree",
+    "ckpt_manager.ctl.export",
+    "ckpt_manager.ctl.reshard",
+    "ckpt_manager.ctl.restore",
+    "ckpt_manager.ctl.stream",
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _part(module: str) -> str:
+    """The layering unit of a module inside ckpt_manager (`ckpt_manager` itself: `__init__`)."""
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1]
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {_module_name(p): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imported(node: ast.AST, module: str) -> Iterator[str]:
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield alias.name
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:  # relative import: resolve against the importing module's package
+            base = module.split(".")[: -node.level] if node.level else []
+            target = ".".join([*base, node.module] if node.module else base)
+        else:
+            target = node.module or ""
+        yield target
+        # `from ckpt_manager._store import storage` imports the submodule `storage`.
+        for alias in node.names:
+            yield f"{target}.{alias.name}"
+
+
+def _all_imports(tree: ast.Module, module: str) -> set[str]:
+    return {name for node in ast.walk(tree) for name in _imported(node, module)}
+
+
+def _module_level_imports(tree: ast.Module, module: str) -> set[str]:
+    """Imports that run when the module is imported (not inside functions or TYPE_CHECKING)."""
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for stmt in body:
+            if isinstance(stmt, ast.If):
+                test = ast.unparse(stmt.test)
+                if "TYPE_CHECKING" not in test:
+                    visit(stmt.body)
+                visit(stmt.orelse)
+            elif isinstance(stmt, ast.Try):
+                visit(stmt.body)
+                for handler in stmt.handlers:
+                    visit(handler.body)
+                visit(stmt.orelse)
+                visit(stmt.finalbody)
+            elif isinstance(stmt, ast.Import | ast.ImportFrom):
+                found.update(_imported(stmt, module))
+
+    visit(tree.body)
+    return found
+
+
+def layering_violations(modules: dict[str, ast.Module]) -> list[str]:
+    """Each import that crosses the allowed edges, as `importer -> imported (part)`."""
+    problems = []
+    for module, tree in modules.items():
+        part = _part(module)
+        allowed = ALLOWED.get(part)
+        if allowed is None:
+            problems.append(f"{module}: part {part!r} has no layering rule; add it to ALLOWED")
+            continue
+        for name in sorted(_all_imports(tree, module)):
+            if not name.startswith("ckpt_manager.") or name not in modules:
+                continue
+            other = _part(name)
+            if other != part and other not in allowed:
+                problems.append(f"{module} -> {name} ({part} may not import {other})")
+    return problems
+
+
+def torch_violations(modules: dict[str, ast.Module]) -> list[str]:
+    """Torch-free `_store` / `ctl` modules whose import (transitively) loads torch."""
+    edges = {m: _module_level_imports(t, m) for m, t in modules.items()}
+
+    def closure(start: str) -> set[str]:
+        seen, todo = {start}, [start]
+        while todo:
+            for name in edges[todo.pop()]:
+                # Importing a submodule runs its package's __init__ too.
+                parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 2)]
+                for dep in parents:
+                    if dep in modules and dep not in seen:
+                        seen.add(dep)
+                        todo.append(dep)
+        return seen
+
+    problems = []
+    for module in modules:
+        if _part(module) not in {"_store", "ctl"} or module in TORCH_ALLOWED:
+            continue
+        for dep in sorted(closure(module)):
+            if any(n == "torch" or n.startswith("torch.") for n in edges[dep]):
+                problems.append(f"{module} loads torch through {dep}")
+                break
+    return problems
+
+
+def test_every_part_has_a_rule_and_the_subpackages_exist() -> None:
+    modules = _modules()
+    parts = {_part(m) for m in modules}
+    assert parts <= set(ALLOWED), parts - set(ALLOWED)
+    assert parts >= SUBPACKAGES
+
+
+def test_imports_follow_the_layering() -> None:
+    assert layering_violations(_modules()) == []
+
+
+def test_store_and_cli_import_torch_only_where_they_make_tensors() -> None:
+    assert torch_violations(_modules()) == []
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        (
+            "ckpt_manager._store.pins",
+            "from ckpt_manager._save.commit import x\n",
+            "ckpt_manager._store.pins -> ckpt_manager._save.commit (_store may not import _save)",
+        ),
+        (
+            "ckpt_manager._manager",
+            "def f():\n    from ckpt_manager.ctl import cli\n",
+            "ckpt_manager._manager -> ckpt_manager.ctl.cli (_manager may not import ctl)",
+        ),
+        (
+            "ckpt_manager._load.restore",
+            "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+            "    from ckpt_manager._save import request\n",
+            "ckpt_manager._load.restore -> ckpt_manager._save.request (_load may not import _save)",
+        ),
+    ],
+)
+def test_a_forbidden_import_is_reported(module: str, source: str, expected: str) -> None:
+    modules = _modules()
+    modules[module] = ast.parse(source)
+    assert expected in layering_violations(modules)
+
+
+def test_a_torch_import_in_a_torch_free_module_is_reported() -> None:
+    modules = _modules()
+    modules["ckpt_manager._store.pins"] = ast.parse(
+        "from ckpt_manager._store.manifest import step_dir\n"
+    )
+    modules["ckpt_manager._store.manifest"] = ast.parse("import torch.nn\n")
+    problems = torch_violations(modules)
+    assert "ckpt_manager._store.pins loads torch through ckpt_manager._store.manifest" in problems
+    # Function-level imports do not count: they run only on the path that needs tensors.
+    modules["ckpt_manager._store.manifest"] = ast.parse("def f():\n    import torch\n")
+    assert torch_violations(modules) == []
