@@ -120,7 +120,7 @@ class Finalizer:
         """Kill this rank's writer if it may still touch the request's files or buffer."""
         # Cancel first, then wait for the staging job: afterwards it can no longer hand the
         # request to a writer behind our back (and reuse of the slab is safe).
-        request.cancelled = True
+        request.cancel()
         request.handed_off.wait(self._config.staging_timeout_s)
         writer = request.writer
         if request.abort_sent:  # it drops the file and answers: no need to restart it

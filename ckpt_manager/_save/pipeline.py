@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
-from ckpt_manager._save.request import SaveRequest
+from ckpt_manager._save.request import SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread, Slab, copy_into_slab
 from ckpt_manager._save.writer import write_shard
 from ckpt_manager._save.writer_proc import WriterProcess
@@ -117,8 +117,8 @@ class LocalPipeline:
                 return
             if self._streams(request):
                 self._stage_streamed(request, slab)
-            elif self._copy(request, slab) and request.error is None and not request.cancelled:
-                self._dispatch(request)  # not if the save failed elsewhere meanwhile
+            elif self._copy(request, slab):
+                self._dispatch(request)  # a no-op if the save failed meanwhile
         finally:
             request.copied.set()
             request.handed_off.set()
@@ -163,7 +163,7 @@ class LocalPipeline:
         """Hand the request to the writer first, then copy, reporting progress."""
         self._dispatch(request, streamed=True)
         writer = request.writer
-        if request.error is not None or writer is None:
+        if request.state is not SaveState.WRITING or writer is None:
             request.tensors = []
             return
 
@@ -182,9 +182,10 @@ class LocalPipeline:
     def _dispatch(self, request: SaveRequest, *, streamed: bool = False) -> None:
         slab = request.slab
         assert slab is not None
+        if not request.start_writing():
+            return  # the save failed meanwhile (here or on another rank): nothing to write
         if request.file_name is None:
-            request.done = True
-            request.dispatched = time.monotonic()
+            request.finish_ok()
             return
         name = f"{step_dir(request.step)}/{request.file_name}"
         if self._config.async_mode is AsyncMode.SYNC:
@@ -194,7 +195,6 @@ class LocalPipeline:
             if self._config.async_mode is AsyncMode.TEMPORAL:
                 request.writer = WriterProcess(self._rank)
             assert request.writer is not None
-            request.dispatched = time.monotonic()
             request.writer.submit(slab, self._write_message(request, name, slab, streamed))
             if self._config.async_mode is AsyncMode.TEMPORAL:
                 request.writer.request_stop()
@@ -219,7 +219,7 @@ class LocalPipeline:
         }
 
     def _write_inline(self, request: SaveRequest, name: str) -> None:
-        request.dispatched = t0 = time.monotonic()
+        t0 = time.monotonic()
         assert request.slab is not None
         view = request.slab.view(request.layout.total_bytes)
         try:
@@ -230,8 +230,7 @@ class LocalPipeline:
                 chunk_bytes=self._config.upload_chunk_bytes,
                 concurrency=self._config.upload_concurrency,
             )
-            request.contribution.update(size=size, crc32=crc)
-            request.done = True
+            request.finish_ok(size=size, crc32=crc)
         except CheckpointError as err:
             request.fail(f"write failed: {err}")
         finally:

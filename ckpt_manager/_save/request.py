@@ -1,15 +1,32 @@
-"""One save in flight on one rank: its buffers, writer, timings and local status.
+"""One save in flight on one rank: its buffers, writer, timings and local state.
 
-State machine (local view; the global one is agreed in `maybe_finalize`)::
+State machine (local view; the global one is agreed in `maybe_finalize`), held in one place,
+`SaveRequest.state`, and changed only through the guarded methods below (one lock, because
+the staging thread and the training thread both move it)::
 
-    STAGING --copy done--> WRITING --writer "done ok"--> OK
-       |                     |--writer error / death / timeout--> FAILED
-       '--copy error--> FAILED
+    STAGING --start_writing()--> WRITING --finish_ok()--> OK
+       |                            |                      |
+       '------- fail() / cancel() --+----------------------'--> FAILED (terminal)
+
+- STAGING: the staging buffer is being allocated and filled; no writer has the request.
+- WRITING: a writer (process, or the inline sync write) has it. A streamed local write
+  enters WRITING before the copy starts; the copy then feeds the writer as it goes.
+- OK: this rank's file is durable (or it had nothing to write).
+- FAILED: a local failure (`error` says why), or the save failed elsewhere (`cancel()`; the
+  agreed causes are recorded with `fail()` afterwards). OK -> FAILED is allowed for that
+  reason: a rank's part can succeed while the save as a whole fails.
+
+Late news about a FAILED save (a writer answering after the cancel) changes nothing; any other
+transition outside the diagram is a bug and raises `InvalidTransitionError`.
+
+`copied` and `handed_off` are not states but thread signals: the optimizer-step fence, and
+"the staging job is over" (after which it can no longer dispatch behind a canceller's back).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import threading
 import time
 from typing import Any, NamedTuple
@@ -19,7 +36,34 @@ from ckpt_manager._save.staging import Slab
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.format import FileLayout
 
-__all__ = ["Limits", "SaveRequest"]
+__all__ = ["InvalidTransitionError", "Limits", "SaveRequest", "SaveState"]
+
+
+class SaveState(enum.Enum):
+    """Where one rank's part of a save is (see the module docstring)."""
+
+    STAGING = "staging"
+    WRITING = "writing"
+    OK = "ok"
+    FAILED = "failed"
+
+
+_TRANSITIONS: dict[SaveState, frozenset[SaveState]] = {
+    SaveState.STAGING: frozenset({SaveState.WRITING, SaveState.FAILED}),
+    SaveState.WRITING: frozenset({SaveState.OK, SaveState.FAILED}),
+    SaveState.OK: frozenset({SaveState.FAILED}),
+    SaveState.FAILED: frozenset(),
+}
+_AS_STATUS = {
+    SaveState.STAGING: Status.WRITING,
+    SaveState.WRITING: Status.WRITING,
+    SaveState.OK: Status.OK,
+    SaveState.FAILED: Status.FAILED,
+}
+
+
+class InvalidTransitionError(RuntimeError):
+    """A save was moved along an edge the state machine does not have (a bug, not a fault)."""
 
 
 class Limits(NamedTuple):
@@ -63,30 +107,83 @@ class SaveRequest:
     """Set when the snapshot copy finished or failed (the optimizer-step fence)."""
     handed_off: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set when the staging job is over: dispatched to the writer, failed or cancelled."""
-    cancelled: bool = False
-    """The save failed elsewhere: the staging job must not dispatch it any more."""
     dispatched: float | None = None
-    """Monotonic time the writer got the request."""
+    """Monotonic time the request entered WRITING."""
     stall_s: float = 0.0
     """Training-loop time blocked on this save."""
     staging_s: float = 0.0
     """Snapshot copy time."""
     write_s: float = 0.0
     """Writer time."""
-    done: bool = False
-    """The file is durable (or there was none)."""
     answered: bool = False
     """The writer has answered this request (it no longer touches its buffer)."""
     abort_sent: bool = False
     """A streamed write was told that its copy failed: the writer answers instead of
     waiting for more bytes, so it need not be killed."""
-    error: str | None = None
-    """Local failure cause."""
+    _state: SaveState = SaveState.STAGING
+    _error: str | None = None
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def state(self) -> SaveState:
+        """The local state (see the module docstring)."""
+        return self._state
+
+    @property
+    def error(self) -> str | None:
+        """The first recorded failure cause (None while the save has not failed, and between
+        `cancel()` and the agreed causes)."""
+        return self._error
+
+    def _move(self, new: SaveState) -> bool:
+        """Take the edge to `new` (caller holds the lock); False if the save already failed."""
+        if new in _TRANSITIONS[self._state]:
+            self._state = new
+            return True
+        if self._state is SaveState.FAILED:
+            return False  # late news about a failed save changes nothing
+        raise InvalidTransitionError(
+            f"save of step {self.step} (request {self.request_id}): "
+            f"{self._state.value} -> {new.value} is not a transition"
+        )
+
+    def start_writing(self) -> bool:
+        """STAGING -> WRITING when a writer takes the request; False if it failed meanwhile
+        (cancelled elsewhere, or a local failure): then nothing may be dispatched."""
+        with self._lock:
+            if not self._move(SaveState.WRITING):
+                return False
+            self.dispatched = time.monotonic()
+            return True
+
+    def finish_ok(self, *, size: int | None = None, crc32: int | None = None) -> bool:
+        """WRITING -> OK: the file is durable (`size`/`crc32` recorded) or there was none.
+
+        Returns False (and records nothing) if the save had already failed.
+        """
+        with self._lock:
+            if not self._move(SaveState.OK):
+                return False
+            if size is not None and crc32 is not None:
+                self.contribution["size"] = size
+                self.contribution["crc32"] = crc32
+            return True
 
     def fail(self, cause: str) -> None:
-        """Record a local failure (the first cause wins)."""
-        if self.error is None:
-            self.error = cause
+        """Any state -> FAILED; the first recorded cause wins."""
+        with self._lock:
+            if self._state is not SaveState.FAILED:
+                self._move(SaveState.FAILED)
+            if self._error is None:
+                self._error = cause
+
+    def cancel(self) -> None:
+        """The save failed elsewhere: -> FAILED with no local cause (the agreed causes are
+        recorded by `fail()` once known). The staging job will not dispatch it any more."""
+        with self._lock:
+            if self._state is not SaveState.FAILED:
+                self._move(SaveState.FAILED)
 
     def await_answer(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the writer's answer (taken and recorded); True if in."""
@@ -101,38 +198,34 @@ class SaveRequest:
 
     def local_status(self, limits: Limits) -> int:
         """Poll without blocking: OK, WRITING or FAILED (may kill a writer that timed out)."""
-        if self.error is not None:
-            return Status.FAILED
-        if self.done:
-            return Status.OK
-        if not self.handed_off.is_set() or self.dispatched is None:
+        state = self._state
+        if state is SaveState.OK or state is SaveState.FAILED:
+            return _AS_STATUS[state]
+        if state is SaveState.STAGING or not self.handed_off.is_set():
             if time.monotonic() - self.started > limits.staging_s + limits.start_s:
                 self.fail(f"snapshot copy did not finish within {limits.staging_s:.0f} s")
-                return Status.FAILED
-            return Status.WRITING
+            return _AS_STATUS[self._state]
         writer = self.writer
-        if writer is None:
-            return Status.FAILED if self.error else Status.OK
+        if writer is None:  # the inline write ends in OK or FAILED; anything else is a crash
+            self.fail("the staging job ended without handing the request to a writer")
+            return _AS_STATUS[self._state]
         writer.poll(0.0)
         if self._take(writer):
-            return Status.FAILED if self.error else Status.OK
+            return _AS_STATUS[self._state]
         code = writer.exit_code()
         if code is not None:
             writer.poll(0.0)
-            if self._take(writer):
-                return Status.FAILED if self.error else Status.OK
-            self.fail(f"writer process {writer.pid} exited with code {code} before finishing")
-            return Status.FAILED
+            if not self._take(writer):
+                self.fail(f"writer process {writer.pid} exited with code {code} before finishing")
+            return _AS_STATUS[self._state]
         now = time.monotonic()
         if not writer.ready and now - writer.started_monotonic > limits.start_s:
             writer.kill()
             self.fail(f"writer process {writer.pid} did not start within {limits.start_s:.0f} s")
-            return Status.FAILED
-        if now - self.dispatched > limits.write_s:
+        elif self.dispatched is not None and now - self.dispatched > limits.write_s:
             writer.kill()
             self.fail(f"writer did not finish within write_timeout_s={limits.write_s:.0f} s")
-            return Status.FAILED
-        return Status.WRITING
+        return _AS_STATUS[self._state]
 
     def _take(self, writer: WriterProcess) -> bool:
         reply = writer.take_response(self.request_id)
@@ -141,9 +234,7 @@ class SaveRequest:
         self.answered = True
         self.write_s = float(reply.get("write_s", 0.0))
         if reply.get("ok"):
-            self.contribution["size"] = int(reply["size"])
-            self.contribution["crc32"] = int(reply["crc32"])
-            self.done = True
+            self.finish_ok(size=int(reply["size"]), crc32=int(reply["crc32"]))
         else:
             self.fail(f"writer failed: {reply.get('error')}")
         return True

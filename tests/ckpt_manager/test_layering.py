@@ -208,3 +208,32 @@ def test_a_torch_import_in_a_torch_free_module_is_reported() -> None:
     # Function-level imports do not count: they run only on the path that needs tensors.
     modules["ckpt_manager._store.manifest"] = ast.parse("def f():\n    import torch\n")
     assert torch_violations(modules) == []
+
+
+def _tree_block(text: str) -> list[str]:
+    """The `ckpt_manager/` tree: its lines, dedented, up to the first blank line."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "ckpt_manager/")
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    block = []
+    for line in lines[start:]:
+        if not line.strip() or line.strip().startswith("```"):
+            break
+        block.append(line[indent:].rstrip())
+    return block
+
+
+def test_docstring_and_readme_show_the_same_tree_with_every_subpackage() -> None:
+    import ckpt_manager
+
+    assert ckpt_manager.__doc__ is not None
+    tree = _tree_block(ckpt_manager.__doc__)
+    readme = (PACKAGE.parent / "README.md").read_text()
+    assert _tree_block(readme) == tree
+    listed = {
+        line.split()[0].rstrip("/")
+        for line in tree[1:]
+        if line.startswith("  ") and not line.startswith("   ")
+    }
+    on_disk = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert on_disk <= listed, f"sub-packages missing from the tree: {on_disk - listed}"
