@@ -34,8 +34,9 @@ Module plan:
 * `_engine.py`: `Engine`: the state machine IDLE -> FORWARD -> BACKWARD -> IDLE driving both
   pipelines from the hooks.
 * `_optimizer.py`: `DistributedOptimizer`: torch optimizer on main-weight shards, global
-  norm clipping, pushing updated weights back.
-* `_state_dict.py`: `ShardedTensor`, sharded / full state dicts, resharding on load.
+  norm clipping, pushing updated weights back; its sharded state dict (save, reshard on load).
+* `_state_dict.py`: `ShardedTensor`, the flat form's piece helpers (resharding on load), the
+  model's sharded / full state dicts (`_optimizer` imports it, never the reverse).
 * `_stats.py`: `ShardingStats`, `ShardingStatsSnapshot`, `CollectiveObserver`.
 * `_wrapper.py`: `FullyShardedDataParallel`, the public entry point.
 * `errors.py`: the error tree.

@@ -7,21 +7,38 @@ Python work per step small; chunks, not one flat tensor per bucket, keep each up
 working set in cache (AdamW over 13M elements: 235 ms flat, 53 ms in 256K chunks, one CPU
 thread). This suits elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...);
 optimizers that look at a parameter's shape or norm (LAMB, Adafactor) would see chunks.
+
+The optimizer's sharded state dict is per parameter, not per chunk: each elementwise state
+tensor becomes `ShardedTensor` pieces in the model's flat form (`_state_dict.py`), so it
+reshards on load exactly like the weights.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from sharding._engine import Engine
+from sharding._state_dict import (
+    StateDict,
+    as_pieces,
+    complete_replicated,
+    fill,
+    local_of,
+    piece_bounds,
+    shard_of,
+)
+from sharding.errors import StateDictLayoutError
 
-if TYPE_CHECKING:
-    from sharding._state_dict import StateDict
-
-__all__ = ["CHUNK_NUMEL", "DistributedOptimizer"]
+__all__ = [
+    "CHUNK_NUMEL",
+    "DistributedOptimizer",
+    "load_optimizer_sharded_state_dict",
+    "optimizer_sharded_state_dict",
+]
 
 CHUNK_NUMEL = 1 << 18
 
@@ -153,8 +170,6 @@ class DistributedOptimizer:
         Returns:
             `{"state": {name: {key: ShardedTensor | Tensor | value}}, "param_groups": [...]}`.
         """
-        from sharding._state_dict import optimizer_sharded_state_dict
-
         return optimizer_sharded_state_dict(self)
 
     def load_sharded_state_dict(self, state_dict: StateDict) -> None:
@@ -163,6 +178,87 @@ class DistributedOptimizer:
         Raises:
             StateDictLayoutError: pieces are missing or have the wrong shape.
         """
-        from sharding._state_dict import load_optimizer_sharded_state_dict
-
         load_optimizer_sharded_state_dict(self, state_dict)
+
+
+def _is_piece(value: Any) -> bool:
+    return hasattr(value, "local") and hasattr(value, "global_shape")
+
+
+def _is_elementwise(value: Any) -> bool:
+    """Whether a saved optimizer-state value is a (piece of a) per-element tensor."""
+    pieces = as_pieces(value)
+    return any(_is_piece(p) or (isinstance(p, torch.Tensor) and p.dim() > 0) for p in pieces)
+
+
+def _json_group(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
+
+
+def optimizer_sharded_state_dict(opt: DistributedOptimizer) -> StateDict:
+    """Per parameter and state key: `ShardedTensor` pieces (elementwise state) or values."""
+    state: dict[str, dict[str, Any]] = {}
+    for pos, bucket in enumerate(opt.buckets):
+        flat = opt.bucket_state(pos)
+        if flat is None:
+            continue
+        for slot in bucket.layout.slots:
+            state[slot.names[0]] = {
+                key: shard_of(bucket, slot, value)
+                if isinstance(value, torch.Tensor) and value.dim() > 0
+                else value
+                for key, value in flat.items()
+            }
+    groups = opt.optimizer.state_dict()["param_groups"]
+    return {"state": state, "param_groups": [_json_group(g) for g in groups]}
+
+
+def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: StateDict) -> None:
+    """Rebuild the torch optimizer's chunked state from per-parameter pieces."""
+    saved_state: dict[str, dict[str, Any]] = state_dict.get("state", {})
+    groups: Sequence[dict[str, Any]] = state_dict.get("param_groups", [])
+    current = opt.optimizer.state_dict()
+    if len(groups) != len(current["param_groups"]):
+        raise StateDictLayoutError(
+            f"optimizer state has {len(groups)} parameter groups, this optimizer has "
+            f"{len(current['param_groups'])}; build it with make_optimizer like the saved one"
+        )
+    flat_states: dict[int, dict[str, Any]] = {}
+    for pos, bucket in enumerate(opt.buckets):
+        entries = [saved_state.get(s.names[0]) for s in bucket.layout.slots]
+        if all(e is None for e in entries):
+            continue
+        if any(e is None for e in entries):
+            raise StateDictLayoutError(
+                f"optimizer state covers only some parameters of bucket {pos}; it must "
+                "hold either every trained parameter or none"
+            )
+        flat_state: dict[str, Any] = {}
+        for key in entries[0] or {}:
+            values = [entry[key] for entry in entries if entry is not None]
+            if not _is_elementwise(values[0]):
+                first = as_pieces(values[0])[0]
+                flat_state[key] = first.clone() if isinstance(first, torch.Tensor) else first
+                continue
+            flat = torch.zeros_like(bucket.main_weight)
+            for slot, value in zip(bucket.layout.slots, values, strict=True):
+                lo, hi = piece_bounds(bucket, slot)
+                dst = local_of(bucket, flat, lo, hi)
+                start = max(lo - slot.offset, 0)
+                fill(dst, start, f"{slot.names[0]}.{key}", slot.shape, value)
+            complete_replicated(bucket, flat)
+            flat_state[key] = flat
+        flat_states[pos] = flat_state
+    new_state = {
+        index: opt.chunk_state(flat_states[pos], index)
+        for index, (pos, _, _) in enumerate(opt.chunks)
+        if pos in flat_states
+    }
+    new_groups = []
+    for saved, cur in zip(groups, current["param_groups"], strict=True):
+        group = dict(saved)
+        if isinstance(cur.get("betas"), tuple) and isinstance(group.get("betas"), list):
+            group["betas"] = tuple(group["betas"])
+        group["params"] = cur["params"]
+        new_groups.append(group)
+    opt.optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})

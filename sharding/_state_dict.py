@@ -6,13 +6,16 @@ fp32 main weight, possibly none. Pieces are views of live buffers; a checkpointe
 them before the next optimizer step. Loading accepts, per key, a piece with exactly this
 rank's range, the whole tensor, or a list of pieces from any layout (e.g. every rank's
 pieces of a checkpoint written at another world size or strategy) that covers the range.
+
+The model's state dicts live here; the optimizer's (`sharding/_optimizer.py`) use the same
+piece helpers (`shard_of` to save, `piece_bounds` / `local_of` / `fill` /
+`complete_replicated` to load), so this module never needs the optimizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -20,18 +23,19 @@ from sharding._buffer import FlatBucket
 from sharding._layout import ParamSlot
 from sharding.errors import StateDictLayoutError
 
-if TYPE_CHECKING:
-    from sharding._optimizer import DistributedOptimizer
-
 __all__ = [
     "ALIASES_KEY",
     "ShardedTensor",
     "StateDict",
+    "as_pieces",
+    "complete_replicated",
+    "fill",
     "full_state_dict",
     "load_model_sharded_state_dict",
-    "load_optimizer_sharded_state_dict",
+    "local_of",
     "model_sharded_state_dict",
-    "optimizer_sharded_state_dict",
+    "piece_bounds",
+    "shard_of",
 ]
 
 StateDict = dict[str, Any]
@@ -51,7 +55,7 @@ class ShardedTensor:
     """Elements `[start, end)` of the row-major flattened whole that `local` holds."""
 
 
-def _piece_bounds(bucket: FlatBucket, slot: ParamSlot) -> tuple[int, int]:
+def piece_bounds(bucket: FlatBucket, slot: ParamSlot) -> tuple[int, int]:
     """Bucket range of `slot` that this rank owns (empty, at the slot's start, if none).
 
     An empty piece is placed inside the parameter so its `flat_range` is `(0, 0)`: a range
@@ -62,7 +66,7 @@ def _piece_bounds(bucket: FlatBucket, slot: ParamSlot) -> tuple[int, int]:
     return (lo, hi) if lo < hi else (slot.offset, slot.offset)
 
 
-def _local_of(bucket: FlatBucket, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+def local_of(bucket: FlatBucket, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """Slice bucket range `[lo, hi)` out of a main-weight-shaped tensor."""
     if lo == hi:
         return flat[:0]
@@ -70,7 +74,7 @@ def _local_of(bucket: FlatBucket, flat: torch.Tensor, lo: int, hi: int) -> torch
     return flat[lo - base : hi - base]
 
 
-def _complete_replicated(bucket: FlatBucket, flat: torch.Tensor) -> None:
+def complete_replicated(bucket: FlatBucket, flat: torch.Tensor) -> None:
     """Fill the ranges other ranks own in a tensor every rank holds whole.
 
     [Note: replicated state is saved once] `no_shard` keeps whole main weights and optimizer
@@ -86,36 +90,28 @@ def _complete_replicated(bucket: FlatBucket, flat: torch.Tensor) -> None:
     flat.copy_(full)
 
 
-def _shard_of(bucket: FlatBucket, slot: ParamSlot, flat: torch.Tensor) -> ShardedTensor:
-    lo, hi = _piece_bounds(bucket, slot)
+def shard_of(bucket: FlatBucket, slot: ParamSlot, flat: torch.Tensor) -> ShardedTensor:
+    """This rank's piece of `slot` in a main-weight-shaped tensor (a view, not a copy)."""
+    lo, hi = piece_bounds(bucket, slot)
     start = max(lo - slot.offset, 0)
     return ShardedTensor(
-        local=_local_of(bucket, flat, lo, hi).detach(),
+        local=local_of(bucket, flat, lo, hi).detach(),
         global_shape=tuple(slot.shape),
         global_offset=(0,) * len(slot.shape),
         flat_range=(start, start + (hi - lo)),
     )
 
 
-def _as_pieces(value: Any) -> list[Any]:
+def as_pieces(value: Any) -> list[Any]:
+    """A saved value as a list of pieces (a list or tuple as given, anything else alone)."""
     return list(value) if isinstance(value, list | tuple) else [value]
 
 
-def _is_piece(value: Any) -> bool:
-    return hasattr(value, "local") and hasattr(value, "global_shape")
-
-
-def _is_elementwise(value: Any) -> bool:
-    """Whether a saved optimizer-state value is a (piece of a) per-element tensor."""
-    pieces = _as_pieces(value)
-    return any(_is_piece(p) or (isinstance(p, torch.Tensor) and p.dim() > 0) for p in pieces)
-
-
-def _fill(dst: torch.Tensor, start: int, key: str, shape: torch.Size, value: Any) -> None:
+def fill(dst: torch.Tensor, start: int, key: str, shape: torch.Size, value: Any) -> None:
     """Copy elements `[start, start + dst.numel())` of the flattened `key` out of `value`."""
     end = start + dst.numel()
     covered = 0
-    for piece in _as_pieces(value):
+    for piece in as_pieces(value):
         if isinstance(piece, torch.Tensor):
             if piece.shape != shape:
                 raise StateDictLayoutError(
@@ -169,7 +165,7 @@ def model_sharded_state_dict(
     aliases: dict[str, str] = {}
     for bucket in buckets:
         for slot in bucket.layout.slots:
-            out[slot.names[0]] = _shard_of(bucket, slot, bucket.main_weight)
+            out[slot.names[0]] = shard_of(bucket, slot, bucket.main_weight)
             aliases.update((name, slot.names[0]) for name in slot.names[1:])
     for name, buf in buffers.items():
         out[name] = buf.detach()
@@ -197,91 +193,18 @@ def load_model_sharded_state_dict(
     with torch.no_grad():
         for bucket in buckets:
             for slot in bucket.layout.slots:
-                lo, hi = _piece_bounds(bucket, slot)
-                dst = _local_of(bucket, bucket.main_weight, lo, hi)
-                _fill(
+                lo, hi = piece_bounds(bucket, slot)
+                dst = local_of(bucket, bucket.main_weight, lo, hi)
+                fill(
                     dst,
                     max(lo - slot.offset, 0),
                     slot.names[0],
                     slot.shape,
                     state_dict[slot.names[0]],
                 )
-            _complete_replicated(bucket, bucket.main_weight)
+            complete_replicated(bucket, bucket.main_weight)
         for name, buf in buffers.items():
-            buf.copy_(_as_pieces(state_dict[name])[0])
-
-
-def _json_group(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in group.items() if k != "params"}
-
-
-def optimizer_sharded_state_dict(opt: DistributedOptimizer) -> StateDict:
-    """Per parameter and state key: `ShardedTensor` pieces (elementwise state) or values."""
-    state: dict[str, dict[str, Any]] = {}
-    for pos, bucket in enumerate(opt.buckets):
-        flat = opt.bucket_state(pos)
-        if flat is None:
-            continue
-        for slot in bucket.layout.slots:
-            state[slot.names[0]] = {
-                key: _shard_of(bucket, slot, value)
-                if isinstance(value, torch.Tensor) and value.dim() > 0
-                else value
-                for key, value in flat.items()
-            }
-    groups = opt.optimizer.state_dict()["param_groups"]
-    return {"state": state, "param_groups": [_json_group(g) for g in groups]}
-
-
-def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: StateDict) -> None:
-    """Rebuild the torch optimizer's chunked state from per-parameter pieces."""
-    saved_state: dict[str, dict[str, Any]] = state_dict.get("state", {})
-    groups: Sequence[dict[str, Any]] = state_dict.get("param_groups", [])
-    current = opt.optimizer.state_dict()
-    if len(groups) != len(current["param_groups"]):
-        raise StateDictLayoutError(
-            f"optimizer state has {len(groups)} parameter groups, this optimizer has "
-            f"{len(current['param_groups'])}; build it with make_optimizer like the saved one"
-        )
-    flat_states: dict[int, dict[str, Any]] = {}
-    for pos, bucket in enumerate(opt.buckets):
-        entries = [saved_state.get(s.names[0]) for s in bucket.layout.slots]
-        if all(e is None for e in entries):
-            continue
-        if any(e is None for e in entries):
-            raise StateDictLayoutError(
-                f"optimizer state covers only some parameters of bucket {pos}; it must "
-                "hold either every trained parameter or none"
-            )
-        flat_state: dict[str, Any] = {}
-        for key in entries[0] or {}:
-            values = [entry[key] for entry in entries if entry is not None]
-            if not _is_elementwise(values[0]):
-                first = _as_pieces(values[0])[0]
-                flat_state[key] = first.clone() if isinstance(first, torch.Tensor) else first
-                continue
-            flat = torch.zeros_like(bucket.main_weight)
-            for slot, value in zip(bucket.layout.slots, values, strict=True):
-                lo, hi = _piece_bounds(bucket, slot)
-                dst = _local_of(bucket, flat, lo, hi)
-                start = max(lo - slot.offset, 0)
-                _fill(dst, start, f"{slot.names[0]}.{key}", slot.shape, value)
-            _complete_replicated(bucket, flat)
-            flat_state[key] = flat
-        flat_states[pos] = flat_state
-    new_state = {
-        index: opt.chunk_state(flat_states[pos], index)
-        for index, (pos, _, _) in enumerate(opt.chunks)
-        if pos in flat_states
-    }
-    new_groups = []
-    for saved, cur in zip(groups, current["param_groups"], strict=True):
-        group = dict(saved)
-        if isinstance(cur.get("betas"), tuple) and isinstance(group.get("betas"), list):
-            group["betas"] = tuple(group["betas"])
-        group["params"] = cur["params"]
-        new_groups.append(group)
-    opt.optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+            buf.copy_(as_pieces(state_dict[name])[0])
 
 
 def full_state_dict(
