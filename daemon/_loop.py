@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from daemon._control import RankControl
-from daemon._telemetry import RankTelemetry
+from daemon._telemetry import NullTelemetry, RankTelemetry
 from daemon.config import DaemonConfig
 from daemon.data import ShardedLoader
 from daemon.job import JobSpec
@@ -128,7 +128,7 @@ def run_training(
     cfg: DaemonConfig,
     job: JobSpec,
     *,
-    telemetry: RankTelemetry | None,
+    telemetry: RankTelemetry | NullTelemetry,
     control: RankControl,
 ) -> LoopResult:
     """Train this rank until `max_steps` or an agreed stop; the process group must exist.
@@ -136,7 +136,7 @@ def run_training(
     Args:
         cfg: the effective configuration.
         job: model, data and loss from the job callable.
-        telemetry: where metrics go (None: record nothing, the benchmark's exporter-off mode).
+        telemetry: where metrics go (`NullTelemetry`: record nothing).
         control: stop and checkpoint requests.
     """
     from ckpt_manager import CheckpointManager, RankLocal
@@ -171,8 +171,7 @@ def run_training(
 
     with manager:
         # --- restore the latest committed checkpoint ------------------------------------------
-        if telemetry is not None:
-            telemetry.heartbeat("restoring")
+        telemetry.heartbeat("restoring")
         t0 = time.perf_counter()
         if _checkpoint_exists(manager):
             _materialize_optimizer_state(model, optimizer, job)
@@ -189,13 +188,11 @@ def run_training(
             if rng is not None:
                 _set_rng_state(rng)
             log.info("restored", ckpt_step=step, seconds=round(time.perf_counter() - t0, 3))
-            if telemetry is not None:
-                telemetry.observe("trainingd_ckpt_restore_seconds", time.perf_counter() - t0)
+            telemetry.observe("trainingd_ckpt_restore_seconds", time.perf_counter() - t0)
         start_step, saved_step, last_loss, stopped = step, step, None, False
         tokens_per_step = tc.batch_size * tc.micro_batches * job.tokens_per_sample
-        if telemetry is not None:
-            telemetry.set("trainingd_train_step", step)
-            telemetry.heartbeat("training")
+        telemetry.set("trainingd_train_step", step)
+        telemetry.heartbeat("training")
         log.info("training", start_step=step, max_steps=tc.max_steps, world_size=world)
         # A stop requested before the first step (e.g. during a restart of the group while the
         # node drains) ends the run here, at the restored step, without training further.
@@ -234,22 +231,21 @@ def run_training(
             stopped, ckpt_requested = bool(agreed[1] > 0), bool(agreed[2] > 0)
             step_s = time.perf_counter() - step_start
             # --- metrics ------------------------------------------------------------------------
-            if telemetry is not None:
-                telemetry.inc("trainingd_train_steps_total")
-                telemetry.set("trainingd_train_step", step)
-                telemetry.observe("trainingd_train_step_duration_seconds", step_s)
-                telemetry.observe("trainingd_train_data_loading_seconds", data_s)
-                telemetry.inc(
-                    "trainingd_train_tokens_total",
-                    tokens_per_step or sum(int(b[0].numel()) for b in batches),
-                )
-                telemetry.set("trainingd_train_loss", last_loss)
-                telemetry.set("trainingd_train_grad_norm", float(grad_norm))
-                telemetry.set("trainingd_train_learning_rate", lr)
-                if step == start_step + 1:
-                    recovery = time.time() - telemetry.started_unix_s
-                    telemetry.set("trainingd_rank_recovery_seconds", recovery)
-                telemetry.update_sharding(model.stats.snapshot())
+            telemetry.inc("trainingd_train_steps_total")
+            telemetry.set("trainingd_train_step", step)
+            telemetry.observe("trainingd_train_step_duration_seconds", step_s)
+            telemetry.observe("trainingd_train_data_loading_seconds", data_s)
+            telemetry.inc(
+                "trainingd_train_tokens_total",
+                tokens_per_step or sum(int(b[0].numel()) for b in batches),
+            )
+            telemetry.set("trainingd_train_loss", last_loss)
+            telemetry.set("trainingd_train_grad_norm", float(grad_norm))
+            telemetry.set("trainingd_train_learning_rate", lr)
+            if step == start_step + 1:
+                recovery = time.time() - telemetry.started_unix_s
+                telemetry.set("trainingd_rank_recovery_seconds", recovery)
+            telemetry.update_sharding(model.stats.snapshot())
             # --- checkpoint ---------------------------------------------------------------------
             every = cfg.checkpoint.ckpt_every
             if (every and step % every == 0) or ckpt_requested or stopped or step == tc.max_steps:
@@ -257,9 +253,8 @@ def run_training(
                 saved_step = step
                 log.info("checkpoint_scheduled", ckpt_step=step, loss=round(last_loss, 4))
             manager.maybe_finalize()
-            if telemetry is not None:
-                telemetry.update_checkpoints(manager.stats())
-                telemetry.heartbeat()
+            telemetry.update_checkpoints(manager.stats())
+            telemetry.heartbeat()
             if rank == 0 and (step % 10 == 0 or step == tc.max_steps):
                 log.info(
                     "step", step=step, loss=round(last_loss, 4), lr=lr, step_s=round(step_s, 4)
@@ -269,13 +264,11 @@ def run_training(
                 break
 
         # --- drain: every save in flight must commit before the process exits -----------------
-        if telemetry is not None:
-            telemetry.heartbeat("stopping" if stopped else "finishing")
+        telemetry.heartbeat("stopping" if stopped else "finishing")
         if saved_step != step:
             manager.save(step, state(), metrics={"loss": last_loss or 0.0})
         manager.wait_until_finished()
         manager.check_for_errors()
-        if telemetry is not None:
-            telemetry.update_checkpoints(manager.stats())
-            telemetry.heartbeat("finished")
+        telemetry.update_checkpoints(manager.stats())
+        telemetry.heartbeat("finished")
     return LoopResult(start_step=start_step, final_step=step, stopped=stopped, last_loss=last_loss)

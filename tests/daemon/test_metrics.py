@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckpt_manager import ManagerStats, SaveReport, SaveResult
 from daemon._collector import NodeCollector, SnapshotAggregator, make_registry
 from daemon._state import NodePhase, NodeState
-from daemon._telemetry import RankTelemetry, snapshot_path
+from daemon._telemetry import NullTelemetry, RankTelemetry, snapshot_path
 from daemon.metrics import CATALOG, MetricKind, MetricSpec, build_info_labels, spec
 from tests.support.metric_names import ISSUE_METRICS
 
@@ -200,3 +201,20 @@ def test_publish_is_rate_limited_and_atomic(tmp_path: Path) -> None:
     off.inc("trainingd_train_steps_total")
     assert not off.publish(force=True)
     assert off.snapshot()["counters"]["trainingd_train_steps_total"] == {"": 1.0}
+
+
+def test_null_telemetry_mirrors_rank_telemetry() -> None:
+    # Every RankTelemetry method the loop or an engine may call, with the same signature;
+    # only reading back what was recorded (snapshot, phase) has no null form.
+    public = {n for n in vars(RankTelemetry) if not n.startswith("_")} - {"snapshot", "phase"}
+    null = NullTelemetry()
+    assert {n for n in vars(NullTelemetry) if not n.startswith("_")} == public
+    for name in public:
+        real = inspect.signature(getattr(RankTelemetry, name))
+        assert inspect.signature(getattr(NullTelemetry, name)) == real, name
+    assert isinstance(null.started_unix_s, float)
+    null.inc("trainingd_train_steps_total")
+    null.observe("trainingd_train_step_duration_seconds", 0.1)
+    null.heartbeat("training")
+    null.on_collective("all_gather", 1024, 0.001)
+    assert not null.publish(force=True)
