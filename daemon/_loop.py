@@ -92,7 +92,7 @@ def _checkpoint_config(cfg: DaemonConfig) -> Any:
     retention = (
         None if not ck.keep_last else (policies[0] if len(policies) == 1 else AnyOf(*policies))
     )
-    options = s3_storage_options(cfg) if ck.ckpt_uri.startswith("s3://") else {}
+    options = s3_storage_options(cfg)
     return CheckpointConfig(
         async_mode=AsyncMode(ck.async_mode.value), retention=retention, storage_options=options
     )

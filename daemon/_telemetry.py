@@ -68,8 +68,8 @@ class RankTelemetry:
     Thread-safe: the checkpoint manager reports saves from its own thread.
 
     Args:
-        path: snapshot file (see `snapshot_path`); `None` records without publishing
-            (the exporter-off mode of the overhead benchmark).
+        path: snapshot file (see `snapshot_path`); `None` records without publishing (read
+            back with `snapshot()`; a rank with no reader at all uses `NullTelemetry`).
         rank: global rank.
         local_rank: rank on this node.
         world_size: ranks in the job.

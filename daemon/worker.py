@@ -30,7 +30,7 @@ from daemon._config_load import add_config_flags, load_config
 from daemon._control import RankControl
 from daemon._lifecycle import ParentWatch, become_group_leader
 from daemon._logging import bind_process_context, configure_logging
-from daemon._telemetry import RankTelemetry, snapshot_path
+from daemon._telemetry import NullTelemetry, RankTelemetry, snapshot_path
 from daemon.config import DaemonConfig
 from daemon.errors import ConfigError
 
@@ -75,13 +75,18 @@ def run_rank(
         restart=restart,
     )
     log = structlog.get_logger("trainingd.worker")
-    telemetry = RankTelemetry(
-        snapshot_path(run_dir, local_rank) if run_dir is not None else None,
-        rank=rank,
-        local_rank=local_rank,
-        world_size=world_size,
-        restart=restart,
-        publish_interval_s=cfg.observability.publish_interval_s,
+    # Without a run directory (plain torchrun) no agent reads the snapshots: record nothing.
+    telemetry: RankTelemetry | NullTelemetry = (
+        NullTelemetry()
+        if run_dir is None
+        else RankTelemetry(
+            snapshot_path(run_dir, local_rank),
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            restart=restart,
+            publish_interval_s=cfg.observability.publish_interval_s,
+        )
     )
     telemetry.heartbeat("starting")
     # Under the daemon, stop requests come as files; SIGTERM keeps its default action so the
