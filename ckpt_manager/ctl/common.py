@@ -34,34 +34,19 @@ _CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "ProfileN
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
-class StorageFlags:
-    """Global storage options of `ckptctl` (they apply to every S3 URI of a command)."""
-
-    endpoint_url: str | None = None
-    """S3-compatible endpoint (`http://127.0.0.1:8333`); None: AWS's default."""
-    profile: str | None = None
-    """AWS profile from `~/.aws/config`; None: environment credentials or the default chain."""
-    anon: bool = False
-    """Unsigned requests (public buckets); no credentials are looked up."""
-    region: str | None = None
-    """AWS region; None: from the environment or profile."""
+class StorageFlags(S3Options):
+    """Global storage options of `ckptctl` (they apply to every S3 URI of a command): the
+    engine's `S3Options`, with a bad combination reported as a usage error (exit 2)."""
 
     def __post_init__(self) -> None:
         try:
-            _ = self.s3
+            super().__post_init__()
         except ValueError as err:
             raise UsageError(f"{err} (--endpoint-url, --profile, --anon)") from None
 
-    @property
-    def s3(self) -> S3Options:
-        """These flags as the engine's S3 options (the one place s3fs kwargs are built)."""
-        return S3Options(
-            endpoint_url=self.endpoint_url, profile=self.profile, anon=self.anon, region=self.region
-        )
-
     def options_for(self, uri: str) -> dict[str, Any]:
         """fsspec options for `uri`: the S3 flags for `s3://` URIs, nothing for others."""
-        return self.s3.fsspec_options(uri)
+        return self.fsspec_options(uri)
 
 
 def _chain(err: BaseException) -> list[BaseException]:
