@@ -153,8 +153,11 @@ class Deleter:
         self._doomed.add(step)
         # [Note: manifest first] in `catalog.delete_step`; a step whose deletion stopped
         # halfway is remembered in `_doomed` and finished by the next pass.
-        delete_step(self._storage, step)
+        deleted = delete_step(self._storage, step)
         self._infos.pop(step, None)
         self._doomed.discard(step)
+        if not deleted:  # pinned after the plan was made: the pin wins
+            _log.info("ckpt_retention_kept_pinned", ckpt_step=step)
+            return
         self.num_deleted += 1
         _log.info("ckpt_retention_deleted", ckpt_step=step)

@@ -12,6 +12,7 @@ import structlog
 
 from ckpt_manager._store.checksum import crc32
 from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from ckpt_manager._store.pins import is_pinned
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import (
     CheckpointError,
@@ -142,17 +143,39 @@ def verify_files(
             )
 
 
-def delete_step(storage: Storage, step: int) -> None:
-    """Delete a step: its manifest first, then its folder.
+def delete_step(storage: Storage, step: int) -> bool:
+    """Delete a step unless it is pinned: its manifest first, then its folder.
 
     [Note: manifest first] If the deletion stops halfway, what is left is an uncommitted
     folder (which readers ignore and the deleter's GC removes), never a committed step with
     missing files. Deleting a step that is already (partly) gone is fine, so an interrupted
     deletion is finished by calling this again.
 
+    [Note: pins win races] `ckptctl pin` may write a pin at any moment; it reports success
+    only if the step's manifest exists *after* its pin was written (`pins.pin_committed_step`).
+    Here the pin is checked before the manifest is removed and again after; a pin that
+    appeared in between puts the manifest back before anything else is touched. So whichever
+    order the two processes interleave in, a pin that was confirmed keeps its step.
+
+    Returns:
+        True if the step is gone; False if a pin kept it.
+
     Raises:
         StorageError: a delete failed.
     """
     folder = step_dir(step)
-    storage.remove(f"{folder}/{MANIFEST_NAME}")
+    manifest_name = f"{folder}/{MANIFEST_NAME}"
+    try:
+        manifest = storage.read(manifest_name)
+    except ObjectNotFoundError:
+        manifest = None  # a half-done deletion: the folder is uncommitted, pins do not apply
+    if manifest is not None:
+        if is_pinned(storage, step):
+            return False
+        storage.remove(manifest_name)
+        if is_pinned(storage, step):
+            storage.write(manifest_name, manifest)
+            _log.info("ckpt_delete_undone_for_pin", ckpt_step=step)
+            return False
     storage.remove_tree(folder)
+    return True

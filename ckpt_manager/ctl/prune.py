@@ -16,7 +16,7 @@ from ckpt_manager._retention.policies import StepInfo, plan_deletions
 from ckpt_manager._store.catalog import delete_step, list_step_dirs, read_manifest
 from ckpt_manager._store.lease import holder_is_live, read_lease
 from ckpt_manager._store.manifest import Manifest
-from ckpt_manager._store.pins import pin_step, pinned_steps, unpin_step
+from ckpt_manager._store.pins import pin_committed_step, pinned_steps, unpin_step
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import parallel_map
 from ckpt_manager.ctl.errors import UsageError
@@ -93,8 +93,8 @@ def apply_prune(storage: Storage, plan: PrunePlan) -> list[tuple[int, str | None
     out: list[tuple[int, str | None]] = []
     for m in plan.delete:
         try:
-            delete_step(storage, m.step)
-            out.append((m.step, None))
+            deleted = delete_step(storage, m.step)
+            out.append((m.step, None if deleted else "pinned while the prune ran: kept"))
         except CheckpointError as err:
             out.append((m.step, str(err)))
     return out
@@ -123,7 +123,7 @@ def pin(storage: Storage, steps: Sequence[int]) -> list[str]:
     for step in steps:
         read_manifest(storage, step)
     for step in steps:
-        pin_step(storage, step)
+        pin_committed_step(storage, step)
     return [f"pinned step {s}" for s in steps]
 
 
