@@ -4,7 +4,8 @@ Woken after a commit (and on a retry timer), it runs only while no save is in fl
 lists the root, applies the retention policy to committed steps (never the newest, pinned,
 restored-from or in-flight ones), deletes each dropped step manifest first (a half-deleted
 step is uncommitted, never "corrupt"), and removes uncommitted leftovers older than the grace
-period. Failures are logged and retried on the next wake; they never stop the thread.
+period. Failures are logged per step and retried on the next wake; they never stop the thread,
+never block the other steps, and never hold up a wait or a shutdown for more than `MAX_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 
-__all__ = ["Deleter"]
+__all__ = ["MAX_WAIT_S", "Deleter"]
+
+MAX_WAIT_S = 5.0
+"""Longest a save, a wait or a shutdown waits for retention ([Note: retention never holds
+anything up])."""
 
 _log = structlog.get_logger("ckpt_manager.deleter")
 
@@ -75,14 +80,23 @@ class Deleter:
         self._wake.set()
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait until a triggered pass has run; False on timeout."""
-        return self._idle.wait(timeout_s)
+        """Wait until a triggered pass has ended (done or failed), for at most
+        `min(timeout_s, MAX_WAIT_S)`; False if it is still running.
+
+        [Note: retention never holds anything up] A delete that keeps failing (denied, or a
+        store that hangs) is logged and retried on the timer; waits for it are capped at
+        `MAX_WAIT_S`, so it can delay `wait_until_finished` or a shutdown by seconds at most,
+        never by the finalize timeout.
+        """
+        return self._idle.wait(min(timeout_s, MAX_WAIT_S))
 
     def close(self, timeout_s: float) -> None:
-        """Stop the thread (an in-progress deletion finishes first, up to `timeout_s`)."""
+        """Stop the thread: no new deletion starts; one in progress gets at most
+        `min(timeout_s, MAX_WAIT_S)` (the thread is a daemon, and a deletion cut short is
+        finished by a later run: [Note: manifest first])."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=timeout_s)
+        self._thread.join(timeout=min(timeout_s, MAX_WAIT_S))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -94,13 +108,14 @@ class Deleter:
                 continue  # a save is in flight; the manager wakes us when it settles
             try:
                 self._pass()
-                self._idle.set()
             except CheckpointError as err:
                 self.num_failures += 1
                 _log.warning("ckpt_retention_failed", error=str(err), retry_in_s=self._retry_s)
             except Exception as err:  # never let the thread die; the next wake retries
                 self.num_failures += 1
                 _log.exception("ckpt_retention_crashed", error=str(err))
+            finally:
+                self._idle.set()  # the pass ended: a failure is retried, never waited for
 
     def _info(self, step: int) -> StepInfo | None:
         found = self._infos.get(step)
@@ -118,9 +133,10 @@ class Deleter:
 
     def _pass(self) -> None:
         for s in sorted(self._doomed):
-            if self._saving():
+            if self._saving() or self._stop.is_set():
                 return
-            self._delete_step(s)
+            if s not in self._protected():
+                self._delete_step(s)
         steps = list_step_dirs(self._storage)
         infos: list[StepInfo] = []
         uncommitted: list[int] = []
@@ -133,14 +149,14 @@ class Deleter:
         if self._policy is not None:
             protected = pinned_steps(self._storage) | self._protected()
             for s in plan_deletions(self._policy, infos, protected=protected):
-                if self._saving():
-                    return  # a save started: stop; the next wake resumes
+                if self._saving() or self._stop.is_set():
+                    return  # a save started (or shutdown): stop; the next wake resumes
                 if s in self._protected():
                     continue  # restored from since the plan was made
                 self._delete_step(s)
         now = time.time()
         for s in uncommitted:
-            if self._saving():
+            if self._saving() or self._stop.is_set():
                 return
             if s in self._protected():
                 continue
@@ -153,7 +169,14 @@ class Deleter:
         self._doomed.add(step)
         # [Note: manifest first] in `catalog.delete_step`; a step whose deletion stopped
         # halfway is remembered in `_doomed` and finished by the next pass.
-        deleted = delete_step(self._storage, step)
+        try:
+            deleted = delete_step(self._storage, step)
+        except CheckpointError as err:  # one denied step must not hold up the others
+            self.num_failures += 1
+            _log.warning(
+                "ckpt_retention_failed", ckpt_step=step, error=str(err), retry_in_s=self._retry_s
+            )
+            return
         self._infos.pop(step, None)
         self._doomed.discard(step)
         if not deleted:  # pinned after the plan was made: the pin wins
