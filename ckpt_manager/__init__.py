@@ -23,6 +23,7 @@ not depend on `_save`. Layering is enforced by `tests/ckpt_manager/test_layering
 Save state machine (global, agreed in maybe_finalize):
     REQUESTED -> STAGED -> WRITTEN(all ranks) -> COMMITTED (manifest written)
                     \\-> FAILED on any rank -> SaveFailedError on every rank, folder removed
+                                                (never a folder that holds a manifest)
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ if TYPE_CHECKING:
     from ckpt_manager.errors import (
         CheckpointError,
         CheckpointTimeoutError,
+        CommitConflictError,
         CorruptCheckpointError,
         LeaseHeldError,
         SaveFailedError,
@@ -70,6 +72,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointTimeoutError",
+    "CommitConflictError",
     "CorruptCheckpointError",
     "KeepBest",
     "KeepEvery",
@@ -126,6 +129,7 @@ _HOME = {
         [
             "CheckpointError",
             "CheckpointTimeoutError",
+            "CommitConflictError",
             "CorruptCheckpointError",
             "LeaseHeldError",
             "SaveFailedError",

@@ -11,6 +11,8 @@ Backend errors (OSError, botocore/aiobotocore) are translated where storage is t
     ├── CorruptCheckpointError                   manifest or shard files fail validation
     ├── LeaseHeldError                           another live run holds the checkpoint root
     ├── SaveFailedError                          a save failed on some rank (names rank + cause)
+    ├── CommitConflictError                      the step's manifest was committed by another
+    │                                            attempt (a `SaveFailedError`'s `__cause__`)
     └── CheckpointTimeoutError (+ TimeoutError)  a bounded wait ran out
 
 The CLI's own error (`UsageError`, a wrong command line) lives with the CLI, in
@@ -22,6 +24,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CheckpointTimeoutError",
+    "CommitConflictError",
     "CorruptCheckpointError",
     "LeaseHeldError",
     "ObjectExistsError",
@@ -73,6 +76,31 @@ class SaveFailedError(CheckpointError):
 
     def __reduce__(self) -> tuple[type[SaveFailedError], tuple[int, dict[int, str]]]:
         return (type(self), (self.step, self.causes))
+
+
+class CommitConflictError(CheckpointError):
+    """The step's manifest already exists with other content: another attempt committed it.
+
+    Found when the exclusive manifest write meets an existing manifest that is not the one
+    this attempt wrote (e.g. a second launch of the same job on the same root). The step's
+    folder is kept as it is: it belongs to that other commit. Every rank's `save()` then
+    raises `SaveFailedError` with this error as its `__cause__` and its message in the cause.
+    """
+
+    def __init__(self, step: int, other_run_id: str | None) -> None:
+        self.step = step
+        """The step committed by the other attempt."""
+        self.other_run_id = other_run_id
+        """The run id named in the existing manifest (None when it names none)."""
+        by = f"run {other_run_id!r}" if other_run_id is not None else "another attempt"
+        super().__init__(
+            f"step {step} was already committed by {by} with a different manifest; "
+            "its folder is kept as that commit left it (is a second launch of this job "
+            "writing to the same root?)"
+        )
+
+    def __reduce__(self) -> tuple[type[CommitConflictError], tuple[int, str | None]]:
+        return (type(self), (self.step, self.other_run_id))
 
 
 class CheckpointTimeoutError(CheckpointError, TimeoutError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from ckpt_manager import (
     CheckpointConfig,
     CheckpointError,
     CheckpointTimeoutError,
+    CommitConflictError,
     StepNotFoundError,
     StorageError,
 )
@@ -25,6 +27,7 @@ EXPECTED = [
     "CheckpointError",
     "CheckpointManager",
     "CheckpointTimeoutError",
+    "CommitConflictError",
     "CorruptCheckpointError",
     "KeepBest",
     "KeepEvery",
@@ -71,6 +74,14 @@ def test_error_tree_subclasses_builtins() -> None:
     assert issubclass(CheckpointTimeoutError, TimeoutError)
     err = SaveFailedError(3, {1: "disk full", 0: "peer failed"})
     assert str(err) == "checkpoint save of step 3 failed: rank 0: peer failed; rank 1: disk full"
+    conflict = CommitConflictError(7, "other-run")
+    assert "step 7 was already committed by run 'other-run'" in str(conflict)
+    again = pickle.loads(pickle.dumps(conflict))  # crosses ranks in a broadcast
+    assert (type(again), str(again), again.other_run_id) == (
+        type(conflict),
+        str(conflict),
+        "other-run",
+    )
 
 
 @pytest.mark.parametrize(
