@@ -212,8 +212,8 @@ class CheckpointManager:
             )
         if step in self._final.unclean_steps:
             raise CheckpointError(
-                f"step {step}: the folder of its failed save could not be removed; "
-                "save a later step"
+                f"step {step}: the folder of its failed save was not removed (a delete "
+                "failed, or another attempt's manifest holds it); save a later step"
             )
         while len(self._pending) >= self.config.max_inflight:
             self._final.run(blocking=True)

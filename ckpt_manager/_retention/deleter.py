@@ -17,7 +17,12 @@ from collections.abc import Callable
 import structlog
 
 from ckpt_manager._retention.policies import RetentionPolicy, StepInfo, plan_deletions
-from ckpt_manager._store.catalog import delete_step, list_step_dirs, read_manifest
+from ckpt_manager._store.catalog import (
+    delete_step,
+    list_step_dirs,
+    read_manifest,
+    remove_uncommitted_step,
+)
 from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
 from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.storage import Storage
@@ -163,7 +168,9 @@ class Deleter:
             modified = self._storage.modified_unix_s(step_dir(s))
             if modified is None or now - modified >= self._grace_s:
                 _log.info("ckpt_gc_uncommitted", ckpt_step=s)
-                self._storage.remove_tree(step_dir(s))
+                # Committed since the listing? Then it is kept: see [Note: a folder with a
+                # manifest is never removed by a failure path] in `catalog.py`.
+                remove_uncommitted_step(self._storage, s)
 
     def _delete_step(self, step: int) -> None:
         self._doomed.add(step)

@@ -11,13 +11,15 @@ Only the coordinator sends the tree and metrics; only it writes replicated tenso
 
 from __future__ import annotations
 
+import enum
 import functools
+import json
 import platform
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from importlib import metadata
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -25,9 +27,11 @@ from ckpt_manager._store.format import FileLayout, dtype_name
 from ckpt_manager._store.manifest import MANIFEST_NAME, FileEntry, Manifest, Piece, step_dir
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._store.tree import Flattened, LeafKind, TensorLeaf
-from ckpt_manager.errors import CheckpointError
+from ckpt_manager.errors import CheckpointError, CommitConflictError, ObjectExistsError
 
 __all__ = [
+    "CommitOutcome",
+    "CommitResult",
     "build_contribution",
     "commit_manifest",
     "leaves_to_write",
@@ -156,6 +160,29 @@ def merge_manifest(
     )
 
 
+class CommitResult(enum.Enum):
+    """How a commit attempt ended."""
+
+    COMMITTED = "committed"
+    """The manifest this attempt built is the step's manifest."""
+    FAILED = "failed"
+    """Nothing was committed by this attempt; its folder may be removed."""
+    CONFLICT = "conflict"
+    """Another attempt's manifest holds the step: the folder is that commit's, kept."""
+
+
+class CommitOutcome(NamedTuple):
+    """The coordinator's commit outcome, broadcast to every rank."""
+
+    result: CommitResult
+    committed_unix_s: float = 0.0
+    """Commit time written in the manifest (COMMITTED only)."""
+    cause: str = ""
+    """Why the step is not committed by this attempt (FAILED and CONFLICT)."""
+    conflict: CommitConflictError | None = None
+    """The error every rank chains its `SaveFailedError` to (CONFLICT only)."""
+
+
 def commit_manifest(
     storage: Storage,
     *,
@@ -163,21 +190,32 @@ def commit_manifest(
     run_id: str,
     created_unix_s: float,
     contributions: Sequence[Mapping[str, Any]],
-) -> tuple[bool, str | float]:
+) -> CommitOutcome:
     """Coordinator: check every shard's size, then write the manifest exclusively.
 
+    [Note: an existing manifest is read back] The exclusive write can find the manifest
+    already there (`ObjectExistsError`: local `os.link`, or S3 answering 412 to the
+    conditional PUT). Either our own write landed before (S3 retried a PUT whose reply was
+    lost) or another attempt committed the step (a second launch of the job on this root).
+    The existing manifest is read back and compared with the exact bytes this attempt wrote
+    (not a freshly built manifest: `committed_unix_s` would differ): the same manifest is a
+    commit; anything else is a CONFLICT, and the folder, being that other commit's, is kept.
+
     Returns:
-        `(True, committed_unix_s)`, or `(False, why)`; never raises for storage problems,
-        so the outcome can be broadcast to every rank.
+        The outcome; never raises for storage problems, so it can be broadcast to every rank.
     """
+    folder = step_dir(step)
     try:
-        folder = step_dir(step)
         for c in contributions:
             if c["file"] is None:
                 continue
             size = storage.size(f"{folder}/{c['file']}")
             if size != c["size"]:
-                return (False, f"{c['file']} has {size} bytes, rank {c['rank']} wrote {c['size']}")
+                why = f"{c['file']} has {size} bytes, rank {c['rank']} wrote {c['size']}"
+                # A shard replaced under us: most likely by another attempt's commit.
+                if storage.exists(f"{folder}/{MANIFEST_NAME}"):
+                    return _resolve_existing(storage, step, ours=None)
+                return CommitOutcome(CommitResult.FAILED, cause=why)
         committed = time.time()
         manifest = merge_manifest(
             step=step,
@@ -186,7 +224,45 @@ def commit_manifest(
             committed_unix_s=committed,
             contributions=contributions,
         )
-        storage.write(f"{folder}/{MANIFEST_NAME}", manifest.to_json(), exclusive=True)
-        return (True, committed)
+        data = manifest.to_json()
+        try:
+            storage.write(f"{folder}/{MANIFEST_NAME}", data, exclusive=True)
+        except ObjectExistsError:
+            return _resolve_existing(storage, step, ours=(bytes(data), committed))
+        return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=committed)
     except (CheckpointError, ValueError) as err:
-        return (False, f"{type(err).__name__}: {err}")
+        return CommitOutcome(CommitResult.FAILED, cause=f"{type(err).__name__}: {err}")
+
+
+def _resolve_existing(
+    storage: Storage, step: int, *, ours: tuple[bytes, float] | None
+) -> CommitOutcome:
+    """See [Note: an existing manifest is read back]; `ours`: the bytes we wrote, their time."""
+    try:
+        theirs = storage.read(f"{step_dir(step)}/{MANIFEST_NAME}")
+    except CheckpointError as err:
+        # It exists but cannot be read: we cannot tell whose it is. Not committed by us as
+        # far as we know; the folder is kept anyway (it holds a manifest).
+        return CommitOutcome(
+            CommitResult.FAILED,
+            cause=f"the manifest already exists and could not be read back: {err}",
+        )
+    doc = _json_or_none(theirs)
+    if ours is not None and (
+        theirs == ours[0] or (doc is not None and doc == _json_or_none(ours[0]))
+    ):
+        return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=ours[1])
+    other = doc.get("run_id") if isinstance(doc, dict) else None
+    conflict = CommitConflictError(step, other if isinstance(other, str) else None)
+    return CommitOutcome(
+        CommitResult.CONFLICT,
+        cause=f"{type(conflict).__name__}: {conflict}",
+        conflict=conflict,
+    )
+
+
+def _json_or_none(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None

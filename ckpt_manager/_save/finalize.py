@@ -4,9 +4,11 @@ The manager queues every `SaveRequest` here (`pending`, oldest first). `run()` t
 oldest, MAX-agrees its status over the checkpoint group (OK < WRITING < FAILED), and then
 commits it (gather contributions, the coordinator writes the manifest exclusively, broadcast
 the outcome) or fails it on every rank (gather causes, stop writers, remove the attempt,
-raise `SaveFailedError`). Each finished request becomes a `SaveReport` for the observer.
-See [Note: finalize at a step boundary] in `_manager.py`: `run()` is only ever called from
-the training thread.
+raise `SaveFailedError`). A folder that holds a manifest is never removed: when the commit
+finds another attempt's manifest there (`CommitResult.CONFLICT`), every rank raises
+`SaveFailedError` chained to `CommitConflictError` and the folder stays as it is. Each
+finished request becomes a `SaveReport` for the observer. See [Note: finalize at a step
+boundary] in `_manager.py`: `run()` is only ever called from the training thread.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from typing import Any
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Status
-from ckpt_manager._save.commit import commit_manifest
+from ckpt_manager._save.commit import CommitOutcome, CommitResult, commit_manifest
 from ckpt_manager._save.request import Limits, SaveRequest
 from ckpt_manager._save.writer_proc import WriterProcess
-from ckpt_manager._store.manifest import step_dir
+from ckpt_manager._store.catalog import remove_uncommitted_step
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._types import SaveObserver, SaveReport, SaveResult
 from ckpt_manager.errors import CheckpointError, SaveFailedError
@@ -70,7 +72,8 @@ class Finalizer:
         self.pending: collections.deque[SaveRequest] = collections.deque()
         """Saves in flight, oldest first."""
         self.unclean_steps: set[int] = set()
-        """Steps whose failed attempt could not be removed (never saved again)."""
+        """Steps whose failed attempt was not removed (an error, or another commit's manifest
+        holds the folder): never saved again by this run."""
         self.last_committed: tuple[int, float] | None = None
         """`(step, commit time)` of the newest commit known to this run."""
 
@@ -153,16 +156,20 @@ class Finalizer:
         raise SaveFailedError(request.step, causes)
 
     def _remove_attempt(self, step: int) -> bool:
+        """Remove the failed attempt's folder; False when it stays (error, or a manifest).
+
+        See [Note: a folder with a manifest is never removed by a failure path] in
+        `_store/catalog.py`.
+        """
         try:
-            self._storage.remove_tree(step_dir(step))
-            return True
+            return remove_uncommitted_step(self._storage, step)
         except CheckpointError as err:
             self._log.warning("ckpt_failed_attempt_not_removed", ckpt_step=step, error=str(err))
             return False
 
     def _commit(self, request: SaveRequest, t0: float) -> None:
         gathered = self._coord.gather(request.contribution)
-        outcome: tuple[bool, str | float] = (True, 0.0)
+        outcome = CommitOutcome(CommitResult.COMMITTED)
         if gathered is not None:
             outcome = commit_manifest(
                 self._storage,
@@ -171,17 +178,22 @@ class Finalizer:
                 created_unix_s=request.created_unix_s,
                 contributions=gathered,
             )
-        ok, detail = self._coord.broadcast(outcome)
-        if not ok:
-            cause = f"commit failed on the coordinator: {detail}"
-            removed = self._remove_attempt(request.step) if self._coord.is_coordinator else True
-            if not self._coord.broadcast(removed):
+        outcome = self._coord.broadcast(outcome)
+        if outcome.result is not CommitResult.COMMITTED:
+            cause = f"commit failed on the coordinator: {outcome.cause}"
+            if outcome.result is CommitResult.CONFLICT:
+                removed = False  # the folder is the other commit's: every rank knows it
+            else:
+                removed = self._remove_attempt(request.step) if self._coord.is_coordinator else True
+                removed = self._coord.broadcast(removed)
+            if not removed:
                 self.unclean_steps.add(request.step)
             request.fail(cause)
             self._retire(request, SaveResult.FAILED, time.monotonic() - t0)
-            raise SaveFailedError(request.step, {0: cause})
-        assert isinstance(detail, float)
-        self.last_committed = (request.step, detail)
+            # Every rank raises the same SaveFailedError; on a conflict its __cause__ is the
+            # CommitConflictError (broadcast from the coordinator), else there is none.
+            raise SaveFailedError(request.step, {0: cause}) from outcome.conflict
+        self.last_committed = (request.step, outcome.committed_unix_s)
         self._retire(request, SaveResult.COMMITTED, time.monotonic() - t0)
         self._log.info("ckpt_committed", ckpt_step=request.step)
         if not self.pending:

@@ -28,6 +28,7 @@ __all__ = [
     "list_step_dirs",
     "read_manifest",
     "read_manifests",
+    "remove_uncommitted_step",
     "verify_files",
 ]
 
@@ -61,13 +62,45 @@ def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:
     for s in steps:
         if s not in committed and (latest is None or s > latest):
             _log.warning("ckpt_removing_stale_attempt", ckpt_step=s)
-            storage.remove_tree(step_dir(s))
+            remove_uncommitted_step(storage, s)
     if latest is None:
         return None
     try:
         return (latest, read_manifest(storage, latest).committed_unix_s)
     except CheckpointError:
         return (latest, 0.0)
+
+
+def remove_uncommitted_step(storage: Storage, step: int) -> bool:
+    """Remove a step folder unless it holds a manifest: the one way an attempt is removed.
+
+    [Note: a folder with a manifest is never removed by a failure path] Every path that
+    removes an *uncommitted* step folder (a failed save, start-up removal of dead attempts,
+    the deleter's GC of leftovers, `ckptctl reshard` starting clean) comes through here, and
+    looks for the manifest right before removing. A manifest found there was written by some
+    commit (another launch of the job on this root, or this attempt's own retried write) and
+    the folder is that commit's: it is kept, with a warning. Only retention deletes committed
+    steps (`delete_step`, manifest first). On object stores the look and the removal are two
+    requests, so a commit landing between them is not caught here; the lease is what keeps a
+    second writer off the root.
+
+    Returns:
+        True when the folder is gone (or never existed), False when it holds a manifest and
+        was kept.
+
+    Raises:
+        StorageError: the look or the removal failed.
+    """
+    folder = step_dir(step)
+    if storage.exists(f"{folder}/{MANIFEST_NAME}"):
+        _log.warning(
+            "ckpt_kept_folder_with_manifest",
+            ckpt_step=step,
+            reason="a folder that holds a manifest is committed; only retention deletes it",
+        )
+        return False
+    storage.remove_tree(folder)
+    return True
 
 
 def read_manifest(storage: Storage, step: int) -> Manifest:

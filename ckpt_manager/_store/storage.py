@@ -225,8 +225,14 @@ class Storage:
                 chunksize=chunk_bytes,
                 max_concurrency=concurrency,
             )
-        except OSError as err:
-            # Servers that omit the `Condition` field (SeaweedFS) come back as a plain EINVAL.
+        except FileExistsError:
+            raise
+        except Exception as err:
+            # s3fs turns a 412 to `If-None-Match` into FileExistsError only when the reply
+            # names the condition; servers that omit it (SeaweedFS) come back as a plain
+            # EINVAL, and an untranslated botocore error is possible too: every 412 on an
+            # exclusive write means "the object exists" (see [Note: an existing manifest is
+            # read back] in `_save/commit.py`).
             if exclusive and _is_precondition_failed(err):
                 raise FileExistsError(str(err)) from err
             raise

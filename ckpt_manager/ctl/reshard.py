@@ -27,6 +27,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ckpt_manager._save.commit import build_contribution, merge_manifest
+from ckpt_manager._store.catalog import remove_uncommitted_step
 from ckpt_manager._store.checksum import crc32
 from ckpt_manager._store.format import dtype_from_name, plan_layout
 from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, shard_file_name, step_dir
@@ -187,7 +188,8 @@ def write_resharded(
     if dest.exists(f"{folder}/{MANIFEST_NAME}"):
         raise ObjectExistsError(17, f"{dest.root_uri}: step {m.step} is already committed there")
     # A leftover of an interrupted earlier attempt is never committed: start clean.
-    dest.remove_tree(folder)
+    if not remove_uncommitted_step(dest, m.step):  # committed since the look above
+        raise ObjectExistsError(17, f"{dest.root_uri}: step {m.step} is already committed there")
     contributions = []
     for r in range(plan.world_size):
         parts = plan.parts[r]

@@ -126,9 +126,10 @@ def _modes_then_reshard(rank: int, world: int, root: str, saved_at_2: str) -> li
 
 
 def _two_rank_scenarios(rank: int, world: int, modes_root: str, fault_root: str) -> Any:
-    """Both 2-rank scenarios in one spawn (spawning ranks costs more than either scenario)."""
+    """The 2-rank scenarios in one spawn (spawning ranks costs more than any scenario)."""
     modes = _modes_on_ranks(rank, world, modes_root)
-    return {"modes": modes, "fault": _writer_fault_on_rank1(rank, world, fault_root)}
+    fault = _writer_fault_on_rank1(rank, world, fault_root)
+    return {"modes": modes, "fault": fault, "conflict": _commit_conflict(rank, world, fault_root)}
 
 
 class _TwoRanks(NamedTuple):
@@ -139,7 +140,7 @@ class _TwoRanks(NamedTuple):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> _TwoRanks:
-    """One 2-rank run: every mode (then resharded to 3), and a writer fault on rank 1."""
+    """One 2-rank run: every mode (then resharded to 3), a writer fault, a commit conflict."""
     base = tmp_path_factory.mktemp("two-ranks")
     modes_root, fault_root = base / "two", base / "fault"
     out = run_on_ranks(_two_rank_scenarios, 2, str(modes_root), str(fault_root), timeout_s=300)
@@ -189,6 +190,34 @@ def _writer_fault_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
         mgr.save(3, _rank_state(rank, world, 3))  # training continues; the next save works
         mgr.wait_until_finished()
         return {"error": error, "elapsed": elapsed, "steps": mgr.all_steps()}
+
+
+_FOREIGN_MANIFEST = b'{"run_id": "other-launch"}'
+
+
+def _commit_conflict(rank: int, world: int, root: str) -> dict[str, Any]:
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(root + "-conflict", cfg, run_id="conflict") as mgr:
+        if rank == 0:  # another launch commits step 5 before this run's commit of it
+            mgr.storage.write(f"{step_dir(5)}/{MANIFEST_NAME}", _FOREIGN_MANIFEST)
+        got: list[str] = []
+        try:
+            mgr.save(5, _rank_state(rank, world, 5))
+        except SaveFailedError as err:
+            cause = err.__cause__
+            got = [type(err).__name__, type(cause).__name__, getattr(cause, "other_run_id", "")]
+        mgr.save(6, _rank_state(rank, world, 6))  # training continues; the next save works
+        return {"error": got, "steps": mgr.all_steps()}
+
+
+def test_commit_conflict_raises_the_same_error_on_every_rank_and_keeps_the_folder(
+    two_ranks: _TwoRanks,
+) -> None:
+    for rank_out in (o["conflict"] for o in two_ranks.out):
+        assert rank_out["error"] == ["SaveFailedError", "CommitConflictError", "other-launch"]
+        assert rank_out["steps"] == [5, 6]
+    root = pathlib.Path(f"{two_ranks.fault_root}-conflict")
+    assert (root / step_dir(5) / MANIFEST_NAME).read_bytes() == _FOREIGN_MANIFEST
 
 
 def test_writer_exception_reaches_every_rank(two_ranks: _TwoRanks) -> None:

@@ -15,6 +15,7 @@ import torch
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, SaveFailedError
 from ckpt_manager._save.writer import FAULT_ENV
 from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from tests.ckpt_manager.save.test_commit import commit_with_lost_reply
 from tests.support.dist import free_port
 from tests.support.s3 import TEST_KEY, TEST_REGION, TEST_SECRET, isolate_aws_environment
 
@@ -128,3 +129,11 @@ def test_s3_server_stopped_mid_upload(
         mgr.save(3, {"t": torch.full((1000,), 3.0)})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [1, 3]
+
+
+def test_retried_identical_manifest_put_answered_412_is_a_commit(
+    s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The conditional PUT landed, its reply was lost, the retry is answered 412.
+    root = f"{s3.uri}/lost-reply-{uuid.uuid4().hex[:8]}"
+    commit_with_lost_reply(root, dict(s3.storage_options), monkeypatch)

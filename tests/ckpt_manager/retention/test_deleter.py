@@ -21,8 +21,9 @@ from ckpt_manager import (
     KeepLast,
     RetentionPolicy,
 )
+from ckpt_manager._retention.deleter import Deleter
 from ckpt_manager._save.writer import FAULT_ENV
-from ckpt_manager._store.manifest import shard_file_name, step_dir
+from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
 from ckpt_manager._store.pins import pin_step, pinned_steps, unpin_step
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import StorageError
@@ -143,3 +144,25 @@ def test_failed_deletion_is_logged_and_retried(
         _eventually(lambda: mgr.all_steps() == [3] and not (tmp_path / step_dir(1)).exists())
     assert failures
     assert any(e["event"] == "ckpt_retention_failed" for e in log_events)
+
+
+def test_gc_of_uncommitted_leftovers_keeps_a_folder_committed_meanwhile(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    st = Storage(str(tmp_path))
+    folder = step_dir(4)
+    st.write(f"{folder}/{shard_file_name(0)}", b"shard")
+
+    def committed_while_aging(self: Storage, name: str) -> float | None:
+        # Between the listing and the removal another launch commits step 4 (the folder's
+        # age is what the listing saw: past the grace period).
+        self.write(f"{folder}/{MANIFEST_NAME}", b'{"another": "commit"}', exclusive=True)
+        return 0.0
+
+    monkeypatch.setattr(Storage, "modified_unix_s", committed_while_aging)
+    deleter = Deleter(st, None, saving=lambda: False, protected=set, grace_s=0.0, retry_s=3600.0)
+    deleter.trigger()
+    assert deleter.flush(20.0)
+    deleter.close(20.0)
+    assert st.read(f"{folder}/{MANIFEST_NAME}") == b'{"another": "commit"}'
+    assert st.read(f"{folder}/{shard_file_name(0)}") == b"shard"

@@ -1,14 +1,29 @@
-"""Committing a step: never written twice, stale attempts removed."""
+"""Committing a step: never written twice, stale attempts removed, a found manifest kept."""
 
 from __future__ import annotations
 
+import json
 import pathlib
+import subprocess
+import sys
+from typing import Any
 
 import pytest
 import torch
 
-from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, StepNotFoundError
-from ckpt_manager._store.manifest import shard_file_name, step_dir
+from ckpt_manager import (
+    AsyncMode,
+    CheckpointConfig,
+    CheckpointManager,
+    CommitConflictError,
+    SaveFailedError,
+    StepNotFoundError,
+)
+from ckpt_manager._save import finalize
+from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._store.storage import Storage
+
+CKPTCTL = str(pathlib.Path(sys.executable).with_name("ckptctl"))
 
 
 def test_step_never_written_twice_and_stale_attempt_removed(tmp_path: pathlib.Path) -> None:
@@ -28,3 +43,90 @@ def test_step_never_written_twice_and_stale_attempt_removed(tmp_path: pathlib.Pa
         assert mgr.all_steps() == [5]
         mgr.save(7, {"t": torch.zeros(2)})
         assert mgr.all_steps() == [5, 7]
+
+
+_SECOND_LAUNCH = """
+import sys, torch
+from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
+root, step = sys.argv[1], int(sys.argv[2])
+cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+with CheckpointManager(root, cfg, run_id="job") as mgr:
+    mgr.save(step, {"t": torch.full((4,), 7.0)}, metrics={"by": "second"})
+"""
+
+
+def test_a_commit_that_finds_another_launchs_manifest_keeps_its_step(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A second launch of the same job (same run id: it takes the lease over) commits step 2
+    # while the first launch's commit of step 2 is about to write its manifest.
+    root = str(tmp_path / "root")
+    real = finalize.commit_manifest
+
+    def second_launch_first(storage: Storage, **kw: Any) -> Any:
+        subprocess.run(
+            [sys.executable, "-c", _SECOND_LAUNCH, root, str(kw["step"])],
+            check=True,
+            timeout=120,
+        )
+        return real(storage, **kw)
+
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(root, cfg, run_id="job") as mgr:
+        mgr.save(1, {"t": torch.zeros(4)})
+        monkeypatch.setattr(finalize, "commit_manifest", second_launch_first)
+        with pytest.raises(SaveFailedError) as info:
+            mgr.save(2, {"t": torch.ones(4)})
+        monkeypatch.undo()
+    folder = tmp_path / "root" / step_dir(2)
+    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST_NAME, shard_file_name(0)]
+    manifest = json.loads((folder / MANIFEST_NAME).read_bytes())
+    assert manifest["metrics"] == {"by": "second"}
+    assert isinstance(info.value.__cause__, CommitConflictError)
+    assert "CommitConflictError" in str(info.value)
+    assert "step 2" in str(info.value)
+    verify = subprocess.run(
+        [CKPTCTL, "verify", root, "2"], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    with CheckpointManager(root, cfg, run_id="job") as mgr:
+        restored = mgr.restore(2)
+        assert restored is not None
+        assert torch.equal(restored.state["t"], torch.full((4,), 7.0))
+
+
+def _manifest_put_lands_but_its_reply_is_lost(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """The first exclusive manifest PUT reaches storage; the caller then retries it."""
+    written: list[bytes] = []
+    real = Storage.write
+
+    def write(self: Storage, name: str, data: Any, **kw: Any) -> None:
+        if name.endswith(MANIFEST_NAME) and kw.get("exclusive"):
+            written.append(bytes(data))
+            real(self, name, data)  # landed (a plain write from outside: no condition)
+        real(self, name, data, **kw)  # the retry, answered "already exists" / 412
+
+    monkeypatch.setattr(Storage, "write", write)
+    return written
+
+
+def commit_with_lost_reply(root: str, options: dict[str, Any], mp: pytest.MonkeyPatch) -> None:
+    """Shared with the S3 test: a retried identical manifest PUT counts as committed."""
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, storage_options=options)
+    with CheckpointManager(root, cfg, run_id="lost-reply") as mgr:
+        written = _manifest_put_lands_but_its_reply_is_lost(mp)
+        mgr.save(3, {"t": torch.arange(4.0)}, metrics={"loss": 0.5})
+        mp.undo()
+        assert len(written) == 1
+        assert mgr.all_steps() == [3]
+        assert mgr.stats().last_committed_step == 3
+        assert Storage(root, options).read(f"{step_dir(3)}/{MANIFEST_NAME}") == written[0]
+        restored = mgr.restore(3)
+        assert restored is not None
+        assert torch.equal(restored.state["t"], torch.arange(4.0))
+
+
+def test_b_retried_identical_manifest_write_is_a_commit_on_local_disk(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    commit_with_lost_reply(str(tmp_path / "root"), {}, monkeypatch)

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, StepNotFoundError
-from ckpt_manager._store.catalog import committed_steps, delete_step, list_step_dirs, read_manifest
+from ckpt_manager._store.catalog import (
+    committed_steps,
+    delete_step,
+    drop_dead_attempts,
+    list_step_dirs,
+    read_manifest,
+)
 from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
 from ckpt_manager._store.storage import Storage
 
@@ -39,3 +45,26 @@ def test_delete_step_finishes_a_half_done_deletion(tmp_path: pathlib.Path) -> No
     assert storage.exists(f"{step_dir(1)}/{shard_file_name(0)}")
     delete_step(storage, 1)
     assert list_step_dirs(storage) == [2]
+
+
+def test_dead_attempt_cleanup_keeps_a_folder_committed_after_the_listing(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    st = Storage(str(tmp_path))
+    folder = step_dir(7)
+    st.write(f"{folder}/{shard_file_name(0)}", b"shard")
+    real = Storage.exists
+
+    def commits_right_after_the_look(self: Storage, name: str) -> bool:
+        found = real(self, name)
+        if name == f"{folder}/{MANIFEST_NAME}" and not found:
+            # Another launch commits step 7 just after this process looked.
+            real_write(self, name, b'{"another": "commit"}', exclusive=True)
+        return found
+
+    real_write = Storage.write
+    monkeypatch.setattr(Storage, "exists", commits_right_after_the_look)
+    drop_dead_attempts(st)
+    monkeypatch.undo()
+    assert st.read(f"{folder}/{MANIFEST_NAME}") == b'{"another": "commit"}'
+    assert st.read(f"{folder}/{shard_file_name(0)}") == b"shard"
