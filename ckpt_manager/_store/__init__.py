@@ -17,7 +17,8 @@ torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
     dtypes.py       dtype names and item sizes without torch (manifest validation).
     tree.py         state <-> JSON skeleton + tensor leaves (replicated, sharded, rank-local).
     catalog.py      listing steps, manifest reading, file verification, start-up removal of
-                    dead attempts.
+                    dead attempts; remove_uncommitted_step, the one guarded removal of an
+                    uncommitted step folder (never one that holds a manifest).
     pins.py         pinned steps under `_pins/` (shared with ckptctl).
     lease.py        Lease on the root: run id, host, pid, refreshed; takeover rules.
 """
