@@ -112,6 +112,7 @@ class CheckpointManager:
         )
         self._next_request_id = 0
         self._restored_from: int | None = None
+        self._restoring: int | None = None  # the candidate a restore is reading now
         self._closed = False
         self._lease: Lease | None = None
         self._deleter: Deleter | None = None
@@ -162,7 +163,12 @@ class CheckpointManager:
                 grace_s=self.config.uncommitted_grace_s,
                 retry_s=self.config.deletion_retry_s,
             )
-            # No pass before this run's first commit: the run may still restore an old step.
+            # [Note: retention waits for the run's restore] The deleter does nothing (not even
+            # on its timer) until this run has restored (`restore()` returned) or committed:
+            # before that, the step the run will restore from is unknown, and with a corrupt
+            # newest step a tightened policy would delete the only restorable one. From then
+            # on the restored step (and, during a later restore, the candidate being read) is
+            # protected, so the newest step known to verify is never deleted.
 
     def _forget_writer(self, writer: WriterProcess) -> None:
         # The pipeline starts after the root is open; it exists once anything is finalized.
@@ -173,7 +179,11 @@ class CheckpointManager:
             self._deleter.trigger()
 
     def _protected_steps(self) -> set[int]:
-        return {self._restored_from} if self._restored_from is not None else set()
+        # Read by the deleter's thread; each attribute is replaced whole, never mutated.
+        return {s for s in (self._restored_from, self._restoring) if s is not None}
+
+    def _choose_for_restore(self, step: int) -> None:
+        self._restoring = step
 
     # ----------------------------------------------------------------- save
     def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> None:
@@ -358,15 +368,21 @@ class CheckpointManager:
             CheckpointError: the template does not match the checkpoint.
         """
         self._check_open()
-        result = restore_agreed(
-            self._storage,
-            self._coord,
-            step,
-            into,
-            verify_checksums=self.config.verify_checksums,
-        )
-        if result is not None:
-            self._restored_from = result.step
+        try:
+            result = restore_agreed(
+                self._storage,
+                self._coord,
+                step,
+                into,
+                verify_checksums=self.config.verify_checksums,
+                on_choose=self._choose_for_restore,
+            )
+            if result is not None:
+                self._restored_from = result.step  # before `_restoring` is cleared: no gap
+        finally:
+            self._restoring = None
+        if self._deleter is not None:
+            self._deleter.arm()  # [Note: retention waits for the run's restore]
         return result
 
     # ----------------------------------------------------------------- shutdown

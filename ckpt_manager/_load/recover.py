@@ -9,6 +9,7 @@ says why), so no two ranks ever restore different steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -33,8 +34,12 @@ def restore_agreed(
     into: Any,
     *,
     verify_checksums: bool,
+    on_choose: Callable[[int], None] | None = None,
 ) -> RestoreResult | None:
     """Restore on every rank (collective); see `CheckpointManager.restore`.
+
+    `on_choose(step)` runs before a candidate's files are first read, so the caller can
+    protect it from retention from the moment it is chosen, not once it is loaded.
 
     Raises:
         StepNotFoundError: the explicit step is not committed.
@@ -48,6 +53,8 @@ def restore_agreed(
         listed = committed_steps(storage) if coord.is_coordinator else []
         candidates = list(reversed(coord.broadcast(listed)))
     for candidate in candidates:
+        if on_choose is not None:
+            on_choose(candidate)
         manifest, reason = None, None
         try:
             manifest = read_manifest(storage, candidate)

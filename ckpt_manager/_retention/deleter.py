@@ -1,6 +1,7 @@
 """Background retention and garbage collection (coordinator only, one thread).
 
-Woken after a commit (and on a retry timer), it runs only while no save is in flight: it
+Woken after a commit (and on a retry timer), it runs only once the run has restored or
+committed ([Note: retention waits for the run's restore]) and while no save is in flight: it
 lists the root, applies the retention policy to committed steps (never the newest, pinned,
 restored-from or in-flight ones), deletes each dropped step manifest first (a half-deleted
 step is uncommitted, never "corrupt"), and removes uncommitted leftovers older than the grace
@@ -72,6 +73,7 @@ class Deleter:
         self._stop = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
+        self._armed = threading.Event()  # no pass before the run restored or committed
         self.num_deleted = 0
         """Steps deleted by retention so far."""
         self.num_failures = 0
@@ -79,8 +81,15 @@ class Deleter:
         self._thread = threading.Thread(target=self._run, name="ckpt-deleter", daemon=True)
         self._thread.start()
 
+    def arm(self) -> None:
+        """Allow passes from now on (the run has restored); see [Note: retention waits for
+        the run's restore] in `_manager.py`. Also asks for a pass."""
+        self._armed.set()
+        self.trigger()
+
     def trigger(self) -> None:
-        """Ask for a pass (after a commit)."""
+        """Ask for a pass (after a commit, which also arms the deleter)."""
+        self._armed.set()
         self._idle.clear()
         self._wake.set()
 
@@ -109,6 +118,8 @@ class Deleter:
             self._wake.clear()
             if self._stop.is_set():
                 return
+            if not self._armed.is_set():
+                continue  # the run has neither restored nor committed yet
             if self._saving():
                 continue  # a save is in flight; the manager wakes us when it settles
             try:
