@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
-from ckpt_manager._coord import Coordinator, Status
+from ckpt_manager._coord import Agreement, Coordinator, Status
 from ckpt_manager._save.commit import CommitOutcome, CommitResult, commit_manifest
 from ckpt_manager._save.request import Limits, SaveRequest
 from ckpt_manager._save.writer_proc import WriterProcess
@@ -28,7 +28,10 @@ from ckpt_manager._store.storage import Storage
 from ckpt_manager._types import SaveObserver, SaveReport, SaveResult
 from ckpt_manager.errors import CheckpointError, SaveFailedError
 
-__all__ = ["Finalizer"]
+__all__ = ["AGREE_POLL_S", "Finalizer"]
+
+AGREE_POLL_S = 0.05
+"""Interval of agreement rounds while a blocking finalize waits for some rank's write."""
 
 
 class Finalizer:
@@ -90,16 +93,12 @@ class Finalizer:
         """
         while self.pending:
             request = self.pending[0]
-            if blocking:
-                status = request.wait_local(self._limits)
-            else:
-                status = request.local_status(self._limits)
-            t0 = time.monotonic()
             try:
-                agreement = self._coord.agree(request.request_id, status)
+                agreement = self._agree(request, blocking=blocking)
             except CheckpointError as err:
                 self._abandon(request, str(err))
                 raise SaveFailedError(request.step, {self._coord.rank: str(err)}) from err
+            t0 = time.monotonic()
             if not agreement.consistent:
                 cause = (
                     f"ranks disagree on which save to finalize (request {request.request_id}, "
@@ -118,6 +117,25 @@ class Finalizer:
             except CheckpointError as err:  # a collective of the commit itself failed
                 self._abandon(request, str(err))
                 raise SaveFailedError(request.step, {self._coord.rank: str(err)}) from err
+
+    def _agree(self, request: SaveRequest, *, blocking: bool) -> Agreement:
+        """One agreement round; when `blocking`, rounds until no rank is still writing.
+
+        [Note: a blocking finalize polls the agreement] A rank never sits inside a collective
+        waiting for a peer's write: a slow writer elsewhere would outlast the group's timeout
+        (`finalize_timeout_s`), fail the save on every rank and break the group. Instead all
+        ranks exchange their local status every `AGREE_POLL_S` (a 24-byte all-reduce) until
+        the MAX is OK or FAILED, waiting on their own writer in between. How long a write may
+        take is bounded by `write_timeout_s` alone: the late rank's own `local_status` fails
+        it (and kills its writer) when that runs out, and FAILED dominates the next round.
+        Ranks leave the loop on the same round's result, so they stay in step.
+        """
+        while True:
+            status = request.local_status(self._limits)
+            agreement = self._coord.agree(request.request_id, status)
+            if not blocking or not agreement.consistent or agreement.status != Status.WRITING:
+                return agreement
+            request.wait_for_progress(AGREE_POLL_S)
 
     def _stop_local_writer(self, request: SaveRequest) -> None:
         """Kill this rank's writer if it may still touch the request's files or buffer."""

@@ -239,15 +239,14 @@ class SaveRequest:
             self.fail(f"writer failed: {reply.get('error')}")
         return True
 
-    def wait_local(self, limits: Limits) -> int:
-        """Block until this rank's part is OK or FAILED (bounded by the timeouts)."""
-        while True:
-            status = self.local_status(limits)
-            if status != Status.WRITING:
-                return status
-            if not self.handed_off.is_set():
-                self.handed_off.wait(0.05)
-            elif self.writer is not None:
-                self.writer.poll(0.05)
-            else:
-                time.sleep(0.01)
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for news on this rank's part (staging done, a writer
+        message); returns early when some arrives. Polled by the finalizer between rounds."""
+        if self._state is SaveState.OK or self._state is SaveState.FAILED:
+            time.sleep(timeout_s)  # settled here; peers are still writing
+        elif not self.handed_off.is_set():
+            self.handed_off.wait(timeout_s)
+        elif self.writer is not None:
+            self.writer.poll(timeout_s)
+        else:
+            time.sleep(timeout_s)

@@ -129,7 +129,9 @@ def _two_rank_scenarios(rank: int, world: int, modes_root: str, fault_root: str)
     """The 2-rank scenarios in one spawn (spawning ranks costs more than any scenario)."""
     modes = _modes_on_ranks(rank, world, modes_root)
     fault = _writer_fault_on_rank1(rank, world, fault_root)
-    return {"modes": modes, "fault": fault, "conflict": _commit_conflict(rank, world, fault_root)}
+    conflict = _commit_conflict(rank, world, fault_root)
+    straggler = _straggler_on_rank1(rank, world, fault_root)
+    return {"modes": modes, "fault": fault, "conflict": conflict, "straggler": straggler}
 
 
 class _TwoRanks(NamedTuple):
@@ -192,6 +194,24 @@ def _writer_fault_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
         return {"error": error, "elapsed": elapsed, "steps": mgr.all_steps()}
 
 
+def _straggler_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 1's writer takes 4 s, twice the group's collective timeout (2 s)."""
+    os.environ[FAULT_ENV] = "stall=4@5@1"
+    cfg = CheckpointConfig(
+        async_mode=AsyncMode.PERSISTENT, max_inflight=1, finalize_timeout_s=2, write_timeout_s=60
+    )
+    try:
+        with CheckpointManager(root + "-straggler", cfg, run_id="straggler") as mgr:
+            mgr.save(5, _rank_state(rank, world, 5))
+            mgr.save(6, _rank_state(rank, world, 6))  # back-pressure: waits for step 5
+            mgr.wait_until_finished()  # the final drain
+            return {"steps": mgr.all_steps(), "error": ""}
+    except CheckpointError as err:
+        return {"steps": [], "error": f"{type(err).__name__}: {err}"}
+    finally:
+        del os.environ[FAULT_ENV]
+
+
 _FOREIGN_MANIFEST = b'{"run_id": "other-launch"}'
 
 
@@ -226,6 +246,12 @@ def test_writer_exception_reaches_every_rank(two_ranks: _TwoRanks) -> None:
         assert rank_out["elapsed"] < 20
         assert rank_out["steps"] == [1, 3]
     assert not (two_ranks.fault_root / step_dir(2)).exists()
+
+
+def test_a_writer_slower_than_the_collective_timeout_commits(two_ranks: _TwoRanks) -> None:
+    # [Note: a blocking finalize polls the agreement]: only write_timeout_s bounds a write.
+    for rank_out in (o["straggler"] for o in two_ranks.out):
+        assert rank_out == {"steps": [5, 6], "error": ""}
 
 
 def _rank1_dies_mid_save(rank: int, world: int, root: str, report: str) -> None:
