@@ -16,12 +16,17 @@ and a restore puts back every piece, so a resumed run is bitwise the run that wa
 After the optimizer step each rank all-reduces `[loss, stop, checkpoint]` (sum). The loss becomes
 the global mean; a stop or checkpoint request seen by any rank is seen by all at the same step,
 which the collective `save()` requires. One tiny collective per step is the whole cost.
+
+Checkpoint calls go through `SaveFailurePolicy` (`_save_failures.py`): a failed save is
+reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
+The final save of the drain is retried once and must commit, else the run fails.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -32,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from daemon._control import RankControl
+from daemon._save_failures import SaveFailurePolicy
 from daemon._telemetry import NullTelemetry, RankTelemetry
 from daemon.config import DaemonConfig
 from daemon.data import ShardedLoader
@@ -190,6 +196,7 @@ def run_training(
             log.info("restored", ckpt_step=step, seconds=round(time.perf_counter() - t0, 3))
             telemetry.observe("trainingd_ckpt_restore_seconds", time.perf_counter() - t0)
         start_step, saved_step, last_loss, stopped = step, step, None, False
+        failures = SaveFailurePolicy(manager, cfg.checkpoint.max_consecutive_save_failures)
         tokens_per_step = tc.batch_size * tc.micro_batches * job.tokens_per_sample
         telemetry.set("trainingd_train_step", step)
         telemetry.heartbeat("training")
@@ -249,10 +256,12 @@ def run_training(
             # --- checkpoint ---------------------------------------------------------------------
             every = cfg.checkpoint.ckpt_every
             if (every and step % every == 0) or ckpt_requested or stopped or step == tc.max_steps:
-                manager.save(step, state(), metrics={"loss": last_loss})
+                failures.guard(
+                    functools.partial(manager.save, step, state(), metrics={"loss": last_loss})
+                )
                 saved_step = step
                 log.info("checkpoint_scheduled", ckpt_step=step, loss=round(last_loss, 4))
-            manager.maybe_finalize()
+            failures.guard(manager.maybe_finalize)
             telemetry.update_checkpoints(manager.stats())
             telemetry.heartbeat()
             if rank == 0 and (step % 10 == 0 or step == tc.max_steps):
@@ -265,9 +274,15 @@ def run_training(
 
         # --- drain: every save in flight must commit before the process exits -----------------
         telemetry.heartbeat("stopping" if stopped else "finishing")
+        final_metrics = {"loss": last_loss or 0.0}
         if saved_step != step:
-            manager.save(step, state(), metrics={"loss": last_loss or 0.0})
-        manager.wait_until_finished()
+            failures.guard(functools.partial(manager.save, step, state(), metrics=final_metrics))
+        failures.guard(manager.wait_until_finished)
+        if step != start_step and manager.stats().last_committed_step != step:
+            # The final save failed (tolerated above like any other): try once more, and fail
+            # the run if that fails too, rather than exit 0 with the last steps unsaved.
+            manager.save(step, state(), metrics=final_metrics)
+            manager.wait_until_finished()
         manager.check_for_errors()
         telemetry.update_checkpoints(manager.stats())
         telemetry.heartbeat("finished")

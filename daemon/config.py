@@ -183,11 +183,19 @@ class CheckpointSettings:
     s3_endpoint_url: str = ""
     """S3 endpoint for `s3://` roots (MinIO, SeaweedFS, moto); empty uses AWS or
     `$AWS_ENDPOINT_URL`. Credentials come from the usual AWS variables."""
+    max_consecutive_save_failures: int = 3
+    """Failed saves in a row that stop the run; each earlier one is logged, counted and
+    alerted on while training goes on. 1 stops the run at the first failed save."""
 
     def __post_init__(self) -> None:
         if not self.ckpt_uri:
             raise ValueError("ckpt_uri is empty: give a local path or s3://bucket/prefix")
         _non_negative(self, "ckpt_every", "keep_last", "keep_every")
+        if self.max_consecutive_save_failures < 1:
+            raise ValueError(
+                f"max_consecutive_save_failures={self.max_consecutive_save_failures}: use 1 or "
+                "more (1 stops the run at the first failed save)"
+            )
         if self.s3_endpoint_url and not self.s3_endpoint_url.startswith(("http://", "https://")):
             raise ValueError(f"s3_endpoint_url={self.s3_endpoint_url!r}: use http(s)://host:port")
 

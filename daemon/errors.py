@@ -5,12 +5,14 @@ DaemonError
 │   └── StartupCheckError             the environment fails a start-up check (storage
 │                                     unreachable or not writable, port taken, job missing)
 ├── JobError (ValueError)             `--job` cannot be imported or returned a bad `JobSpec`
-└── WorkersFailedError (RuntimeError) the worker group failed after `max_restarts` restarts
+├── WorkersFailedError (RuntimeError) the worker group failed after `max_restarts` restarts
+└── CheckpointFailuresError (RuntimeError)  `max_consecutive_save_failures` saves failed in a row
 """
 
 from __future__ import annotations
 
 __all__ = [
+    "CheckpointFailuresError",
     "ConfigError",
     "DaemonError",
     "JobError",
@@ -37,3 +39,8 @@ class JobError(DaemonError, ValueError):
 
 class WorkersFailedError(DaemonError, RuntimeError):
     """The elastic agent gave up: workers failed more often than `max_restarts` allows."""
+
+
+class CheckpointFailuresError(DaemonError, RuntimeError):
+    """Too many checkpoint saves failed in a row (`max_consecutive_save_failures`): the run
+    stops rather than train on with nothing being saved."""

@@ -19,10 +19,12 @@ Protocol over a private Unix socket (`multiprocessing.connection.Connection`)::
 A failed write is answered (`ok: false`) and the loop keeps serving. The writer exits when the
 socket closes or its parent is gone, so it never outlives the trainer.
 
-Fault injection for tests and chaos drills: `TRAININGD_CKPT_WRITER_FAULT=<action>@<step>`
+Fault injection for tests and chaos drills: `CKPT_MANAGER_WRITER_FAULT=<action>@<step>`
 (optionally `@<step>@<rank>`), action `raise` (the write fails), `exit` (the process dies
 mid-request) or `stall=<seconds>` (a partial temp object is left, then the writer sleeps
-before the real write).
+before the real write). Several faults are separated by commas (`raise@2,raise@4`). The
+name has no `TRAININGD_` prefix on purpose: `trainingd run` rejects unknown `TRAININGD_*`
+variables, and a drill runs the writer under it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from ckpt_manager._store.storage import Storage
 
 __all__ = ["FAULT_ENV", "main", "write_shard"]
 
-FAULT_ENV = "TRAININGD_CKPT_WRITER_FAULT"
+FAULT_ENV = "CKPT_MANAGER_WRITER_FAULT"
 _PARALLEL_CRC_BYTES = 8 << 20
 
 
@@ -105,6 +107,13 @@ def write_shard(
 
 
 def _apply_fault(
+    specs: str, rank: int, step: int, storage: Storage, name: str, data: memoryview
+) -> None:
+    for spec in specs.split(","):
+        _apply_one_fault(spec.strip(), rank, step, storage, name, data)
+
+
+def _apply_one_fault(
     spec: str, rank: int, step: int, storage: Storage, name: str, data: memoryview
 ) -> None:
     parts = spec.split("@")

@@ -1,0 +1,59 @@
+"""The run's failure policy for saves, end to end: `trainingd run` with failing writers.
+
+Writers fail at chosen steps through the writer's fault hook (an environment variable read by
+the writer processes the ranks start), so which saves fail is exact, not a matter of timing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckpt_manager._save.writer import FAULT_ENV
+from tests.daemon._daemon_proc import DaemonProc, committed_steps
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+_RUN = ["--nproc-per-node", "2", "--batch-size", "4", "--warmup-steps", "1"]
+_RUN += ["--max-steps", "10", "--ckpt-every", "2", "--max-restarts", "0"]
+
+
+@pytest.fixture
+def procs() -> Iterator[list[DaemonProc]]:
+    started: list[DaemonProc] = []
+    yield started
+    for d in started:
+        d.cleanup()
+
+
+def test_failed_saves_are_reported_and_training_continues(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    root = tmp_path / "ckpt"
+    d = DaemonProc(
+        tmp_path,
+        [*_RUN, "--ckpt-uri", str(root)],
+        env={FAULT_ENV: "raise@2,raise@4"},  # two failures in a row, then saves work again
+    )
+    procs.append(d)
+    assert d.wait(180) == 0, d.logs()
+    assert committed_steps(root) == [6, 8, 10]
+    failed = d.find("checkpoint_failed_training_continues")
+    assert sorted({(e["ckpt_step"], e["consecutive_failures"]) for e in failed}) == [(2, 1), (4, 2)]
+
+
+def test_too_many_failed_saves_in_a_row_stop_the_run(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    root = tmp_path / "ckpt"
+    d = DaemonProc(
+        tmp_path,
+        [*_RUN, "--ckpt-uri", str(root), "--max-consecutive-save-failures", "3"],
+        env={FAULT_ENV: "raise@2,raise@4,raise@6"},
+    )
+    procs.append(d)
+    assert d.wait(180) != 0
+    assert "3 checkpoint saves failed in a row (max_consecutive_save_failures=3)" in d.logs()
+    assert committed_steps(root) == []
