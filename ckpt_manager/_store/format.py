@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from ckpt_manager._store.dtypes import ITEM_SIZES
+from ckpt_manager._store.manifest import PIECE_ALIGN_BYTES
 
 __all__ = [
     "MAGIC",
@@ -33,7 +34,7 @@ __all__ = [
 ]
 
 MAGIC = b"TDCKPT01"
-_ALIGN = 64
+_ALIGN = PIECE_ALIGN_BYTES  # manifest validation rejects a piece at any other offset
 _PREFIX = struct.Struct("<8sQ")
 
 # Names come from `dtypes.ITEM_SIZES` (what a manifest may name); a test pins that table to

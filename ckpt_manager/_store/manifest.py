@@ -19,28 +19,56 @@ Manifest (format version 1), all names relative to the step folder::
      "rank_local": [{"trees": [skeleton, ...], "tensors": {key: {"dtype": str, "piece": piece}}}]}
     piece = {"file": name, "offset": int, "nbytes": int, "shape": [...],
              "global_offset": [...] | null, "flat_range": [start, end] | null}
+    ... and last, "manifest_crc32": int (see below)
 
-Parsing validates everything a reader will touch: names (no `..`, no absolute paths, no
-other prefixes), byte ranges inside the listed file sizes, dtypes, shapes.
+Parsing validates everything a reader will touch, so a manifest that parses never makes a
+reader fetch bytes outside a piece or allocate more than the step's files hold:
+
+- names: no `..`, no absolute paths, no other prefixes;
+- every piece's extent: `nbytes` is what its dtype and shape hold, `offset` is 64-byte aligned
+  (`format.plan_layout` places every tensor so), `[offset, offset + nbytes)` lies inside the
+  file's recorded size and overlaps no other piece of that file;
+- every piece's place in its tensor: a flat range holds as many elements as the piece's shape
+  and lies inside the global shape, a box has the global shape's rank and lies inside it, a
+  piece with neither is the whole tensor (empty pieces may claim any place, see
+  [Note: empty pieces anywhere] in `_store/tree.py`);
+- every global shape holds at most as many bytes as the step's files together, so
+  consolidating a tensor never allocates more than is stored (the file sizes themselves are
+  checked against storage by `catalog.verify_files` before anything is read).
+
+[Note: the manifest's own checksum] The last field, `manifest_crc32`, is the CRC-32 (zlib's)
+of the canonical serialisation of everything else: the document without that field as
+`json.dumps(doc, separators=(",", ":"))` writes it, keys in stored order. The writer's
+bytes are exactly that serialisation with `,"manifest_crc32":N}` in place of the closing
+brace, so a reader checks the raw bytes (as fast as reading them); a manifest re-serialised
+by a tool (indented, say) is checked against a fresh canonical serialisation of its parsed
+content instead. A mismatch is a corrupt manifest: bit rot or an edit that the extent checks
+alone could miss (a flipped digit that still fits, a changed metric). Manifests written
+before the field existed have none and are read with the other checks only; the field does
+not change `format_version`, as readers of version 1 ignore unknown top-level keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import re
 from collections.abc import Mapping
 from typing import Any
 
+from ckpt_manager._store.checksum import crc32
 from ckpt_manager._store.dtypes import item_size
 from ckpt_manager._store.storage import validate_relative_name
 from ckpt_manager.errors import CorruptCheckpointError
 
 __all__ = [
+    "CHECKSUM_FIELD",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
+    "PIECE_ALIGN_BYTES",
     "PINS_DIR",
     "FileEntry",
     "Manifest",
@@ -54,6 +82,10 @@ FORMAT_NAME = "trainingd-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 PINS_DIR = "_pins"
+CHECKSUM_FIELD = "manifest_crc32"
+"""Top-level field holding the manifest's own checksum ([Note: the manifest's own checksum])."""
+PIECE_ALIGN_BYTES = 64
+"""Every piece starts at a multiple of this in its file (`format.plan_layout` places them)."""
 _STEP_RE = re.compile(r"^step-(\d{12})$")
 
 
@@ -176,7 +208,8 @@ class Manifest:
         }
         # Compact: `ckptctl list` reads one manifest per step, and a manifest grows with
         # ranks x tensors; indentation made them 2.3x larger and 25% slower to parse.
-        return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
+        body = _canonical(doc)
+        return body[:-1] + _checksum_suffix(crc32(body))
 
     @classmethod
     def from_json(cls, data: bytes, *, expected_step: int | None = None) -> Manifest:
@@ -187,12 +220,53 @@ class Manifest:
         """
         try:
             doc = json.loads(data)
-            return _parse(doc, expected_step)
+            damage = _checksum_problem(data, doc)
+            try:
+                manifest = _parse(doc, expected_step)
+            except (ValueError, TypeError, KeyError, IndexError) as err:
+                if damage is None:
+                    raise
+                raise ValueError(f"{damage}; its content is invalid too: {err}") from err
+            if damage is not None:
+                raise ValueError(damage)
+            return manifest
         except CorruptCheckpointError:
             raise
         except (ValueError, TypeError, KeyError, IndexError) as err:
             where = f"step {expected_step}" if expected_step is not None else "manifest"
             raise CorruptCheckpointError(f"invalid manifest of {where}: {err}") from err
+
+
+def _canonical(doc: Mapping[str, Any]) -> bytes:
+    """The serialisation the manifest checksum covers (and the one `to_json` writes)."""
+    return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
+
+
+def _checksum_suffix(value: int) -> bytes:
+    return b',"%s":%d}' % (CHECKSUM_FIELD.encode(), value)
+
+
+def _checksum_problem(data: bytes, doc: Any) -> str | None:
+    """Remove `doc`'s checksum and say what is wrong with it, if anything.
+
+    See [Note: the manifest's own checksum]; a manifest without the field has no problem here.
+    """
+    if not isinstance(doc, dict) or CHECKSUM_FIELD not in doc:
+        return None
+    stored = doc.pop(CHECKSUM_FIELD)
+    if not _is_count(stored) or stored > 0xFFFFFFFF:
+        return f"{CHECKSUM_FIELD} must be a CRC-32 (an integer < 2**32), got {stored!r}"
+    raw = memoryview(data.rstrip(b" \t\r\n"))
+    suffix = _checksum_suffix(stored)
+    if raw[-len(suffix) :] == suffix and crc32(b"}", crc32(raw[: -len(suffix)])) == stored:
+        return None  # as written: the bytes before the field are the canonical form
+    actual = crc32(_canonical(doc))
+    if actual == stored:
+        return None
+    return (
+        f"manifest checksum {stored:#010x} does not match its content ({actual:#010x}): the "
+        "manifest was damaged or edited after it was committed"
+    )
 
 
 def _int(value: Any, what: str, minimum: int = 0) -> int:
@@ -221,7 +295,7 @@ def _is_count(value: Any) -> bool:
 def _piece(doc: Any, files: Mapping[str, FileEntry], itemsize: int, what: str) -> Piece:
     # Runs once per tensor per rank (16k times for `ckptctl list` of 300 steps): checks are
     # inlined and messages built only on failure. A name listed in `files` was validated
-    # when `files` was parsed.
+    # when `files` was parsed. Overlaps between pieces are `_check_no_overlap`'s.
     if not isinstance(doc, dict):
         raise ValueError(f"{what}: piece must be an object")
     name = doc["file"]
@@ -232,18 +306,31 @@ def _piece(doc: Any, files: Mapping[str, FileEntry], itemsize: int, what: str) -
     if not (_is_count(offset) and _is_count(nbytes)):
         raise ValueError(f"{what}: offset {offset!r} and nbytes {nbytes!r} must be integers >= 0")
     shape = _shape(doc["shape"], what)
-    if math.prod(shape) * itemsize != nbytes:
+    numel = math.prod(shape)
+    if numel * itemsize != nbytes:
         raise ValueError(
             f"{what}: {nbytes} bytes do not hold shape {shape} ({itemsize}-byte items)"
         )
+    if offset % PIECE_ALIGN_BYTES:
+        raise ValueError(f"{what}: offset {offset} is not {PIECE_ALIGN_BYTES}-byte aligned")
     if offset + nbytes > entry.size:
         raise ValueError(f"{what}: bytes [{offset}, {offset + nbytes}) exceed file {name!r}")
     box = doc.get("global_offset")
     flat = doc.get("flat_range")
-    if flat is not None and not (
-        isinstance(flat, list) and len(flat) == 2 and _is_count(flat[0]) and _is_count(flat[1])
-    ):
-        raise ValueError(f"{what}: flat_range {flat!r} must be [start, end]")
+    if flat is not None:
+        if not (
+            isinstance(flat, list)
+            and len(flat) == 2
+            and _is_count(flat[0])
+            and _is_count(flat[1])
+            and flat[0] <= flat[1]
+        ):
+            raise ValueError(f"{what}: flat_range {flat!r} must be [start, end], start <= end")
+        if flat[1] - flat[0] != numel:
+            raise ValueError(
+                f"{what}: flat_range {flat} holds {flat[1] - flat[0]} elements, shape {shape} "
+                f"holds {numel}"
+            )
     return Piece(
         name,
         offset,
@@ -252,6 +339,45 @@ def _piece(doc: Any, files: Mapping[str, FileEntry], itemsize: int, what: str) -
         None if box is None else _shape(box, what),
         None if flat is None else (flat[0], flat[1]),
     )
+
+
+def _check_placement(piece: Piece, global_shape: tuple[int, ...], numel: int, what: str) -> None:
+    """The piece lies inside its tensor (see the module docstring); empty ones anywhere."""
+    if not piece.nbytes:
+        return
+    if piece.flat_range is not None:
+        if piece.flat_range[1] > numel:
+            raise ValueError(
+                f"{what}: flat_range {list(piece.flat_range)} lies outside the {numel} "
+                f"elements of global shape {global_shape}"
+            )
+        return
+    if piece.global_offset is None:
+        if piece.shape != global_shape:
+            raise ValueError(
+                f"{what}: shape {piece.shape} is not the whole of global shape {global_shape}, "
+                "and the piece names no place in it"
+            )
+        return
+    box = piece.global_offset
+    if len(box) != len(global_shape) or len(piece.shape) != len(global_shape):
+        raise ValueError(
+            f"{what}: box at {box} of shape {piece.shape} does not have the rank of global "
+            f"shape {global_shape}"
+        )
+    for o, n, g in zip(box, piece.shape, global_shape, strict=True):
+        if o + n > g:
+            raise ValueError(
+                f"{what}: box at {box} of shape {piece.shape} exceeds global shape {global_shape}"
+            )
+
+
+def _check_no_overlap(extents: list[tuple[str, int, int, str]]) -> None:
+    """No two non-empty pieces `(file, start, end, what)` share a byte of the same file."""
+    extents.sort()
+    for (file_a, _, end_a, what_a), (file_b, start_b, _, what_b) in itertools.pairwise(extents):
+        if file_a == file_b and start_b < end_a:
+            raise ValueError(f"{what_a} and {what_b} overlap in file {file_a!r}")
 
 
 def _parse(doc: Any, expected_step: int | None) -> Manifest:
@@ -267,25 +393,48 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
         _file_name(n): FileEntry(_int(f["size"], "size"), _int(f["crc32"], "crc32"))
         for n, f in dict(doc["files"]).items()
     }
+    stored_bytes = sum(f.size for f in files.values())
+    extents: list[tuple[str, int, int, str]] = []
     tensors: dict[str, dict[str, Any]] = {}
     for key, rec in dict(doc["tensors"]).items():
+        what = f"tensor {key!r}"
         itemsize = item_size(rec["dtype"])
         if rec["kind"] not in ("replicated", "sharded"):
-            raise ValueError(f"tensor {key!r}: unknown kind {rec['kind']!r}")
+            raise ValueError(f"{what}: unknown kind {rec['kind']!r}")
+        global_shape = _shape(rec["global_shape"], f"{what} global_shape")
+        numel = math.prod(global_shape)
+        if numel * itemsize > stored_bytes:
+            # Checked before any piece: restore allocates the whole tensor to consolidate it.
+            raise ValueError(
+                f"{what}: global shape {global_shape} needs {numel * itemsize} bytes, more "
+                f"than the {stored_bytes} bytes of the step's files"
+            )
+        pieces = []
+        for i, p in enumerate(rec["pieces"]):
+            piece = _piece(p, files, itemsize, what)
+            _check_placement(piece, global_shape, numel, what)
+            if piece.nbytes:
+                extents.append(
+                    (piece.file, piece.offset, piece.offset + piece.nbytes, f"{what} piece {i}")
+                )
+            pieces.append(piece)
         tensors[key] = {
             "dtype": rec["dtype"],
-            "global_shape": list(_shape(rec["global_shape"], f"tensor {key!r} global_shape")),
+            "global_shape": list(global_shape),
             "kind": rec["kind"],
-            "pieces": [_piece(p, files, itemsize, f"tensor {key!r}") for p in rec["pieces"]],
+            "pieces": pieces,
         }
     rank_local = []
-    for rl in list(doc["rank_local"]):
+    for rank, rl in enumerate(list(doc["rank_local"])):
         rl_tensors = {}
         for key, rec in dict(rl["tensors"]).items():
-            itemsize = item_size(rec["dtype"])
-            piece = _piece(rec["piece"], files, itemsize, f"rank-local tensor {key!r}")
+            what = f"rank-local tensor {key!r} of rank {rank}"
+            piece = _piece(rec["piece"], files, item_size(rec["dtype"]), what)
+            if piece.nbytes:
+                extents.append((piece.file, piece.offset, piece.offset + piece.nbytes, what))
             rl_tensors[key] = {"dtype": rec["dtype"], "piece": piece}
         rank_local.append({"trees": list(rl["trees"]), "tensors": rl_tensors})
+    _check_no_overlap(extents)
     metrics = doc.get("metrics") or {}
     if not isinstance(metrics, dict):
         raise ValueError("metrics must be an object")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from typing import Any, NamedTuple
@@ -164,6 +165,31 @@ def test_verify_lists_bad_files_and_exits_1(root: Root, capsys: pytest.CaptureFi
     assert every.rc == 1
     status = {c["step"]: c["status"] for c in json.loads(every.out)}
     assert status == {1: "corrupt", 2: "ok", 3: "corrupt", 4: "ok", 5: "uncommitted"}
+
+
+def test_verify_reports_a_manifest_whose_content_changed(
+    root: Root, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Bit rot in a piece's offset: every shard file is intact, the manifest points elsewhere.
+    manifest = f"{step_dir(2)}/{MANIFEST_NAME}"
+    data = root.storage.read(manifest)
+    match = re.search(rb'"offset":(\d+)', data)
+    assert match is not None
+    at = match.end(1) - 1
+    digit = int(data[at : at + 1])
+    root.storage.write(manifest, data[:at] + str(digit ^ 1).encode() + data[at + 1 :])
+    bad = ctl(root, capsys, "verify", "2")  # the step's manifest is read to resolve it
+    assert bad.rc == 1
+    assert len(bad.err.strip().splitlines()) == 1
+    assert "invalid manifest of step 2: manifest checksum" in bad.err
+    assert "does not match its content" in bad.err
+    assert "not 64-byte aligned" in bad.err  # what the extent checks find, too
+    every = ctl(root, capsys, "verify", "--all", "--json")
+    assert every.rc == 1
+    checks = {c["step"]: c for c in json.loads(every.out)}
+    assert checks[2]["status"] == "corrupt"
+    assert checks[2]["problems"][0].startswith("manifest.json: invalid manifest of step 2:")
+    assert checks[4]["status"] == "ok"
 
 
 def test_restore_refuses_a_damaged_step(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import time
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, CorruptCheckpointError
 from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from tests.ckpt_manager.conftest import Shard
 
 
 def _flip_byte(path: pathlib.Path, offset: int) -> None:
@@ -81,3 +83,119 @@ def test_manifest_naming_parent_path_is_rejected(
     step, reason = _restore_latest(tmp_path, log_events)
     assert step == 1
     assert "'../x'" in reason
+
+
+# A corrupted manifest (issue 13, item 5): the manifest's own checksum and its extent checks
+# make restore skip the step instead of reading the wrong bytes.
+
+_CHECKSUM_FIELD = "manifest_crc32"
+
+
+def _flat_steps(root: pathlib.Path) -> None:
+    """Steps 1 and 2 of a flat shard "t" (elements 64..128 of 128) followed by a tensor "u"."""
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(str(root), cfg, run_id="r") as mgr:
+        for step in (1, 2):
+            t = Shard(torch.full((64,), float(step)), (128,), (0,), (64, 128))
+            mgr.save(step, {"t": t, "u": torch.full((64,), -float(step))})
+
+
+def _restore_flat(root: pathlib.Path, events: list[dict[str, Any]]) -> tuple[int, str]:
+    """Restore the newest step into a template; the values must be that step's, never others."""
+    template = {"t": Shard(torch.zeros(64), (128,), (0,), (64, 128)), "u": torch.zeros(64)}
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(str(root), cfg, run_id="r") as mgr:
+        result = mgr.restore(into=template)
+    assert result is not None
+    assert torch.equal(template["t"].local, torch.full((64,), float(result.step)))
+    assert torch.equal(template["u"], torch.full((64,), -float(result.step)))
+    skipped = [e for e in events if e["event"] == "ckpt_restore_skipped_step"]
+    return result.step, skipped[0]["reason"] if skipped else ""
+
+
+def _flip_digit_after(path: pathlib.Path, field: bytes) -> None:
+    """Bit rot in the manifest: the last digit of the first number after `"field":`, 4 -> 1."""
+    data = path.read_bytes()
+    at = data.index(field) + len(field)
+    while not data[at : at + 1].isdigit():
+        at += 1
+    while data[at + 1 : at + 2].isdigit():
+        at += 1
+    digit = int(data[at : at + 1])
+    flipped = str(digit - 3 if digit >= 3 else digit + 3).encode()
+    path.write_bytes(data[:at] + flipped + data[at + 1 :])
+
+
+@pytest.mark.parametrize("field", [b'"flat_range":', b'"offset":'])
+def test_flipped_digit_in_a_piece_falls_back(
+    tmp_path: pathlib.Path, log_events: list[dict[str, Any]], field: bytes
+) -> None:
+    _flat_steps(tmp_path)
+    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
+    _flip_digit_after(manifest, field)
+    step, reason = _restore_flat(tmp_path, log_events)
+    assert step == 1
+    assert "step 2: manifest checksum" in reason
+
+
+def test_flipped_digit_of_an_unsigned_manifest_falls_back(
+    tmp_path: pathlib.Path, log_events: list[dict[str, Any]]
+) -> None:
+    # Without the checksum (a manifest from before it) the extent checks still catch it.
+    _flat_steps(tmp_path)
+    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
+    doc = json.loads(manifest.read_bytes())
+    doc.pop(_CHECKSUM_FIELD, None)
+    manifest.write_text(json.dumps(doc))
+    _flip_digit_after(manifest, b'"flat_range":')
+    step, reason = _restore_flat(tmp_path, log_events)
+    assert step == 1
+    assert "invalid manifest of step 2" in reason
+    assert "holds 67 elements" in reason
+
+
+def test_changed_manifest_checksum_falls_back(
+    tmp_path: pathlib.Path, log_events: list[dict[str, Any]]
+) -> None:
+    _flat_steps(tmp_path)
+    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
+    doc = json.loads(manifest.read_bytes())
+    doc[_CHECKSUM_FIELD] ^= 1
+    manifest.write_text(json.dumps(doc))
+    step, reason = _restore_flat(tmp_path, log_events)
+    assert step == 1
+    assert "step 2: manifest checksum" in reason
+
+
+def test_huge_global_shape_falls_back_before_allocating(
+    tmp_path: pathlib.Path, log_events: list[dict[str, Any]]
+) -> None:
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"t": Shard(torch.full((64,), float(step)), (64,), (0,), (0, 64))})
+    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
+    doc = json.loads(manifest.read_bytes())
+    doc.pop(_CHECKSUM_FIELD, None)  # unsigned, so the size bound itself must catch it
+    doc["tensors"]["t"]["global_shape"] = [10**12]
+    manifest.write_text(json.dumps(doc))
+    start = time.perf_counter()
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        result = mgr.restore()
+    assert time.perf_counter() - start < 30
+    assert result is not None
+    assert result.step == 1
+    assert torch.equal(result.state["t"], torch.full((64,), 1.0))
+    skipped = [e for e in log_events if e["event"] == "ckpt_restore_skipped_step"]
+    assert "bytes" in skipped[0]["reason"]
+
+
+def test_manifest_without_checksum_still_restores(
+    tmp_path: pathlib.Path, log_events: list[dict[str, Any]]
+) -> None:
+    _flat_steps(tmp_path)
+    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
+    doc = json.loads(manifest.read_bytes())
+    doc.pop(_CHECKSUM_FIELD, None)
+    manifest.write_text(json.dumps(doc))
+    assert _restore_flat(tmp_path, log_events) == (2, "")
