@@ -341,17 +341,8 @@ def _piece(doc: Any, files: Mapping[str, FileEntry], itemsize: int, what: str) -
     )
 
 
-def _check_placement(piece: Piece, global_shape: tuple[int, ...], numel: int, what: str) -> None:
-    """The piece lies inside its tensor (see the module docstring); empty ones anywhere."""
-    if not piece.nbytes:
-        return
-    if piece.flat_range is not None:
-        if piece.flat_range[1] > numel:
-            raise ValueError(
-                f"{what}: flat_range {list(piece.flat_range)} lies outside the {numel} "
-                f"elements of global shape {global_shape}"
-            )
-        return
+def _check_box(piece: Piece, global_shape: tuple[int, ...], what: str) -> None:
+    """A non-empty piece that is not flat lies inside its tensor (see the module docstring)."""
     if piece.global_offset is None:
         if piece.shape != global_shape:
             raise ValueError(
@@ -372,12 +363,23 @@ def _check_placement(piece: Piece, global_shape: tuple[int, ...], numel: int, wh
             )
 
 
-def _check_no_overlap(extents: list[tuple[str, int, int, str]]) -> None:
-    """No two non-empty pieces `(file, start, end, what)` share a byte of the same file."""
+# (file, first byte, end byte, tensor key, piece index or -1 - rank for a rank-local tensor)
+_Extent = tuple[str, int, int, str, int]
+
+
+def _describe(extent: _Extent) -> str:
+    key, index = extent[3], extent[4]
+    if index >= 0:
+        return f"tensor {key!r} piece {index}"
+    return f"rank-local tensor {key!r} of rank {-1 - index}"
+
+
+def _check_no_overlap(extents: list[_Extent]) -> None:
+    """No two non-empty pieces share a byte of the same file."""
     extents.sort()
-    for (file_a, _, end_a, what_a), (file_b, start_b, _, what_b) in itertools.pairwise(extents):
-        if file_a == file_b and start_b < end_a:
-            raise ValueError(f"{what_a} and {what_b} overlap in file {file_a!r}")
+    for a, b in itertools.pairwise(extents):
+        if a[0] == b[0] and b[1] < a[2]:
+            raise ValueError(f"{_describe(a)} and {_describe(b)} overlap in file {a[0]!r}")
 
 
 def _parse(doc: Any, expected_step: int | None) -> Manifest:
@@ -394,7 +396,7 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
         for n, f in dict(doc["files"]).items()
     }
     stored_bytes = sum(f.size for f in files.values())
-    extents: list[tuple[str, int, int, str]] = []
+    extents: list[_Extent] = []
     tensors: dict[str, dict[str, Any]] = {}
     for key, rec in dict(doc["tensors"]).items():
         what = f"tensor {key!r}"
@@ -412,11 +414,16 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
         pieces = []
         for i, p in enumerate(rec["pieces"]):
             piece = _piece(p, files, itemsize, what)
-            _check_placement(piece, global_shape, numel, what)
-            if piece.nbytes:
-                extents.append(
-                    (piece.file, piece.offset, piece.offset + piece.nbytes, f"{what} piece {i}")
-                )
+            if piece.nbytes:  # empty pieces may claim any place
+                flat = piece.flat_range
+                if flat is None:
+                    _check_box(piece, global_shape, what)
+                elif flat[1] > numel:
+                    raise ValueError(
+                        f"{what}: flat_range {list(flat)} lies outside the {numel} elements of "
+                        f"global shape {global_shape}"
+                    )
+                extents.append((piece.file, piece.offset, piece.offset + piece.nbytes, key, i))
             pieces.append(piece)
         tensors[key] = {
             "dtype": rec["dtype"],
@@ -431,7 +438,8 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
             what = f"rank-local tensor {key!r} of rank {rank}"
             piece = _piece(rec["piece"], files, item_size(rec["dtype"]), what)
             if piece.nbytes:
-                extents.append((piece.file, piece.offset, piece.offset + piece.nbytes, what))
+                end = piece.offset + piece.nbytes
+                extents.append((piece.file, piece.offset, end, key, -1 - rank))
             rl_tensors[key] = {"dtype": rec["dtype"], "piece": piece}
         rank_local.append({"trees": list(rl["trees"]), "tensors": rl_tensors})
     _check_no_overlap(extents)
