@@ -64,6 +64,8 @@ def restore_agreed(
             reason = f"{_MISSING}{err}"
         except CheckpointError as err:
             reason = str(err)
+        except Exception as err:  # [Note: every rank reaches the exchange]
+            reason = f"{type(err).__name__}: {err}"
         reasons = [r for r in coord.all_gather(reason) if r]
         if reasons:
             if step is not None:
@@ -80,6 +82,11 @@ def restore_agreed(
             error = ("corrupt", str(err))
         except CheckpointError as err:
             error = ("mismatch", str(err))
+        except Exception as err:
+            # [Note: every rank reaches the exchange] Whatever goes wrong on one rank (a
+            # skeleton a bit flip broke, an allocation that fails), it must still join the
+            # all_gather below, or every other rank waits there for the whole timeout.
+            error = ("corrupt", f"{type(err).__name__}: {err}")
         errors = [e for e in coord.all_gather(error) if e]
         if errors:
             kind, message = errors[0]

@@ -199,3 +199,20 @@ def test_manifest_without_checksum_still_restores(
     doc.pop(_CHECKSUM_FIELD, None)
     manifest.write_text(json.dumps(doc))
     assert _restore_flat(tmp_path, log_events) == (2, "")
+
+
+def test_a_skeleton_that_breaks_loading_falls_back_instead_of_raising(
+    tmp_path: pathlib.Path, log_events: list[dict[str, Any]]
+) -> None:
+    # An unsigned manifest whose tree a bit flip made malformed: loading raises a plain
+    # TypeError. It must become a skipped step on every rank, never escape one rank alone
+    # (the others would then wait in the next collective until the timeout).
+    _flat_steps(tmp_path)
+    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
+    doc = json.loads(manifest.read_bytes())
+    doc.pop(_CHECKSUM_FIELD, None)
+    doc["tree"] = ["d", 5]
+    manifest.write_text(json.dumps(doc))
+    step, reason = _restore_flat(tmp_path, log_events)
+    assert step == 1
+    assert reason.startswith("TypeError")
