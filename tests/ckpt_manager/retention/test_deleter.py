@@ -85,7 +85,15 @@ def test_no_deletion_while_a_save_is_in_flight(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(FAULT_ENV, "stall=3@3")
-    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, max_inflight=2, retention=KeepLast(n=1))
+    # Timer passes every 0.1 s, so passes do run while step 3 is in flight: only the
+    # deleter's own "a save is in flight" checks keep step 1 (commits alone would not
+    # trigger a pass then, which once let this test pass without those checks).
+    cfg = CheckpointConfig(
+        async_mode=AsyncMode.PERSISTENT,
+        max_inflight=2,
+        retention=KeepLast(n=1),
+        deletion_retry_s=0.1,
+    )
     with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
         mgr.save(1, {"t": torch.ones(8)})
         mgr.wait_until_finished()
