@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ckpt_manager._retention.policies import StepInfo, plan_deletions
-from ckpt_manager._store.catalog import delete_step, list_step_dirs, read_manifest
+from ckpt_manager._store.catalog import delete_step, list_step_dirs, read_manifest, verify_files
 from ckpt_manager._store.lease import holder_is_live, read_lease
 from ckpt_manager._store.manifest import Manifest
 from ckpt_manager._store.pins import pin_committed_step, pinned_steps, unpin_step
@@ -22,7 +22,12 @@ from ckpt_manager.ctl.common import parallel_map
 from ckpt_manager.ctl.errors import UsageError
 from ckpt_manager.ctl.render import format_age, format_bytes
 from ckpt_manager.ctl.retention import RetentionFlags, retained_by
-from ckpt_manager.errors import CheckpointError, LeaseHeldError, StepNotFoundError
+from ckpt_manager.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    LeaseHeldError,
+    StepNotFoundError,
+)
 
 __all__ = ["PrunePlan", "apply_prune", "pin", "plan_prune", "unpin"]
 
@@ -80,12 +85,42 @@ def plan_prune(storage: Storage, flags: RetentionFlags) -> PrunePlan:
             skipped.append((step, f"corrupt: {result}"))
         else:
             raise result
-    infos = [StepInfo(s, m.committed_unix_s, dict(m.metrics)) for s, m in manifests.items()]
     pinned = pinned_steps(storage)
+    fallback = _newest_verified(storage, manifests)
+    if fallback is None and manifests:
+        raise CorruptCheckpointError(
+            f"{storage.root_uri}: no committed step verifies (sizes and CRC-32): nothing is "
+            "pruned, since every step may be needed to rescue the run; see `ckptctl verify --all`"
+        )
+    for step in sorted(manifests, reverse=True):
+        if step == fallback:
+            break
+        skipped.append((step, "corrupt: fails verification (kept, untouched)"))
+        del manifests[step]  # newer than every step that verifies: never deleted by prune
+    infos = [StepInfo(s, m.committed_unix_s, dict(m.metrics)) for s, m in manifests.items()]
     doomed = plan_deletions(policy, infos, protected=pinned)
     reasons = retained_by(infos, pinned, flags.labelled())
     keep = [(s, reasons[s]) for s in sorted(manifests) if s not in doomed]
     return PrunePlan([manifests[s] for s in doomed], keep, skipped)
+
+
+def _newest_verified(storage: Storage, manifests: dict[int, Manifest]) -> int | None:
+    """The newest committed step whose files verify (sizes and CRC-32), or None.
+
+    [Note: prune keeps the newest step that verifies] Retention always keeps the newest
+    committed step; if that step is corrupt, a policy like `--keep-last 1` would delete the
+    only step a restore could use. So prune reads the newest steps back, newest first, until
+    one verifies; that one is the newest prune considers (steps newer than it are reported
+    and left alone). Usually the newest verifies at once: the cost is reading one step.
+    """
+    for step in sorted(manifests, reverse=True):
+        m = manifests[step]
+        try:
+            verify_files(storage, m, sorted(m.files), check_crc=True)
+        except CheckpointError:
+            continue
+        return step
+    return None
 
 
 def apply_prune(storage: Storage, plan: PrunePlan) -> list[tuple[int, str | None]]:
