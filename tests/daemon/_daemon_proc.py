@@ -3,6 +3,9 @@
 `DaemonProc` starts `trainingd run` in its own session (so every process of the run, ranks and
 checkpoint writers included, can be found by session id and nothing outlives a test), reads its
 JSON log lines, finds the metrics URL it logs, scrapes `/metrics`, and waits with timeouts.
+
+`Gate` is the test's side of `tests/daemon/_gated_job.py`: run a daemon with `GATED_JOB` and
+`gate.env`, wait until its ranks are held at a known step, act, then open the gate.
 """
 
 from __future__ import annotations
@@ -21,11 +24,17 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.daemon import _gated_job
+
 BIN = Path(sys.executable).parent
+REPO = Path(__file__).resolve().parents[2]
 TRAININGD = BIN / "trainingd"
 CKPTCTL = BIN / "ckptctl"
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
+
+GATED_JOB = ["--job", "tests.daemon._gated_job:build"]
+"""Flags that train the default job through the gate (no gate without `Gate.env`)."""
 
 
 def session_pids(sid: int) -> list[int]:
@@ -77,7 +86,9 @@ class DaemonProc:
             for k, v in os.environ.items()
             if not k.startswith("TRAININGD_") and k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC")
         }
-        full_env = {**inherited, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # The repository root on the path lets the ranks import a test job (`GATED_JOB`).
+        path = os.pathsep.join(p for p in (str(REPO), inherited.get("PYTHONPATH")) if p)
+        full_env = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
         cmd = [str(TRAININGD), "run", "--metrics-port", "0", "--log-format", "json", *args]
         with open(self.stderr_path, "wb") as err, open(self.stdout_path, "wb") as out:
             self.proc = subprocess.Popen(
@@ -150,6 +161,10 @@ class DaemonProc:
         """Send `sig` to the daemon process only (as systemd's KillMode=mixed does)."""
         os.kill(self.pid, sig)
 
+    def exit_code(self) -> int | None:
+        """The exit code, or None while the daemon runs."""
+        return self.proc.poll()
+
     def wait(self, timeout_s: float) -> int:
         """Wait for exit; returns the exit code."""
         return self.proc.wait(timeout=timeout_s)
@@ -179,6 +194,40 @@ class DaemonProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+class Gate:
+    """Holds the ranks of a `GATED_JOB` run after `after_steps` steps until `open()`.
+
+    Args:
+        directory: the gate's directory (created).
+        after_steps: optimizer steps every rank completes before it is held.
+        batch_size: the run's `--batch-size` (one micro-batch per step).
+    """
+
+    def __init__(self, directory: Path, *, after_steps: int, batch_size: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.env = {
+            _gated_job.GATE_DIR_ENV: str(directory),
+            _gated_job.GATE_AFTER_SAMPLES_ENV: str(after_steps * batch_size),
+        }
+        """Environment for `DaemonProc(env=...)`."""
+
+    def wait_until_held(self, world_size: int, *daemons: DaemonProc, timeout_s: float) -> None:
+        """Wait until ranks 0..`world_size`-1 are all held; fail early if a daemon exits."""
+
+        def held() -> bool:
+            for d in daemons:
+                assert d.exit_code() is None, f"exited with {d.exit_code()}:\n{d.logs()}"
+            markers = [_gated_job.held_marker(self.directory, r) for r in range(world_size)]
+            return all(m.exists() for m in markers)
+
+        wait_for(held, timeout_s, f"{world_size} ranks held at the gate")
+
+    def open(self) -> None:
+        """Let the held ranks (and any that arrive later) go on."""
+        _gated_job.open_marker(self.directory).touch()
 
 
 def committed_steps(root: Path) -> list[int]:

@@ -20,7 +20,9 @@ import torch
 
 from tests.daemon._daemon_proc import (
     CKPTCTL,
+    GATED_JOB,
     DaemonProc,
+    Gate,
     committed_steps,
     session_pids,
     wait_for,
@@ -30,7 +32,11 @@ from tests.support.dist import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 # Small, fast runs: 2 ranks x 1 thread; saves every 4 steps.
-_FAST = ["--nproc-per-node", "2", "--ckpt-every", "4", "--warmup-steps", "2", "--batch-size", "4"]
+_BATCH_SIZE = 4
+_FAST = [
+    "--nproc-per-node", "2", "--ckpt-every", "4", "--warmup-steps", "2",
+    "--batch-size", str(_BATCH_SIZE),
+]  # fmt: skip
 
 # Every name the daemon issue requires, and whether a short ZeRO-3 run with saves must have
 # made it non-zero (gauges that are legitimately 0 at a random instant are only required).
@@ -170,19 +176,28 @@ def test_trains_scrapes_notifies_and_stops_cleanly_on_sigterm(
 def test_resume_after_sigterm_is_bitwise_exact(
     tmp_path: Path, procs: list[DaemonProc], strategy: str
 ) -> None:
-    steps = 12
-    args = [*_FAST, "--strategy", strategy, "--max-steps", str(steps), "--ckpt-every", "0"]
+    steps, held_after = 12, 3
+    stopped_at = held_after + 1
+    args = [
+        *_FAST, *GATED_JOB, "--strategy", strategy, "--max-steps", str(steps), "--ckpt-every", "0",
+    ]  # fmt: skip
     straight = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(tmp_path / "a")], name="a")
     procs.append(straight)
     assert straight.wait(150) == 0, straight.logs()
 
-    first = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(tmp_path / "b")], name="b1")
+    # The interrupted run is held after step 3; SIGTERM lands there, and only once the daemon
+    # has written the stop request do the ranks go on: they agree to stop at step 4 exactly,
+    # however fast or slow the machine.
+    gate = Gate(tmp_path / "gate", after_steps=held_after, batch_size=_BATCH_SIZE)
+    first = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(tmp_path / "b")], gate.env, "b1")
     procs.append(first)
-    wait_for(lambda: first.max_value("trainingd_train_step") >= 3, 120, "step 3")
+    gate.wait_until_held(2, first, timeout_s=120)
     first.signal(signal.SIGTERM)
+    wait_for(lambda: first.find("stop_requested"), 30, "stop_requested")
+    gate.open()
     assert first.wait(120) == 0, first.logs()
-    stopped_at = committed_steps(tmp_path / "b")[-1]
-    assert 3 <= stopped_at < steps
+    assert {int(e["step"]) for e in first.find("stopping")} == {stopped_at}, first.logs()
+    assert committed_steps(tmp_path / "b") == [stopped_at]
     second = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(tmp_path / "b")], name="b2")
     procs.append(second)
     assert second.wait(150) == 0, second.logs()
