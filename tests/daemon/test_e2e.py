@@ -3,10 +3,16 @@
 Each test starts `trainingd run` as a subprocess (own session, JSON logs, free metrics port) and
 checks what an operator would: metrics during the run, exit codes, committed checkpoints
 (`ckptctl`), the systemd notify stream, and that no process of the run survives.
+
+No test may race the run to its end: a quick machine trains these small runs in about a second,
+while `/metrics` lags up to `publish_interval_s` behind. A test that acts at a step of its
+choosing holds the ranks there with the gated job (`Gate`, `tests/daemon/_gated_job.py`); one
+that only needs the run to be alive gives it far more steps than it can reach and stops it.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -37,6 +43,8 @@ _FAST = [
     "--nproc-per-node", "2", "--ckpt-every", "4", "--warmup-steps", "2",
     "--batch-size", str(_BATCH_SIZE),
 ]  # fmt: skip
+# More steps than any machine trains before the test stops the run itself.
+_ENDLESS = "100000"
 
 # Every name the daemon issue requires, and whether a short ZeRO-3 run with saves must have
 # made it non-zero (gauges that are legitimately 0 at a random instant are only required).
@@ -128,9 +136,10 @@ def test_trains_scrapes_notifies_and_stops_cleanly_on_sigterm(
 ) -> None:
     messages, path = notify_socket
     root = tmp_path / "ckpt"
+    args = [*_FAST, "--strategy", "optim_grads_params", "--max-steps", _ENDLESS]
     d = DaemonProc(
         tmp_path,
-        [*_FAST, "--strategy", "optim_grads_params", "--max-steps", "500", "--ckpt-uri", str(root)],
+        [*args, "--ckpt-uri", str(root)],
         env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "1000000"},
     )
     procs.append(d)
@@ -162,7 +171,7 @@ def test_trains_scrapes_notifies_and_stops_cleanly_on_sigterm(
     stops = d.find("stopping")
     assert stops, d.logs()
     stop_step = int(stops[0]["step"])
-    assert stop_step < 500
+    assert stop_step < int(_ENDLESS)
     assert committed_steps(root)[-1] == stop_step  # the final checkpoint, at the stop step
     ready = messages.index("READY=1")
     assert "WATCHDOG=1" in messages[ready + 1 :]
@@ -218,15 +227,16 @@ def test_killed_worker_restarts_group_and_daemon_death_leaves_nothing(
     tmp_path: Path, procs: list[DaemonProc]
 ) -> None:
     root = tmp_path / "ckpt"
-    d = DaemonProc(
-        tmp_path,
-        [*_FAST, "--strategy", "no_shard", "--max-steps", "40", "--ckpt-uri", str(root)],
-    )
+    args = [*_FAST, *GATED_JOB, "--strategy", "no_shard", "--max-steps", "40"]
+    # The first incarnation is held after step 8 until its rank is killed, so the run cannot
+    # end first. Step 4 is committed by then: with one save in flight at most (the default),
+    # scheduling step 8's save finalized step 4's. The restarted group is not held.
+    gate = Gate(tmp_path / "gate", after_steps=8, batch_size=_BATCH_SIZE)
+    d = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(root)], gate.env)
     procs.append(d)
-    wait_for(lambda: d.max_value("trainingd_ckpt_last_committed_step") >= 4, 120, "a commit")
+    gate.wait_until_held(2, d, timeout_s=120)
+    assert 4 in committed_steps(root)
     victim = wait_for(d.rank_pids, 30, "rank processes")[0]
-    import os
-
     os.kill(victim, signal.SIGKILL)
     assert d.wait(180) == 0, d.logs()
     restored = d.find("restored")
@@ -236,14 +246,12 @@ def test_killed_worker_restarts_group_and_daemon_death_leaves_nothing(
     assert committed_steps(root)[-1] == 40
     assert session_pids(d.pid) == []
 
-    # Now the daemon itself dies: ranks and writers must follow within 10 s.
-    again = DaemonProc(
-        tmp_path,
-        [*_FAST, "--strategy", "no_shard", "--max-steps", "400", "--ckpt-uri", str(tmp_path / "k")],
-        name="k",
-    )
+    # Now the daemon itself dies, its ranks held after a save: ranks and writers must follow
+    # within 10 s.
+    held = Gate(tmp_path / "gate-k", after_steps=4, batch_size=_BATCH_SIZE)
+    again = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(tmp_path / "k")], held.env, "k")
     procs.append(again)
-    wait_for(lambda: again.max_value("trainingd_ckpt_last_committed_step") >= 4, 120, "a commit")
+    held.wait_until_held(2, again, timeout_s=120)
     assert len(session_pids(again.pid)) >= 3  # daemon + 2 ranks (+ writers)
     again.signal(signal.SIGKILL)
     again.wait(10)
@@ -261,19 +269,24 @@ def test_two_daemons_train_one_job_and_each_serves_metrics(
     common = [
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
         "--strategy", "optim_grads_params", "--max-steps", "30", "--ckpt-every", "5",
-        "--ckpt-uri", str(root), "--batch-size", "4", "--rdzv-timeout-s", "120",
+        "--ckpt-uri", str(root), "--batch-size", str(_BATCH_SIZE), "--rdzv-timeout-s", "120",
+        *GATED_JOB,
     ]  # fmt: skip
+    # Both ranks are held after step 5 while the test reads each daemon's metrics.
+    gate = Gate(tmp_path / "gate", after_steps=5, batch_size=_BATCH_SIZE)
     nodes = [
-        DaemonProc(tmp_path, [*common, "--node-rank", str(k)], name=f"node{k}") for k in (0, 1)
+        DaemonProc(tmp_path, [*common, "--node-rank", str(k)], gate.env, f"node{k}") for k in (0, 1)
     ]
     procs.extend(nodes)
+    gate.wait_until_held(2, *nodes, timeout_s=120)
     for node in nodes:
-        wait_for(lambda n=node: n.max_value("trainingd_train_step") >= 2, 120, "training")
-        assert node.max_value("trainingd_daemon_world_size") == 2
+        # The supervisor takes these from the ranks' snapshots on its next tick (0.25 s).
+        wait_for(lambda n=node: n.max_value("trainingd_daemon_world_size") == 2, 30, "world")
         assert node.max_value("trainingd_daemon_local_ranks") == 1
     ranks = {
         labels["rank"] for node in nodes for labels, _ in node.scrape()["trainingd_train_step"]
     }
     assert ranks == {"0", "1"}
+    gate.open()
     assert [node.wait(150) for node in nodes] == [0, 0], nodes[0].logs() + nodes[1].logs()
     assert committed_steps(root)[-1] == 30
