@@ -4,9 +4,10 @@ Woken after a commit (and on a retry timer), it runs only once the run has resto
 committed ([Note: retention waits for the run's restore]) and while no save is in flight: it
 lists the root, applies the retention policy to committed steps (never the newest, pinned,
 restored-from or in-flight ones), deletes each dropped step manifest first (a half-deleted
-step is uncommitted, never "corrupt"), and removes uncommitted leftovers older than the grace
-period. Failures are logged per step and retried on the next wake; they never stop the thread,
-never block the other steps, and never hold up a wait or a shutdown for more than `MAX_WAIT_S`.
+step is uncommitted, never "corrupt"), and removes uncommitted leftovers (folders and
+incomplete multipart uploads) older than the grace period. Failures are logged per step and
+retried on the next wake; they never stop the thread, never block the other steps, and never
+hold up a wait or a shutdown for more than `MAX_WAIT_S`.
 """
 
 from __future__ import annotations
@@ -170,6 +171,14 @@ class Deleter:
                 if s in self._protected():
                     continue  # restored from since the plan was made
                 self._delete_step(s)
+        # Uploads of writers killed mid-upload, under folders that may hold nothing else
+        # (see [Note: orphaned multipart uploads] in `_store/multipart.py`); no save is in
+        # flight, and the grace period covers a writer of another rank still winding down.
+        if self._saving() or self._stop.is_set():
+            return
+        num_aborted = self._storage.abort_uploads(older_than_s=self._grace_s)
+        if num_aborted:
+            _log.info("ckpt_gc_aborted_uploads", num_uploads=num_aborted)
         now = time.time()
         for s in uncommitted:
             if self._saving() or self._stop.is_set():

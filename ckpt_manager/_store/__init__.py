@@ -6,6 +6,8 @@ torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
 
     storage.py      Storage: every URL/path operation (fsspec), atomic + exclusive writes,
                     multipart uploads, error translation; validate_relative_name.
+    multipart.py    S3 uploads straight from a buffer (no copy), aborted on failure;
+                    listing and aborting incomplete uploads left by killed writers.
     options.py      S3Options: fsspec options for s3:// roots, shared by the daemon's
                     start-up checks and `ckptctl`.
     direct_write.py large local writes with O_DIRECT from page-aligned slabs, buffered tail

@@ -51,11 +51,17 @@ def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:
     """Coordinator at start, holding the lease: remove uncommitted folders past the newest commit.
 
     No live run writes under a leased root, so such a folder is a dead attempt; removing it
-    first guarantees a step folder is never written twice.
+    first guarantees a step folder is never written twice. For the same reason every
+    incomplete multipart upload under the root is aborted: no writer of this run exists yet,
+    so each one was left by a writer killed mid-upload (see [Note: orphaned multipart
+    uploads] in `multipart.py`).
 
     Returns:
         `(newest committed step, its commit time)`, or None when nothing is committed.
     """
+    num_aborted = storage.abort_uploads()
+    if num_aborted:
+        _log.warning("ckpt_aborted_orphaned_uploads", num_uploads=num_aborted)
     steps = list_step_dirs(storage)
     committed = [s for s in steps if storage.exists(f"{step_dir(s)}/{MANIFEST_NAME}")]
     latest = committed[-1] if committed else None
@@ -84,6 +90,10 @@ def remove_uncommitted_step(storage: Storage, step: int) -> bool:
     requests, so a commit landing between them is not caught here; the lease is what keeps a
     second writer off the root.
 
+    The incomplete multipart uploads under the folder are aborted first: the caller has made
+    sure no writer still writes there (a writer killed mid-upload leaves its upload behind;
+    see [Note: orphaned multipart uploads] in `multipart.py`).
+
     Returns:
         True when the folder is gone (or never existed), False when it holds a manifest and
         was kept.
@@ -99,6 +109,9 @@ def remove_uncommitted_step(storage: Storage, step: int) -> bool:
             reason="a folder that holds a manifest is committed; only retention deletes it",
         )
         return False
+    num_aborted = storage.abort_uploads(folder)
+    if num_aborted:
+        _log.info("ckpt_aborted_orphaned_uploads", ckpt_step=step, num_uploads=num_aborted)
     storage.remove_tree(folder)
     return True
 
@@ -210,5 +223,8 @@ def delete_step(storage: Storage, step: int) -> bool:
             storage.write(manifest_name, manifest)
             _log.info("ckpt_delete_undone_for_pin", ckpt_step=step)
             return False
+    num_aborted = storage.abort_uploads(folder)
+    if num_aborted:
+        _log.info("ckpt_aborted_orphaned_uploads", ckpt_step=step, num_uploads=num_aborted)
     storage.remove_tree(folder)
     return True

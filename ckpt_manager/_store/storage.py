@@ -8,12 +8,17 @@ operations on names relative to the root. Object-store quirks live here and nowh
   `O_DIRECT`, see `_store/direct_write.py`), fsync, then `os.replace`
   (or `os.link` for an exclusive create, which fails if the name exists), then fsync the
   folder. Object stores: one PUT, or a parallel multipart upload completed at the end, so
-  an object is either whole or absent. `put_file` publishes a finished local file the same
-  way: moved into place on local disk, streamed from disk (parallel multipart) elsewhere.
-* Exclusive create (the commit marker). Local: `os.link`. S3: `If-None-Match: *` through
-  s3fs `pipe_file(mode="create")`. Other fsspec backends: their `mode="create"`, which is
-  check-then-write (not race-free); the lease keeps two runs from committing to one root.
+  an object is either whole or absent; on S3 both send the caller's buffer without copying
+  it, and a failed multipart upload is aborted (`_store/multipart.py`). `put_file`
+  publishes a finished local file the same way: moved into place on local disk, streamed
+  from disk (parallel multipart) elsewhere.
+* Exclusive create (the commit marker). Local: `os.link`. S3: `If-None-Match: *` on the PUT
+  or on the completion of the multipart upload. Other fsspec backends: their
+  `mode="create"`, which is check-then-write (not race-free); the lease keeps two runs from
+  committing to one root.
 * Listings are never served from fsspec's cache (another process wrote the objects).
+* Incomplete multipart uploads (a writer killed mid-upload) are listed and aborted by
+  `abort_uploads`.
 * Every backend error leaves as a `StorageError` subclass (see `errors.py`).
 """
 
@@ -25,6 +30,7 @@ import errno
 import os
 import posixpath
 import shutil
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -34,6 +40,7 @@ import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
 from ckpt_manager._store.direct_write import write_at_start
+from ckpt_manager._store.multipart import abort_upload, list_uploads, upload_buffer
 from ckpt_manager.errors import (
     CheckpointError,
     ObjectExistsError,
@@ -216,14 +223,17 @@ class Storage:
         chunk_bytes: int,
         concurrency: int,
     ) -> None:
-        body = data if isinstance(data, bytes) else bytes(data)
+        # [Note: uploads never copy the buffer] in `_store/multipart.py`.
+        bucket, key, _ = self.fs.split_path(path)
         try:
-            self.fs.pipe_file(
-                path,
-                body,
-                mode="create" if exclusive else "overwrite",
-                chunksize=chunk_bytes,
-                max_concurrency=concurrency,
+            upload_buffer(
+                self.fs,
+                bucket,
+                key,
+                data,
+                exclusive=exclusive,
+                chunk_bytes=chunk_bytes,
+                concurrency=concurrency,
             )
         except FileExistsError:
             raise
@@ -236,6 +246,42 @@ class Storage:
             if exclusive and _is_precondition_failed(err):
                 raise FileExistsError(str(err)) from err
             raise
+        finally:
+            self._invalidate(path)
+
+    def abort_uploads(self, name: str = "", *, older_than_s: float = 0.0) -> int:
+        """Abort incomplete multipart uploads under a folder (S3 only; elsewhere 0).
+
+        See [Note: orphaned multipart uploads] in `_store/multipart.py`: a writer killed
+        mid-upload leaves its upload behind. Call this only where no live writer may still be
+        uploading there, or with an `older_than_s` no live upload can reach.
+
+        Args:
+            name: relative folder (`""`: the whole root).
+            older_than_s: only uploads started at least this long ago (by the server's clock
+                against ours; an upload of unknown age counts as old).
+
+        Returns:
+            How many uploads were aborted.
+
+        Raises:
+            StorageError: the listing or an abort failed.
+        """
+        if self.protocol not in ("s3", "s3a"):
+            return 0
+        path = self.path(name)
+        bucket, key, _ = self.fs.split_path(path)
+        prefix = f"{key.rstrip('/')}/" if key else ""
+        with _translated("abort uploads under", path):
+            now = time.time()
+            num_aborted = 0
+            for upload in list_uploads(self.fs, bucket, prefix):
+                started = upload.initiated_unix_s
+                if older_than_s > 0 and started is not None and now - started < older_than_s:
+                    continue
+                abort_upload(self.fs, bucket, upload)
+                num_aborted += 1
+            return num_aborted
 
     def put_file(
         self,

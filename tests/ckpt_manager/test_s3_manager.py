@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from ckpt_manager._save.writer import FAULT_ENV
 from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
 from tests.ckpt_manager.save.test_commit import commit_with_lost_reply
 from tests.support.dist import free_port
+from tests.support.proxy import ThrottledProxy
 from tests.support.s3 import TEST_KEY, TEST_REGION, TEST_SECRET, isolate_aws_environment
 
 pytestmark = pytest.mark.s3
@@ -137,3 +140,95 @@ def test_retried_identical_manifest_put_answered_412_is_a_commit(
     # The conditional PUT landed, its reply was lost, the retry is answered 412.
     root = f"{s3.uri}/lost-reply-{uuid.uuid4().hex[:8]}"
     commit_with_lost_reply(root, dict(s3.storage_options), monkeypatch)
+
+
+def _incomplete_uploads(target: Any, prefix: str) -> list[str]:
+    """Keys of the incomplete multipart uploads under `prefix`, asked of the server directly."""
+    client = boto3.client(
+        "s3",
+        endpoint_url=target.endpoint_url,
+        region_name=TEST_REGION,
+        aws_access_key_id=TEST_KEY,
+        aws_secret_access_key=TEST_SECRET,
+    )
+    out = client.list_multipart_uploads(Bucket=target.bucket, Prefix=prefix)
+    return [str(u["Key"]) for u in out.get("Uploads", [])]
+
+
+def test_writer_sigkilled_mid_upload_leaves_no_incomplete_upload(s3: Any) -> None:
+    # [Note: orphaned multipart uploads] in `_store/multipart.py`. A slow link (4 MiB/s)
+    # keeps the 24 MiB shard's upload in flight for seconds; the writer is killed from
+    # outside once the server has its upload, and the failed save must abort it.
+    prefix = f"killed-{uuid.uuid4().hex[:8]}"
+    with ThrottledProxy(s3.endpoint_url, bytes_per_s=4 << 20) as proxy:
+        options = dict(s3.storage_options)
+        options["client_kwargs"] = {**options["client_kwargs"], "endpoint_url": proxy.endpoint_url}
+        cfg = CheckpointConfig(
+            async_mode=AsyncMode.PERSISTENT,
+            upload_chunk_bytes=5 << 20,
+            upload_concurrency=2,
+            storage_options=options,
+        )
+        with CheckpointManager(f"{s3.uri}/{prefix}", cfg, run_id="killed") as mgr:
+            mgr.save(1, {"t": torch.full((1000,), 1.0)})
+            mgr.wait_until_finished()
+            pid = mgr.writer_pid
+            assert pid is not None
+            mgr.save(2, {"big": torch.randn(6 << 20)})
+            deadline = time.monotonic() + 30
+            while not _incomplete_uploads(s3, f"{prefix}/{step_dir(2)}/"):
+                assert time.monotonic() < deadline, "the writer never started uploading step 2"
+                time.sleep(0.02)
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(SaveFailedError, match=f"writer process {pid} exited with code -9"):
+                mgr.wait_until_finished()
+            assert _incomplete_uploads(s3, f"{prefix}/") == []
+            assert mgr.all_steps() == [1]
+            mgr.save(3, {"t": torch.full((1000,), 3.0)})
+            mgr.wait_until_finished()
+            assert mgr.all_steps() == [1, 3]
+
+
+@pytest.mark.parametrize("server", ["s3", "seaweed"])
+def test_startup_aborts_uploads_left_by_a_dead_run(
+    request: pytest.FixtureRequest, server: str
+) -> None:
+    # A run killed whole (no finalizer left to clean up) leaves its writer's upload behind;
+    # the next run's coordinator aborts it at start-up, before any writer of its own exists.
+    target = request.getfixturevalue(server)
+    prefix = f"dead-run-{uuid.uuid4().hex[:8]}"
+    client = target.filesystem()
+    key = f"{prefix}/{step_dir(7)}/{shard_file_name(0)}"
+    from fsspec.asyn import sync
+
+    mpu = sync(
+        client.loop, client._call_s3, "create_multipart_upload", Bucket=target.bucket, Key=key
+    )
+    sync(
+        client.loop,
+        client._call_s3,
+        "upload_part",
+        Bucket=target.bucket,
+        Key=key,
+        UploadId=mpu["UploadId"],
+        PartNumber=1,
+        Body=b"x" * (5 << 20),
+    )
+    outside = f"{prefix}-other/{shard_file_name(0)}"  # not under the root: left alone
+    other = sync(
+        client.loop, client._call_s3, "create_multipart_upload", Bucket=target.bucket, Key=outside
+    )
+    assert _incomplete_uploads(target, f"{prefix}/") == [key]
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, storage_options=target.storage_options)
+    with CheckpointManager(f"{target.uri}/{prefix}", cfg, run_id="next") as mgr:
+        assert _incomplete_uploads(target, f"{prefix}/") == []
+        assert mgr.all_steps() == []
+    assert _incomplete_uploads(target, f"{prefix}-other/") == [outside]
+    sync(
+        client.loop,
+        client._call_s3,
+        "abort_multipart_upload",
+        Bucket=target.bucket,
+        Key=outside,
+        UploadId=other["UploadId"],
+    )
