@@ -20,6 +20,7 @@ import structlog
 
 from ckpt_manager._retention.policies import RetentionPolicy, StepInfo, plan_deletions
 from ckpt_manager._store.catalog import (
+    abort_orphaned_uploads,
     delete_step,
     list_step_dirs,
     read_manifest,
@@ -176,9 +177,7 @@ class Deleter:
         # flight, and the grace period covers a writer of another rank still winding down.
         if self._saving() or self._stop.is_set():
             return
-        num_aborted = self._storage.abort_uploads(older_than_s=self._grace_s)
-        if num_aborted:
-            _log.info("ckpt_gc_aborted_uploads", num_uploads=num_aborted)
+        abort_orphaned_uploads(self._storage, older_than_s=self._grace_s)
         now = time.time()
         for s in uncommitted:
             if self._saving() or self._stop.is_set():

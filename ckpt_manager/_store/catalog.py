@@ -22,6 +22,7 @@ from ckpt_manager.errors import (
 )
 
 __all__ = [
+    "abort_orphaned_uploads",
     "committed_steps",
     "delete_step",
     "drop_dead_attempts",
@@ -59,9 +60,7 @@ def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:
     Returns:
         `(newest committed step, its commit time)`, or None when nothing is committed.
     """
-    num_aborted = storage.abort_uploads()
-    if num_aborted:
-        _log.warning("ckpt_aborted_orphaned_uploads", num_uploads=num_aborted)
+    abort_orphaned_uploads(storage)
     steps = list_step_dirs(storage)
     committed = [s for s in steps if storage.exists(f"{step_dir(s)}/{MANIFEST_NAME}")]
     latest = committed[-1] if committed else None
@@ -75,6 +74,25 @@ def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:
         return (latest, read_manifest(storage, latest).committed_unix_s)
     except CheckpointError:
         return (latest, 0.0)
+
+
+def abort_orphaned_uploads(storage: Storage, folder: str = "", older_than_s: float = 0.0) -> int:
+    """`Storage.abort_uploads`, best effort: a failure is logged, never raised.
+
+    A store without the multipart listing API, or one that denies it, must not stop a start-up,
+    a failed save's clean-up or a GC pass; the next sweep tries again.
+
+    Returns:
+        How many uploads were aborted (0 after a failure).
+    """
+    try:
+        num_aborted = storage.abort_uploads(folder, older_than_s=older_than_s)
+    except CheckpointError as err:
+        _log.warning("ckpt_abort_uploads_failed", folder=folder or "/", error=str(err))
+        return 0
+    if num_aborted:
+        _log.warning("ckpt_aborted_orphaned_uploads", folder=folder or "/", num_uploads=num_aborted)
+    return num_aborted
 
 
 def remove_uncommitted_step(storage: Storage, step: int) -> bool:
@@ -109,9 +127,7 @@ def remove_uncommitted_step(storage: Storage, step: int) -> bool:
             reason="a folder that holds a manifest is committed; only retention deletes it",
         )
         return False
-    num_aborted = storage.abort_uploads(folder)
-    if num_aborted:
-        _log.info("ckpt_aborted_orphaned_uploads", ckpt_step=step, num_uploads=num_aborted)
+    abort_orphaned_uploads(storage, folder)
     storage.remove_tree(folder)
     return True
 
@@ -223,8 +239,6 @@ def delete_step(storage: Storage, step: int) -> bool:
             storage.write(manifest_name, manifest)
             _log.info("ckpt_delete_undone_for_pin", ckpt_step=step)
             return False
-    num_aborted = storage.abort_uploads(folder)
-    if num_aborted:
-        _log.info("ckpt_aborted_orphaned_uploads", ckpt_step=step, num_uploads=num_aborted)
+    abort_orphaned_uploads(storage, folder)
     storage.remove_tree(folder)
     return True
