@@ -6,7 +6,8 @@ So every request body here is a `BufferReader`: a read-only, seekable file-like 
 slice of the buffer whose `read(n)` copies at most `n` bytes (botocore and aiohttp read a
 body in 64 KiB-1 MiB pieces to checksum, sign and send it, and seek back on a retry).
 botocore does not accept a `memoryview` as a body, and s3fs's `pipe_file` slices `bytes`
-per part, so neither is used for buffers.
+per part, so neither is used for buffers; nor is s3fs's retry loop for these requests
+([Note: a body is re-sent from its start]).
 
 A buffer that fits in one part is one PUT; a larger one is a multipart upload of parts of
 `chunk_bytes` (raised to S3's 5 MiB minimum, and further if the object would need more than
@@ -195,7 +196,7 @@ async def _upload(
     if len(view) <= part_bytes:
         body = BufferReader(view)
         try:
-            await fs._call_s3("put_object", Bucket=bucket, Key=key, Body=body, **match)
+            await _send_body(fs, "put_object", body, Bucket=bucket, Key=key, **match)
         finally:
             body.release()
         return
@@ -236,13 +237,14 @@ async def _upload_parts(
         for number, start in starts:  # a shared iterator: each part is taken once
             body = BufferReader(view, start, min(len(view), start + part_bytes))
             try:
-                out = await fs._call_s3(
+                out = await _send_body(
+                    fs,
                     "upload_part",
+                    body,
                     Bucket=bucket,
                     Key=key,
                     UploadId=upload_id,
                     PartNumber=number,
-                    Body=body,
                 )
             finally:
                 body.release()
@@ -261,6 +263,29 @@ async def _upload_parts(
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
     return etags
+
+
+async def _send_body(fs: Any, method: str, body: BufferReader, **kwargs: Any) -> Any:
+    """A request with a `BufferReader` body, retried by botocore only.
+
+    [Note: a body is re-sent from its start] s3fs's `_call_s3` retries a failed call itself,
+    passing the same body again wherever the failed attempt left it (mid-part after a dropped
+    connection): the retry would send a short part under the full length, or nothing. So
+    body-carrying calls go to the client directly, with the options `_call_s3` would add
+    (`s3_additional_kwargs`, requester-pays), and rely on botocore's retries, which rewind
+    the body before every attempt (`AWSPreparedRequest.reset_stream`). Errors are translated
+    as `_call_s3` would (`s3fs.errors.translate_boto_error`).
+    """
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    await fs.set_session()
+    client = await fs.get_s3(kwargs.get("Bucket"))
+    call = getattr(client, method)
+    try:
+        return await call(**fs._get_s3_method_kwargs(call, Body=body, **kwargs))
+    except ClientError as err:
+        raise translate_boto_error(err) from err
 
 
 async def _abort_quietly(
