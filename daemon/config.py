@@ -243,7 +243,9 @@ class DaemonConfig:
         """The run id: `launch.run_id`, or `<job module>-<hash of job and checkpoint root>`."""
         if self.launch.run_id:
             return self.launch.run_id
-        name = self.train.job.split(":", 1)[0].rsplit(".", 1)[-1].replace("_", "-")
+        module = self.train.job.split(":", 1)[0].rsplit(".", 1)[-1]
+        # A valid explicit id starts with a letter or digit; so does a derived one (`_x` -> `x`).
+        name = module.strip("_").replace("_", "-") or "job"
         digest = hashlib.sha256(f"{self.train.job}\n{self.checkpoint.ckpt_uri}".encode())
         return f"{name}-{digest.hexdigest()[:10]}"
 

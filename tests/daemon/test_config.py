@@ -34,6 +34,13 @@ def test_defaults_are_valid_and_run_id_is_derived_from_job_and_root(tmp_path: Pa
     assert cfg.rdzv_id == cfg.run_id
 
 
+def test_a_run_id_derived_from_a_private_module_is_a_valid_run_id() -> None:
+    cfg = load_config({"job": "tests.daemon._gated_job:build"}, env={})
+    assert cfg.run_id.startswith("gated-job-")
+    # The derived id passes the same check an explicit one does.
+    assert load_config({"run_id": cfg.run_id}, env={}).run_id == cfg.run_id
+
+
 def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None:
     path = _write(tmp_path, "[train]\nmax_steps = 10\nlr = 0.5\nseed = 3\n")
     env = {"TRAININGD_MAX_STEPS": "20", "TRAININGD_LR": "0.25"}
