@@ -39,10 +39,15 @@ class StorageFlags(S3Options):
     engine's `S3Options`, with a bad combination reported as a usage error (exit 2)."""
 
     def __post_init__(self) -> None:
+        # The same rules as S3Options, worded with the flags an operator typed.
+        if self.anon and self.profile:
+            raise UsageError("--anon and --profile exclude each other: drop one")
         try:
             super().__post_init__()
-        except ValueError as err:
-            raise UsageError(f"{err} (--endpoint-url, --profile, --anon)") from None
+        except ValueError:
+            raise UsageError(
+                f"--endpoint-url {self.endpoint_url!r} needs a scheme, e.g. http://127.0.0.1:9000"
+            ) from None
 
     def options_for(self, uri: str) -> dict[str, Any]:
         """fsspec options for `uri`: the S3 flags for `s3://` URIs, nothing for others."""
