@@ -274,26 +274,16 @@ def _rank1_dies_mid_save(rank: int, world: int, root: str, report: str) -> None:
     mgr.close()
 
 
-def test_rank_killed_mid_save_fails_the_step_on_survivors(tmp_path: pathlib.Path) -> None:
-    root, report = tmp_path / "root", tmp_path / "rank0.json"
+def _run_with_a_dying_rank(fn: Any, root: pathlib.Path, report: pathlib.Path) -> list[int | None]:
+    """Run `fn(rank, 2, root, report)` on 2 spawned ranks, one of which SIGKILLs itself;
+    wait for the survivor's report and return the exit codes."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_child,
-            args=(
-                _rank1_dies_mid_save,
-                rank,
-                2,
-                port,
-                (str(root), str(report)),
-                {},
-                1,
-                results,
-                "gloo",
-                60.0,
-            ),
+            args=(fn, rank, 2, port, (str(root), str(report)), {}, 1, results, "gloo", 60.0),
             daemon=True,
         )
         for rank in range(2)
@@ -304,7 +294,7 @@ def test_rank_killed_mid_save_fails_the_step_on_survivors(tmp_path: pathlib.Path
         deadline = time.monotonic() + 120
         while not report.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert report.exists(), "rank 0 did not report within 120 s"
+        assert report.exists(), "the surviving rank did not report within 120 s"
     finally:
         for p in procs:
             p.join(timeout=10)
@@ -315,8 +305,89 @@ def test_rank_killed_mid_save_fails_the_step_on_survivors(tmp_path: pathlib.Path
                 results.get_nowait()
         except queue.Empty:
             pass
+    return [p.exitcode for p in procs]
+
+
+def _kill_self_on(call: str, matches: Any) -> None:
+    """SIGKILL this process at the first `Storage.<call>(name)` whose name matches: a rank
+    dying at an exact point of a commit or a restore (the kill itself is a real SIGKILL)."""
+    from ckpt_manager._store.storage import Storage
+
+    real = getattr(Storage, call)
+
+    def dying(self: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        if matches(name):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, name, *args, **kwargs)
+
+    setattr(Storage, call, dying)
+
+
+def _coordinator_dies_mid_commit(rank: int, world: int, root: str, report: str) -> None:
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, finalize_timeout_s=10)
+    mgr = CheckpointManager(root, cfg, run_id="coord-dies")
+    mgr.save(1, _rank_state(rank, world, 1))
+    mgr.wait_until_finished()
+    if rank == 0:  # dies with every shard of step 2 written, as it writes the manifest
+        _kill_self_on("write", lambda name: name == f"{step_dir(2)}/{MANIFEST_NAME}")
+    mgr.save(2, _rank_state(rank, world, 2))
+    t0 = time.monotonic()
+    outcome = {"error": "", "type": ""}
+    try:
+        mgr.wait_until_finished()
+    except CheckpointError as err:
+        outcome = {"error": str(err), "type": type(err).__name__}
+    outcome["elapsed"] = time.monotonic() - t0
+    outcome["steps"] = mgr.all_steps()
+    pathlib.Path(report).write_text(json.dumps(outcome))
+
+
+def test_coordinator_killed_mid_commit_fails_the_step_on_the_others(
+    tmp_path: pathlib.Path,
+) -> None:
+    root, report = tmp_path / "root", tmp_path / "rank1.json"
+    codes = _run_with_a_dying_rank(_coordinator_dies_mid_commit, root, report)
     outcome = json.loads(report.read_text())
-    assert procs[1].exitcode == -signal.SIGKILL
+    assert codes[0] == -signal.SIGKILL
+    assert outcome["type"] in ("SaveFailedError", "CheckpointTimeoutError", "CheckpointError")
+    assert outcome["elapsed"] < 10 + 10  # finalize_timeout_s plus slack, never a hang
+    assert outcome["steps"] == [1]  # nothing half-committed is listed
+    assert not (root / step_dir(2) / MANIFEST_NAME).exists()
+
+
+def _rank1_dies_during_restore(rank: int, world: int, root: str, report: str) -> None:
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, finalize_timeout_s=10)
+    mgr = CheckpointManager(root, cfg, run_id="restore-dies")
+    mgr.save(1, _rank_state(rank, world, 1))
+    mgr.wait_until_finished()
+    if rank == 1:
+        _kill_self_on("read", lambda name: name.startswith(f"{step_dir(1)}/"))
+    t0 = time.monotonic()
+    outcome = {"error": "", "type": ""}
+    try:
+        mgr.restore(into=_rank_state(rank, world, 0))
+    except CheckpointError as err:
+        outcome = {"error": str(err), "type": type(err).__name__}
+    outcome["elapsed"] = time.monotonic() - t0
+    pathlib.Path(report).write_text(json.dumps(outcome))
+
+
+def test_rank_killed_during_restore_fails_the_restore_on_the_others(
+    tmp_path: pathlib.Path,
+) -> None:
+    root, report = tmp_path / "root", tmp_path / "rank0.json"
+    codes = _run_with_a_dying_rank(_rank1_dies_during_restore, root, report)
+    outcome = json.loads(report.read_text())
+    assert codes[1] == -signal.SIGKILL
+    assert outcome["type"] in ("CheckpointTimeoutError", "CheckpointError")
+    assert outcome["elapsed"] < 10 + 10
+
+
+def test_rank_killed_mid_save_fails_the_step_on_survivors(tmp_path: pathlib.Path) -> None:
+    root, report = tmp_path / "root", tmp_path / "rank0.json"
+    codes = _run_with_a_dying_rank(_rank1_dies_mid_save, root, report)
+    outcome = json.loads(report.read_text())
+    assert codes[1] == -signal.SIGKILL
     assert outcome["type"] == "SaveFailedError"
     assert "step 2" in outcome["error"]
     assert outcome["elapsed"] < 15 + 10
