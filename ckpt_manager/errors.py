@@ -6,10 +6,12 @@ Backend errors (OSError, botocore/aiobotocore) are translated where storage is t
     CheckpointError (Exception)
     ├── StorageError (+ OSError)                 a storage call failed
     │   ├── ObjectExistsError (+ FileExistsError)    exclusive create found the object
-    │   └── ObjectNotFoundError (+ FileNotFoundError) the object does not exist
+    │   ├── ObjectNotFoundError (+ FileNotFoundError) the object does not exist
+    │   └── VersionMismatchError                     a conditional write found another version
     ├── StepNotFoundError (+ FileNotFoundError)  no committed checkpoint for that step
     ├── CorruptCheckpointError                   manifest or shard files fail validation
     ├── LeaseHeldError                           another live run holds the checkpoint root
+    ├── LeaseLostError                           this run's lease was taken over: it is fenced
     ├── SaveFailedError                          a save failed on some rank (names rank + cause)
     ├── CommitConflictError                      the step's manifest was committed by another
     │                                            attempt (a `SaveFailedError`'s `__cause__`)
@@ -27,11 +29,13 @@ __all__ = [
     "CommitConflictError",
     "CorruptCheckpointError",
     "LeaseHeldError",
+    "LeaseLostError",
     "ObjectExistsError",
     "ObjectNotFoundError",
     "SaveFailedError",
     "StepNotFoundError",
     "StorageError",
+    "VersionMismatchError",
 ]
 
 
@@ -51,6 +55,11 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
     """The object does not exist."""
 
 
+class VersionMismatchError(StorageError):
+    """A conditional write (`Storage.write_if`) found the object at another version (or found
+    it present / absent when the caller expected the opposite): another writer got there first."""
+
+
 class StepNotFoundError(CheckpointError, FileNotFoundError):
     """No committed checkpoint exists for the requested step."""
 
@@ -61,6 +70,13 @@ class CorruptCheckpointError(CheckpointError):
 
 class LeaseHeldError(CheckpointError):
     """Another live run holds the lease on the checkpoint root; the message names the holder."""
+
+
+class LeaseLostError(CheckpointError):
+    """This run's lease on the root was taken over (or removed): the manager is fenced.
+
+    A fenced manager never writes another manifest; the message names the new holder.
+    """
 
 
 class SaveFailedError(CheckpointError):

@@ -16,6 +16,14 @@ operations on names relative to the root. Object-store quirks live here and nowh
   or on the completion of the multipart upload. Other fsspec backends: their
   `mode="create"`, which is check-then-write (not race-free); the lease keeps two runs from
   committing to one root.
+* Conditional writes (the lease): `read_with_version` returns an object with a version
+  token and `write_if` replaces it only if it is still at that version (or creates it only
+  if absent), else `VersionMismatchError`. S3: the ETag, `If-Match` / `If-None-Match: *` on
+  one `PutObject` (the server decides, race-free). Local disk: the version is the content's
+  SHA-256; read-compare-write runs under an `fcntl` lock on `<name>.lock` and the new
+  content is published by temp file + rename, so readers never see a partial document.
+  `memory://`: the same under a process-wide mutex. Other fsspec backends: check-then-write
+  (not race-free; documented in CONTRACTS.md).
 * Listings are never served from fsspec's cache (another process wrote the objects).
 * Incomplete multipart uploads (a writer killed mid-upload) are listed and aborted by
   `abort_uploads`.
@@ -27,15 +35,19 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import fcntl
+import hashlib
 import os
 import posixpath
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
@@ -46,12 +58,14 @@ from ckpt_manager.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     StorageError,
+    VersionMismatchError,
 )
 
 __all__ = ["Storage", "validate_relative_name"]
 
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
+_CONDITIONAL_LOCK = threading.Lock()  # conditional writes on stores without a server check
 
 
 def validate_relative_name(name: str) -> str:
@@ -113,6 +127,27 @@ def _is_precondition_failed(err: BaseException) -> bool:
         seen = seen.__cause__
     text = str(err).lower()
     return "precondition" in text or "pre-condition" in text
+
+
+def _is_conditional_conflict(err: BaseException) -> bool:
+    """Whether an S3 error means "not at the expected version": 412, or 409 (a concurrent
+    conditional write), or 404 (`If-Match` on an object that is gone)."""
+    if _is_precondition_failed(err) or isinstance(err, FileNotFoundError):
+        return True
+    seen: BaseException | None = err
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in ("ConditionalRequestConflict", "NoSuchKey") or status in (404, 409):
+                return True
+        seen = seen.__cause__
+    return False
+
+
+def _content_version(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _fsync_dir(path: str) -> None:
@@ -379,6 +414,101 @@ class Storage:
         path = self.path(name)
         with _translated("read", path):
             return bytes(self.fs.cat_file(path, start=start, end=end))
+
+    def read_with_version(self, name: str) -> tuple[bytes, str]:
+        """Read a whole object and the version token `write_if` compares against.
+
+        Raises:
+            ObjectNotFoundError: the object does not exist.
+            StorageError: the read failed.
+        """
+        path = self.path(name)
+        with _translated("read", path):
+            if self.protocol in ("s3", "s3a"):
+                bucket, key, _ = self.fs.split_path(path)
+
+                async def get() -> tuple[bytes, str]:
+                    reply = await self.fs._call_s3("get_object", Bucket=bucket, Key=key)
+                    body = reply["Body"]
+                    try:
+                        data = await body.read()
+                    finally:
+                        body.close()
+                    return bytes(data), str(reply["ETag"])
+
+                return fsspec.asyn.sync(self.fs.loop, get)
+            data = bytes(self.fs.cat_file(path))
+            return data, _content_version(data)
+
+    def write_if(self, name: str, data: bytes, *, expected_version: str | None) -> str:
+        """Write a small object only if it is still at `expected_version` (compare-and-swap).
+
+        A version identifies content (an S3 ETag is its MD5; locally its SHA-256): writing
+        the very bytes already there keeps the version, so callers that need every write to
+        count put a counter or token in the document (the lease does).
+
+        Args:
+            name: relative name.
+            data: the whole new content.
+            expected_version: the version `read_with_version` returned, or None to create
+                the object only if it does not exist.
+
+        Returns:
+            The new version.
+
+        Raises:
+            VersionMismatchError: the object is at another version (or exists when None was
+                expected, or is gone): another writer got there first; nothing was written.
+            StorageError: the write failed.
+        """
+        path = self.path(name)
+        with _translated("conditional write", path):
+            if self.protocol in ("s3", "s3a"):
+                return self._write_if_s3(path, data, expected_version)
+            if self.is_local:
+                folder = os.path.dirname(path)
+                os.makedirs(folder, exist_ok=True)
+                with open(f"{path}.lock", "a+b") as lock:
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+                    self._check_version(path, expected_version)
+                    self._write_local(path, memoryview(data), exclusive=False, staged=None)
+                return _content_version(data)
+            with _CONDITIONAL_LOCK:
+                self._check_version(path, expected_version)
+                self.fs.pipe_file(path, bytes(data))
+            return _content_version(data)
+
+    def _check_version(self, path: str, expected_version: str | None) -> None:
+        try:
+            current: str | None = _content_version(bytes(self.fs.cat_file(path)))
+        except FileNotFoundError:
+            current = None
+        if current != expected_version:
+            raise VersionMismatchError(
+                errno.EAGAIN,
+                f"conditional write {path}: expected "
+                f"{'no object' if expected_version is None else 'version ' + expected_version}, "
+                f"found {'no object' if current is None else 'version ' + current}",
+            )
+
+    def _write_if_s3(self, path: str, data: bytes, expected_version: str | None) -> str:
+        bucket, key, _ = self.fs.split_path(path)
+        condition = (
+            {"IfNoneMatch": "*"} if expected_version is None else {"IfMatch": expected_version}
+        )
+        try:
+            reply = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
+        except Exception as err:
+            if _is_conditional_conflict(err):
+                raise VersionMismatchError(
+                    errno.EAGAIN,
+                    f"conditional write {path}: not at the expected version "
+                    f"({'absent' if expected_version is None else expected_version}): {err}",
+                ) from err
+            raise
+        finally:
+            self._invalidate(path)
+        return str(reply["ETag"])
 
     def read_many(self, names: list[str]) -> list[bytes | CheckpointError]:
         """Read whole objects; on async filesystems (S3) as concurrent requests in one batch.

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 import pathlib
+import threading
 
 import pytest
 
 from ckpt_manager._store.storage import Storage, validate_relative_name
-from ckpt_manager.errors import ObjectExistsError, ObjectNotFoundError, StorageError
+from ckpt_manager.errors import (
+    ObjectExistsError,
+    ObjectNotFoundError,
+    StorageError,
+    VersionMismatchError,
+)
 from tests.ckpt_manager.conftest import Root
 
 pytestmark = pytest.mark.s3
@@ -46,6 +52,56 @@ def test_exclusive_create_refuses_second_writer(backend_root: Root) -> None:
         st.write("step-000000000002/manifest.json", b'{"second": 2}', exclusive=True)
     assert isinstance(info.value, FileExistsError)
     assert st.read("step-000000000002/manifest.json") == b'{"first": 1}'
+
+
+def _race(st: Storage, name: str, expected: str | None, num_writers: int = 4) -> list[int]:
+    """`num_writers` threads `write_if` the same expected version at once; the winners."""
+    start = threading.Barrier(num_writers)
+    won: list[int] = []
+
+    def writer(i: int) -> None:
+        start.wait(timeout=30)
+        try:
+            # Distinct from what is there: a version identifies content (see `write_if`).
+            st.write_if(name, f"{expected} writer {i}".encode(), expected_version=expected)
+        except VersionMismatchError:
+            return
+        won.append(i)
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(num_writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return won
+
+
+def test_conditional_writes_let_exactly_one_racer_win(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    # Create-if-absent: exactly one of the racers creates the object.
+    created = _race(st, "lease/doc", None)
+    assert len(created) == 1
+    data, version = st.read_with_version("lease/doc")
+    assert data == f"None writer {created[0]}".encode()
+    # Replace-if-unchanged: racers holding the same version, exactly one replaces it.
+    replaced = _race(st, "lease/doc", version)
+    assert len(replaced) == 1
+    data, newer = st.read_with_version("lease/doc")
+    assert data == f"{version} writer {replaced[0]}".encode()
+    assert newer != version
+    # The stale version is refused from then on, and so is creating what exists.
+    with pytest.raises(VersionMismatchError):
+        st.write_if("lease/doc", b"late", expected_version=version)
+    with pytest.raises(VersionMismatchError):
+        st.write_if("lease/doc", b"late", expected_version=None)
+    assert st.write_if("lease/doc", b"in turn", expected_version=newer)
+    assert st.read_with_version("lease/doc")[0] == b"in turn"
+    # A version of an object that is gone is refused too.
+    st.remove("lease/doc")
+    with pytest.raises(VersionMismatchError):
+        st.write_if("lease/doc", b"gone", expected_version=newer)
+    with pytest.raises(ObjectNotFoundError):
+        st.read_with_version("lease/doc")
 
 
 def test_missing_objects_raise_not_found(backend_root: Root) -> None:
