@@ -126,6 +126,7 @@ class CheckpointManager:
             log=self._log,
             forget_writer=self._forget_writer,
             on_idle=self._wake_deleter,
+            fence=self._confirm_lease,
         )
         self._pending = self._final.pending  # the same deque: saves in flight, oldest first
         self._open_root()
@@ -158,7 +159,8 @@ class CheckpointManager:
             self._deleter = Deleter(
                 self._storage,
                 self.config.retention,
-                saving=lambda: bool(self._pending),
+                # A fenced run deletes nothing: the deleter waits as if a save were in flight.
+                saving=lambda: bool(self._pending) or self._lease_lost(),
                 protected=self._protected_steps,
                 grace_s=self.config.uncommitted_grace_s,
                 retry_s=self.config.deletion_retry_s,
@@ -169,6 +171,13 @@ class CheckpointManager:
             # newest step a tightened policy would delete the only restorable one. From then
             # on the restored step (and, during a later restore, the candidate being read) is
             # protected, so the newest step known to verify is never deleted.
+
+    def _confirm_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.confirm()
+
+    def _lease_lost(self) -> bool:
+        return self._lease is not None and self._lease.lost
 
     def _forget_writer(self, writer: WriterProcess) -> None:
         # The pipeline starts after the root is open; it exists once anything is finalized.

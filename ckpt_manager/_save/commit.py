@@ -17,7 +17,7 @@ import json
 import platform
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from importlib import metadata
 from typing import Any, NamedTuple
 
@@ -27,7 +27,12 @@ from ckpt_manager._store.format import FileLayout, dtype_name
 from ckpt_manager._store.manifest import MANIFEST_NAME, FileEntry, Manifest, Piece, step_dir
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._store.tree import Flattened, LeafKind, TensorLeaf
-from ckpt_manager.errors import CheckpointError, CommitConflictError, ObjectExistsError
+from ckpt_manager.errors import (
+    CheckpointError,
+    CommitConflictError,
+    LeaseLostError,
+    ObjectExistsError,
+)
 
 __all__ = [
     "CommitOutcome",
@@ -169,6 +174,9 @@ class CommitResult(enum.Enum):
     """Nothing was committed by this attempt; its folder may be removed."""
     CONFLICT = "conflict"
     """Another attempt's manifest holds the step: the folder is that commit's, kept."""
+    FENCED = "fenced"
+    """This run lost the root's lease: nothing written, nothing removed (the root is not
+    ours any more)."""
 
 
 class CommitOutcome(NamedTuple):
@@ -179,8 +187,9 @@ class CommitOutcome(NamedTuple):
     """Commit time written in the manifest (COMMITTED only)."""
     cause: str = ""
     """Why the step is not committed by this attempt (FAILED and CONFLICT)."""
-    conflict: CommitConflictError | None = None
-    """The error every rank chains its `SaveFailedError` to (CONFLICT only)."""
+    conflict: CheckpointError | None = None
+    """The error every rank chains its `SaveFailedError` to: `CommitConflictError`
+    (CONFLICT) or `LeaseLostError` (FENCED)."""
 
 
 def commit_manifest(
@@ -190,8 +199,13 @@ def commit_manifest(
     run_id: str,
     created_unix_s: float,
     contributions: Sequence[Mapping[str, Any]],
+    fence: Callable[[], None] | None = None,
 ) -> CommitOutcome:
     """Coordinator: check every shard's size, then write the manifest exclusively.
+
+    `fence` (the lease's `confirm`) runs first and again right before the manifest write:
+    a run that lost the root's lease commits nothing and removes nothing (FENCED; see
+    [Note: fencing] in `_store/lease.py`).
 
     [Note: an existing manifest is read back] The exclusive write can find the manifest
     already there (`ObjectExistsError`: local `os.link`, or S3 answering 412 to the
@@ -206,6 +220,8 @@ def commit_manifest(
     """
     folder = step_dir(step)
     try:
+        if fence is not None:
+            fence()
         for c in contributions:
             if c["file"] is None:
                 continue
@@ -225,11 +241,15 @@ def commit_manifest(
             contributions=contributions,
         )
         data = manifest.to_json()
+        if fence is not None:
+            fence()
         try:
             storage.write(f"{folder}/{MANIFEST_NAME}", data, exclusive=True)
         except ObjectExistsError:
             return _resolve_existing(storage, step, ours=(bytes(data), committed))
         return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=committed)
+    except LeaseLostError as err:
+        return CommitOutcome(CommitResult.FENCED, cause=f"LeaseLostError: {err}", conflict=err)
     except (CheckpointError, ValueError) as err:
         return CommitOutcome(CommitResult.FAILED, cause=f"{type(err).__name__}: {err}")
 

@@ -49,6 +49,7 @@ class Finalizer:
         log: Any,
         forget_writer: Callable[[WriterProcess], None],
         on_idle: Callable[[], None],
+        fence: Callable[[], None] | None = None,
     ) -> None:
         """Wire the finalizer.
 
@@ -62,6 +63,8 @@ class Finalizer:
             log: bound logger.
             forget_writer: called with a writer this rank had to kill.
             on_idle: called after a commit that left nothing in flight (wakes retention).
+            fence: the coordinator's lease check (raises `LeaseLostError` once the lease was
+                taken over): before each manifest write and each removal of an attempt.
         """
         self._config = config
         self._storage = storage
@@ -72,6 +75,7 @@ class Finalizer:
         self._log = log
         self._forget_writer = forget_writer
         self._on_idle = on_idle
+        self._fence = fence
         self.pending: collections.deque[SaveRequest] = collections.deque()
         """Saves in flight, oldest first."""
         self.unclean_steps: set[int] = set()
@@ -180,6 +184,8 @@ class Finalizer:
         `_store/catalog.py`.
         """
         try:
+            if self._fence is not None:
+                self._fence()  # a fenced run removes nothing: the root is another run's now
             return remove_uncommitted_step(self._storage, step)
         except CheckpointError as err:
             self._log.warning("ckpt_failed_attempt_not_removed", ckpt_step=step, error=str(err))
@@ -195,12 +201,14 @@ class Finalizer:
                 run_id=self._run_id,
                 created_unix_s=request.created_unix_s,
                 contributions=gathered,
+                fence=self._fence,
             )
         outcome = self._coord.broadcast(outcome)
         if outcome.result is not CommitResult.COMMITTED:
             cause = f"commit failed on the coordinator: {outcome.cause}"
-            if outcome.result is CommitResult.CONFLICT:
-                removed = False  # the folder is the other commit's: every rank knows it
+            if outcome.result in (CommitResult.CONFLICT, CommitResult.FENCED):
+                # The folder is the other commit's, or the root is another run's now.
+                removed = False
             else:
                 removed = self._remove_attempt(request.step) if self._coord.is_coordinator else True
                 removed = self._coord.broadcast(removed)
@@ -209,7 +217,8 @@ class Finalizer:
             request.fail(cause)
             self._retire(request, SaveResult.FAILED, time.monotonic() - t0)
             # Every rank raises the same SaveFailedError; on a conflict its __cause__ is the
-            # CommitConflictError (broadcast from the coordinator), else there is none.
+            # CommitConflictError, when fenced the LeaseLostError (broadcast from the
+            # coordinator), else there is none.
             raise SaveFailedError(request.step, {0: cause}) from outcome.conflict
         self.last_committed = (request.step, outcome.committed_unix_s)
         self._retire(request, SaveResult.COMMITTED, time.monotonic() - t0)

@@ -20,7 +20,7 @@ operations on names relative to the root. Object-store quirks live here and nowh
   token and `write_if` replaces it only if it is still at that version (or creates it only
   if absent), else `VersionMismatchError`. S3: the ETag, `If-Match` / `If-None-Match: *` on
   one `PutObject` (the server decides, race-free). Local disk: the version is the content's
-  SHA-256; read-compare-write runs under an `fcntl` lock on `<name>.lock` and the new
+  SHA-256; read-compare-write runs under an `flock` on the object's folder and the new
   content is published by temp file + rename, so readers never see a partial document.
   `memory://`: the same under a process-wide mutex. Other fsspec backends: check-then-write
   (not race-free; documented in CONTRACTS.md).
@@ -468,10 +468,15 @@ class Storage:
             if self.is_local:
                 folder = os.path.dirname(path)
                 os.makedirs(folder, exist_ok=True)
-                with open(f"{path}.lock", "a+b") as lock:
-                    fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+                # The lock is on the folder: the object itself is replaced by rename, and a
+                # lock file would be one more name in the root.
+                lock = os.open(folder, os.O_RDONLY)
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
                     self._check_version(path, expected_version)
                     self._write_local(path, memoryview(data), exclusive=False, staged=None)
+                finally:
+                    os.close(lock)  # releases the lock
                 return _content_version(data)
             with _CONDITIONAL_LOCK:
                 self._check_version(path, expected_version)

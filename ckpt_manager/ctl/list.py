@@ -19,7 +19,7 @@ from typing import Any
 from ckpt_manager._retention.policies import StepInfo
 from ckpt_manager._retention.record import read_retention
 from ckpt_manager._store.catalog import list_step_dirs, read_manifest, read_manifests, verify_files
-from ckpt_manager._store.lease import read_lease
+from ckpt_manager._store.lease import holder_is_provably_dead, read_lease
 from ckpt_manager._store.manifest import Manifest
 from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.storage import Storage
@@ -184,17 +184,21 @@ def collect_rows(
 
 
 def lease_header(storage: Storage, now: float) -> str | None:
-    """`lease: run R on host H (pid P) since T, refreshed Xs ago`, or None without a lease."""
+    """`lease: run R on host H (pid P) since T, refresh #N Xs ago`, or None when free.
+
+    The age is by this host's clock (a hint for people: the holder's clock may differ; no
+    decision is taken from it). A holder whose process is provably gone is marked.
+    """
     doc = read_lease(storage)
     if doc is None:
         return None
     since = float(doc.get("acquired_unix_s") or 0.0)
     refreshed = float(doc.get("refreshed_unix_s") or 0.0)
-    ttl = float(doc.get("ttl_s") or 0.0)
-    expired = " (expired)" if ttl and now - refreshed > ttl else ""
+    gone = " (holder gone: its pid is not running)" if holder_is_provably_dead(doc) else ""
     return (
         f"lease: run {doc.get('run_id')} on host {doc.get('host')} (pid {doc.get('pid')}) "
-        f"since {format_local_time(since)}, refreshed {format_age(now - refreshed)} ago{expired}"
+        f"since {format_local_time(since)}, refresh #{doc.get('refresh_count', '?')} "
+        f"{format_age(now - refreshed)} ago{gone}"
     )
 
 

@@ -8,19 +8,18 @@ never as corrupt. Pins are `_store/pins.py`'s objects, which the manager's delet
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
 from ckpt_manager._retention.policies import StepInfo, plan_deletions
 from ckpt_manager._store.catalog import delete_step, list_step_dirs, read_manifest, verify_files
-from ckpt_manager._store.lease import holder_is_live, read_lease
+from ckpt_manager._store.lease import describe_holder, holder_is_provably_dead, read_lease
 from ckpt_manager._store.manifest import Manifest
 from ckpt_manager._store.pins import pin_committed_step, pinned_steps, unpin_step
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import parallel_map
 from ckpt_manager.ctl.errors import UsageError
-from ckpt_manager.ctl.render import format_age, format_bytes
+from ckpt_manager.ctl.render import format_bytes
 from ckpt_manager.ctl.retention import RetentionFlags, retained_by
 from ckpt_manager.errors import (
     CheckpointError,
@@ -44,19 +43,23 @@ class PrunePlan(NamedTuple):
 
 
 def check_lease(storage: Storage, *, force: bool) -> None:
-    """Refuse to change a root a live run holds, unless `force`.
+    """Refuse to change a root a run holds, unless `force`.
+
+    Held: a lease that is neither released nor left by a process provably gone (same host,
+    boot and PID namespace; see `_store/lease.py`). Whether a holder elsewhere still
+    refreshes is not judged from its wall-clock time (hosts' clocks differ): `--force` is
+    the way past a lease left by a crash elsewhere.
 
     Raises:
-        LeaseHeldError: a live lease exists and `force` is False.
+        LeaseHeldError: a held lease exists and `force` is False.
     """
     doc = read_lease(storage)
-    if doc is None or force or not holder_is_live(doc, time.time()):
+    if doc is None or force or holder_is_provably_dead(doc):
         return
     raise LeaseHeldError(
         f"{storage.root_uri} is held by live run {doc.get('run_id')} on host {doc.get('host')} "
-        f"(pid {doc.get('pid')}, refreshed "
-        f"{format_age(time.time() - float(doc.get('refreshed_unix_s') or 0))} ago): its own "
-        "retention runs there; stop it first or pass --force"
+        f"(pid {doc.get('pid')}; {describe_holder(doc)}): its own retention runs there; stop "
+        "it first, or pass --force if that run is gone for good"
     )
 
 

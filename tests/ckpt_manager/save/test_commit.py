@@ -46,26 +46,30 @@ def test_step_never_written_twice_and_stale_attempt_removed(tmp_path: pathlib.Pa
 
 
 _SECOND_LAUNCH = """
-import sys, torch
+import shutil, sys, torch
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
-root, step = sys.argv[1], int(sys.argv[2])
+from ckpt_manager._store.manifest import step_dir
+root, other, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
-with CheckpointManager(root, cfg, run_id="job") as mgr:
+with CheckpointManager(other, cfg, run_id="job") as mgr:
     mgr.save(step, {"t": torch.full((4,), 7.0)}, metrics={"by": "second"})
+shutil.copytree(f"{other}/{step_dir(step)}", f"{root}/{step_dir(step)}", dirs_exist_ok=True)
 """
 
 
 def test_a_commit_that_finds_another_launchs_manifest_keeps_its_step(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A second launch of the same job (same run id: it takes the lease over) commits step 2
-    # while the first launch's commit of step 2 is about to write its manifest.
-    root = str(tmp_path / "root")
+    # Another attempt's commit of step 2 lands in the folder while the first launch's commit
+    # of step 2 is about to write its manifest. (The lease refuses a second launch on a live
+    # root, see store/test_lease.py; this is the exclusive write's own defence: the other
+    # attempt commits on a root of its own and its step folder is copied in from outside.)
+    root, other = str(tmp_path / "root"), str(tmp_path / "other")
     real = finalize.commit_manifest
 
     def second_launch_first(storage: Storage, **kw: Any) -> Any:
         subprocess.run(
-            [sys.executable, "-c", _SECOND_LAUNCH, root, str(kw["step"])],
+            [sys.executable, "-c", _SECOND_LAUNCH, root, other, str(kw["step"])],
             check=True,
             timeout=120,
         )
