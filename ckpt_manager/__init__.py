@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         RetentionPolicy,
         StepInfo,
     )
+    from ckpt_manager._store.lease import check_root_lease
     from ckpt_manager._store.options import S3Options
     from ckpt_manager._types import (
         ManagerStats,
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
         CommitConflictError,
         CorruptCheckpointError,
         LeaseHeldError,
+        LeaseLostError,
         SaveFailedError,
         StepNotFoundError,
         StorageError,
@@ -79,6 +81,7 @@ __all__ = [
     "KeepInterval",
     "KeepLast",
     "LeaseHeldError",
+    "LeaseLostError",
     "ManagerStats",
     "MetricMode",
     "RankLocal",
@@ -93,6 +96,7 @@ __all__ = [
     "StepInfo",
     "StepNotFoundError",
     "StorageError",
+    "check_root_lease",
 ]
 
 _HOME = {
@@ -100,6 +104,7 @@ _HOME = {
     "CheckpointConfig": "_config",
     "CheckpointManager": "_manager",
     "S3Options": "_store.options",
+    "check_root_lease": "_store.lease",
     **dict.fromkeys(
         [
             "AnyOf",
@@ -132,6 +137,7 @@ _HOME = {
             "CommitConflictError",
             "CorruptCheckpointError",
             "LeaseHeldError",
+            "LeaseLostError",
             "SaveFailedError",
             "StepNotFoundError",
             "StorageError",

@@ -4,7 +4,9 @@ Each check raises `StartupCheckError` with one line saying what is wrong and how
 CLI turns it into exit code 2 (systemd's `RestartPreventExitStatus=2` stops a restart loop on a
 config that can never work). Checks: the job can be imported, the checkpoint root is reachable
 and writable (a probe file is written and removed; for S3 the endpoint must accept a TCP
-connection within a few seconds and the bucket must exist), the per-run directory is writable.
+connection within a few seconds and the bucket must exist), no other live process holds the
+root's lease (the one line names its host, pid, run id and last refresh; see
+`ckpt_manager.check_root_lease`), the per-run directory is writable.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from ckpt_manager import S3Options
+from ckpt_manager import CheckpointError, LeaseHeldError, S3Options, check_root_lease
 from daemon.config import DaemonConfig
 from daemon.errors import StartupCheckError
 
@@ -99,6 +101,16 @@ def _check_s3(cfg: DaemonConfig) -> None:
         raise StartupCheckError(f"ckpt_uri={uri!r}: bucket {bucket!r} does not exist; create it")
 
 
+def _check_lease(cfg: DaemonConfig) -> None:
+    uri = cfg.checkpoint.ckpt_uri
+    try:
+        check_root_lease(uri, s3_storage_options(cfg))
+    except LeaseHeldError as err:
+        raise StartupCheckError(f"ckpt_uri={uri!r}: {err}") from None
+    except CheckpointError as err:
+        raise StartupCheckError(f"ckpt_uri={uri!r}: cannot read its lease: {err}") from None
+
+
 def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
     """Run every start-up check.
 
@@ -112,4 +124,5 @@ def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
         _check_local_dir(Path(uri.removeprefix("file://")), "checkpoint root")
     elif scheme == "s3":
         _check_s3(cfg)
+    _check_lease(cfg)
     _check_local_dir(run_dir, "run directory")

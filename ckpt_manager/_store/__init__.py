@@ -5,6 +5,7 @@ and the CLI build on it, never the other way round. Only `format.py` and `tree.p
 torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
 
     storage.py      Storage: every URL/path operation (fsspec), atomic + exclusive writes,
+                    conditional writes (read_with_version / write_if),
                     multipart uploads, error translation; validate_relative_name.
     multipart.py    S3 uploads straight from a buffer (no copy), aborted on failure;
                     listing and aborting incomplete uploads left by killed writers.
@@ -22,5 +23,6 @@ torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
                     dead attempts; remove_uncommitted_step, the one guarded removal of an
                     uncommitted step folder (never one that holds a manifest).
     pins.py         pinned steps under `_pins/` (shared with ckptctl).
-    lease.py        Lease on the root: run id, host, pid, refreshed; takeover rules.
+    lease.py        Lease on the root: conditional take/refresh/release, takeover only after
+                    expiry on our own clock or a provably dead holder, fencing (confirm).
 """

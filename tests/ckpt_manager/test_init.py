@@ -34,6 +34,7 @@ EXPECTED = [
     "KeepInterval",
     "KeepLast",
     "LeaseHeldError",
+    "LeaseLostError",
     "ManagerStats",
     "MetricMode",
     "RankLocal",
@@ -48,6 +49,7 @@ EXPECTED = [
     "StepInfo",
     "StepNotFoundError",
     "StorageError",
+    "check_root_lease",
 ]
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,3 +77,33 @@ def test_missing_bucket_on_a_live_endpoint_exits_2(tmp_path: Path, s3: object) -
     )
     assert result.returncode == 2, result.stderr
     assert "bucket 'no-such-bucket' does not exist" in result.stderr.strip().splitlines()[-1]
+
+
+_HOLDER = """
+import pathlib, sys, time
+from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
+cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, lease_ttl_s=1.5)
+with CheckpointManager(sys.argv[1], cfg, run_id="the-holder"):
+    pathlib.Path(sys.argv[2]).write_text("held")
+    time.sleep(120)
+"""
+
+
+def test_a_root_whose_lease_is_live_exits_2_naming_the_holder(tmp_path: Path) -> None:
+    root, ready = tmp_path / "ckpt", tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(root), str(ready)])
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and holder.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the holder never took the lease"
+        result = _run(["--ckpt-uri", str(root), "--max-steps", "1"], tmp_path)
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    assert result.returncode == 2, result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("trainingd: ")
+    assert f"run 'the-holder' (host {socket.gethostname()}, pid {holder.pid}, refresh #" in line
+    assert "last refresh 20" in line
+    assert "training" not in result.stderr.replace("trainingd", "")  # no rank started
