@@ -19,7 +19,7 @@ from typing import Any
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._save.request import SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread, Slab, copy_into_slab
-from ckpt_manager._save.writer import write_shard
+from ckpt_manager._save.writer import write_shard_retrying
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.manifest import step_dir
 from ckpt_manager._store.storage import Storage
@@ -216,19 +216,29 @@ class LocalPipeline:
             "chunk_bytes": self._config.upload_chunk_bytes,
             "concurrency": self._config.upload_concurrency,
             "streamed": streamed,
+            "retry_for_s": self._retry_for_s(),
         }
+
+    def _retry_for_s(self) -> float:
+        """How long a writer may wait out a store outage: inside `write_timeout_s`, with room
+        for one last attempt ([Note: a store outage is waited out, not failed])."""
+        return max(0.0, 0.8 * self._config.write_timeout_s)
 
     def _write_inline(self, request: SaveRequest, name: str) -> None:
         t0 = time.monotonic()
         assert request.slab is not None
         view = request.slab.view(request.layout.total_bytes)
         try:
-            size, crc = write_shard(
+            size, crc = write_shard_retrying(
                 self._storage,
                 name,
                 view,
                 chunk_bytes=self._config.upload_chunk_bytes,
                 concurrency=self._config.upload_concurrency,
+                retry_for_s=self._retry_for_s(),
+                on_retry=lambda err, delay: self._log.warning(
+                    "ckpt_write_retrying", ckpt_step=request.step, error=str(err), retry_in_s=delay
+                ),
             )
             request.finish_ok(size=size, crc32=crc)
         except CheckpointError as err:

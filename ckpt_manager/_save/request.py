@@ -31,12 +31,17 @@ import threading
 import time
 from typing import Any, NamedTuple
 
+import structlog
+
 from ckpt_manager._coord import Status
 from ckpt_manager._save.staging import Slab
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.format import FileLayout
 
 __all__ = ["InvalidTransitionError", "Limits", "SaveRequest", "SaveState"]
+
+
+_log = structlog.get_logger("ckpt_manager")
 
 
 class SaveState(enum.Enum):
@@ -233,6 +238,13 @@ class SaveRequest:
             return False
         self.answered = True
         self.write_s = float(reply.get("write_s", 0.0))
+        if reply.get("retries"):
+            _log.warning(
+                "ckpt_write_retried",
+                ckpt_step=self.step,
+                retries=int(reply["retries"]),
+                last_error=reply.get("retried_error"),
+            )
         if reply.get("ok"):
             self.finish_ok(size=int(reply["size"]), crc32=int(reply["crc32"]))
         else:

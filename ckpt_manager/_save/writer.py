@@ -38,18 +38,60 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
 from ckpt_manager._store.checksum import crc32
-from ckpt_manager._store.storage import Storage
+from ckpt_manager._store.storage import Storage, is_transient
 
-__all__ = ["FAULT_ENV", "main", "write_shard"]
+__all__ = ["FAULT_ENV", "main", "write_shard", "write_shard_retrying"]
 
 FAULT_ENV = "CKPT_MANAGER_WRITER_FAULT"
 _PARALLEL_CRC_BYTES = 8 << 20
+_MAX_RETRY_DELAY_S = 30.0
+
+
+def write_shard_retrying(
+    storage: Storage,
+    name: str,
+    data: memoryview,
+    *,
+    chunk_bytes: int,
+    concurrency: int,
+    retry_for_s: float,
+    on_retry: Callable[[BaseException, float], None] | None = None,
+) -> tuple[int, int]:
+    """`write_shard` to an object store, retried while the store is only unreachable.
+
+    [Note: a store outage is waited out, not failed] botocore's own retries give up within
+    seconds, so without this a restart of the object store or a network blip fails every
+    save in flight, and `max_consecutive_save_failures` saves later the run. A transient
+    failure (`storage.is_transient`: unreachable, timeouts, throttling, 5xx) is retried with
+    backoff (1 s doubling to 30 s) for up to `retry_for_s`, which the trainer sets inside
+    its `write_timeout_s`; refusals (4xx) and local-disk errors fail at once. The upload
+    restarts from the first byte: parts of a failed attempt were aborted with it.
+
+    Args:
+        on_retry: called with the error and the delay before each retry (for logging).
+    """
+    deadline = time.monotonic() + retry_for_s
+    delay = 1.0
+    while True:
+        try:
+            return write_shard(
+                storage, name, data, chunk_bytes=chunk_bytes, concurrency=concurrency
+            )
+        except Exception as err:
+            if not storage.is_object_store or not is_transient(err):
+                raise
+            if time.monotonic() + delay > deadline:
+                raise
+            if on_retry is not None:
+                on_retry(err, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_RETRY_DELAY_S)
 
 
 def write_shard(
@@ -169,17 +211,31 @@ class _Server:
                     _apply_fault(
                         self.fault, self.rank, int(msg["step"]), storage, msg["name"], view
                     )
-                size, crc = write_shard(
-                    storage,
-                    msg["name"],
-                    view,
-                    chunk_bytes=int(msg["chunk_bytes"]),
-                    concurrency=int(msg["concurrency"]),
-                    staged=self.staged_counts(msg) if msg.get("streamed") else None,
-                )
+                retries: list[str] = []
+                if msg.get("streamed"):
+                    size, crc = write_shard(
+                        storage,
+                        msg["name"],
+                        view,
+                        chunk_bytes=int(msg["chunk_bytes"]),
+                        concurrency=int(msg["concurrency"]),
+                        staged=self.staged_counts(msg),
+                    )
+                else:
+                    size, crc = write_shard_retrying(
+                        storage,
+                        msg["name"],
+                        view,
+                        chunk_bytes=int(msg["chunk_bytes"]),
+                        concurrency=int(msg["concurrency"]),
+                        retry_for_s=float(msg.get("retry_for_s", 0.0)),
+                        on_retry=lambda err, _delay: retries.append(f"{type(err).__name__}: {err}"),
+                    )
             finally:
                 view.release()
             reply.update(ok=True, size=size, crc32=crc, error=None)
+            if retries:
+                reply.update(retries=len(retries), retried_error=retries[-1])
         except Exception as err:
             reply.update(ok=False, size=0, crc32=0, error=f"{type(err).__name__}: {err}")
         reply["write_s"] = time.monotonic() - started

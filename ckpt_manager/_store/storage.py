@@ -61,7 +61,7 @@ from ckpt_manager.errors import (
     VersionMismatchError,
 )
 
-__all__ = ["Storage", "validate_relative_name"]
+__all__ = ["Storage", "is_transient", "validate_relative_name"]
 
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
@@ -112,6 +112,45 @@ def _translated(op: str, path: str) -> Iterator[None]:
         raise
     except Exception as err:
         raise _storage_error(op, path, err) from err
+
+
+_TRANSIENT_NAMES = frozenset(
+    {
+        "EndpointConnectionError",
+        "ConnectionClosedError",
+        "ConnectTimeoutError",
+        "ReadTimeoutError",
+        "ResponseStreamingError",
+        "ServerDisconnectedError",
+        "ClientConnectorError",
+        "ClientPayloadError",
+    }
+)
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling"}
+)
+
+
+def is_transient(err: BaseException) -> bool:
+    """Whether a storage failure may go away by itself: the store is unreachable, timed
+    out, throttles or answers 5xx (an outage, a restart, a network blip). Refusals (4xx:
+    credentials, a missing bucket, a failed condition) and local-disk errors are not: retrying
+    them would only delay the error an operator has to fix.
+    """
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ConnectionError | TimeoutError):
+            return True
+        if type(seen).__name__ in _TRANSIENT_NAMES:
+            return True
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code in _TRANSIENT_CODES or (isinstance(status, int) and status >= 500):
+                return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _is_precondition_failed(err: BaseException) -> bool:

@@ -106,8 +106,13 @@ def test_s3_server_stopped_mid_upload(
         },
     }
     monkeypatch.setenv(FAULT_ENV, "stall=2@2")
+    # The store stays down longer than the write budget: the writer waits the outage out
+    # only within write_timeout_s, then the save fails.
     cfg = CheckpointConfig(
-        async_mode=AsyncMode.PERSISTENT, storage_options=options, finalize_timeout_s=30
+        async_mode=AsyncMode.PERSISTENT,
+        storage_options=options,
+        finalize_timeout_s=30,
+        write_timeout_s=8,
     )
     root = f"s3://{bucket}/ckpt"
     with CheckpointManager(root, cfg, run_id="outage") as mgr:
@@ -120,7 +125,9 @@ def test_s3_server_stopped_mid_upload(
             assert time.monotonic() < deadline, "the writer never started step 2"
             time.sleep(0.05)
         outage_server.stop()  # the real upload starts after the stall, against a dead server
-        with pytest.raises(SaveFailedError, match=r"step 2 failed: rank 0: writer failed"):
+        with pytest.raises(
+            SaveFailedError, match=r"step 2 failed: rank 0: writer (failed|did not finish)"
+        ):
             mgr.wait_until_finished()
         outage_server.start()
         assert mgr.all_steps() == [1]
@@ -132,6 +139,52 @@ def test_s3_server_stopped_mid_upload(
         mgr.save(3, {"t": torch.full((1000,), 3.0)})
         mgr.wait_until_finished()
         assert mgr.all_steps() == [1, 3]
+
+
+def test_an_outage_with_default_retry_settings_is_waited_out(
+    outage_server: _Outage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # [Note: a store outage is waited out, not failed]: botocore's default retries give up
+    # within seconds; the writer keeps retrying within write_timeout_s, so a save in flight
+    # when the store goes down for a while commits once it is back, and nothing is raised.
+    bucket = f"outage-{uuid.uuid4().hex[:8]}"
+    boto3.client(
+        "s3",
+        endpoint_url=outage_server.endpoint,
+        region_name=TEST_REGION,
+        aws_access_key_id=TEST_KEY,
+        aws_secret_access_key=TEST_SECRET,
+    ).create_bucket(Bucket=bucket)
+    options: dict[str, Any] = {  # botocore's defaults: no retry or timeout settings
+        "key": TEST_KEY,
+        "secret": TEST_SECRET,
+        "client_kwargs": {"endpoint_url": outage_server.endpoint, "region_name": TEST_REGION},
+    }
+    monkeypatch.setenv(FAULT_ENV, "stall=1@2")
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, storage_options=options)
+    root = f"s3://{bucket}/ckpt"
+    outage_s = 12.0
+    with CheckpointManager(root, cfg, run_id="outage-default") as mgr:
+        mgr.save(1, {"t": torch.full((1000,), 1.0)})
+        mgr.wait_until_finished()
+        mgr.save(2, {"t": torch.full((1000,), 2.0)})
+        partial = f"{step_dir(2)}/{shard_file_name(0)}.partial"
+        deadline = time.monotonic() + 20
+        while not mgr.storage.exists(partial):
+            assert time.monotonic() < deadline, "the writer never started step 2"
+            time.sleep(0.05)
+        outage_server.stop()  # the upload starts after the stall, against a dead server
+        down_until = time.monotonic() + outage_s
+        while time.monotonic() < down_until:
+            mgr.maybe_finalize()  # the training loop goes on; nothing is raised
+            assert mgr.stats().inflight == 1
+            time.sleep(0.2)
+        outage_server.start()
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1, 2]
+        result = mgr.restore(2)
+        assert result is not None
+        assert torch.equal(result.state["t"], torch.full((1000,), 2.0))
 
 
 def test_retried_identical_manifest_put_answered_412_is_a_commit(
