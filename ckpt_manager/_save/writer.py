@@ -212,24 +212,21 @@ class _Server:
                         self.fault, self.rank, int(msg["step"]), storage, msg["name"], view
                     )
                 retries: list[str] = []
-                if msg.get("streamed"):
-                    size, crc = write_shard(
-                        storage,
-                        msg["name"],
-                        view,
-                        chunk_bytes=int(msg["chunk_bytes"]),
-                        concurrency=int(msg["concurrency"]),
-                        staged=self.staged_counts(msg),
-                    )
+                sizes = {
+                    "chunk_bytes": int(msg["chunk_bytes"]),
+                    "concurrency": int(msg["concurrency"]),
+                }
+                if msg.get("streamed"):  # local disk: nothing transient to wait out
+                    staged = self.staged_counts(msg)
+                    size, crc = write_shard(storage, msg["name"], view, staged=staged, **sizes)
                 else:
                     size, crc = write_shard_retrying(
                         storage,
                         msg["name"],
                         view,
-                        chunk_bytes=int(msg["chunk_bytes"]),
-                        concurrency=int(msg["concurrency"]),
                         retry_for_s=float(msg.get("retry_for_s", 0.0)),
                         on_retry=lambda err, _delay: retries.append(f"{type(err).__name__}: {err}"),
+                        **sizes,
                     )
             finally:
                 view.release()

@@ -131,39 +131,50 @@ _TRANSIENT_CODES = frozenset(
 )
 
 
+def _s3_replies(err: BaseException, *, follow_context: bool) -> Iterator[tuple[Any, Any]]:
+    """`(error code, HTTP status)` of each botocore-style reply in `err`'s cause chain."""
+    seen: BaseException | None = err
+    while seen is not None:
+        response = getattr(seen, "response", None)
+        if isinstance(response, dict):
+            yield (
+                response.get("Error", {}).get("Code"),
+                response.get("ResponseMetadata", {}).get("HTTPStatusCode"),
+            )
+        seen = seen.__cause__ or (seen.__context__ if follow_context else None)
+
+
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    seen: BaseException | None = err
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__ or seen.__context__
+
+
 def is_transient(err: BaseException) -> bool:
     """Whether a storage failure may go away by itself: the store is unreachable, timed
     out, throttles or answers 5xx (an outage, a restart, a network blip). Refusals (4xx:
     credentials, a missing bucket, a failed condition) and local-disk errors are not: retrying
     them would only delay the error an operator has to fix.
     """
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, ConnectionError | TimeoutError):
-            return True
-        if type(seen).__name__ in _TRANSIENT_NAMES:
-            return True
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code in _TRANSIENT_CODES or (isinstance(status, int) and status >= 500):
-                return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    if any(
+        isinstance(e, ConnectionError | TimeoutError) or type(e).__name__ in _TRANSIENT_NAMES
+        for e in _chain(err)
+    ):
+        return True
+    return any(
+        code in _TRANSIENT_CODES or (isinstance(status, int) and status >= 500)
+        for code, status in _s3_replies(err, follow_context=True)
+    )
 
 
 def _is_precondition_failed(err: BaseException) -> bool:
     """Whether an S3 error (or its cause) is HTTP 412 PreconditionFailed."""
-    seen: BaseException | None = err
-    while seen is not None:
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code == "PreconditionFailed" or status == 412:
-                return True
-        seen = seen.__cause__
+    if any(
+        code == "PreconditionFailed" or status == 412
+        for code, status in _s3_replies(err, follow_context=False)
+    ):
+        return True
     text = str(err).lower()
     return "precondition" in text or "pre-condition" in text
 
@@ -173,16 +184,10 @@ def _is_conditional_conflict(err: BaseException) -> bool:
     conditional write), or 404 (`If-Match` on an object that is gone)."""
     if _is_precondition_failed(err) or isinstance(err, FileNotFoundError):
         return True
-    seen: BaseException | None = err
-    while seen is not None:
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            code = response.get("Error", {}).get("Code")
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code in ("ConditionalRequestConflict", "NoSuchKey") or status in (404, 409):
-                return True
-        seen = seen.__cause__
-    return False
+    return any(
+        code in ("ConditionalRequestConflict", "NoSuchKey") or status in (404, 409)
+        for code, status in _s3_replies(err, follow_context=False)
+    )
 
 
 def _content_version(data: bytes) -> str:

@@ -262,15 +262,7 @@ def _rank1_dies_mid_save(rank: int, world: int, root: str, report: str) -> None:
     mgr.save(2, _rank_state(rank, world, 2))
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    t0 = time.monotonic()
-    outcome = {"error": "", "type": ""}
-    try:
-        mgr.wait_until_finished()
-    except CheckpointError as err:
-        outcome = {"error": str(err), "type": type(err).__name__}
-    outcome["elapsed"] = time.monotonic() - t0
-    outcome["steps"] = mgr.all_steps()
-    pathlib.Path(report).write_text(json.dumps(outcome))
+    _report_outcome(mgr.wait_until_finished, report, mgr)
     mgr.close()
 
 
@@ -308,6 +300,20 @@ def _run_with_a_dying_rank(fn: Any, root: pathlib.Path, report: pathlib.Path) ->
     return [p.exitcode for p in procs]
 
 
+def _report_outcome(call: Any, report: str, mgr: Any = None) -> None:
+    """Run `call()` on the surviving rank and write what happened (error, time, steps)."""
+    t0 = time.monotonic()
+    outcome: dict[str, Any] = {"error": "", "type": ""}
+    try:
+        call()
+    except CheckpointError as err:
+        outcome = {"error": str(err), "type": type(err).__name__}
+    outcome["elapsed"] = time.monotonic() - t0
+    if mgr is not None:
+        outcome["steps"] = mgr.all_steps()
+    pathlib.Path(report).write_text(json.dumps(outcome))
+
+
 def _kill_self_on(call: str, matches: Any) -> None:
     """SIGKILL this process at the first `Storage.<call>(name)` whose name matches: a rank
     dying at an exact point of a commit or a restore (the kill itself is a real SIGKILL)."""
@@ -331,15 +337,7 @@ def _coordinator_dies_mid_commit(rank: int, world: int, root: str, report: str) 
     if rank == 0:  # dies with every shard of step 2 written, as it writes the manifest
         _kill_self_on("write", lambda name: name == f"{step_dir(2)}/{MANIFEST_NAME}")
     mgr.save(2, _rank_state(rank, world, 2))
-    t0 = time.monotonic()
-    outcome = {"error": "", "type": ""}
-    try:
-        mgr.wait_until_finished()
-    except CheckpointError as err:
-        outcome = {"error": str(err), "type": type(err).__name__}
-    outcome["elapsed"] = time.monotonic() - t0
-    outcome["steps"] = mgr.all_steps()
-    pathlib.Path(report).write_text(json.dumps(outcome))
+    _report_outcome(mgr.wait_until_finished, report, mgr)
 
 
 def test_coordinator_killed_mid_commit_fails_the_step_on_the_others(
@@ -362,14 +360,7 @@ def _rank1_dies_during_restore(rank: int, world: int, root: str, report: str) ->
     mgr.wait_until_finished()
     if rank == 1:
         _kill_self_on("read", lambda name: name.startswith(f"{step_dir(1)}/"))
-    t0 = time.monotonic()
-    outcome = {"error": "", "type": ""}
-    try:
-        mgr.restore(into=_rank_state(rank, world, 0))
-    except CheckpointError as err:
-        outcome = {"error": str(err), "type": type(err).__name__}
-    outcome["elapsed"] = time.monotonic() - t0
-    pathlib.Path(report).write_text(json.dumps(outcome))
+    _report_outcome(lambda: mgr.restore(into=_rank_state(rank, world, 0)), report)
 
 
 def test_rank_killed_during_restore_fails_the_restore_on_the_others(

@@ -71,6 +71,19 @@ class _Outage:
             self.server.stop()
             self.server = None
 
+    def new_bucket(self) -> tuple[str, dict[str, Any]]:
+        """A fresh bucket and the storage options to reach it (botocore's default retries)."""
+        bucket = f"outage-{uuid.uuid4().hex[:8]}"
+        boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            region_name=TEST_REGION,
+            aws_access_key_id=TEST_KEY,
+            aws_secret_access_key=TEST_SECRET,
+        ).create_bucket(Bucket=bucket)
+        client = {"endpoint_url": self.endpoint, "region_name": TEST_REGION}
+        return bucket, {"key": TEST_KEY, "secret": TEST_SECRET, "client_kwargs": client}
+
 
 @pytest.fixture
 def outage_server() -> Iterator[_Outage]:
@@ -87,23 +100,11 @@ def outage_server() -> Iterator[_Outage]:
 def test_s3_server_stopped_mid_upload(
     outage_server: _Outage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    bucket = f"outage-{uuid.uuid4().hex[:8]}"
-    boto3.client(
-        "s3",
-        endpoint_url=outage_server.endpoint,
-        region_name=TEST_REGION,
-        aws_access_key_id=TEST_KEY,
-        aws_secret_access_key=TEST_SECRET,
-    ).create_bucket(Bucket=bucket)
-    options: dict[str, Any] = {
-        "key": TEST_KEY,
-        "secret": TEST_SECRET,
-        "client_kwargs": {"endpoint_url": outage_server.endpoint, "region_name": TEST_REGION},
-        "config_kwargs": {
-            "connect_timeout": 1,
-            "read_timeout": 2,
-            "retries": {"max_attempts": 1},
-        },
+    bucket, options = outage_server.new_bucket()
+    options["config_kwargs"] = {
+        "connect_timeout": 1,
+        "read_timeout": 2,
+        "retries": {"max_attempts": 1},
     }
     monkeypatch.setenv(FAULT_ENV, "stall=2@2")
     # The store stays down longer than the write budget: the writer waits the outage out
@@ -147,19 +148,7 @@ def test_an_outage_with_default_retry_settings_is_waited_out(
     # [Note: a store outage is waited out, not failed]: botocore's default retries give up
     # within seconds; the writer keeps retrying within write_timeout_s, so a save in flight
     # when the store goes down for a while commits once it is back, and nothing is raised.
-    bucket = f"outage-{uuid.uuid4().hex[:8]}"
-    boto3.client(
-        "s3",
-        endpoint_url=outage_server.endpoint,
-        region_name=TEST_REGION,
-        aws_access_key_id=TEST_KEY,
-        aws_secret_access_key=TEST_SECRET,
-    ).create_bucket(Bucket=bucket)
-    options: dict[str, Any] = {  # botocore's defaults: no retry or timeout settings
-        "key": TEST_KEY,
-        "secret": TEST_SECRET,
-        "client_kwargs": {"endpoint_url": outage_server.endpoint, "region_name": TEST_REGION},
-    }
+    bucket, options = outage_server.new_bucket()  # botocore's default retries and timeouts
     monkeypatch.setenv(FAULT_ENV, "stall=1@2")
     cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, storage_options=options)
     root = f"s3://{bucket}/ckpt"

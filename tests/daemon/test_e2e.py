@@ -78,14 +78,6 @@ _REQUIRED_PRESENT = {"trainingd_ckpt_inflight", "trainingd_fsdp_prefetch_misses_
 
 
 @pytest.fixture
-def procs() -> Iterator[list[DaemonProc]]:
-    started: list[DaemonProc] = []
-    yield started
-    for d in started:
-        d.cleanup()
-
-
-@pytest.fixture
 def notify_socket(tmp_path: Path) -> Iterator[tuple[list[str], str]]:
     """A datagram socket playing systemd: a thread reads it continuously (the kernel queues
     only a few datagrams), collecting every line."""

@@ -6,7 +6,6 @@ the writer processes the ranks start), so which saves fail is exact, not a matte
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,14 +17,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 _RUN = ["--nproc-per-node", "2", "--batch-size", "4", "--warmup-steps", "1"]
 _RUN += ["--max-steps", "10", "--ckpt-every", "2", "--max-restarts", "0"]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[DaemonProc]]:
-    started: list[DaemonProc] = []
-    yield started
-    for d in started:
-        d.cleanup()
 
 
 def test_failed_saves_are_reported_and_training_continues(

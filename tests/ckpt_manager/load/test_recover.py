@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -91,6 +92,19 @@ def test_manifest_naming_parent_path_is_rejected(
 _CHECKSUM_FIELD = "manifest_crc32"
 
 
+def _edit_manifest(root: pathlib.Path, step: int, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Change a committed manifest on disk the way a person or bit rot would; `edit` gets
+    the parsed document (its checksum field still in it) and changes it in place."""
+    manifest = root / step_dir(step) / MANIFEST_NAME
+    doc = json.loads(manifest.read_bytes())
+    edit(doc)
+    manifest.write_text(json.dumps(doc))
+
+
+def _unsigned(doc: dict[str, Any]) -> None:
+    doc.pop(_CHECKSUM_FIELD, None)
+
+
 def _flat_steps(root: pathlib.Path) -> None:
     """Steps 1 and 2 of a flat shard "t" (elements 64..128 of 128) followed by a tensor "u"."""
     cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
@@ -143,11 +157,8 @@ def test_flipped_digit_of_an_unsigned_manifest_falls_back(
 ) -> None:
     # Without the checksum (a manifest from before it) the extent checks still catch it.
     _flat_steps(tmp_path)
-    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
-    doc = json.loads(manifest.read_bytes())
-    doc.pop(_CHECKSUM_FIELD, None)
-    manifest.write_text(json.dumps(doc))
-    _flip_digit_after(manifest, b'"flat_range":')
+    _edit_manifest(tmp_path, 2, _unsigned)
+    _flip_digit_after(tmp_path / step_dir(2) / MANIFEST_NAME, b'"flat_range":')
     step, reason = _restore_flat(tmp_path, log_events)
     assert step == 1
     assert "invalid manifest of step 2" in reason
@@ -158,10 +169,7 @@ def test_changed_manifest_checksum_falls_back(
     tmp_path: pathlib.Path, log_events: list[dict[str, Any]]
 ) -> None:
     _flat_steps(tmp_path)
-    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
-    doc = json.loads(manifest.read_bytes())
-    doc[_CHECKSUM_FIELD] ^= 1
-    manifest.write_text(json.dumps(doc))
+    _edit_manifest(tmp_path, 2, lambda doc: doc.update({_CHECKSUM_FIELD: doc[_CHECKSUM_FIELD] ^ 1}))
     step, reason = _restore_flat(tmp_path, log_events)
     assert step == 1
     assert "step 2: manifest checksum" in reason
@@ -174,11 +182,12 @@ def test_huge_global_shape_falls_back_before_allocating(
     with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
         for step in (1, 2):
             mgr.save(step, {"t": Shard(torch.full((64,), float(step)), (64,), (0,), (0, 64))})
-    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
-    doc = json.loads(manifest.read_bytes())
-    doc.pop(_CHECKSUM_FIELD, None)  # unsigned, so the size bound itself must catch it
-    doc["tensors"]["t"]["global_shape"] = [10**12]
-    manifest.write_text(json.dumps(doc))
+
+    def huge(doc: dict[str, Any]) -> None:
+        _unsigned(doc)  # unsigned, so the size bound itself must catch it
+        doc["tensors"]["t"]["global_shape"] = [10**12]
+
+    _edit_manifest(tmp_path, 2, huge)
     start = time.perf_counter()
     with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
         result = mgr.restore()
@@ -194,10 +203,7 @@ def test_manifest_without_checksum_still_restores(
     tmp_path: pathlib.Path, log_events: list[dict[str, Any]]
 ) -> None:
     _flat_steps(tmp_path)
-    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
-    doc = json.loads(manifest.read_bytes())
-    doc.pop(_CHECKSUM_FIELD, None)
-    manifest.write_text(json.dumps(doc))
+    _edit_manifest(tmp_path, 2, _unsigned)
     assert _restore_flat(tmp_path, log_events) == (2, "")
 
 
@@ -208,11 +214,7 @@ def test_a_skeleton_that_breaks_loading_falls_back_instead_of_raising(
     # TypeError. It must become a skipped step on every rank, never escape one rank alone
     # (the others would then wait in the next collective until the timeout).
     _flat_steps(tmp_path)
-    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
-    doc = json.loads(manifest.read_bytes())
-    doc.pop(_CHECKSUM_FIELD, None)
-    doc["tree"] = ["d", 5]
-    manifest.write_text(json.dumps(doc))
+    _edit_manifest(tmp_path, 2, lambda doc: (_unsigned(doc), doc.update(tree=["d", 5])))
     step, reason = _restore_flat(tmp_path, log_events)
     assert step == 1
     assert reason.startswith("TypeError")
