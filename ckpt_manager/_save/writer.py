@@ -43,8 +43,9 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ckpt_manager._store.backend_errors import is_transient
 from ckpt_manager._store.checksum import crc32
-from ckpt_manager._store.storage import Storage, is_transient
+from ckpt_manager._store.storage import Storage
 
 __all__ = ["FAULT_ENV", "main", "write_shard", "write_shard_retrying"]
 
@@ -68,7 +69,7 @@ def write_shard_retrying(
     [Note: a store outage is waited out, not failed] botocore's own retries give up within
     seconds, so without this a restart of the object store or a network blip fails every
     save in flight, and `max_consecutive_save_failures` saves later the run. A transient
-    failure (`storage.is_transient`: unreachable, timeouts, throttling, 5xx) is retried with
+    failure (`backend_errors.is_transient`: unreachable, timeouts, throttling, 5xx) is retried with
     backoff (1 s doubling to 30 s) for up to `retry_for_s`, which the trainer sets inside
     its `write_timeout_s`; refusals (4xx) and local-disk errors fail at once. The upload
     restarts from the first byte: parts of a failed attempt were aborted with it.

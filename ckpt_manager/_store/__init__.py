@@ -9,6 +9,8 @@ torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
                     multipart uploads, error translation; validate_relative_name.
     multipart.py    S3 uploads straight from a buffer (no copy), aborted on failure;
                     listing and aborting incomplete uploads left by killed writers.
+    backend_errors.py  backend errors into the StorageError tree; transient, precondition
+                    and version-conflict replies of object stores.
     options.py      S3Options: fsspec options for s3:// roots, shared by the daemon's
                     start-up checks and `ckptctl`.
     direct_write.py large local writes with O_DIRECT from page-aligned slabs, buffered tail

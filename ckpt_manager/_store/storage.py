@@ -43,7 +43,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import fsspec
@@ -51,17 +51,21 @@ import fsspec.asyn
 import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
+from ckpt_manager._store.backend_errors import (
+    is_conditional_conflict,
+    is_precondition_failed,
+    storage_error,
+    translated,
+)
 from ckpt_manager._store.direct_write import write_at_start
 from ckpt_manager._store.multipart import abort_upload, list_uploads, upload_buffer
 from ckpt_manager.errors import (
     CheckpointError,
     ObjectExistsError,
-    ObjectNotFoundError,
-    StorageError,
     VersionMismatchError,
 )
 
-__all__ = ["Storage", "is_transient", "validate_relative_name"]
+__all__ = ["Storage", "validate_relative_name"]
 
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
@@ -87,107 +91,6 @@ def validate_relative_name(name: str) -> str:
     if any(part in ("", ".", "..") for part in name.split("/")):
         raise ValueError(f"invalid name {name!r}: empty, '.' or '..' path component")
     return name
-
-
-def _storage_error(op: str, path: str, err: Exception) -> CheckpointError:
-    """The `StorageError` subclass for a backend error (a `CheckpointError` is kept)."""
-    if isinstance(err, CheckpointError):
-        return err
-    if isinstance(err, FileExistsError):
-        return ObjectExistsError(errno.EEXIST, f"{op} {path}: already exists ({err})")
-    if isinstance(err, FileNotFoundError):
-        return ObjectNotFoundError(errno.ENOENT, f"{op} {path}: not found ({err})")
-    if isinstance(err, OSError):
-        code = err.errno if err.errno is not None else errno.EIO
-        return StorageError(code, f"{op} {path} failed: {err}")
-    # botocore/aiohttp errors that s3fs did not translate (connection refused, timeouts).
-    return StorageError(errno.EIO, f"{op} {path} failed: {type(err).__name__}: {err}")
-
-
-@contextlib.contextmanager
-def _translated(op: str, path: str) -> Iterator[None]:
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except Exception as err:
-        raise _storage_error(op, path, err) from err
-
-
-_TRANSIENT_NAMES = frozenset(
-    {
-        "EndpointConnectionError",
-        "ConnectionClosedError",
-        "ConnectTimeoutError",
-        "ReadTimeoutError",
-        "ResponseStreamingError",
-        "ServerDisconnectedError",
-        "ClientConnectorError",
-        "ClientPayloadError",
-    }
-)
-_TRANSIENT_CODES = frozenset(
-    {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "Throttling"}
-)
-
-
-def _s3_replies(err: BaseException, *, follow_context: bool) -> Iterator[tuple[Any, Any]]:
-    """`(error code, HTTP status)` of each botocore-style reply in `err`'s cause chain."""
-    seen: BaseException | None = err
-    while seen is not None:
-        response = getattr(seen, "response", None)
-        if isinstance(response, dict):
-            yield (
-                response.get("Error", {}).get("Code"),
-                response.get("ResponseMetadata", {}).get("HTTPStatusCode"),
-            )
-        seen = seen.__cause__ or (seen.__context__ if follow_context else None)
-
-
-def _chain(err: BaseException) -> Iterator[BaseException]:
-    seen: BaseException | None = err
-    while seen is not None:
-        yield seen
-        seen = seen.__cause__ or seen.__context__
-
-
-def is_transient(err: BaseException) -> bool:
-    """Whether a storage failure may go away by itself: the store is unreachable, timed
-    out, throttles or answers 5xx (an outage, a restart, a network blip). Refusals (4xx:
-    credentials, a missing bucket, a failed condition) and local-disk errors are not: retrying
-    them would only delay the error an operator has to fix.
-    """
-    if any(
-        isinstance(e, ConnectionError | TimeoutError) or type(e).__name__ in _TRANSIENT_NAMES
-        for e in _chain(err)
-    ):
-        return True
-    return any(
-        code in _TRANSIENT_CODES or (isinstance(status, int) and status >= 500)
-        for code, status in _s3_replies(err, follow_context=True)
-    )
-
-
-def _is_precondition_failed(err: BaseException) -> bool:
-    """Whether an S3 error (or its cause) is HTTP 412 PreconditionFailed."""
-    if any(
-        code == "PreconditionFailed" or status == 412
-        for code, status in _s3_replies(err, follow_context=False)
-    ):
-        return True
-    text = str(err).lower()
-    return "precondition" in text or "pre-condition" in text
-
-
-def _is_conditional_conflict(err: BaseException) -> bool:
-    """Whether an S3 error means "not at the expected version": 412, or 409 (a concurrent
-    conditional write), or 404 (`If-Match` on an object that is gone)."""
-    if _is_precondition_failed(err) or isinstance(err, FileNotFoundError):
-        return True
-    return any(
-        code in ("ConditionalRequestConflict", "NoSuchKey") or status in (404, 409)
-        for code, status in _s3_replies(err, follow_context=False)
-    )
 
 
 def _content_version(data: bytes) -> str:
@@ -283,7 +186,7 @@ class Storage:
             StorageError: the write failed; nothing was published under `name`.
         """
         path = self.path(name)
-        with _translated("write", path):
+        with translated("write", path):
             if self.is_local:
                 self._write_local(path, memoryview(data), exclusive=exclusive, staged=staged)
                 return
@@ -322,7 +225,7 @@ class Storage:
             # EINVAL, and an untranslated botocore error is possible too: every 412 on an
             # exclusive write means "the object exists" (see [Note: an existing manifest is
             # read back] in `_save/commit.py`).
-            if exclusive and _is_precondition_failed(err):
+            if exclusive and is_precondition_failed(err):
                 raise FileExistsError(str(err)) from err
             raise
         finally:
@@ -351,7 +254,7 @@ class Storage:
         path = self.path(name)
         bucket, key, _ = self.fs.split_path(path)
         prefix = f"{key.rstrip('/')}/" if key else ""
-        with _translated("abort uploads under", path):
+        with translated("abort uploads under", path):
             now = time.time()
             num_aborted = 0
             for upload in list_uploads(self.fs, bucket, prefix):
@@ -390,7 +293,7 @@ class Storage:
             StorageError: the move or upload failed; nothing was published under `name`.
         """
         dest = self.path(name)
-        with _translated("write", dest):
+        with translated("write", dest):
             if self.is_local:
                 self._put_local(local_path, dest, exclusive=exclusive)
                 return
@@ -456,7 +359,7 @@ class Storage:
     def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
         """Read an object, or bytes `[start, end)` of it."""
         path = self.path(name)
-        with _translated("read", path):
+        with translated("read", path):
             return bytes(self.fs.cat_file(path, start=start, end=end))
 
     def read_with_version(self, name: str) -> tuple[bytes, str]:
@@ -467,7 +370,7 @@ class Storage:
             StorageError: the read failed.
         """
         path = self.path(name)
-        with _translated("read", path):
+        with translated("read", path):
             if self.protocol in ("s3", "s3a"):
                 bucket, key, _ = self.fs.split_path(path)
 
@@ -506,7 +409,7 @@ class Storage:
             StorageError: the write failed.
         """
         path = self.path(name)
-        with _translated("conditional write", path):
+        with translated("conditional write", path):
             if self.protocol in ("s3", "s3a"):
                 return self._write_if_s3(path, data, expected_version)
             if self.is_local:
@@ -548,7 +451,7 @@ class Storage:
         try:
             reply = self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, **condition)
         except Exception as err:
-            if _is_conditional_conflict(err):
+            if is_conditional_conflict(err):
                 raise VersionMismatchError(
                     errno.EAGAIN,
                     f"conditional write {path}: not at the expected version "
@@ -568,31 +471,31 @@ class Storage:
         paths = [self.path(n) for n in names]
         if not paths:
             return []
-        with _translated("read", paths[0]):
+        with translated("read", paths[0]):
             results = self.fs.cat_ranges(paths, None, None, on_error="return")
         return [
-            _storage_error("read", path, r) if isinstance(r, Exception) else bytes(r)
+            storage_error("read", path, r) if isinstance(r, Exception) else bytes(r)
             for path, r in zip(paths, results, strict=True)
         ]
 
     def size(self, name: str) -> int:
         """Size in bytes of an object."""
         path = self.path(name)
-        with _translated("stat", path):
+        with translated("stat", path):
             self._invalidate(path)
             return int(self.fs.size(path))
 
     def exists(self, name: str) -> bool:
         """Whether an object or folder exists."""
         path = self.path(name)
-        with _translated("stat", path):
+        with translated("stat", path):
             self._invalidate(path)
             return bool(self.fs.exists(path))
 
     def list_names(self, name: str = "") -> list[str]:
         """Names of the direct children of a folder (empty if it does not exist), sorted."""
         path = self.path(name)
-        with _translated("list", path):
+        with translated("list", path):
             self._invalidate(path)
             try:
                 entries = self.fs.ls(path, detail=False)
@@ -606,7 +509,7 @@ class Storage:
     def modified_unix_s(self, name: str) -> float | None:
         """Last modification time of an object, or the newest object in a folder."""
         path = self.path(name)
-        with _translated("stat", path):
+        with translated("stat", path):
             self._invalidate(path)
             try:
                 info = self.fs.info(path)
@@ -630,14 +533,14 @@ class Storage:
     def remove(self, name: str) -> None:
         """Delete one object; a missing object is fine."""
         path = self.path(name)
-        with _translated("delete", path), contextlib.suppress(FileNotFoundError):
+        with translated("delete", path), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
 
     def remove_tree(self, name: str) -> None:
         """Delete a folder and everything under it; a missing folder is fine."""
         path = self.path(name)
         is_s3 = self.protocol in ("s3", "s3a")
-        with _translated("delete", path):
+        with translated("delete", path):
             self._invalidate(path)
             folders = [path]
             with contextlib.suppress(FileNotFoundError):
