@@ -5,6 +5,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # Pinned so pip takes the local CPU build instead of a multi-GB CUDA wheel.
 TORCH_PIN := torch==2.13.0
+# Where pip gets torch; empty: the default index. Where the default wheel is the CUDA one (Linux
+# x86_64 on PyPI), `make venv TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu` takes the CPU build.
+TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 
 .PHONY: venv run test lint format clean bench
@@ -13,7 +16,8 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH_PIN)
+	$(BIN)/python -m pip install -q --disable-pip-version-check \
+		$(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(TORCH_PIN)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 

@@ -30,11 +30,41 @@ Module plan:
     errors.py        the daemon's error tree.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from daemon._config_load import load_config
 from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon.config import DaemonConfig
-from daemon.gpt import GPT, Block, GPTConfig, lm_loss
-from daemon.job import Dataset, JobContext, JobSpec
+
+if TYPE_CHECKING:
+    from daemon.gpt import GPT, Block, GPTConfig, lm_loss
+    from daemon.job import Dataset, JobContext, JobSpec
+
+# [Note: torch is imported lazily] `trainingd --help` / `--version` import this package; the
+# names below import torch, so they load on first use (PEP 562) and the console script answers
+# at once. A test pins that `daemon.cli` imports no torch.
+_LAZY = {
+    "GPT": "daemon.gpt",
+    "Block": "daemon.gpt",
+    "GPTConfig": "daemon.gpt",
+    "lm_loss": "daemon.gpt",
+    "Dataset": "daemon.job",
+    "JobContext": "daemon.job",
+    "JobSpec": "daemon.job",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "GPT",

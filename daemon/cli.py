@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from daemon._config_load import add_config_flags, dump_toml, load_config
 from daemon._version import distribution_version
@@ -27,6 +29,30 @@ exit codes: 0 finished or stopped cleanly, 1 workers failed, 2 bad config or sta
 EXIT_CONFIG = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose "unrecognized arguments" error names the nearest known flag."""
+
+    def _option_strings(self) -> Iterator[str]:
+        for action in self._actions:
+            yield from action.option_strings
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    if isinstance(sub, _Parser):
+                        yield from sub._option_strings()
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments:"
+        if message.startswith(prefix):
+            known = sorted(set(self._option_strings()))
+            for word in message.removeprefix(prefix).split():
+                flag = word.split("=", 1)[0]
+                close = difflib.get_close_matches(flag, known, n=1) if flag[:2] == "--" else []
+                if close:
+                    message += f" (did you mean {close[0]}?)"
+                    break
+        super().error(message)
+
+
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
@@ -40,8 +66,9 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser (exposed for tests and docs)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="trainingd",
+        allow_abbrev=False,
         description="Per-node training daemon for distributed PyTorch.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -50,16 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"trainingd {distribution_version()}"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    # allow_abbrev=False on every parser: a prefix such as --max-step is a usage error naming
+    # --max-steps, never silently taken for it.
     run = sub.add_parser(
         "run",
+        allow_abbrev=False,
         help="train on this node (one daemon per node)",
         description="Train on this node: launch local ranks, checkpoint, export metrics.",
     )
     _add_config_args(run)
-    config = sub.add_parser("config", help="inspect the configuration")
+    config = sub.add_parser("config", help="inspect the configuration", allow_abbrev=False)
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION")
     show = config_sub.add_parser(
-        "show", help="print the effective configuration (TOML) after flags, env and file"
+        "show",
+        help="print the effective configuration (TOML) after flags, env and file",
+        allow_abbrev=False,
     )
     _add_config_args(show)
     return parser

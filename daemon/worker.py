@@ -138,6 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m daemon.worker [config flags]` under plain torchrun."""
     parser = argparse.ArgumentParser(
         prog="python -m daemon.worker",
+        allow_abbrev=False,
         description="One trainingd rank under torchrun (same config flags as `trainingd run`).",
     )
     parser.add_argument("--config", type=Path, default=None, help="TOML config file")

@@ -303,7 +303,7 @@ class _Server:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the writer process; returns the exit code."""
-    parser = argparse.ArgumentParser(prog="ckpt_manager._save.writer")
+    parser = argparse.ArgumentParser(prog="ckpt_manager._save.writer", allow_abbrev=False)
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--parent-pid", type=int, required=True)

@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser (exposed for tests and docs)."""
     parser = argparse.ArgumentParser(
         prog="ckptctl",
+        allow_abbrev=False,
         description="Inspect, verify, restore and prune trainingd checkpoints (local or s3://).",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(
             name,
+            allow_abbrev=False,
             help=text,
             description=text,
             epilog=_EXAMPLES[name],
