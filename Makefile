@@ -9,8 +9,11 @@ TORCH_PIN := torch==2.13.0
 # x86_64 on PyPI), `make venv TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu` takes the CPU build.
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
+# System tools some tests need: promtool and prometheus (tests/dashboards), from Debian's package.
+SYSTEM_TOOLS := promtool prometheus
+SYSTEM_PACKAGES := prometheus
 
-.PHONY: venv run test lint format clean bench
+.PHONY: venv system-tools stop-packaged-prometheus run test lint format clean bench
 
 venv: $(STAMP)
 
@@ -24,7 +27,33 @@ $(STAMP): pyproject.toml
 run: venv
 	$(BIN)/trainingd run $(RUN_ARGS)
 
-test: venv
+# Installs the missing system tools when it can (root and apt-get, as on CI); otherwise it says
+# why in one line and carries on: the tests that need them skip with that reason, and fail instead
+# under TRAININGD_TEST_STRICT=1 or CI=true (tests/conftest.py), as .ci/run sets.
+system-tools:
+	@missing=; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	why=; \
+	if [ "$$(id -u)" != 0 ]; then why="not root"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then why="no apt-get"; \
+	else \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  if apt-get update -qq && apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); then \
+	    $(MAKE) --no-print-directory stop-packaged-prometheus; exit 0; \
+	  fi; why="apt-get install failed"; \
+	fi; \
+	echo "system-tools: missing$$missing and cannot install $(SYSTEM_PACKAGES) ($$why): the tests that need them will skip (run as root with apt-get to install)"
+
+# The package starts a service on install where an init system runs; the tests start their own
+# server on a free loopback port, so stop the packaged one (by its service, not by name).
+stop-packaged-prometheus:
+	@if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then \
+	  systemctl stop prometheus; \
+	elif [ -x /etc/init.d/prometheus ]; then \
+	  /etc/init.d/prometheus stop >/dev/null 2>&1 || true; \
+	fi
+
+test: venv system-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: venv

@@ -1,13 +1,69 @@
-"""Session-wide fixtures shared by every package's tests."""
+"""Session-wide fixtures and hooks shared by every package's tests.
+
+[Note: missing system tools] Tests marked `prometheus` need the `promtool` and `prometheus`
+binaries (Debian's `prometheus` package; `make test` installs it as root with apt-get). Where
+they are missing those tests skip with one reason, printed in the header and the `-ra` summary.
+In strict mode (`TRAININGD_TEST_STRICT=1`, or `CI=true`; `.ci/run` sets the former) the same
+tests fail instead, so CI never loses that coverage silently. This hook is the only place that
+decides it.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Iterator
 
 import pytest
 
 from tests.support.s3 import MotoS3, S3Target, isolate_aws_environment
 from tests.support.seaweed import SeaweedS3, find_weed_binary
+
+STRICT_VARIABLE = "TRAININGD_TEST_STRICT"
+"""Set to 1 (or CI=true) to fail, not skip, tests whose system tools are missing."""
+SYSTEM_TOOLS = {"prometheus": ("promtool", "prometheus")}
+"""Marker -> binaries its tests need on PATH."""
+
+
+def strict_mode() -> bool:
+    """Whether a missing system tool fails the tests that need it (see the Note above)."""
+    return os.environ.get(STRICT_VARIABLE, "") not in ("", "0") or (
+        os.environ.get("CI", "").lower() == "true"
+    )
+
+
+def _missing_tools_reason(marker: str) -> str | None:
+    missing = [t for t in SYSTEM_TOOLS[marker] if shutil.which(t) is None]
+    if not missing:
+        return None
+    return (
+        f"{' and '.join(missing)} not on PATH: install Debian's `prometheus` package "
+        f"(`make test` does as root with apt-get)"
+    )
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """One line per marker whose tools are missing, and what happens to its tests."""
+    lines = []
+    for marker in SYSTEM_TOOLS:
+        reason = _missing_tools_reason(marker)
+        if reason is not None:
+            fate = f"FAIL ({STRICT_VARIABLE}/CI strict mode)" if strict_mode() else "skip"
+            lines.append(f"`{marker}` tests will {fate}: {reason}")
+    return lines
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skip (or, in strict mode, fail) a test whose marker's system tools are missing."""
+    for marker in SYSTEM_TOOLS:
+        if item.get_closest_marker(marker) is None:
+            continue
+        reason = _missing_tools_reason(marker)
+        if reason is None:
+            continue
+        if strict_mode():
+            pytest.fail(f"{reason} [{STRICT_VARIABLE}/CI strict mode: no skip]", pytrace=False)
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")
