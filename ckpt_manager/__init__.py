@@ -44,6 +44,7 @@ if TYPE_CHECKING:
         RetentionPolicy,
         StepInfo,
     )
+    from ckpt_manager._store.catalog import latest_committed_step
     from ckpt_manager._store.lease import check_root_lease
     from ckpt_manager._store.options import S3Options
     from ckpt_manager._types import (
@@ -97,6 +98,7 @@ __all__ = [
     "StepNotFoundError",
     "StorageError",
     "check_root_lease",
+    "latest_committed_step",
 ]
 
 _HOME = {
@@ -105,6 +107,7 @@ _HOME = {
     "CheckpointManager": "_manager",
     "S3Options": "_store.options",
     "check_root_lease": "_store.lease",
+    "latest_committed_step": "_store.catalog",
     **dict.fromkeys(
         [
             "AnyOf",

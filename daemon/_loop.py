@@ -60,6 +60,8 @@ class LoopResult:
     """True when a stop request ended the loop before `max_steps`."""
     last_loss: float | None
     """Global mean loss of the last step run by this process."""
+    num_tokens: int
+    """Tokens this rank trained on in this process (for the run's tokens/s summary)."""
 
 
 def _lr_lambda(cfg: DaemonConfig) -> Any:
@@ -196,6 +198,7 @@ def run_training(
             log.info("restored", ckpt_step=step, seconds=round(time.perf_counter() - t0, 3))
             telemetry.observe("trainingd_ckpt_restore_seconds", time.perf_counter() - t0)
         start_step, saved_step, last_loss, stopped = step, step, None, False
+        num_tokens = 0
         failures = SaveFailurePolicy(manager, cfg.checkpoint.max_consecutive_save_failures)
         tokens_per_step = tc.batch_size * tc.micro_batches * job.tokens_per_sample
         telemetry.set("trainingd_train_step", step)
@@ -242,10 +245,9 @@ def run_training(
             telemetry.set("trainingd_train_step", step)
             telemetry.observe("trainingd_train_step_duration_seconds", step_s)
             telemetry.observe("trainingd_train_data_loading_seconds", data_s)
-            telemetry.inc(
-                "trainingd_train_tokens_total",
-                tokens_per_step or sum(int(b[0].numel()) for b in batches),
-            )
+            step_tokens = tokens_per_step or sum(int(b[0].numel()) for b in batches)
+            num_tokens += step_tokens
+            telemetry.inc("trainingd_train_tokens_total", step_tokens)
             telemetry.set("trainingd_train_loss", last_loss)
             telemetry.set("trainingd_train_grad_norm", float(grad_norm))
             telemetry.set("trainingd_train_learning_rate", lr)
@@ -286,4 +288,10 @@ def run_training(
         manager.check_for_errors()
         telemetry.update_checkpoints(manager.stats())
         telemetry.heartbeat("finished")
-    return LoopResult(start_step=start_step, final_step=step, stopped=stopped, last_loss=last_loss)
+    return LoopResult(
+        start_step=start_step,
+        final_step=step,
+        stopped=stopped,
+        last_loss=last_loss,
+        num_tokens=num_tokens,
+    )

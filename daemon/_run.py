@@ -4,6 +4,9 @@
     the port is taken) -> signal handlers -> supervisor thread -> torch elastic agent in the main
     thread (blocks while the ranks train; restarts them up to max_restarts) -> exit 0 when the
     ranks finished or stopped cleanly, 1 when they failed for good, 128+N on a second signal.
+A root that already holds a checkpoint at `max_steps` ends the run right after the start-up
+checks (one line, exit 0, no rank started). The last lines on stdout say how the run ended
+("finished at step N of M" or "stopped at step N (checkpoint committed)") with a summary.
 
 Signals (the agent is told to handle only SIGQUIT, so these stay ours; see operations.md 9):
 SIGTERM/SIGINT -> `draining`: sd_notify `STOPPING=1`, write the stop request the ranks poll;
@@ -20,18 +23,21 @@ import signal
 import socket
 import sys
 import tempfile
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import structlog
 
+from ckpt_manager import CheckpointError, latest_committed_step
 from daemon._collector import NodeCollector, SnapshotAggregator, make_registry
 from daemon._control import request_checkpoint, request_stop
 from daemon._http import MetricsServer
 from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._notify import Notifier
-from daemon._preflight import check_startup
+from daemon._preflight import check_startup, s3_storage_options
 from daemon._state import NodePhase, NodeState
 from daemon._supervisor import Supervisor, progress_stream
 from daemon._version import distribution_version
@@ -103,6 +109,59 @@ def _launch_config(cfg: DaemonConfig, run_dir: Path) -> Any:
     )
 
 
+def _already_complete(cfg: DaemonConfig) -> str | None:
+    """The one line that ends a run whose root already holds `max_steps`, or None to train."""
+    uri = cfg.checkpoint.ckpt_uri
+    try:
+        latest = latest_committed_step(uri, s3_storage_options(cfg))
+    except CheckpointError:
+        return None  # the ranks' own restore reports a root that cannot be listed
+    if latest is None or latest < cfg.train.max_steps:
+        return None
+    return (
+        f"trainingd: already at step {latest} of {cfg.train.max_steps} in {uri}; "
+        "pass --max-steps N to train further, or a new --ckpt-uri"
+    )
+
+
+def _ckptctl() -> str:
+    """How to call ckptctl from here: its name if on PATH, else the venv's copy beside us."""
+    beside = Path(sys.executable).parent / "ckptctl"
+    if shutil.which("ckptctl") is not None or not beside.exists():
+        return "ckptctl"
+    relative = os.path.relpath(beside)
+    return str(beside) if relative.startswith("..") else relative
+
+
+def _ending(
+    cfg: DaemonConfig, results: Iterable[dict[str, Any]], stop_signal: str | None, wall_s: float
+) -> str:
+    """The lines that end a run: how it ended, a summary, and where its checkpoints are."""
+    ranks = list(results)
+    final = max((int(r.get("final_step", 0)) for r in ranks), default=0)
+    start = min((int(r.get("start_step", 0)) for r in ranks), default=0)
+    loss = next((r["loss"] for r in ranks if r.get("loss") is not None), None)
+    num_tokens = sum(int(r.get("tokens") or 0) for r in ranks)
+    if stop_signal is not None or any(r.get("stopped") for r in ranks):
+        how = f"stopped at step {final} (checkpoint committed)"
+        if final == 0:
+            how = "stopped at step 0 (nothing trained, no checkpoint)"
+        if stop_signal is not None:
+            how += f" on {stop_signal}"
+    else:
+        how = f"finished at step {final} of {cfg.train.max_steps}"
+    summary = [f"{final - start} steps in {wall_s:.1f} s wall time"]
+    if loss is not None:
+        summary.append(f"final loss {loss:.4f}")
+    if num_tokens and wall_s > 0:
+        summary.append(f"{num_tokens / wall_s:,.0f} tokens/s on this node")
+    uri = cfg.checkpoint.ckpt_uri
+    return (
+        f"trainingd: run {cfg.run_id} {how}: {', '.join(summary)}\n"
+        f"trainingd: checkpoints in {uri}; list them with `{_ckptctl()} list {uri}`"
+    )
+
+
 class _Signals:
     """SIGTERM/SIGINT/SIGUSR1 handlers of the daemon's main thread."""
 
@@ -139,6 +198,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    started = time.monotonic()
     obs = cfg.observability
     chosen = configure_logging(obs.log_format, level=obs.log_level.upper())
     bind_process_context(node=cfg.launch.node_rank, run_id=cfg.run_id, role="daemon")
@@ -150,6 +210,10 @@ def run_daemon(cfg: DaemonConfig) -> int:
     try:
         try:
             check_startup(cfg, run_dir)
+            complete = _already_complete(cfg)
+            if complete is not None:
+                print(complete, flush=True)
+                return EXIT_OK
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
             collector = NodeCollector(aggregator, state, build_info_labels(distribution_version()))
             supervisor = Supervisor(
@@ -209,12 +273,8 @@ def run_daemon(cfg: DaemonConfig) -> int:
             return EXIT_FAILED
         final = max((r.get("final_step", 0) for r in results.values()), default=None)
         log.info("daemon_finished", final_step=final, stopped_by=signals.stop_signal)
-        print(
-            f"trainingd: run {cfg.run_id} finished at step {final}; checkpoints in "
-            f"{cfg.checkpoint.ckpt_uri} (see `ckptctl list {cfg.checkpoint.ckpt_uri}`); "
-            f"metrics were served at {url}/metrics",
-            flush=True,
-        )
+        print(_ending(cfg, results.values(), signals.stop_signal, time.monotonic() - started))
+        sys.stdout.flush()
         return EXIT_OK
     finally:
         state.update(phase=NodePhase.STOPPED)

@@ -119,6 +119,7 @@ def run_rank(
             "start_step": result.start_step,
             "stopped": result.stopped,
             "loss": result.last_loss,
+            "tokens": result.num_tokens,
         }
     finally:
         telemetry.heartbeat("exited")

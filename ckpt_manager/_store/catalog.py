@@ -7,6 +7,7 @@ manifests without paying for importing torch (see `_dtypes`).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import structlog
 
@@ -26,6 +27,7 @@ __all__ = [
     "committed_steps",
     "delete_step",
     "drop_dead_attempts",
+    "latest_committed_step",
     "list_step_dirs",
     "read_manifest",
     "read_manifests",
@@ -46,6 +48,22 @@ def list_step_dirs(storage: Storage) -> list[int]:
 def committed_steps(storage: Storage) -> list[int]:
     """Steps whose manifest exists, ascending (contents not verified)."""
     return [s for s in list_step_dirs(storage) if storage.exists(f"{step_dir(s)}/{MANIFEST_NAME}")]
+
+
+def latest_committed_step(
+    root_uri: str, storage_options: dict[str, Any] | None = None
+) -> int | None:
+    """Newest step under a checkpoint root whose manifest exists, or None (reads no shards).
+
+    Args:
+        root_uri: the checkpoint root (path or `s3://bucket/prefix`).
+        storage_options: fsspec options for the root's filesystem (S3 endpoint, credentials).
+
+    Raises:
+        StorageError: the root cannot be listed.
+    """
+    steps = committed_steps(Storage(root_uri, storage_options))
+    return steps[-1] if steps else None
 
 
 def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:

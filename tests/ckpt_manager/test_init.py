@@ -50,6 +50,7 @@ EXPECTED = [
     "StepNotFoundError",
     "StorageError",
     "check_root_lease",
+    "latest_committed_step",
 ]
 
 

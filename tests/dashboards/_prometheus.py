@@ -64,7 +64,7 @@ class PrometheusServer:
         exe = shutil.which("prometheus")
         if exe is None:
             raise PrometheusError(
-                "prometheus is missing: install Debian's `prometheus` package (`make test` does as root)"
+                "prometheus is missing: install Debian's `prometheus` (`make test` does as root)"
             )
         config = {
             "global": {"scrape_interval": self._interval, "evaluation_interval": self._interval},

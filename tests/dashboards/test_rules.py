@@ -31,7 +31,7 @@ _LABEL = re.compile(r'([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 def _promtool(*args: str | pathlib.Path, timeout_s: float = 60.0) -> str:
     exe = shutil.which("promtool")
-    assert exe, "promtool is missing: install Debian's `prometheus` package (`make test` does as root)"
+    assert exe, "promtool is missing: install Debian's `prometheus` (`make test` does as root)"
     proc = subprocess.run(
         [exe, *map(str, args)], capture_output=True, text=True, timeout=timeout_s, check=False
     )
@@ -166,7 +166,7 @@ def test_promtool_unit_tests_can_fail(tmp_path: pathlib.Path) -> None:
     broken = tmp_path / "broken_test.yml"
     broken.write_text(yaml.safe_dump(config))
     exe = shutil.which("promtool")
-    assert exe, "promtool is missing: install Debian's `prometheus` package (`make test` does as root)"
+    assert exe, "promtool is missing: install Debian's `prometheus` (`make test` does as root)"
     proc = subprocess.run(
         [exe, "test", "rules", str(broken)],
         capture_output=True,

@@ -1,0 +1,77 @@
+"""How `trainingd run` ends, as an operator reads it: the last lines on stdout and the exit code.
+
+A finished run prints "finished at step N of M" and a summary (steps, final loss, wall time,
+tokens/s, where the checkpoints are, how to list them); a run stopped by SIGTERM prints
+"stopped at step N (checkpoint committed)"; a second run on a root that already holds
+`max_steps` says so in one line, starts no rank and exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.daemon._daemon_proc import GATED_JOB, DaemonProc, Gate, committed_steps, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+# One rank, 1 thread, tiny batches: the shortest real runs.
+_BATCH_SIZE = 4
+_SMALL = ["--nproc-per-node", "1", "--batch-size", str(_BATCH_SIZE), "--warmup-steps", "1"]
+
+
+def _stdout(d: DaemonProc) -> str:
+    return d.stdout_path.read_text()
+
+
+def test_finished_run_summarises_and_a_second_run_is_already_complete(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    root = tmp_path / "ckpt"
+    args = [*_SMALL, "--max-steps", "2", "--ckpt-uri", str(root)]
+    first = DaemonProc(tmp_path, args, name="first")
+    procs.append(first)
+    assert first.wait(120) == 0, first.logs()
+    out = _stdout(first)
+    assert "finished at step 2 of 2: 2 steps in " in out, out
+    assert "final loss " in out
+    assert " tokens/s" in out
+    assert f"checkpoints in {root}; list them with `" in out
+    assert f"ckptctl list {root}`" in out
+    assert "/metrics" not in out  # the metrics server is gone by then
+
+    started = time.monotonic()
+    second = DaemonProc(tmp_path, args, name="second")
+    procs.append(second)
+    assert second.wait(60) == 0, second.logs()
+    elapsed_s = time.monotonic() - started
+    assert _stdout(second).splitlines() == [
+        f"trainingd: already at step 2 of 2 in {root}; "
+        "pass --max-steps N to train further, or a new --ckpt-uri"
+    ], f"{second.logs()} ({elapsed_s:.1f} s)"
+    # Nothing was started: no metrics server, no rank.
+    assert not second.find("daemon_started"), second.logs()
+    assert not second.find("training"), second.logs()
+    assert committed_steps(root) == [2]
+
+
+def test_sigterm_says_stopped_at_step_with_its_checkpoint_committed(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    root = tmp_path / "ckpt"
+    gate = Gate(tmp_path / "gate", after_steps=1, batch_size=_BATCH_SIZE)
+    args = [*_SMALL, *GATED_JOB, "--max-steps", "50", "--ckpt-every", "0", "--ckpt-uri", str(root)]
+    d = DaemonProc(tmp_path, args, gate.env)
+    procs.append(d)
+    gate.wait_until_held(1, d, timeout_s=120)
+    d.signal(signal.SIGTERM)
+    wait_for(lambda: d.find("stop_requested"), 30, "stop_requested")
+    gate.open()
+    assert d.wait(120) == 0, d.logs()
+    out = _stdout(d)
+    assert "stopped at step 2 (checkpoint committed) on SIGTERM: " in out, out
+    assert "finished" not in out
+    assert committed_steps(root) == [2]
