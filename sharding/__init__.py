@@ -17,11 +17,16 @@ over ranks in fp32; a parameter that gets no gradient in a step counts as a zero
 (the optimizer still steps it, e.g. weight decay applies); activation checkpointing works
 with both `torch.utils.checkpoint` variants, but the reentrant one hides a unit's backward
 from the hooks, so its gradients are reduced only at the end of backward (no overlap).
+Outside forward, ZeRO-3 parameters have no memory (torch calls on them raise; use
+`model.summon_full_params()`), and no parameter has a `.grad` (it raises; the engine's
+optimizer clips and steps).
 
 Module plan:
 * `_config.py`: `Strategy` (what is sharded), `ShardingConfig`.
 * `_layout.py`: units (outermost instances of the unit classes, root unit last), buckets
   grouped by (dtype, requires_grad) per unit, 64-byte aligned offsets, padded rank shards.
+* `_param.py`: `ManagedParameter`: the module's parameters; checks every torch call outside
+  the wrapper's forward (no reads of released ZeRO-3 storage, no `.grad`).
 * `_buffer.py`: `FlatBucket`: flat compute weights (storage resized 0 <-> full under ZeRO-3),
   fp32 main weights and fp32 main grads per strategy; gradient packing.
 * `_comm.py`: `Communicator`: async flat collectives on a communication stream (CUDA),

@@ -157,6 +157,14 @@ class UnshardPipeline:
                 self.prefetch_from(seq.index(index), phase, used_bytes=unit.nbytes)
         self.wait(index)
 
+    def unshard_all(self) -> None:
+        """Issue every sharded unit at once, then wait for all (not prefetch-counted)."""
+        for unit in self.units:
+            if unit.state is GatherState.SHARDED:
+                self._issue(unit, ahead=False)
+        for unit in self.units:
+            self.wait(unit.index)
+
     def reshard(self, index: int) -> None:
         """Release unit `index`'s unsharded weights (waits first if still gathering)."""
         unit = self.units[index]

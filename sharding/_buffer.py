@@ -15,6 +15,7 @@ from torch import nn
 from sharding._comm import Communicator, PendingCollective
 from sharding._config import Strategy
 from sharding._layout import BucketLayout
+from sharding._param import ManagedParameter, engine_access
 
 __all__ = ["FlatBucket"]
 
@@ -67,8 +68,8 @@ class FlatBucket:
             self.param_shard = (
                 self.main_weight if same else self.full_param[self.start : self.end].clone()
             )
-        self.params = [
-            nn.Parameter(
+        self.params: list[nn.Parameter] = [
+            ManagedParameter(
                 self.full_param[s.offset : s.offset + s.numel].view(s.shape),
                 requires_grad=layout.requires_grad,
             )
@@ -144,9 +145,10 @@ class FlatBucket:
     def take_grads(self) -> list[torch.Tensor | None]:
         """Collect the parameters' `.grad` (and clear them: the engine owns gradients now)."""
         grads = []
-        for p in self.params:
-            grads.append(p.grad)
-            p.grad = None
+        with engine_access():
+            for p in self.params:
+                grads.append(p.grad)
+                p.grad = None
         return grads
 
     def accumulate_local(self, grads: list[torch.Tensor | None], scale: float | None) -> None:
@@ -208,8 +210,9 @@ class FlatBucket:
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients (lazily: see the note in `__init__`)."""
-        for p in self.params:
-            p.grad = None
+        with engine_access():
+            for p in self.params:
+                p.grad = None
         self.local_is_zero = True
         self.grad_is_zero = True
         if self.strategy.shards_optimizer:
@@ -228,6 +231,19 @@ class FlatBucket:
                 self.local_is_zero = False
         elif self.grad_is_zero:
             self.new_grad_shard().zero_()
+
+    def write_back_full(self) -> None:
+        """Copy this rank's range of the (gathered, edited) compute weights into main weights.
+
+        `push_main_weights` must follow, so every copy of the weights agrees again.
+        """
+        own = self.full_param[self.start : self.end]
+        with torch.no_grad():
+            if not self.strategy.shards_optimizer:
+                if self.main_weight.data_ptr() != self.full_param.data_ptr():
+                    self.main_weight.copy_(self.full_param)
+            elif self.main_weight.data_ptr() != own.data_ptr():
+                self.main_weight.copy_(own)
 
     # ---- after the optimizer step ----
 

@@ -34,6 +34,7 @@ from sharding._hooks import (
     register_pre_backward,
     wrap_inputs,
 )
+from sharding._param import engine_access
 from sharding._reduce import ReducePipeline
 from sharding._stats import ShardingStats
 from sharding.errors import UnwrappedModuleError
@@ -201,14 +202,19 @@ class Engine:
 
     def check_no_stray_grads(self) -> None:
         """Raise if parameters hold gradients the hooks never collected."""
-        for bucket in self.buckets:
-            for param in bucket.params:
-                if param.grad is not None:
-                    raise UnwrappedModuleError(
-                        "parameters hold gradients that the engine never reduced: backward "
-                        "ran through the unwrapped module (or a graph built outside the "
-                        "wrapper's forward); call the FullyShardedDataParallel wrapper"
-                    )
+        with engine_access():
+            stray = any(p.grad is not None for b in self.buckets for p in b.params)
+        if stray:
+            raise UnwrappedModuleError(
+                "parameters hold gradients that the engine never reduced: backward "
+                "ran through the unwrapped module (or a graph built outside the "
+                "wrapper's forward); call the FullyShardedDataParallel wrapper"
+            )
+
+    def gather_all(self) -> None:
+        """Gather every unit (ZeRO-3; collective), e.g. for `summon_full_params`."""
+        if self.gather is not None:
+            self.gather.unshard_all()
 
     def reshard_all(self) -> None:
         """Release every gathered unit (ZeRO-3), e.g. before weights are replaced."""

@@ -15,8 +15,10 @@ from sharding._buffer import FlatBucket
 from sharding._comm import Communicator
 from sharding._config import ShardingConfig
 from sharding._engine import Engine
+from sharding._hooks import TrainingState
 from sharding._layout import build_layout, detect_unit_classes
 from sharding._optimizer import DistributedOptimizer
+from sharding._param import engine_access
 from sharding._state_dict import (
     StateDict,
     full_state_dict,
@@ -24,7 +26,7 @@ from sharding._state_dict import (
     model_sharded_state_dict,
 )
 from sharding._stats import CollectiveObserver, ShardingStats
-from sharding.errors import DeviceMismatchError
+from sharding.errors import DeviceMismatchError, ShardingError
 
 __all__ = ["FullyShardedDataParallel"]
 
@@ -60,6 +62,13 @@ class FullyShardedDataParallel(nn.Module):
     The wrapped module's parameters are replaced by views of flat per-bucket buffers; build
     the optimizer with `make_optimizer`, never on `module.parameters()`. Every rank must run
     the same forward and backward calls in the same order (collectives are issued from them).
+
+    Outside forward (see the note in `sharding/_param.py`): under `OPTIM_GRADS_PARAMS` a
+    parameter keeps its shape but has no memory, and any torch call that reads or writes it
+    raises `ParameterNotGatheredError` (use `summon_full_params()`, `sharded_state_dict()` or
+    `full_state_dict()`); under the other strategies parameters hold the whole current
+    weights. Under every strategy `.grad` of a parameter raises `GradientsInEngineError`, so
+    `torch.nn.utils.clip_grad_norm_` and torch optimizers on `model.parameters()` fail loudly.
 
     Example:
         model = FullyShardedDataParallel(gpt, ShardingConfig(unit_modules=(Block,)))
@@ -136,6 +145,7 @@ class FullyShardedDataParallel(nn.Module):
             self.stats,
             [[buckets[b] for b in unit.buckets] for unit in units],
         )
+        self._summoned = False
         self.unit_names = [unit.name for unit in units[:-1]]
         """Qualified names of the FSDP units, in registration order."""
         self._register_hooks(unit_modules)
@@ -172,10 +182,64 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (gathering weights as the strategy requires)."""
+        if self._summoned:
+            raise ShardingError("forward inside summon_full_params(); leave the context first")
         self._engine.root_pre_forward()
-        output = self.module(*args, **kwargs)
+        # Managed parameters' checks are off while the engine is in charge (no per-op cost).
+        with engine_access():
+            output = self.module(*args, **kwargs)
         self._engine.root_post_forward(output)
         return output
+
+    @contextlib.contextmanager
+    def summon_full_params(self, *, writeback: bool = False) -> Iterator[None]:
+        """Make every parameter hold its whole weight inside the context (collective).
+
+        Every rank must enter and leave it together. Under `OPTIM_GRADS_PARAMS` each unit is
+        gathered on entry and released on exit (peak memory: the whole model in the compute
+        dtype); under the other strategies parameters are whole anyway. Parameters inside
+        hold the compute weights (`param_dtype`), e.g. for `model.state_dict()`, norms or
+        evaluation code that reads weights. Do not run the wrapper's forward inside.
+
+        Args:
+            writeback: copy edits made inside back into the engine's weights on exit (every
+                rank must make the same edits; with a `param_dtype` below fp32 this rounds
+                the fp32 main weights to it). Without it, edits are undefined: discarded
+                under `OPTIM_GRADS_PARAMS`, possibly kept under the other strategies.
+
+        Raises:
+            ShardingError: called inside forward/backward or inside another
+                `summon_full_params`.
+        """
+        if self._summoned or self._engine.state is not TrainingState.IDLE:
+            raise ShardingError(
+                "summon_full_params() must be entered outside forward/backward and not nested"
+            )
+        self._summoned = True
+        try:
+            self._engine.gather_all()
+            yield
+            if writeback:
+                for bucket in self._engine.buckets:
+                    bucket.write_back_full()
+                pending = [
+                    p for b in self._engine.buckets if (p := b.push_main_weights()) is not None
+                ]
+                for p in pending:
+                    p.wait()
+        finally:
+            self._engine.reshard_all()
+            self._summoned = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the engine's accumulated gradients (as `DistributedOptimizer.zero_grad`).
+
+        Args:
+            set_to_none: ignored; the engine always drops gradients.
+        """
+        del set_to_none
+        for bucket in self._engine.buckets:
+            bucket.zero_grad()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

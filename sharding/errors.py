@@ -5,6 +5,8 @@ ShardingError (RuntimeError)                    base of everything the engine ra
 ├── DeviceMismatchError (+ ValueError)          a module tensor is not on the engine's device
 ├── SharedParameterError (+ ValueError)         one parameter belongs to two FSDP units
 ├── UnwrappedModuleError                        the inner module ran outside the wrapper
+├── ParameterNotGatheredError                   a ZeRO-3 parameter was used while sharded
+├── GradientsInEngineError                      `.grad` of a managed parameter was touched
 └── StateDictLayoutError (+ ValueError)         a loaded state dict does not fit this engine
 ```
 
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 __all__ = [
     "DeviceMismatchError",
+    "GradientsInEngineError",
+    "ParameterNotGatheredError",
     "ShardingError",
     "SharedParameterError",
     "StateDictLayoutError",
@@ -40,3 +44,17 @@ class UnwrappedModuleError(ShardingError):
 
 class StateDictLayoutError(ShardingError, ValueError):
     """A state dict's keys, shapes or shard layout do not match this engine."""
+
+
+class ParameterNotGatheredError(ShardingError):
+    """A parameter was read or written while `OPTIM_GRADS_PARAMS` holds only its shard.
+
+    Use `FullyShardedDataParallel.summon_full_params()` for whole weights outside forward.
+    """
+
+
+class GradientsInEngineError(ShardingError):
+    """`.grad` of a managed parameter was read or set; the engine owns gradients.
+
+    Use `DistributedOptimizer.clip_grad_norm_` and `FullyShardedDataParallel.make_optimizer`.
+    """

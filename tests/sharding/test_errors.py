@@ -10,6 +10,7 @@ from daemon.gpt import Block, GPTConfig, lm_loss
 from sharding import FullyShardedDataParallel, ShardedTensor, ShardingConfig, Strategy
 from sharding.errors import (
     DeviceMismatchError,
+    GradientsInEngineError,
     ShardingError,
     SharedParameterError,
     StateDictLayoutError,
@@ -52,7 +53,9 @@ def test_gradients_produced_outside_the_engine_are_rejected_at_step() -> None:
     model = _wrapped(Strategy.NO_SHARD)
     opt = model.make_optimizer(torch.optim.SGD, lr=0.1)
     param = next(model.module.parameters())
-    param.grad = torch.ones_like(param)
+    with pytest.raises(GradientsInEngineError, match="make_optimizer"):
+        param.grad = torch.ones_like(param)
+    (param * 2).sum().backward()  # a graph built outside the wrapper's forward
     with pytest.raises(UnwrappedModuleError, match="never reduced"):
         opt.step()
 
