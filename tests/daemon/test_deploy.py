@@ -85,6 +85,40 @@ def test_kubernetes_manifests_use_real_keys_and_cover_the_final_save(tmp_path: P
     assert endpoint == {**endpoint, "port": "metrics", "path": "/metrics"}
 
 
+def test_kubernetes_pods_are_restricted_and_apply_never_overwrites_the_secret() -> None:
+    docs = _docs()
+    kustomization = yaml.safe_load((DEPLOY / "kubernetes" / "kustomization.yaml").read_text())
+    applied = {
+        doc["kind"]
+        for name in kustomization["resources"]
+        for doc in yaml.safe_load_all((DEPLOY / "kubernetes" / name).read_text())
+    }
+    assert "Secret" not in applied  # `kubectl apply -k` must not replace real credentials
+    assert "ServiceAccount" in applied
+
+    pod = docs["Job"]["spec"]["template"]["spec"]
+    assert pod["enableServiceLinks"] is False  # no TRAININGD_* variables from Services
+    assert pod["serviceAccountName"] == docs["ServiceAccount"]["metadata"]["name"]
+    assert pod["automountServiceAccountToken"] is False
+    security = pod["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["runAsUser"] != 0
+    assert security["seccompProfile"] == {"type": "RuntimeDefault"}
+    container = pod["containers"][0]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert container["envFrom"][0]["secretRef"]["optional"] is False
+    # With a read-only root, everything the daemon writes is a volume.
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    for writable in (env["TRAININGD_RUN_DIR"], "/tmp", "/dev/shm", env["HOME"]):
+        assert writable in mounts, writable
+        assert not mounts[writable].get("readOnly", False)
+
+
 # --- the systemd sandbox (`systemd-analyze`, from Debian's `systemd` package) -----------------
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 
