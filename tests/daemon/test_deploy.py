@@ -170,3 +170,59 @@ def test_systemd_sandbox_leaves_the_checkpoint_root_and_run_dir_writable() -> No
     assert service["PrivateTmp"] == "yes"
     assert service["NoNewPrivileges"] == "yes"
     assert service["CapabilityBoundingSet"] == ""
+
+
+# --- the container image and the JobSet example -------------------------------------------------
+ROOT = DEPLOY.parent
+
+
+def test_dockerfile_builds_an_unprivileged_image_of_this_repo() -> None:
+    # No container builder runs on the development machine or CI (no daemon, no registry
+    # access), so the image's structure is checked here; README gives the build command.
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [line.strip() for line in text.splitlines() if line and not line.startswith("#")]
+    froms = [line for line in lines if line.startswith("FROM ")]
+    assert len(froms) == 2  # build stage + slim runtime stage
+    makefile = (ROOT / "Makefile").read_text()
+    torch_pin = re.search(r"^TORCH_PIN := torch==(\S+)$", makefile, re.M)
+    assert torch_pin
+    assert f"ARG TORCH_VERSION={torch_pin.group(1)}" in lines
+    for package in ("sharding", "ckpt_manager", "daemon"):
+        assert f"COPY {package} ./{package}" in lines
+    job_pod = _docs()["Job"]["spec"]["template"]["spec"]
+    uid = job_pod["securityContext"]["runAsUser"]
+    assert f"USER {uid}:{uid}" in lines  # the pods' runAsUser owns nothing else
+    assert 'ENTRYPOINT ["trainingd"]' in lines  # exec form: the daemon is PID 1
+    assert lines[-1] == 'CMD ["run", "--config", "/etc/trainingd/trainingd.toml"]'
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    assert ignore[1] == "*"  # an allow-list: no .venv, tests or checkpoints in the context
+    assert {"!sharding/", "!ckpt_manager/", "!daemon/", "!pyproject.toml"} <= set(ignore)
+
+
+def test_jobset_example_runs_the_same_pods_with_gang_restart() -> None:
+    jobset = yaml.safe_load((DEPLOY / "kubernetes" / "jobset" / "jobset.yaml").read_text())
+    kustomization = yaml.safe_load(
+        (DEPLOY / "kubernetes" / "jobset" / "kustomization.yaml").read_text()
+    )
+    assert kustomization["resources"] == ["jobset.yaml"]  # the Secret is never applied
+    spec = jobset["spec"]
+    assert spec["failurePolicy"]["maxRestarts"] > 0
+    assert spec["network"]["enableDNSHostnames"] is True
+    (rjob,) = spec["replicatedJobs"]
+    job = rjob["template"]["spec"]
+    docs = _docs()
+    toml_text = docs["ConfigMap"]["data"]["trainingd.toml"]
+    launch = tomllib.loads(toml_text)["launch"]
+    assert job["completions"] == job["parallelism"] == int(launch["nnodes"])
+    assert job["podFailurePolicy"] == docs["Job"]["spec"]["podFailurePolicy"]
+    pod = job["template"]["spec"]
+    indexed_pod = docs["Job"]["spec"]["template"]["spec"]
+    for key in ("securityContext", "enableServiceLinks", "serviceAccountName"):
+        assert pod[key] == indexed_pod[key], key
+    container, indexed = pod["containers"][0], indexed_pod["containers"][0]
+    for key in ("securityContext", "command", "ports", "startupProbe", "livenessProbe"):
+        assert container[key] == indexed[key], key
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    pod0 = f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{spec['network']['subdomain']}"
+    port = launch["rdzv_endpoint"].rsplit(":", 1)[1]
+    assert env["TRAININGD_RDZV_ENDPOINT"] == f"{pod0}:{port}"
