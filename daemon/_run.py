@@ -3,14 +3,17 @@
     configure logs -> per-run directory -> start-up checks (exit 2) -> HTTP server (exit 2 if
     the port is taken) -> signal handlers -> supervisor thread -> torch elastic agent in the main
     thread (blocks while the ranks train; restarts them up to max_restarts) -> exit 0 when the
-    ranks finished or stopped cleanly, 1 when they failed for good, 128+N on a second signal.
+    ranks reached max_steps, 128+N when a signal N stopped this node (final checkpoint
+    committed; also on a second signal, at once), 75 when a peer's stop ended this node's run,
+    1 when the ranks failed for good ([Note: exit codes tell finished from stopped]).
 A root that already holds a checkpoint at `max_steps` ends the run right after the start-up
 checks (one line, exit 0, no rank started). The last lines on stdout say how the run ended
 ("finished at step N of M" or "stopped at step N (checkpoint committed)") with a summary.
 
 Signals (the agent is told to handle only SIGQUIT, so these stay ours; see operations.md 9):
 SIGTERM/SIGINT -> `draining`: sd_notify `STOPPING=1`, write the stop request the ranks poll;
-they agree on a step, save a final checkpoint, finalize and return; the agent returns; exit 0.
+they agree on a step, save a final checkpoint, finalize and return; the agent returns; exit
+128 + the signal (143 for SIGTERM), and 75 on the other nodes.
 A second SIGTERM/SIGINT kills every rank group and exits at once. SIGUSR1 -> a checkpoint at the
 next step boundary.
 """
@@ -45,14 +48,44 @@ from daemon.config import DaemonConfig
 from daemon.errors import ConfigError, StartupCheckError
 from daemon.metrics import build_info_labels
 
-__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "run_daemon"]
+__all__ = [
+    "EXIT_CONFIG",
+    "EXIT_FAILED",
+    "EXIT_OK",
+    "EXIT_PEER_STOPPED",
+    "EXIT_SIGNALLED",
+    "exit_code_for",
+    "run_daemon",
+]
 
 EXIT_OK = 0
-"""Ranks reached max_steps, or stopped cleanly on a signal with a final checkpoint."""
+"""Ranks reached max_steps: the job is done."""
 EXIT_FAILED = 1
 """Ranks failed more often than max_restarts allows, or the shutdown budget ran out."""
 EXIT_CONFIG = 2
 """Bad configuration or a failed start-up check; nothing was started."""
+EXIT_PEER_STOPPED = 75
+"""Stopped cleanly (final checkpoint committed) because another node was stopped: restart me
+(EX_TEMPFAIL; systemd `RestartForceExitStatus=75`, Kubernetes podFailurePolicy Ignore)."""
+EXIT_SIGNALLED = 128
+"""Plus the signal number: this node was stopped by SIGTERM (143) or SIGINT (130), final
+checkpoint committed (the shell's convention; systemd `SuccessExitStatus=143`)."""
+
+
+def exit_code_for(stop_signal: str | None, stopped: bool) -> int:
+    """The exit code of a run whose ranks returned cleanly.
+
+    [Note: exit codes tell finished from stopped] A drain or a restart of one node must never
+    look like a finished job: a Kubernetes Indexed Job would count as Complete and systemd
+    would not restart it. So only reaching `max_steps` exits 0; a node that got the signal exits
+    128 + signal, and the other nodes, which stopped only because the stop was agreed across
+    ranks, exit 75 so that their supervisor restarts them into the next rendezvous.
+    """
+    if stop_signal is not None:
+        return EXIT_SIGNALLED + int(signal.Signals[stop_signal])
+    if stopped:
+        return EXIT_PEER_STOPPED
+    return EXIT_OK
 
 log = structlog.get_logger("trainingd.daemon")
 
@@ -272,10 +305,14 @@ def run_daemon(cfg: DaemonConfig) -> int:
         if supervisor.budget_exceeded.is_set():
             return EXIT_FAILED
         final = max((r.get("final_step", 0) for r in results.values()), default=None)
-        log.info("daemon_finished", final_step=final, stopped_by=signals.stop_signal)
+        stopped = any(r.get("stopped") for r in results.values())
+        code = exit_code_for(signals.stop_signal, stopped)
+        log.info(
+            "daemon_finished", final_step=final, stopped_by=signals.stop_signal, exit_code=code
+        )
         print(_ending(cfg, results.values(), signals.stop_signal, time.monotonic() - started))
         sys.stdout.flush()
-        return EXIT_OK
+        return code
     finally:
         state.update(phase=NodePhase.STOPPED)
         notifier.send(STOPPING=1)

@@ -37,6 +37,8 @@ def test_systemd_unit_lets_the_daemon_drive_shutdown() -> None:
     assert service["KillSignal"] == "SIGTERM"
     assert service["Restart"] == "on-failure"
     assert service["RestartPreventExitStatus"] == "2"  # config errors never restart
+    assert service["SuccessExitStatus"] == "143"  # stopped here by systemctl: done, no restart
+    assert service["RestartForceExitStatus"] == "75"  # a peer's stop ended the run: rejoin
     assert "trainingd run" in service["ExecStart"]
     assert _seconds(service["WatchdogSec"]) > 0
     # The stop timeout covers the daemon's own final-save budget.
@@ -75,6 +77,10 @@ def test_kubernetes_manifests_use_real_keys_and_cover_the_final_save(tmp_path: P
     env_names = {e["name"] for e in container["env"]}
     assert "TRAININGD_NODE_RANK" in env_names
     assert container["envFrom"][0]["secretRef"]["name"] == docs["Secret"]["metadata"]["name"]
+
+    rules = docs["Job"]["spec"]["podFailurePolicy"]["rules"]
+    by_code = {r["onExitCodes"]["values"][0]: r["action"] for r in rules if "onExitCodes" in r}
+    assert by_code == {2: "FailJob", 75: "Ignore"}  # only exit 0 (max_steps) completes a pod
 
     service = docs["Service"]["spec"]
     assert service["clusterIP"] == "None"

@@ -159,7 +159,8 @@ def test_trains_scrapes_notifies_and_stops_cleanly_on_sigterm(
     assert d.get("/healthz")[0] == 200
 
     d.signal(signal.SIGTERM)
-    assert d.wait(120) == 0, d.logs()
+    # 143 = 128 + SIGTERM: stopped on this node with a final checkpoint, not finished.
+    assert d.wait(120) == 128 + signal.SIGTERM, d.logs()
     stops = d.find("stopping")
     assert stops, d.logs()
     stop_step = int(stops[0]["step"])
@@ -196,7 +197,7 @@ def test_resume_after_sigterm_is_bitwise_exact(
     first.signal(signal.SIGTERM)
     wait_for(lambda: first.find("stop_requested"), 30, "stop_requested")
     gate.open()
-    assert first.wait(120) == 0, first.logs()
+    assert first.wait(120) == 128 + signal.SIGTERM, first.logs()
     assert {int(e["step"]) for e in first.find("stopping")} == {stopped_at}, first.logs()
     assert committed_steps(tmp_path / "b") == [stopped_at]
     second = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(tmp_path / "b")], name="b2")
@@ -282,3 +283,29 @@ def test_two_daemons_train_one_job_and_each_serves_metrics(
     gate.open()
     assert [node.wait(150) for node in nodes] == [0, 0], nodes[0].logs() + nodes[1].logs()
     assert committed_steps(root)[-1] == 30
+
+
+def test_a_stopped_node_exits_143_and_its_peer_asks_for_a_restart(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    # [Note: exit codes tell finished from stopped]: a drain of node 1 must not look like a
+    # finished job on either node.
+    endpoint = f"127.0.0.1:{free_port()}"
+    root = tmp_path / "ckpt"
+    common = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+        "--max-steps", "30", "--ckpt-every", "0", "--ckpt-uri", str(root),
+        "--batch-size", str(_BATCH_SIZE), "--rdzv-timeout-s", "120", *GATED_JOB,
+    ]  # fmt: skip
+    gate = Gate(tmp_path / "gate", after_steps=3, batch_size=_BATCH_SIZE)
+    nodes = [
+        DaemonProc(tmp_path, [*common, "--node-rank", str(k)], gate.env, f"node{k}") for k in (0, 1)
+    ]
+    procs.extend(nodes)
+    gate.wait_until_held(2, *nodes, timeout_s=120)
+    nodes[1].signal(signal.SIGTERM)
+    wait_for(lambda: nodes[1].find("stop_requested"), 30, "the stop request")
+    gate.open()
+    codes = [node.wait(150) for node in nodes]
+    assert codes == [75, 128 + signal.SIGTERM], nodes[0].logs() + nodes[1].logs()
+    assert committed_steps(root) == [4]  # the agreed final checkpoint, committed by both

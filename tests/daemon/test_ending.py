@@ -70,7 +70,7 @@ def test_sigterm_says_stopped_at_step_with_its_checkpoint_committed(
     d.signal(signal.SIGTERM)
     wait_for(lambda: d.find("stop_requested"), 30, "stop_requested")
     gate.open()
-    assert d.wait(120) == 0, d.logs()
+    assert d.wait(120) == 128 + signal.SIGTERM, d.logs()
     out = _stdout(d)
     assert "stopped at step 2 (checkpoint committed) on SIGTERM: " in out, out
     assert "finished" not in out
