@@ -87,6 +87,7 @@ def exit_code_for(stop_signal: str | None, stopped: bool) -> int:
         return EXIT_PEER_STOPPED
     return EXIT_OK
 
+
 log = structlog.get_logger("trainingd.daemon")
 
 
