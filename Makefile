@@ -9,9 +9,10 @@ TORCH_PIN := torch==2.13.0
 # x86_64 on PyPI), `make venv TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu` takes the CPU build.
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
-# System tools some tests need: promtool and prometheus (tests/dashboards), from Debian's package.
-SYSTEM_TOOLS := promtool prometheus
-SYSTEM_PACKAGES := prometheus
+# System tools some tests need, from Debian packages: promtool and prometheus (tests/dashboards),
+# chromium (the status page test, tests/daemon/test_status_page.py).
+SYSTEM_TOOLS := promtool prometheus chromium
+SYSTEM_PACKAGES := prometheus chromium
 
 .PHONY: venv system-tools stop-packaged-prometheus run test lint format clean bench
 

@@ -44,7 +44,11 @@ if TYPE_CHECKING:
         RetentionPolicy,
         StepInfo,
     )
-    from ckpt_manager._store.catalog import latest_committed_step
+    from ckpt_manager._store.catalog import (
+        CommittedCheckpoint,
+        committed_checkpoints,
+        latest_committed_step,
+    )
     from ckpt_manager._store.lease import check_root_lease
     from ckpt_manager._store.options import S3Options
     from ckpt_manager._types import (
@@ -76,6 +80,7 @@ __all__ = [
     "CheckpointManager",
     "CheckpointTimeoutError",
     "CommitConflictError",
+    "CommittedCheckpoint",
     "CorruptCheckpointError",
     "KeepBest",
     "KeepEvery",
@@ -98,6 +103,7 @@ __all__ = [
     "StepNotFoundError",
     "StorageError",
     "check_root_lease",
+    "committed_checkpoints",
     "latest_committed_step",
 ]
 
@@ -107,6 +113,8 @@ _HOME = {
     "CheckpointManager": "_manager",
     "S3Options": "_store.options",
     "check_root_lease": "_store.lease",
+    "CommittedCheckpoint": "_store.catalog",
+    "committed_checkpoints": "_store.catalog",
     "latest_committed_step": "_store.catalog",
     **dict.fromkeys(
         [

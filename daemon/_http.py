@@ -1,4 +1,4 @@
-"""One HTTP port per node: `/metrics`, `/healthz` (and `/livez`), `/readyz`.
+"""One HTTP port per node: `/` (status page), `/api/status`, `/metrics`, `/healthz`, `/readyz`.
 
 A single WSGI callable dispatches on the path (prometheus_client's own server would serve the
 registry on every path and bind 0.0.0.0). `/healthz` is 200 while the supervisor loop beats and
@@ -6,7 +6,9 @@ no local rank's training-loop heartbeat is older than `heartbeat_timeout_s` (a l
 save is not death: ranks beat on phase changes too, and the timeout is generous); `/readyz` is
 200 once rendezvous and restore are done and the node is training, 503 while starting, loading
 or draining. Bodies are small JSON objects. The server runs on one daemon thread owned by
-`MetricsServer`; `port` 0 binds a free port (`server.port` tells which).
+`MetricsServer`; `port` 0 binds a free port (`server.port` tells which). `/` is the status page
+(`daemon/_status_page.py`), which reads `/api/status` (`StatusBoard.snapshot`); without a board
+`/api/status` lists the endpoints only.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from daemon._state import NodeState
+from daemon._status_page import PAGE
+
+_ENDPOINTS = ["/", "/api/status", "/metrics", "/healthz", "/readyz"]
 
 __all__ = ["MetricsServer", "health"]
 
@@ -77,6 +82,7 @@ class MetricsServer:
         heartbeat_timeout_s: `/healthz` fails beyond this rank heartbeat age.
         host: bind address (127.0.0.1 unless configured otherwise).
         port: bind port; 0 picks a free one.
+        status: the body of `/api/status` (`StatusBoard.snapshot`), or None.
     """
 
     def __init__(
@@ -88,7 +94,9 @@ class MetricsServer:
         heartbeat_timeout_s: float,
         host: str = "127.0.0.1",
         port: int = 0,
+        status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        self._status = status
         self._metrics_app = make_wsgi_app(registry)
         self._state = state
         self._rank_heartbeats = rank_heartbeats
@@ -130,10 +138,18 @@ class MetricsServer:
             status = self._state.status()
             body = {"ready": status.ready, "state": status.phase.value, "step": status.step}
             return _json(start_response, status.ready, body)
-        if path == "/":
-            return _json(start_response, True, {"endpoints": ["/metrics", "/healthz", "/readyz"]})
+        if path == "/api/status":
+            body = self._status() if self._status is not None else {"endpoints": _ENDPOINTS}
+            return _json(start_response, True, body)
+        if path in ("/", "/index.html"):
+            page = PAGE.encode()
+            start_response(
+                "200 OK",
+                [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(page)))],
+            )
+            return [page]
         start_response("404 Not Found", [("Content-Type", "text/plain")])
-        return [b"not found; try /metrics, /healthz or /readyz\n"]
+        return [b"not found; try /, /api/status, /metrics, /healthz or /readyz\n"]
 
 
 def _json(start_response: Callable[..., Any], ok: bool, body: dict[str, Any]) -> list[bytes]:

@@ -42,6 +42,7 @@ from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._notify import Notifier
 from daemon._preflight import check_startup, s3_storage_options
 from daemon._state import NodePhase, NodeState
+from daemon._status import StatusBoard
 from daemon._supervisor import Supervisor, progress_stream
 from daemon._version import distribution_version
 from daemon.config import DaemonConfig
@@ -241,6 +242,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
     state = NodeState(local_ranks=cfg.launch.nproc_per_node)
     server: MetricsServer | None = None
     supervisor: Supervisor | None = None
+    board: StatusBoard | None = None
     try:
         try:
             check_startup(cfg, run_dir)
@@ -250,6 +252,11 @@ def run_daemon(cfg: DaemonConfig) -> int:
                 return EXIT_OK
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
             collector = NodeCollector(aggregator, state, build_info_labels(distribution_version()))
+            board = StatusBoard(
+                max_steps=cfg.train.max_steps,
+                ckpt_uri=cfg.checkpoint.ckpt_uri,
+                storage_options=s3_storage_options(cfg),
+            )
             supervisor = Supervisor(
                 state,
                 aggregator,
@@ -257,6 +264,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
                 heartbeat_timeout_s=obs.heartbeat_timeout_s,
                 shutdown_timeout_s=cfg.launch.shutdown_timeout_s,
                 progress=progress_stream(chosen is LogFormat.CONSOLE),
+                board=board,
             )
             try:
                 server = MetricsServer(
@@ -266,6 +274,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
                     heartbeat_timeout_s=obs.heartbeat_timeout_s,
                     host=obs.metrics_host,
                     port=obs.metrics_port,
+                    status=board.snapshot,
                 ).start()
             except OSError as err:
                 raise StartupCheckError(
@@ -276,8 +285,10 @@ def run_daemon(cfg: DaemonConfig) -> int:
             print(f"trainingd: {err}", file=sys.stderr)
             return EXIT_CONFIG
         url = f"http://{server.host}:{server.port}"
+        board.start()
         log.info(
             "daemon_started",
+            status=f"{url}/",
             metrics=f"{url}/metrics",
             health=f"{url}/healthz",
             checkpoints=cfg.checkpoint.ckpt_uri,
@@ -301,6 +312,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
                 cfg, str(run_dir), os.getpid()
             )
         except ChildFailedError as err:
+            board.note_error(f"workers failed for good: {err}")
             log.error("workers_failed", max_restarts=cfg.launch.max_restarts, error=str(err))
             return EXIT_FAILED
         if supervisor.budget_exceeded.is_set():
@@ -322,6 +334,8 @@ def run_daemon(cfg: DaemonConfig) -> int:
             supervisor.close()
         if server is not None:
             server.close()
+        if board is not None:
+            board.close()
         notifier.close()
         if owned:
             shutil.rmtree(run_dir, ignore_errors=True)

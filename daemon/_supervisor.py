@@ -28,6 +28,7 @@ from daemon._http import health
 from daemon._lifecycle import kill_group, pid_alive
 from daemon._notify import Notifier
 from daemon._state import NodePhase, NodeState
+from daemon._status import StatusBoard
 
 __all__ = ["Supervisor"]
 
@@ -72,6 +73,7 @@ class Supervisor:
         heartbeat_timeout_s: rank heartbeat age beyond which the node is unhealthy.
         shutdown_timeout_s: draining budget before ranks are killed.
         progress: stream for the live progress line, or None.
+        board: the status page's board, fed every tick, or None.
     """
 
     def __init__(
@@ -83,7 +85,9 @@ class Supervisor:
         heartbeat_timeout_s: float,
         shutdown_timeout_s: float,
         progress: TextIO | None = None,
+        board: StatusBoard | None = None,
     ) -> None:
+        self._board = board
         self._state = state
         self._aggregator = aggregator
         self._notifier = notifier
@@ -163,6 +167,8 @@ class Supervisor:
             step=step,
         )
         self._notify(status.phase, status.ready, views, now)
+        if self._board is not None:
+            self._board.observe(views, status)
         if status.phase is NodePhase.DRAINING:
             self._enforce_budget(now)
         if self._progress is not None:

@@ -1,7 +1,8 @@
 """Session-wide fixtures and hooks shared by every package's tests.
 
 [Note: missing system tools] Tests marked `prometheus` need the `promtool` and `prometheus`
-binaries (Debian's `prometheus` package; `make test` installs it as root with apt-get). Where
+binaries (Debian's `prometheus` package), tests marked `browser` need `chromium` (Debian's
+`chromium` package); `make test` installs both as root with apt-get. Where
 they are missing those tests skip with one reason, printed in the header and the `-ra` summary.
 In strict mode (`TRAININGD_TEST_STRICT=1`, or `CI=true`; `.ci/run` sets the former) the same
 tests fail instead, so CI never loses that coverage silently. This hook is the only place that
@@ -21,8 +22,10 @@ from tests.support.seaweed import SeaweedS3, find_weed_binary
 
 STRICT_VARIABLE = "TRAININGD_TEST_STRICT"
 """Set to 1 (or CI=true) to fail, not skip, tests whose system tools are missing."""
-SYSTEM_TOOLS = {"prometheus": ("promtool", "prometheus")}
+SYSTEM_TOOLS = {"prometheus": ("promtool", "prometheus"), "browser": ("chromium",)}
 """Marker -> binaries its tests need on PATH."""
+SYSTEM_PACKAGES = {"prometheus": "prometheus", "browser": "chromium"}
+"""Marker -> the Debian package that provides its binaries."""
 
 
 def strict_mode() -> bool:
@@ -37,8 +40,8 @@ def _missing_tools_reason(marker: str) -> str | None:
     if not missing:
         return None
     return (
-        f"{' and '.join(missing)} not on PATH: install Debian's `prometheus` package "
-        f"(`make test` does as root with apt-get)"
+        f"{' and '.join(missing)} not on PATH: install Debian's `{SYSTEM_PACKAGES[marker]}` "
+        f"package (`make test` does as root with apt-get)"
     )
 
 

@@ -7,7 +7,7 @@ manifests without paying for importing torch (see `_dtypes`).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import structlog
 
@@ -23,7 +23,9 @@ from ckpt_manager.errors import (
 )
 
 __all__ = [
+    "CommittedCheckpoint",
     "abort_orphaned_uploads",
+    "committed_checkpoints",
     "committed_steps",
     "delete_step",
     "drop_dead_attempts",
@@ -64,6 +66,47 @@ def latest_committed_step(
     """
     steps = committed_steps(Storage(root_uri, storage_options))
     return steps[-1] if steps else None
+
+
+class CommittedCheckpoint(NamedTuple):
+    """One committed step as its manifest records it (`committed_checkpoints`)."""
+
+    step: int
+    """Optimizer step."""
+    size_bytes: int
+    """Bytes of the step's data files (the manifest's file sizes summed)."""
+    committed_unix_s: float
+    """When the manifest was written."""
+
+
+def committed_checkpoints(
+    root_uri: str, storage_options: dict[str, Any] | None = None, *, limit: int = 50
+) -> list[CommittedCheckpoint]:
+    """The newest `limit` committed steps under a root with their sizes and commit times.
+
+    Torch-free; reads manifests only (never shards). A manifest that cannot be read or
+    validated leaves its step out.
+
+    Args:
+        root_uri: the checkpoint root (path or `s3://bucket/prefix`).
+        storage_options: fsspec options for the root's filesystem (S3 endpoint, credentials).
+        limit: at most this many steps, the newest ones.
+
+    Returns:
+        Ascending by step.
+
+    Raises:
+        StorageError: the root cannot be listed.
+    """
+    storage = Storage(root_uri, storage_options)
+    steps = committed_steps(storage)[-limit:] if limit > 0 else []
+    out = []
+    for step, manifest in zip(steps, read_manifests(storage, steps), strict=True):
+        if isinstance(manifest, CheckpointError):
+            continue
+        size = sum(f.size for f in manifest.files.values())
+        out.append(CommittedCheckpoint(step, size, manifest.committed_unix_s))
+    return out
 
 
 def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:

@@ -28,6 +28,7 @@ EXPECTED = [
     "CheckpointManager",
     "CheckpointTimeoutError",
     "CommitConflictError",
+    "CommittedCheckpoint",
     "CorruptCheckpointError",
     "KeepBest",
     "KeepEvery",
@@ -50,6 +51,7 @@ EXPECTED = [
     "StepNotFoundError",
     "StorageError",
     "check_root_lease",
+    "committed_checkpoints",
     "latest_committed_step",
 ]
 
@@ -105,3 +107,12 @@ def test_config_validation_says_how_to_fix(kwargs: dict[str, object], message: s
 
 def test_config_accepts_mode_strings() -> None:
     assert CheckpointConfig(async_mode="sync").async_mode is AsyncMode.SYNC  # type: ignore[arg-type]
+
+
+def test_committed_checkpoints_is_torch_free(tmp_path: object) -> None:
+    code = (
+        "import sys, ckpt_manager as c; "
+        f"print(c.committed_checkpoints({str(tmp_path)!r}), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "False"], out.stderr

@@ -64,6 +64,13 @@ def test_endpoints_follow_the_lifecycle(node: tuple[MetricsServer, NodeState, li
     names = {f.name for f in text_string_to_metric_families(text)}
     assert {"trainingd_daemon_state", "trainingd_build_info", "process_cpu_seconds"} <= names
     assert _get(base + "/nope")[0] == 404
+    code, page = _get(base + "/")
+    assert code == 200
+    assert 'fetch("/api/status"' in page
+    assert "http" not in page.replace("http://www.w3.org/2000/svg", "")  # no CDN, nothing remote
+    code, body = _get(base + "/api/status")
+    assert code == 200
+    assert "/metrics" in json.loads(body)["endpoints"]
 
 
 def test_health_verdict_uses_supervisor_and_rank_heartbeats() -> None:
