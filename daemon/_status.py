@@ -24,7 +24,7 @@ from ckpt_manager import CheckpointError, CommittedCheckpoint, committed_checkpo
 from daemon._collector import RankView
 from daemon._state import NodeStatus
 
-__all__ = ["CHECKPOINT_REFRESH_S", "HISTORY_POINTS", "StatusBoard"]
+__all__ = ["CHECKPOINT_REFRESH_S", "HISTORY_POINTS", "StatusBoard", "format_duration"]
 
 log = structlog.get_logger("trainingd.status")
 
@@ -59,7 +59,8 @@ class StatusBoard:
         clock: Callable[[], float] = time.time,
         list_checkpoints: Callable[[], list[CommittedCheckpoint]] | None = None,
     ) -> None:
-        self._max_steps = max_steps
+        self.max_steps = max_steps
+        """The run's target step."""
         self._ckpt_uri = ckpt_uri
         self._list = list_checkpoints or (lambda: committed_checkpoints(ckpt_uri, storage_options))
         self._clock = clock
@@ -163,13 +164,13 @@ class StatusBoard:
         with self._lock:
             tokens_per_s, steps_per_s = self._rates()
             step = self._node.get("step")
-            remaining = self._max_steps - (step or 0)
+            remaining = self.max_steps - (step or 0)
             eta = remaining / steps_per_s if steps_per_s > 0 and remaining > 0 else None
             return {
                 "now_unix_s": now,
                 "node": dict(self._node),
                 "step": step,
-                "max_steps": self._max_steps,
+                "max_steps": self.max_steps,
                 "eta_s": None if eta is None else round(eta, 1),
                 "tokens_per_s": round(tokens_per_s, 1),
                 "steps_per_s": round(steps_per_s, 3),
@@ -210,6 +211,17 @@ class StatusBoard:
                 log.exception("status_checkpoint_listing_failed")
             if self._stop.wait(CHECKPOINT_REFRESH_S):
                 return
+
+
+def format_duration(seconds: float | None) -> str:
+    """`1h 2m 3s` style (the page's `dur()` in JS), `-` when unknown."""
+    if seconds is None:
+        return "-"
+    total = round(seconds)
+    hours, minutes, secs = total // 3600, total % 3600 // 60, total % 60
+    out = f"{hours}h " if hours else ""
+    out += f"{minutes}m " if hours or minutes else ""
+    return out + f"{secs}s"
 
 
 def _age(now: float, then: float | None) -> float | None:

@@ -28,7 +28,7 @@ from daemon._http import health
 from daemon._lifecycle import kill_group, pid_alive
 from daemon._notify import Notifier
 from daemon._state import NodePhase, NodeState
-from daemon._status import StatusBoard
+from daemon._status import StatusBoard, format_duration
 
 __all__ = ["Supervisor"]
 
@@ -215,11 +215,15 @@ class Supervisor:
         status = self._state.status()
         loss = views[0].gauge("trainingd_train_loss") if views else None
         ckpt = views[0].gauge("trainingd_ckpt_last_committed_step") if views else None
-        parts = [f"[trainingd] {status.phase.value}", f"step {_or_dash(status.step)}"]
+        of_max = f"/{self._board.max_steps}" if self._board is not None else ""
+        parts = [f"[trainingd] {status.phase.value}", f"step {_or_dash(status.step)}{of_max}"]
         if loss is not None:
             parts.append(f"loss {loss:.4f}")
         parts.append(f"{rate:,.0f} tok/s")
+        if self._board is not None:
+            parts.append(f"ETA {format_duration(self._board.snapshot()['eta_s'])}")
         parts.append(f"last ckpt {_or_dash(None if ckpt is None else int(ckpt))}")
+        parts.append(f"restarts {status.restarts}")
         line = " | ".join(parts)
         self._progress.write("\r\x1b[K" + line)
         self._progress.flush()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ckpt_manager import CommittedCheckpoint, StorageError
 from daemon._collector import RankView
 from daemon._state import NodePhase, NodeState
-from daemon._status import HISTORY_POINTS, StatusBoard
+from daemon._status import HISTORY_POINTS, StatusBoard, format_duration
 
 
 def _view(step: int, loss: float, tokens: float, failed_saves: float = 0.0) -> RankView:
@@ -70,3 +70,10 @@ def test_restarts_failed_saves_and_listing_errors_are_reported() -> None:
     assert "restart 1" in board.snapshot()["last_error"]["message"]
     board.refresh_checkpoints()
     assert board.snapshot()["checkpoints"]["error"] == "cannot list /x"
+
+
+def test_format_duration_matches_the_page() -> None:
+    assert format_duration(None) == "-"
+    assert format_duration(5.4) == "5s"
+    assert format_duration(3725) == "1h 2m 5s"
+    assert format_duration(120) == "2m 0s"
