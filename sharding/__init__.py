@@ -38,6 +38,8 @@ Module plan:
   the end-of-backward callback.
 * `_engine.py`: `Engine`: the state machine IDLE -> FORWARD -> BACKWARD -> IDLE driving both
   pipelines from the hooks.
+* `_groups.py`: `no_decay_groups`; torch-style parameter groups resolved to element runs of
+  each bucket's main weights (a shard may span several groups).
 * `_optimizer.py`: `DistributedOptimizer`: torch optimizer on main-weight shards, global
   norm clipping, pushing updated weights back; its sharded state dict (save, reshard on load).
 * `_state_dict.py`: `ShardedTensor`, the flat form's piece helpers (resharding on load), the
@@ -48,6 +50,7 @@ Module plan:
 """
 
 from sharding._config import ShardingConfig, Strategy
+from sharding._groups import no_decay_groups
 from sharding._optimizer import DistributedOptimizer
 from sharding._state_dict import ShardedTensor
 from sharding._stats import (
@@ -68,4 +71,5 @@ __all__ = [
     "ShardingStats",
     "ShardingStatsSnapshot",
     "Strategy",
+    "no_decay_groups",
 ]

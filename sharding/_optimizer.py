@@ -8,6 +8,10 @@ working set in cache (AdamW over 13M elements: 235 ms flat, 53 ms in 256K chunks
 thread). This suits elementwise optimizers (SGD, Adam, AdamW, Adagrad, RMSprop, ...);
 optimizers that look at a parameter's shape or norm (LAMB, Adafactor) would see chunks.
 
+With parameter groups (`_groups.py`), chunks are cut at group boundaries and each torch
+parameter group holds the chunks of one user group, so per-group hyperparameters apply per
+element range even where a rank's shard spans parameters of several groups.
+
 The optimizer's sharded state dict is per parameter, not per chunk: each elementwise state
 tensor becomes `ShardedTensor` pieces in the model's flat form (`_state_dict.py`), so it
 reshards on load exactly like the weights.
@@ -16,12 +20,13 @@ reshards on load exactly like the weights.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from sharding._engine import Engine
+from sharding._groups import group_runs, resolve_groups
 from sharding._state_dict import (
     StateDict,
     as_pieces,
@@ -41,32 +46,57 @@ __all__ = [
 ]
 
 CHUNK_NUMEL = 1 << 18
+GROUP_NAMES_KEY = "param_names"
+"""Key of each saved parameter group's list of parameter names (checked on load)."""
 
 
 class DistributedOptimizer:
     """Steps a torch optimizer on main-weight shards and pushes the result to the model."""
 
     def __init__(
-        self, engine: Engine, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+        self,
+        engine: Engine,
+        optimizer_class: type[torch.optim.Optimizer],
+        param_groups: Iterable[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> None:
-        """Build `optimizer_class(shards, **kwargs)`; use `FullyShardedDataParallel.make_optimizer`.
+        """Build `optimizer_class(chunk groups, **kwargs)`; use `make_optimizer`.
 
         Args:
             engine: the wrapper's engine.
             optimizer_class: a `torch.optim.Optimizer` subclass.
-            **kwargs: its hyperparameters (`lr`, `weight_decay`, ...).
+            param_groups: torch-style groups (see `FullyShardedDataParallel.make_optimizer`);
+                `None` for one group of every trained parameter.
+            **kwargs: default hyperparameters (`lr`, `weight_decay`, ...).
+
+        Raises:
+            ValueError: a group lists an unknown parameter or one twice, or misses one.
         """
         self._engine = engine
         self.buckets = [b for b in engine.buckets if b.trains]
-        # (bucket position, start, end) of every optimizer tensor, in main-weight coordinates.
-        self.chunks: list[tuple[int, int, int]] = [
-            (pos, start, min(start + CHUNK_NUMEL, b.main_weight.numel()))
+        groups, owner = resolve_groups(self.buckets, param_groups)
+        # (bucket position, start, end, group) of every optimizer tensor, in main-weight
+        # coordinates, in bucket order; chunks never cross a group boundary.
+        self.chunks: list[tuple[int, int, int, int]] = [
+            (pos, start, min(start + CHUNK_NUMEL, e), group)
             for pos, b in enumerate(self.buckets)
-            for start in range(0, b.main_weight.numel(), CHUNK_NUMEL)
+            for a, e, group in group_runs(b, pos, owner)
+            for start in range(a, e, CHUNK_NUMEL)
         ]
-        self.params = [self.buckets[pos].main_weight[a:e] for pos, a, e in self.chunks]
-        self.optimizer: torch.optim.Optimizer = optimizer_class(self.params, **kwargs)
-        """The underlying torch optimizer (give it to LR schedulers)."""
+        self.params = [self.buckets[pos].main_weight[a:e] for pos, a, e, _ in self.chunks]
+        self.group_names: list[list[str]] = [[] for _ in groups]
+        """First name of every parameter in each group (saved with the state dict)."""
+        for (pos, index), group in sorted(owner.items()):
+            self.group_names[group].append(self.buckets[pos].layout.slots[index].names[0])
+        torch_groups = [
+            {
+                **hyper,
+                "params": [p for p, c in zip(self.params, self.chunks, strict=True) if c[3] == g],
+            }
+            for g, hyper in enumerate(groups)
+        ]
+        self.optimizer: torch.optim.Optimizer = optimizer_class(torch_groups, **kwargs)
+        """The underlying torch optimizer (give it to LR schedulers); one group per user group."""
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -75,7 +105,7 @@ class DistributedOptimizer:
 
     def _link_grads(self) -> None:
         grads = [b.optimizer_grad() for b in self.buckets]
-        for param, (pos, a, e) in zip(self.params, self.chunks, strict=True):
+        for param, (pos, a, e, _) in zip(self.params, self.chunks, strict=True):
             grad = grads[pos]
             assert grad is not None
             param.grad = grad[a:e]
@@ -101,10 +131,12 @@ class DistributedOptimizer:
 
     def chunk_state(self, flat: dict[str, Any], index: int) -> dict[str, Any]:
         """Slice one chunk's torch state out of a bucket's flat state."""
-        _, a, e = self.chunks[index]
+        _, a, e, _ = self.chunks[index]
+        # Scalar tensors (Adam's `step`) are cloned too: torch updates them in place, so
+        # chunks sharing one tensor would advance it once per chunk.
         return {
-            key: value[a:e].clone()
-            if isinstance(value, torch.Tensor) and value.dim() > 0
+            key: (value[a:e] if value.dim() > 0 else value).clone()
+            if isinstance(value, torch.Tensor)
             else value
             for key, value in flat.items()
         }
@@ -168,7 +200,8 @@ class DistributedOptimizer:
         """This rank's optimizer state: per parameter, `ShardedTensor` pieces of each state.
 
         Returns:
-            `{"state": {name: {key: ShardedTensor | Tensor | value}}, "param_groups": [...]}`.
+            `{"state": {name: {key: ShardedTensor | Tensor | value}}, "param_groups": [...]}`;
+            each group holds its hyperparameters and `"param_names"` (its parameters).
         """
         return optimizer_sharded_state_dict(self)
 
@@ -210,7 +243,13 @@ def optimizer_sharded_state_dict(opt: DistributedOptimizer) -> StateDict:
                 for key, value in flat.items()
             }
     groups = opt.optimizer.state_dict()["param_groups"]
-    return {"state": state, "param_groups": [_json_group(g) for g in groups]}
+    return {
+        "state": state,
+        "param_groups": [
+            {**_json_group(g), GROUP_NAMES_KEY: list(names)}
+            for g, names in zip(groups, opt.group_names, strict=True)
+        ],
+    }
 
 
 def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: StateDict) -> None:
@@ -223,6 +262,14 @@ def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: Sta
             f"optimizer state has {len(groups)} parameter groups, this optimizer has "
             f"{len(current['param_groups'])}; build it with make_optimizer like the saved one"
         )
+    for g, (saved, names) in enumerate(zip(groups, opt.group_names, strict=True)):
+        # Checkpoints from before groups were saved have no names; they had one group.
+        if GROUP_NAMES_KEY in saved and list(saved[GROUP_NAMES_KEY]) != names:
+            raise StateDictLayoutError(
+                f"optimizer parameter group {g} held other parameters when saved "
+                f"({len(saved[GROUP_NAMES_KEY])} vs {len(names)} now); build the optimizer "
+                "with the same param_groups as the saved one"
+            )
     flat_states: dict[int, dict[str, Any]] = {}
     for pos, bucket in enumerate(opt.buckets):
         entries = [saved_state.get(s.names[0]) for s in bucket.layout.slots]
@@ -249,14 +296,18 @@ def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: Sta
             complete_replicated(bucket, flat)
             flat_state[key] = flat
         flat_states[pos] = flat_state
+    # torch numbers parameters group by group, not in chunk (bucket) order.
+    torch_index = {
+        id(p): i for i, p in enumerate(p for g in opt.optimizer.param_groups for p in g["params"])
+    }
     new_state = {
-        index: opt.chunk_state(flat_states[pos], index)
-        for index, (pos, _, _) in enumerate(opt.chunks)
+        torch_index[id(opt.params[index])]: opt.chunk_state(flat_states[pos], index)
+        for index, (pos, _, _, _) in enumerate(opt.chunks)
         if pos in flat_states
     }
     new_groups = []
     for saved, cur in zip(groups, current["param_groups"], strict=True):
-        group = dict(saved)
+        group = {k: v for k, v in saved.items() if k != GROUP_NAMES_KEY}
         if isinstance(cur.get("betas"), tuple) and isinstance(group.get("betas"), list):
             group["betas"] = tuple(group["betas"])
         group["params"] = cur["params"]

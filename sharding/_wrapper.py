@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -256,18 +256,34 @@ class FullyShardedDataParallel(nn.Module):
             self._engine.is_last_microbatch = previous
 
     def make_optimizer(
-        self, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+        self,
+        optimizer_class: type[torch.optim.Optimizer],
+        param_groups: Iterable[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
     ) -> DistributedOptimizer:
         """Build a distributed optimizer over this rank's fp32 main-weight shards.
 
+        Groups work as torch's: `param_groups` is what `optimizer_class(param_groups,
+        **kwargs)` would take, each group a dict with `"params"` and its own
+        hyperparameters, `kwargs` the defaults. `"params"` holds this wrapper's parameters
+        (`model.parameters()` after wrapping, e.g. from `sharding.no_decay_groups(model,
+        0.1)`) or their names in the wrapped module (`model.module.named_parameters()`,
+        as in state dicts). Every trained parameter must be in exactly one group. Each
+        group becomes one group of the torch optimizer (`.optimizer.param_groups[i]`), so LR
+        schedulers scale each group's `lr` as usual.
+
         Args:
             optimizer_class: e.g. `torch.optim.AdamW` (elementwise optimizers).
-            **kwargs: its hyperparameters.
+            param_groups: torch-style groups; `None` for one group of every parameter.
+            **kwargs: default hyperparameters.
 
         Returns:
             The optimizer; `.optimizer` is the torch optimizer (for LR schedulers).
+
+        Raises:
+            ValueError: a group lists an unknown parameter or one twice, or one is missing.
         """
-        return DistributedOptimizer(self._engine, optimizer_class, **kwargs)
+        return DistributedOptimizer(self._engine, optimizer_class, param_groups, **kwargs)
 
     def sharded_state_dict(self) -> StateDict:
         """This rank's pieces of every parameter (`ShardedTensor`, flat form) and buffers."""

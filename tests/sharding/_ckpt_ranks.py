@@ -10,7 +10,14 @@ import torch.distributed as dist
 
 from daemon.gpt import lm_loss
 from sharding import Strategy
-from tests.sharding._helpers import Setup, global_batch, make_model, snapshot, wrap
+from tests.sharding._helpers import (
+    Setup,
+    global_batch,
+    make_model,
+    param_groups,
+    snapshot,
+    wrap,
+)
 
 GLOBAL_BATCH = 4
 
@@ -29,10 +36,12 @@ def _step(model: Any, opt: Any, step: int, rank: int, world: int) -> float:
 
 
 def save_after_training(rank: int, world: int, strategy: Strategy) -> dict[str, Any]:
-    """Train 3 steps, save, train 2 more; also check an in-place round trip."""
-    setup = Setup(strategy=strategy)
+    """Train 3 steps, save, train 2 more; also check an in-place round trip (two groups)."""
+    setup = Setup(strategy=strategy, groups=True)
     model = wrap(make_model(setup), setup)
-    opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    opt = model.make_optimizer(
+        torch.optim.AdamW, param_groups(model, setup), lr=1e-3, weight_decay=0.1
+    )
     for step in range(3):
         _step(model, opt, step, rank, world)
     saved = snapshot({"model": model.sharded_state_dict(), "optim": opt.sharded_state_dict()})
@@ -58,9 +67,12 @@ def load_and_continue(
     rank: int, world: int, strategy: Strategy, merged: dict[str, Any]
 ) -> dict[str, Any]:
     """Load pieces saved at another world size/strategy, save again, train steps 3 and 4."""
-    setup = dataclasses.replace(Setup(strategy=strategy))
+    setup = dataclasses.replace(Setup(strategy=strategy, groups=True))
     model = wrap(make_model(setup, seed=123), setup)
-    opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    # Other hyperparameters than saved: loading must restore each group's own.
+    opt = model.make_optimizer(
+        torch.optim.AdamW, param_groups(model, setup), lr=5e-2, weight_decay=0.5
+    )
     model.load_sharded_state_dict(merged["model"])
     opt.load_sharded_state_dict(merged["optim"])
     saved = snapshot({"model": model.sharded_state_dict(), "optim": opt.sharded_state_dict()})

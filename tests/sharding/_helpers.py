@@ -13,7 +13,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from daemon.gpt import GPT, Block, GPTConfig, lm_loss
-from sharding import FullyShardedDataParallel, ShardedTensor, ShardingConfig, Strategy
+from sharding import (
+    FullyShardedDataParallel,
+    ShardedTensor,
+    ShardingConfig,
+    Strategy,
+    no_decay_groups,
+)
 
 SEQ = 16
 VOCAB = 256
@@ -38,6 +44,8 @@ class Setup:
     """Use the reentrant `torch.utils.checkpoint` variant."""
     fixed_data: bool = False
     """Train on the same batch every step (so the loss must go down)."""
+    groups: bool = False
+    """Two parameter groups: `no_decay_groups`, the no-decay one with its own `lr`."""
 
 
 class TinyGPT(GPT):
@@ -112,10 +120,20 @@ def wrap(model: nn.Module, setup: Setup) -> FullyShardedDataParallel:
     )
 
 
+def param_groups(model: nn.Module, setup: Setup) -> list[dict[str, Any]] | None:
+    """The setup's optimizer groups of a plain or wrapped model (`None`: one group)."""
+    if not setup.groups:
+        return None
+    groups = no_decay_groups(model, weight_decay=0.1)
+    groups[1]["lr"] = 3e-3
+    return groups
+
+
 def train_sharded(rank: int, world: int, setup: Setup) -> dict[str, Any]:
     """Train the setup with the engine; return global losses, norms and rank 0's weights."""
     model = wrap(make_model(setup), setup)
-    opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    groups = param_groups(model, setup)
+    opt = model.make_optimizer(torch.optim.AdamW, groups, lr=1e-3, weight_decay=0.1)
     losses, norms = [], []
     for step in range(setup.steps):
         total = torch.zeros(())
@@ -155,7 +173,10 @@ def train_reference(setup: Setup, world: int) -> dict[str, Any]:
 
 def _train_reference(setup: Setup, world: int) -> dict[str, Any]:
     model = make_model(setup)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    groups = param_groups(model, setup)
+    opt = torch.optim.AdamW(
+        model.parameters() if groups is None else groups, lr=1e-3, weight_decay=0.1
+    )
     losses, norms = [], []
     for step in range(setup.steps):
         total = 0.0

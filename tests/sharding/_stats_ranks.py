@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import time
 from typing import Any
 
 import torch
 
 from daemon.gpt import Block, lm_loss
 from sharding import FullyShardedDataParallel, ShardingConfig, ShardingStatsSnapshot, Strategy
+from sharding._param import engine_access
 from tests.sharding._helpers import Setup, batch, make_model
 
 ZERO3 = Strategy.OPTIM_GRADS_PARAMS
@@ -35,36 +38,43 @@ def _train(model: FullyShardedDataParallel, opt: Any, steps: range, rank: int) -
         opt.zero_grad()
 
 
-def _persistent_bytes(model: FullyShardedDataParallel, opt: Any) -> int:
-    total = 0
-    for bucket in model._engine.buckets:
-        for t in (bucket.main_weight, bucket.main_grad, bucket.reduced_grad):
-            total += 0 if t is None else t.numel() * t.element_size()
-        if bucket.param_shard is not None and bucket.param_shard is not bucket.main_weight:
-            total += bucket.param_shard.numel() * bucket.param_shard.element_size()
-        if not bucket.strategy.shards_params:
-            full = bucket.full_param
-            if full.untyped_storage().data_ptr() != bucket.main_weight.untyped_storage().data_ptr():
-                total += full.numel() * full.element_size()
-    for state in opt.optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                total += value.numel() * value.element_size()
-    return total
+def live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in this process (measured, not the engine's view).
+
+    Walks the garbage collector's objects, so it sees whatever holds tensors (engine buffers,
+    optimizer state, stray copies) without asking the engine what it allocated.
+    """
+    gc.collect()
+    storages: dict[int, int] = {}
+    with engine_access():  # reading a ZeRO-3 parameter's (empty) storage is fine here
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                storage = obj.untyped_storage()
+                ptr = storage.data_ptr()
+                if ptr:
+                    storages[ptr] = max(storages.get(ptr, 0), storage.nbytes())
+    return sum(storages.values())
 
 
 def stats_and_memory(rank: int, world: int) -> dict[str, Any]:
     """Steady-state prefetch counts, queue peaks, observer calls and buffer memory."""
     out: dict[str, Any] = {"prefetch": {}, "reduce_peak": {}}
+    baseline = live_tensor_bytes()
     for prefetch in (True, False):
         recorder = _Recorder()
+        start = time.perf_counter()
         model = _build(ShardingConfig(unit_modules=(Block,), prefetch=prefetch), recorder)
         opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
         _train(model, opt, range(2), rank)
         before = model.stats.snapshot()
         _train(model, opt, range(2, 3), rank)
         after = model.stats.snapshot()
+        wall_s = time.perf_counter() - start
         out["prefetch"][prefetch] = {
+            "wall_s": wall_s,
+            "observer_seconds": {
+                op: sum(c[2] for c in recorder.calls if c[0] == op) for op in after.collectives
+            },
             "before": before,
             "after": after,
             "units": model.num_units,
@@ -82,7 +92,8 @@ def stats_and_memory(rank: int, world: int) -> dict[str, Any]:
             # Measured with gradients present (they are dropped by zero_grad).
             x, y = batch(9, 0, rank, 2)
             lm_loss(model(x), y).backward()
-            out["zero3_bytes"] = _persistent_bytes(model, opt)
+            out["zero3_bytes"] = live_tensor_bytes() - baseline
+            del model, opt, engine
     for bound in (1, 2, 3):
         config = ShardingConfig(unit_modules=(Block,), max_inflight_reductions=bound)
         model = _build(config)
@@ -94,7 +105,7 @@ def stats_and_memory(rank: int, world: int) -> dict[str, Any]:
     _train(model, opt, range(1), rank)
     x, y = batch(9, 0, rank, 2)
     lm_loss(model(x), y).backward()
-    out["noshard_bytes"] = _persistent_bytes(model, opt)
+    out["noshard_bytes"] = live_tensor_bytes() - baseline
     return out
 
 

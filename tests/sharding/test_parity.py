@@ -29,6 +29,9 @@ HARD = [
     Setup(strategy=s, tie=False, micro_batches=4, clip=1.0, unused=True, checkpointing=True)
     for s in ALL
 ]
+# Two parameter groups (decay / no decay with its own lr): a rank's shard spans both.
+GROUPS = [Setup(strategy=s, groups=True, steps=12) for s in ALL]
+GROUPS_ODD = [Setup(strategy=s, groups=True, steps=8, num_layers=2) for s in ALL]
 BF16 = Setup(
     strategy=Strategy.OPTIM_GRADS_PARAMS,
     param_dtype=torch.bfloat16,
@@ -53,7 +56,7 @@ def _assert_parity(setup: Setup, world: int, got: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def two_rank_runs() -> list[dict[str, Any]]:
-    return run_on_ranks(train_many, 2, [*PLAIN, *HARD, BF16], timeout_s=300)
+    return run_on_ranks(train_many, 2, [*PLAIN, *HARD, BF16, *GROUPS], timeout_s=300)
 
 
 @pytest.mark.slow
@@ -80,8 +83,22 @@ def test_two_rank_parity_accumulation_clipping_unused_checkpointing(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(ALL)), ids=[s.value for s in ALL])
+def test_two_rank_parity_two_param_groups(two_rank_runs: list[dict[str, Any]], index: int) -> None:
+    _assert_parity(GROUPS[index], 2, two_rank_runs[0][len(PLAIN) + len(HARD) + 1 + index])
+
+
+@pytest.mark.slow
+def test_three_rank_parity_two_param_groups_every_strategy() -> None:
+    # An odd world size: shards start mid-parameter and span both groups.
+    results = run_on_ranks(train_many, 3, GROUPS_ODD, timeout_s=300)
+    for setup, got in zip(GROUPS_ODD, results[0], strict=True):
+        _assert_parity(setup, 3, got)
+
+
+@pytest.mark.slow
 def test_bf16_compute_trains(two_rank_runs: list[dict[str, Any]]) -> None:
-    losses = two_rank_runs[0][-1]["losses"]
+    losses = two_rank_runs[0][len(PLAIN) + len(HARD)]["losses"]
     assert losses[-1] < losses[0] - 0.5, losses
     ref = train_reference(BF16, 2)["losses"]
     # bf16 compute follows the fp32 reference loosely, not bitwise.

@@ -17,6 +17,7 @@ def test_all_is_pinned_and_documented() -> None:
         "ShardingStats",
         "ShardingStatsSnapshot",
         "Strategy",
+        "no_decay_groups",
     ]
     for name in sharding.__all__:
         assert getattr(sharding, name).__doc__, name

@@ -52,7 +52,11 @@ def test_collectives_are_counted_and_observed(results: list[dict[str, Any]]) -> 
     assert totals["all_gather"].count == 3 * (2 * run["units"] + 1)
     assert totals["reduce_scatter"].count > 0
     assert totals["all_gather"].num_bytes > 0
-    assert totals["all_gather"].seconds >= 0.0
+    for op, total in totals.items():
+        # Measured waits: positive, within the run's wall time, and what the observer saw.
+        if total.count:
+            assert 0.0 < total.seconds < run["wall_s"], (op, total.seconds, run["wall_s"])
+        assert abs(run["observer_seconds"][op] - total.seconds) <= 1e-9 * max(1.0, total.seconds)
     assert snap.reduce_queue_depth == 0
     count = sum(t.count for t in totals.values())
     assert run["observer_calls"] == count
@@ -61,8 +65,10 @@ def test_collectives_are_counted_and_observed(results: list[dict[str, Any]]) -> 
 @pytest.mark.slow
 def test_zero3_memory_is_a_shard_plus_units_in_flight(results: list[dict[str, Any]]) -> None:
     for rank in results:
-        # Weights, grads and both Adam moments: exactly half of NO_SHARD's at two ranks.
-        assert rank["zero3_bytes"] * 2 == rank["noshard_bytes"]
+        # Measured live tensor memory after backward (weights, grads, both Adam moments):
+        # half of NO_SHARD's at two ranks, give or take buffers and scalars (5%).
+        zero3, noshard = rank["zero3_bytes"], rank["noshard_bytes"]
+        assert abs(2 * zero3 - noshard) <= 0.05 * noshard, (zero3, noshard)
         *units, root = rank["unit_bytes"]
         assert rank["peak_unsharded"] <= root + 2 * max(units)
         assert rank["released"]
