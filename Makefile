@@ -11,8 +11,8 @@ TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 # System tools some tests need, from Debian packages: promtool and prometheus (tests/dashboards),
 # chromium (the status page test, tests/daemon/test_status_page.py).
-SYSTEM_TOOLS := promtool prometheus chromium
-SYSTEM_PACKAGES := prometheus chromium
+SYSTEM_TOOLS := promtool prometheus chromium systemd-analyze
+SYSTEM_PACKAGES := prometheus chromium systemd
 
 .PHONY: venv system-tools stop-packaged-prometheus run test lint format clean bench
 

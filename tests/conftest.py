@@ -2,7 +2,8 @@
 
 [Note: missing system tools] Tests marked `prometheus` need the `promtool` and `prometheus`
 binaries (Debian's `prometheus` package), tests marked `browser` need `chromium` (Debian's
-`chromium` package); `make test` installs both as root with apt-get. Where
+`chromium` package), tests marked `systemd` need `systemd-analyze` (Debian's `systemd`);
+`make test` installs them as root with apt-get. Where
 they are missing those tests skip with one reason, printed in the header and the `-ra` summary.
 In strict mode (`TRAININGD_TEST_STRICT=1`, or `CI=true`; `.ci/run` sets the former) the same
 tests fail instead, so CI never loses that coverage silently. This hook is the only place that
@@ -22,9 +23,13 @@ from tests.support.seaweed import SeaweedS3, find_weed_binary
 
 STRICT_VARIABLE = "TRAININGD_TEST_STRICT"
 """Set to 1 (or CI=true) to fail, not skip, tests whose system tools are missing."""
-SYSTEM_TOOLS = {"prometheus": ("promtool", "prometheus"), "browser": ("chromium",)}
+SYSTEM_TOOLS = {
+    "prometheus": ("promtool", "prometheus"),
+    "browser": ("chromium",),
+    "systemd": ("systemd-analyze",),
+}
 """Marker -> binaries its tests need on PATH."""
-SYSTEM_PACKAGES = {"prometheus": "prometheus", "browser": "chromium"}
+SYSTEM_PACKAGES = {"prometheus": "prometheus", "browser": "chromium", "systemd": "systemd"}
 """Marker -> the Debian package that provides its binaries."""
 
 
