@@ -254,24 +254,33 @@ def test_killed_worker_restarts_group_and_daemon_death_leaves_nothing(
     assert session_pids(again.pid) == [], "processes outlived the daemon by 10 s"
 
 
-def test_two_daemons_train_one_job_and_each_serves_metrics(
-    tmp_path: Path, procs: list[DaemonProc]
-) -> None:
+def _two_held_nodes(
+    tmp_path: Path, procs: list[DaemonProc], root: Path, after_steps: int, *args: str
+) -> tuple[list[DaemonProc], Gate]:
+    """Two single-rank daemons of one 30-step job, both ranks held after `after_steps`."""
     endpoint = f"127.0.0.1:{free_port()}"
-    root = tmp_path / "ckpt"
     common = [
         "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
-        "--strategy", "optim_grads_params", "--max-steps", "30", "--ckpt-every", "5",
-        "--ckpt-uri", str(root), "--batch-size", str(_BATCH_SIZE), "--rdzv-timeout-s", "120",
-        *GATED_JOB,
+        "--max-steps", "30", "--ckpt-uri", str(root), "--batch-size", str(_BATCH_SIZE),
+        "--rdzv-timeout-s", "120", *args, *GATED_JOB,
     ]  # fmt: skip
-    # Both ranks are held after step 5 while the test reads each daemon's metrics.
-    gate = Gate(tmp_path / "gate", after_steps=5, batch_size=_BATCH_SIZE)
+    gate = Gate(tmp_path / "gate", after_steps=after_steps, batch_size=_BATCH_SIZE)
     nodes = [
         DaemonProc(tmp_path, [*common, "--node-rank", str(k)], gate.env, f"node{k}") for k in (0, 1)
     ]
     procs.extend(nodes)
     gate.wait_until_held(2, *nodes, timeout_s=120)
+    return nodes, gate
+
+
+def test_two_daemons_train_one_job_and_each_serves_metrics(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    root = tmp_path / "ckpt"
+    # Both ranks are held after step 5 while the test reads each daemon's metrics.
+    nodes, gate = _two_held_nodes(
+        tmp_path, procs, root, 5, "--strategy", "optim_grads_params", "--ckpt-every", "5"
+    )
     for node in nodes:
         # The supervisor takes these from the ranks' snapshots on its next tick (0.25 s).
         wait_for(lambda n=node: n.max_value("trainingd_daemon_world_size") == 2, 30, "world")
@@ -290,19 +299,8 @@ def test_a_stopped_node_exits_143_and_its_peer_asks_for_a_restart(
 ) -> None:
     # [Note: exit codes tell finished from stopped]: a drain of node 1 must not look like a
     # finished job on either node.
-    endpoint = f"127.0.0.1:{free_port()}"
     root = tmp_path / "ckpt"
-    common = [
-        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
-        "--max-steps", "30", "--ckpt-every", "0", "--ckpt-uri", str(root),
-        "--batch-size", str(_BATCH_SIZE), "--rdzv-timeout-s", "120", *GATED_JOB,
-    ]  # fmt: skip
-    gate = Gate(tmp_path / "gate", after_steps=3, batch_size=_BATCH_SIZE)
-    nodes = [
-        DaemonProc(tmp_path, [*common, "--node-rank", str(k)], gate.env, f"node{k}") for k in (0, 1)
-    ]
-    procs.extend(nodes)
-    gate.wait_until_held(2, *nodes, timeout_s=120)
+    nodes, gate = _two_held_nodes(tmp_path, procs, root, 3, "--ckpt-every", "0")
     nodes[1].signal(signal.SIGTERM)
     wait_for(lambda: nodes[1].find("stop_requested"), 30, "the stop request")
     gate.open()
