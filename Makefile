@@ -30,7 +30,7 @@ run: venv
 
 # Installs the missing system tools when it can (root and apt-get, as on CI); otherwise it says
 # why in one line and carries on: the tests that need them skip with that reason, and fail instead
-# under TRAININGD_TEST_STRICT=1 or CI=true (tests/conftest.py), as .ci/run sets.
+# under STRICT_SYSTEM_TOOLS=1 or CI=true (tests/conftest.py), as .ci/run sets.
 system-tools:
 	@missing=; for t in $(SYSTEM_TOOLS); do command -v $$t >/dev/null 2>&1 || missing="$$missing $$t"; done; \
 	if [ -z "$$missing" ]; then exit 0; fi; \

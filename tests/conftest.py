@@ -5,7 +5,7 @@ binaries (Debian's `prometheus` package), tests marked `browser` need `chromium`
 `chromium` package), tests marked `systemd` need `systemd-analyze` (Debian's `systemd`);
 `make test` installs them as root with apt-get. Where
 they are missing those tests skip with one reason, printed in the header and the `-ra` summary.
-In strict mode (`TRAININGD_TEST_STRICT=1`, or `CI=true`; `.ci/run` sets the former) the same
+In strict mode (`STRICT_SYSTEM_TOOLS=1`, or `CI=true`; `.ci/run` sets the former) the same
 tests fail instead, so CI never loses that coverage silently. This hook is the only place that
 decides it.
 """
@@ -21,7 +21,9 @@ import pytest
 from tests.support.s3 import MotoS3, S3Target, isolate_aws_environment
 from tests.support.seaweed import SeaweedS3, find_weed_binary
 
-STRICT_VARIABLE = "TRAININGD_TEST_STRICT"
+# Not a TRAININGD_* name: the daemon's strict config parser rejects unknown TRAININGD_*
+# variables, and tests start daemons that inherit the environment.
+STRICT_VARIABLE = "STRICT_SYSTEM_TOOLS"
 """Set to 1 (or CI=true) to fail, not skip, tests whose system tools are missing."""
 SYSTEM_TOOLS = {
     "prometheus": ("promtool", "prometheus"),
