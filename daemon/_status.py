@@ -62,7 +62,9 @@ class StatusBoard:
         self.max_steps = max_steps
         """The run's target step."""
         self._ckpt_uri = ckpt_uri
-        self._list = list_checkpoints or (lambda: committed_checkpoints(ckpt_uri, storage_options))
+        self._list = list_checkpoints or (
+            lambda: committed_checkpoints(ckpt_uri, storage_options, known=self._checkpoints)
+        )
         self._clock = clock
         self._lock = threading.Lock()
         self._loss: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY_POINTS)

@@ -80,7 +80,11 @@ class CommittedCheckpoint(NamedTuple):
 
 
 def committed_checkpoints(
-    root_uri: str, storage_options: dict[str, Any] | None = None, *, limit: int = 50
+    root_uri: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    limit: int = 50,
+    known: Iterable[CommittedCheckpoint] = (),
 ) -> list[CommittedCheckpoint]:
     """The newest `limit` committed steps under a root with their sizes and commit times.
 
@@ -91,6 +95,8 @@ def committed_checkpoints(
         root_uri: the checkpoint root (path or `s3://bucket/prefix`).
         storage_options: fsspec options for the root's filesystem (S3 endpoint, credentials).
         limit: at most this many steps, the newest ones.
+        known: steps read by an earlier call. A committed manifest never changes, so their
+            manifests are not read again (a poller then reads only the new steps' manifests).
 
     Returns:
         Ascending by step.
@@ -100,13 +106,15 @@ def committed_checkpoints(
     """
     storage = Storage(root_uri, storage_options)
     steps = committed_steps(storage)[-limit:] if limit > 0 else []
-    out = []
-    for step, manifest in zip(steps, read_manifests(storage, steps), strict=True):
+    listed = set(steps)
+    found = {c.step: c for c in known if c.step in listed}
+    new = [s for s in steps if s not in found]
+    for step, manifest in zip(new, read_manifests(storage, new), strict=True):
         if isinstance(manifest, CheckpointError):
             continue
         size = sum(f.size for f in manifest.files.values())
-        out.append(CommittedCheckpoint(step, size, manifest.committed_unix_s))
-    return out
+        found[step] = CommittedCheckpoint(step, size, manifest.committed_unix_s)
+    return [found[s] for s in steps if s in found]
 
 
 def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:

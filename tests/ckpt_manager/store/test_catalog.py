@@ -68,3 +68,24 @@ def test_dead_attempt_cleanup_keeps_a_folder_committed_after_the_listing(
     monkeypatch.undo()
     assert st.read(f"{folder}/{MANIFEST_NAME}") == b'{"another": "commit"}'
     assert st.read(f"{folder}/{shard_file_name(0)}") == b"shard"
+
+
+def test_committed_checkpoints_reads_only_the_manifests_it_does_not_know(
+    tmp_path: pathlib.Path,
+) -> None:
+    from ckpt_manager import CommittedCheckpoint, committed_checkpoints
+
+    storage = _root_with_steps(tmp_path, [1, 2, 3])
+    first = committed_checkpoints(str(tmp_path))
+    assert [c.step for c in first] == [1, 2, 3]
+    assert all(c.size_bytes > 0 for c in first)
+    # A known step is taken as given (a committed manifest never changes): a marker value
+    # comes back unread. A known step that is gone now is dropped; a new one is read.
+    marker = CommittedCheckpoint(2, -1, 0.0)
+    delete_step(storage, 1)
+    _root_with_steps(tmp_path, [4])
+    again = committed_checkpoints(str(tmp_path), known=[first[0], marker, first[2]])
+    assert [c.step for c in again] == [2, 3, 4]
+    assert again[0] is marker
+    assert again[1] is first[2]
+    assert again[2].size_bytes > 0
