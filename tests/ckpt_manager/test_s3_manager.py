@@ -97,6 +97,19 @@ def outage_server() -> Iterator[_Outage]:
         s3fs.S3FileSystem.clear_instance_cache()
 
 
+def _save_step_2_until_its_writer_stalls(mgr: CheckpointManager) -> None:
+    """Commit step 1, start step 2 and return once its writer is in the `stall` fault (the
+    partial object is there), so a test can stop the store before the real upload."""
+    mgr.save(1, {"t": torch.full((1000,), 1.0)})
+    mgr.wait_until_finished()
+    mgr.save(2, {"t": torch.full((1000,), 2.0)})
+    partial = f"{step_dir(2)}/{shard_file_name(0)}.partial"
+    deadline = time.monotonic() + 20
+    while not mgr.storage.exists(partial):
+        assert time.monotonic() < deadline, "the writer never started step 2"
+        time.sleep(0.05)
+
+
 def test_s3_server_stopped_mid_upload(
     outage_server: _Outage, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -117,14 +130,7 @@ def test_s3_server_stopped_mid_upload(
     )
     root = f"s3://{bucket}/ckpt"
     with CheckpointManager(root, cfg, run_id="outage") as mgr:
-        mgr.save(1, {"t": torch.full((1000,), 1.0)})
-        mgr.wait_until_finished()
-        mgr.save(2, {"t": torch.full((1000,), 2.0)})
-        partial = f"{step_dir(2)}/{shard_file_name(0)}.partial"
-        deadline = time.monotonic() + 20
-        while not mgr.storage.exists(partial):
-            assert time.monotonic() < deadline, "the writer never started step 2"
-            time.sleep(0.05)
+        _save_step_2_until_its_writer_stalls(mgr)
         outage_server.stop()  # the real upload starts after the stall, against a dead server
         with pytest.raises(
             SaveFailedError, match=r"step 2 failed: rank 0: writer (failed|did not finish)"
@@ -154,14 +160,7 @@ def test_an_outage_with_default_retry_settings_is_waited_out(
     root = f"s3://{bucket}/ckpt"
     outage_s = 12.0
     with CheckpointManager(root, cfg, run_id="outage-default") as mgr:
-        mgr.save(1, {"t": torch.full((1000,), 1.0)})
-        mgr.wait_until_finished()
-        mgr.save(2, {"t": torch.full((1000,), 2.0)})
-        partial = f"{step_dir(2)}/{shard_file_name(0)}.partial"
-        deadline = time.monotonic() + 20
-        while not mgr.storage.exists(partial):
-            assert time.monotonic() < deadline, "the writer never started step 2"
-            time.sleep(0.05)
+        _save_step_2_until_its_writer_stalls(mgr)
         outage_server.stop()  # the upload starts after the stall, against a dead server
         down_until = time.monotonic() + outage_s
         while time.monotonic() < down_until:

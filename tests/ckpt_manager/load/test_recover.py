@@ -73,14 +73,14 @@ def test_manifest_naming_parent_path_is_rejected(
 ) -> None:
     _two_steps(tmp_path)
     (tmp_path / "x").write_bytes(b"outside")
-    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
-    doc = json.loads(manifest.read_text())
-    entry = doc["files"].pop(shard_file_name(0))
-    doc["files"]["../x"] = entry
-    for rec in doc["tensors"].values():
-        for piece in rec["pieces"]:
-            piece["file"] = "../x"
-    manifest.write_text(json.dumps(doc))
+
+    def outside(doc: dict[str, Any]) -> None:
+        doc["files"]["../x"] = doc["files"].pop(shard_file_name(0))
+        for rec in doc["tensors"].values():
+            for piece in rec["pieces"]:
+                piece["file"] = "../x"
+
+    _edit_manifest(tmp_path, 2, outside)
     step, reason = _restore_latest(tmp_path, log_events)
     assert step == 1
     assert "'../x'" in reason
