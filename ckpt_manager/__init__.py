@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from ckpt_manager._types import (
         ManagerStats,
         RankLocal,
+        RestoreProgress,
         RestoreResult,
         SaveObserver,
         SaveReport,
@@ -91,6 +92,7 @@ __all__ = [
     "ManagerStats",
     "MetricMode",
     "RankLocal",
+    "RestoreProgress",
     "RestoreResult",
     "RetentionPolicy",
     "S3Options",
@@ -133,6 +135,7 @@ _HOME = {
         [
             "ManagerStats",
             "RankLocal",
+            "RestoreProgress",
             "RestoreResult",
             "SaveObserver",
             "SaveReport",

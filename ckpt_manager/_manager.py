@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -46,7 +46,7 @@ from ckpt_manager._store.lease import Lease
 from ckpt_manager._store.manifest import shard_file_name
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._store.tree import flatten
-from ckpt_manager._types import ManagerStats, RestoreResult, SaveObserver
+from ckpt_manager._types import ManagerStats, RestoreProgress, RestoreResult, SaveObserver
 from ckpt_manager.errors import (
     CheckpointError,
     CheckpointTimeoutError,
@@ -357,7 +357,13 @@ class CheckpointManager:
         return self._storage
 
     # ----------------------------------------------------------------- restore
-    def restore(self, step: int | None = None, into: Any = None) -> RestoreResult | None:
+    def restore(
+        self,
+        step: int | None = None,
+        into: Any = None,
+        *,
+        on_progress: Callable[[RestoreProgress], None] | None = None,
+    ) -> RestoreResult | None:
         """Restore a step on every rank (collective).
 
         Args:
@@ -366,6 +372,10 @@ class CheckpointManager:
             into: optional template: its tensors / sharded tensors are filled in place
                 (resharded from the saved offsets at any world size) and its structure
                 is returned.
+            on_progress: called on this thread after every read from storage (each checksum
+                chunk, each stored piece or 64 MiB part of one) with the bytes read so far;
+                a caller beats a liveness heartbeat from it. It should not raise: an
+                exception from it counts as a failed read of that step.
 
         Returns:
             `RestoreResult(step, state)`, or None when no valid checkpoint exists and
@@ -385,6 +395,7 @@ class CheckpointManager:
                 into,
                 verify_checksums=self.config.verify_checksums,
                 on_choose=self._choose_for_restore,
+                on_progress=on_progress,
             )
             if result is not None:
                 self._restored_from = result.step  # before `_restoring` is cleared: no gap

@@ -12,6 +12,7 @@ __all__ = [
     "ALIASES_KEY",
     "ManagerStats",
     "RankLocal",
+    "RestoreProgress",
     "RestoreResult",
     "SaveObserver",
     "SaveReport",
@@ -122,3 +123,17 @@ class RestoreResult(NamedTuple):
     """The step restored."""
     state: Any
     """The restored state (the template's structure when `into` was given)."""
+
+
+class RestoreProgress(NamedTuple):
+    """How far a `restore()` has read on this rank (passed to its `on_progress` callback).
+
+    Reported after every read from storage: each verified chunk of a file this rank checks and
+    each stored piece (or 64 MiB part of one) it loads. A restore that reports nothing for a
+    long time is stuck on storage, not slow.
+    """
+
+    step: int
+    """The step being verified or loaded (a newer one may have been skipped before)."""
+    num_bytes_read: int
+    """Bytes this rank has read from storage since `restore()` began (verify + load)."""

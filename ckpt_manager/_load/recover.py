@@ -18,13 +18,26 @@ from ckpt_manager._coord import Coordinator
 from ckpt_manager._load.restore import load_state
 from ckpt_manager._store.catalog import committed_steps, read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
-from ckpt_manager._types import RestoreResult
+from ckpt_manager._types import RestoreProgress, RestoreResult
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 
 __all__ = ["restore_agreed"]
 
 _log = structlog.get_logger("ckpt_manager")
 _MISSING = "missing: "
+
+
+class _Progress:
+    """Counts this rank's bytes read and reports each read to the caller's callback."""
+
+    def __init__(self, callback: Callable[[RestoreProgress], None]) -> None:
+        self._callback = callback
+        self.step = -1
+        self.num_bytes_read = 0
+
+    def on_read(self, num_bytes: int) -> None:
+        self.num_bytes_read += num_bytes
+        self._callback(RestoreProgress(self.step, self.num_bytes_read))
 
 
 def restore_agreed(
@@ -35,11 +48,13 @@ def restore_agreed(
     *,
     verify_checksums: bool,
     on_choose: Callable[[int], None] | None = None,
+    on_progress: Callable[[RestoreProgress], None] | None = None,
 ) -> RestoreResult | None:
     """Restore on every rank (collective); see `CheckpointManager.restore`.
 
     `on_choose(step)` runs before a candidate's files are first read, so the caller can
     protect it from retention from the moment it is chosen, not once it is loaded.
+    `on_progress` receives a `RestoreProgress` after every read from storage.
 
     Raises:
         StepNotFoundError: the explicit step is not committed.
@@ -52,14 +67,18 @@ def restore_agreed(
     else:
         listed = committed_steps(storage) if coord.is_coordinator else []
         candidates = list(reversed(coord.broadcast(listed)))
+    progress = _Progress(on_progress) if on_progress is not None else None
+    on_read = progress.on_read if progress is not None else None
     for candidate in candidates:
         if on_choose is not None:
             on_choose(candidate)
+        if progress is not None:
+            progress.step = candidate
         manifest, reason = None, None
         try:
             manifest = read_manifest(storage, candidate)
             names = sorted(manifest.files)[coord.rank :: coord.world_size]
-            verify_files(storage, manifest, names, check_crc=verify_checksums)
+            verify_files(storage, manifest, names, check_crc=verify_checksums, on_read=on_read)
         except StepNotFoundError as err:
             reason = f"{_MISSING}{err}"
         except CheckpointError as err:
@@ -77,7 +96,7 @@ def restore_agreed(
         assert manifest is not None
         state, error = None, None
         try:
-            state = load_state(storage, manifest, coord.rank, into)
+            state = load_state(storage, manifest, coord.rank, into, on_read)
         except CorruptCheckpointError as err:
             error = ("corrupt", str(err))
         except CheckpointError as err:

@@ -6,6 +6,7 @@ Listing and verifying steps lives in `_catalog` (torch-free).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,9 +21,18 @@ from ckpt_manager.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["load_state", "read_piece"]
 
+_READ_CHUNK = 64 << 20
+"""Largest single read: a huge piece arrives in parts, so a restore can report progress."""
+
 
 def read_piece(
-    storage: Storage, step: int, piece: Piece, dtype: torch.dtype, start: int, end: int
+    storage: Storage,
+    step: int,
+    piece: Piece,
+    dtype: torch.dtype,
+    start: int,
+    end: int,
+    on_read: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """Read elements `[start, end)` of one stored piece: only those bytes are fetched.
 
@@ -33,6 +43,7 @@ def read_piece(
         dtype: the tensor's element type.
         start: first element, counted within the piece.
         end: one past the last element.
+        on_read: called with the byte count after each read (at most 64 MiB each).
 
     Returns:
         A new 1-D CPU tensor of `end - start` elements (empty when `end <= start`).
@@ -45,20 +56,35 @@ def read_piece(
         return torch.empty(0, dtype=dtype)
     lo = piece.offset + start * dtype.itemsize
     hi = piece.offset + end * dtype.itemsize
-    data = storage.read(f"{step_dir(step)}/{piece.file}", lo, hi)
+    name = f"{step_dir(step)}/{piece.file}"
+    data = bytearray()
+    for part in range(lo, hi, _READ_CHUNK):
+        chunk = storage.read(name, part, min(hi, part + _READ_CHUNK))
+        data += chunk
+        if on_read is not None:
+            on_read(len(chunk))
+        if len(chunk) != min(hi, part + _READ_CHUNK) - part:
+            break
     if len(data) != hi - lo:
         raise CorruptCheckpointError(f"step {step}: {piece.file} is short")
-    return torch.frombuffer(bytearray(data), dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype)
 
 
 class _Loader:
-    def __init__(self, storage: Storage, manifest: Manifest, rank: int) -> None:
+    def __init__(
+        self,
+        storage: Storage,
+        manifest: Manifest,
+        rank: int,
+        on_read: Callable[[int], None] | None = None,
+    ) -> None:
         self.storage = storage
         self.m = manifest
         self.rank = rank
+        self.on_read = on_read
 
     def read(self, piece: Piece, dtype: torch.dtype, start: int, end: int) -> torch.Tensor:
-        return read_piece(self.storage, self.m.step, piece, dtype, start, end)
+        return read_piece(self.storage, self.m.step, piece, dtype, start, end, self.on_read)
 
     def _record(self, key: str) -> tuple[torch.dtype, list[Piece], tuple[int, ...]]:
         rec = self.m.tensors.get(key)
@@ -204,19 +230,25 @@ class _Loader:
         )
 
 
-def load_state(storage: Storage, manifest: Manifest, rank: int, into: Any | None) -> Any:
+def load_state(
+    storage: Storage,
+    manifest: Manifest,
+    rank: int,
+    into: Any | None,
+    on_read: Callable[[int], None] | None = None,
+) -> Any:
     """Load a verified step for `rank`: the saved structure, or the template's filled in place.
 
     Without a template sharded tensors come back whole (consolidated) and RankLocal subtrees
     as this rank's subtree (None if the rank did not exist). With one, tensors and sharded
     tensors are filled in place (resharded to the template's offsets or flat ranges) and
-    returned as the same objects.
+    returned as the same objects. `on_read(num_bytes)` follows every read from storage.
 
     Raises:
         CheckpointError: the template does not match the checkpoint.
         CorruptCheckpointError: stored data is inconsistent.
     """
-    loader = _Loader(storage, manifest, rank)
+    loader = _Loader(storage, manifest, rank, on_read)
     if into is None:
         return loader.build(manifest.tree)
     return loader.into(manifest.tree, into, "")

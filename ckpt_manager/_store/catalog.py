@@ -6,7 +6,7 @@ manifests without paying for importing torch (see `_dtypes`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import structlog
@@ -243,9 +243,17 @@ def read_manifests(storage: Storage, steps: list[int]) -> list[Manifest | Checkp
 
 
 def verify_files(
-    storage: Storage, manifest: Manifest, names: Iterable[str], *, check_crc: bool
+    storage: Storage,
+    manifest: Manifest,
+    names: Iterable[str],
+    *,
+    check_crc: bool,
+    on_read: Callable[[int], None] | None = None,
 ) -> None:
     """Check that files exist with the manifest's size (and crc32).
+
+    `on_read(num_bytes)` is called after each chunk read for the checksum (a restore reports
+    its progress through it).
 
     Raises:
         CorruptCheckpointError: the first file that fails, and why.
@@ -266,7 +274,10 @@ def verify_files(
             continue
         crc = 0
         for start in range(0, size, _READ_CHUNK):
-            crc = crc32(storage.read(path, start, min(size, start + _READ_CHUNK)), crc)
+            chunk = storage.read(path, start, min(size, start + _READ_CHUNK))
+            crc = crc32(chunk, crc)
+            if on_read is not None:
+                on_read(len(chunk))
         if crc != entry.crc32:
             raise CorruptCheckpointError(
                 f"step {manifest.step}: file {name} checksum {crc:#010x} != manifest "

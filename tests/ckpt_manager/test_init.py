@@ -39,6 +39,7 @@ EXPECTED = [
     "ManagerStats",
     "MetricMode",
     "RankLocal",
+    "RestoreProgress",
     "RestoreResult",
     "RetentionPolicy",
     "S3Options",
