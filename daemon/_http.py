@@ -2,8 +2,9 @@
 
 A single WSGI callable dispatches on the path (prometheus_client's own server would serve the
 registry on every path and bind 0.0.0.0). `/healthz` is 200 while the supervisor loop beats and
-no local rank's training-loop heartbeat is older than `heartbeat_timeout_s` (a long restore or
-save is not death: ranks beat on phase changes too, and the timeout is generous); `/readyz` is
+no local rank's training-loop heartbeat is older than `heartbeat_timeout_s` (a long save is not
+death: ranks beat on phase changes too, and the timeout is generous; a restore beats on every
+read from storage, so only one stuck on storage goes stale); `/readyz` is
 200 once rendezvous and restore are done and the node is training, 503 while starting, loading
 or draining. Bodies are small JSON objects. The server runs on one daemon thread owned by
 `MetricsServer`; `port` 0 binds a free port (`server.port` tells which). `/` is the status page

@@ -183,7 +183,13 @@ def run_training(
         t0 = time.perf_counter()
         if _checkpoint_exists(manager):
             _materialize_optimizer_state(model, optimizer, job)
-        restored = manager.restore(step=None, into=state())
+        # [Note: ranks beat while restoring] Every read from storage beats the heartbeat
+        # behind /healthz (published at most every `publish_interval_s`), so a restore of any
+        # length stays healthy while bytes arrive, and one stuck in a read goes stale after
+        # `heartbeat_timeout_s`; the supervisor extends systemd's start timeout on the same beats.
+        restored = manager.restore(
+            step=None, into=state(), on_progress=lambda _progress: telemetry.heartbeat()
+        )
         step = 0
         if restored is not None:
             step = restored.step
