@@ -9,7 +9,8 @@ One thread, owned by `Supervisor`, wakes every `_TICK_S`. Each iteration:
    see [Note: how rank processes and their checkpoint writers die with the daemon]);
 4. talks to systemd: `READY=1` once every local rank has restored and trains, `STATUS=` with
    step and loss, `WATCHDOG=1` only while the node is healthy (so a hung training loop is
-   caught), `EXTEND_TIMEOUT_USEC=` while starting and while draining;
+   caught), `EXTEND_TIMEOUT_USEC=` while starting and while draining, but only after the node
+   moved (`TimeoutExtender`: a hung restore must let systemd's start timeout fire);
 5. enforces the shutdown budget: once draining for `shutdown_timeout_s`, it kills the ranks;
 6. redraws the live progress line when stderr is a TTY with console logs.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Hashable
 from typing import TextIO
 
 import structlog
@@ -26,7 +28,7 @@ import structlog
 from daemon._collector import RankView, SnapshotAggregator
 from daemon._http import health
 from daemon._lifecycle import kill_group, pid_alive
-from daemon._notify import Notifier
+from daemon._notify import Notifier, TimeoutExtender
 from daemon._state import NodePhase, NodeState
 from daemon._status import StatusBoard, format_duration
 
@@ -37,8 +39,10 @@ log = structlog.get_logger("trainingd.supervisor")
 _TICK_S = 0.25
 _STATUS_EVERY_S = 5.0
 _EXTEND_EVERY_S = 5.0
-_EXTEND_USEC = 20_000_000
-"""Each EXTEND_TIMEOUT_USEC grants 20 s from now; re-sent every 5 s while progress continues."""
+_EXTEND_WINDOW_S = 60.0
+"""Each EXTEND_TIMEOUT_USEC grants 60 s from now (a 64 MiB restore read at 1 MB/s); sent at most
+every 5 s, and only after progress ([Note: extend systemd's timeouts only while the node makes
+progress] in `_notify.py`)."""
 
 _LOADING = {"starting", "loading", "restoring"}
 _TRAINING = {"training"}
@@ -100,7 +104,10 @@ class Supervisor:
         self._reaped: set[int] = set()
         self._views: list[RankView] = []
         self._sent_ready = False
-        self._last_status = self._last_extend = float("-inf")
+        self._last_status = float("-inf")
+        self._extender = TimeoutExtender(
+            notifier, window_s=_EXTEND_WINDOW_S, every_s=_EXTEND_EVERY_S
+        )
         self._draining_since: float | None = None
         self._tokens: tuple[float, float] | None = None
         self.budget_exceeded = threading.Event()
@@ -191,9 +198,8 @@ class Supervisor:
         if ok:
             self._notifier.watchdog(now)
         slow = phase in (NodePhase.RENDEZVOUS, NodePhase.LOADING, NodePhase.DRAINING)
-        if slow and now - self._last_extend >= _EXTEND_EVERY_S:
-            self._last_extend = now
-            self._notifier.send(EXTEND_TIMEOUT_USEC=_EXTEND_USEC)
+        if slow:
+            self._extender.observe(_progress_mark(phase, views), now)
 
     def _enforce_budget(self, now: float) -> None:
         if self._draining_since is None:
@@ -227,6 +233,22 @@ class Supervisor:
         line = " | ".join(parts)
         self._progress.write("\r\x1b[K" + line)
         self._progress.flush()
+
+
+def _progress_mark(phase: NodePhase, views: list[RankView]) -> Hashable:
+    """What changes when the node moves: phase, membership, each rank's phase, step and beat."""
+    ranks = tuple(
+        (
+            v.local_rank,
+            v.restart,
+            v.world_size,
+            v.phase,
+            v.gauge("trainingd_train_step"),
+            v.gauge("trainingd_rank_heartbeat_timestamp_seconds"),
+        )
+        for v in sorted(views, key=lambda v: v.local_rank)
+    )
+    return phase, ranks
 
 
 def _or_dash(value: int | None) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon._notify import Notifier
+from daemon._notify import Notifier, TimeoutExtender
 
 
 @pytest.fixture
@@ -59,3 +59,33 @@ def test_abstract_socket_and_disabled_cases() -> None:
     assert other.watchdog_interval_s is None
     # A vanished systemd is not an error.
     assert not Notifier({"NOTIFY_SOCKET": "/nonexistent/sock"}).send(READY=1)
+
+
+def _drain(sock: socket.socket) -> list[str]:
+    sock.settimeout(0.2)
+    out: list[str] = []
+    while True:
+        try:
+            out.append(sock.recv(4096).decode())
+        except TimeoutError:
+            return out
+
+
+def test_extensions_go_out_only_after_progress(listener: tuple[socket.socket, str]) -> None:
+    sock, path = listener
+    ext = TimeoutExtender(Notifier({"NOTIFY_SOCKET": path}), window_s=20.0, every_s=5.0)
+    assert ext.observe("rendezvous", now=0.0)  # the first mark is a move
+    assert not ext.observe("loading", now=1.0)  # moved, but 5 s have not passed
+    assert ext.observe("loading", now=5.0)  # the move at 1.0 is extended now
+    # Stuck: the mark stays the same, so no extension however long systemd waits.
+    assert [ext.observe("loading", now=t) for t in (10.0, 15.0, 20.0, 60.0)] == [False] * 4
+    # Moving again (a restore read beat): extended at once, every 5 s while it moves.
+    assert ext.observe(("loading", 1), now=61.0)
+    assert not ext.observe(("loading", 2), now=62.0)
+    assert ext.observe(("loading", 2), now=66.0)
+    assert _drain(sock) == ["EXTEND_TIMEOUT_USEC=20000000"] * 4
+
+
+def test_extender_rejects_a_window_shorter_than_its_interval() -> None:
+    with pytest.raises(ValueError, match="0 < every_s < window_s"):
+        TimeoutExtender(Notifier({}), window_s=5.0, every_s=5.0)

@@ -84,6 +84,51 @@ def test_ready_once_watchdog_only_while_ranks_beat_and_progress_line(
     assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in _received(sock))
 
 
+def test_start_timeout_is_extended_only_while_the_restore_reads(
+    tmp_path: Path, systemd: tuple[socket.socket, str]
+) -> None:
+    sock, path = systemd
+    state = NodeState(local_ranks=1)
+    sup = Supervisor(
+        state,
+        SnapshotAggregator(tmp_path, 1),
+        Notifier({"NOTIFY_SOCKET": path}),
+        heartbeat_timeout_s=3600,
+        shutdown_timeout_s=60,
+    )
+    beats = iter(range(1_000_000))
+    tel = RankTelemetry(
+        snapshot_path(tmp_path, 0),
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        publish_interval_s=0.0,
+        clock=lambda: 1.7e9 + next(beats),
+    )
+
+    def extensions() -> int:
+        return sum(m.startswith("EXTEND_TIMEOUT_USEC=") for m in _received(sock))
+
+    tel.heartbeat("restoring")
+    sup.tick(now=0.0)
+    assert state.status().phase is NodePhase.LOADING
+    assert extensions() == 1
+    for now in (5.0, 10.0, 15.0):  # every read of the restore beats: extended each time
+        tel.heartbeat()
+        sup.tick(now=now)
+    assert extensions() == 3
+    for now in (20.0, 25.0, 30.0, 120.0):  # stuck in a read: no beat, no extension
+        sup.tick(now=now)
+    assert extensions() == 0
+    tel.heartbeat()  # the read returned
+    sup.tick(now=125.0)
+    assert extensions() == 1
+    tel.heartbeat("training")
+    sup.tick(now=130.0)
+    assert state.status().ready
+    assert extensions() == 0  # training: systemd's start is over, nothing to extend
+
+
 def test_dead_rank_group_is_killed_with_its_children(tmp_path: Path) -> None:
     # A "rank" that leads its own group and has a child (its checkpoint writer), then dies.
     code = (
