@@ -1,13 +1,20 @@
-"""The deployment files agree with the daemon: real config keys, budgets that cover a final save."""
+"""The deployment files agree with the daemon: real config keys, budgets that cover a final save.
+
+The Kubernetes manifests are also validated offline against the core API schemas that
+`kubernetes-validate` bundles (no network, no cluster), pinned to `K8S_VERSION`.
+"""
 
 from __future__ import annotations
 
 import configparser
 import re
 import shutil
+import socket
 import subprocess
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -43,6 +50,9 @@ def test_systemd_unit_lets_the_daemon_drive_shutdown() -> None:
     assert _seconds(service["WatchdogSec"]) > 0
     # The stop timeout covers the daemon's own final-save budget.
     assert _seconds(service["TimeoutStopSec"]) > DaemonConfig().launch.shutdown_timeout_s
+    # Waiting for peers moves nothing on this node, so no EXTEND_TIMEOUT_USEC goes out then:
+    # the start timeout itself covers the rendezvous timeout, with room for build and restore.
+    assert _seconds(service["TimeoutStartSec"]) >= 2 * DaemonConfig().launch.rdzv_timeout_s
 
 
 def _docs() -> dict[str, dict]:
@@ -51,6 +61,38 @@ def _docs() -> dict[str, dict]:
         for doc in yaml.safe_load_all(path.read_text()):
             docs[doc["kind"]] = doc
     return docs
+
+
+_BUDGET_KEYS = {
+    "build": "trainingd.example.com/build-budget-seconds",
+    "restore": "trainingd.example.com/restore-budget-seconds",
+}
+
+
+def _probe_budget_s(probe: dict[str, Any]) -> int:
+    """How long a probe may fail before Kubernetes acts (the API's defaults: 10 s x 3)."""
+    return int(probe.get("periodSeconds", 10)) * int(probe.get("failureThreshold", 3))
+
+
+def _check_pod_budgets(pod: dict[str, Any], configmap: dict[str, Any], tmp_path: Path) -> None:
+    """startupProbe > rendezvous + build + restore; liveness as patient as the heartbeat."""
+    path = tmp_path / "budget.toml"
+    path.write_text(configmap["data"]["trainingd.toml"])
+    cfg = load_config({}, env={"TRAININGD_NODE_RANK": "0"}, file=path)
+    annotations = configmap["metadata"]["annotations"]
+    build_s, restore_s = (int(annotations[key]) for key in _BUDGET_KEYS.values())
+    assert build_s > 0
+    assert restore_s > 0
+    container = pod["containers"][0]
+    start_s = _probe_budget_s(container["startupProbe"])
+    assert start_s > cfg.launch.rdzv_timeout_s + build_s + restore_s
+    # Conservative liveness: a restart of one pod restarts the gang, so it takes /healthz
+    # failing for at least as long as the heartbeat timeout behind it.
+    liveness = container["livenessProbe"]
+    assert liveness["failureThreshold"] >= 3
+    assert _probe_budget_s(liveness) >= cfg.observability.heartbeat_timeout_s
+    assert pod["securityContext"]
+    assert container["securityContext"]
 
 
 def test_kubernetes_manifests_use_real_keys_and_cover_the_final_save(tmp_path: Path) -> None:
@@ -65,8 +107,10 @@ def test_kubernetes_manifests_use_real_keys_and_cover_the_final_save(tmp_path: P
 
     job = docs["Job"]["spec"]
     assert job["completionMode"] == "Indexed"
+    assert job["completions"] == job["parallelism"] == int(cfg.launch.nnodes)  # one pod per node
     pod = job["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] > cfg.launch.shutdown_timeout_s
+    _check_pod_budgets(pod, docs["ConfigMap"], tmp_path)
     container = pod["containers"][0]
     assert container["command"][:2] == ["trainingd", "run"]  # exec form: PID 1 gets SIGTERM
     port = next(p for p in container["ports"] if p["name"] == "metrics")["containerPort"]
@@ -205,7 +249,7 @@ def test_dockerfile_builds_an_unprivileged_image_of_this_repo() -> None:
     assert {"!sharding/", "!ckpt_manager/", "!daemon/", "!pyproject.toml"} <= set(ignore)
 
 
-def test_jobset_example_runs_the_same_pods_with_gang_restart() -> None:
+def test_jobset_example_runs_the_same_pods_with_gang_restart(tmp_path: Path) -> None:
     jobset = yaml.safe_load((DEPLOY / "kubernetes" / "jobset" / "jobset.yaml").read_text())
     kustomization = yaml.safe_load(
         (DEPLOY / "kubernetes" / "jobset" / "kustomization.yaml").read_text()
@@ -222,6 +266,7 @@ def test_jobset_example_runs_the_same_pods_with_gang_restart() -> None:
     assert job["completions"] == job["parallelism"] == int(launch["nnodes"])
     assert job["podFailurePolicy"] == docs["Job"]["spec"]["podFailurePolicy"]
     pod = job["template"]["spec"]
+    _check_pod_budgets(pod, docs["ConfigMap"], tmp_path)
     indexed_pod = docs["Job"]["spec"]["template"]["spec"]
     for key in ("securityContext", "enableServiceLinks", "serviceAccountName"):
         assert pod[key] == indexed_pod[key], key
@@ -232,3 +277,84 @@ def test_jobset_example_runs_the_same_pods_with_gang_restart() -> None:
     pod0 = f"{jobset['metadata']['name']}-{rjob['name']}-0-0.{spec['network']['subdomain']}"
     port = launch["rdzv_endpoint"].rsplit(":", 1)[1]
     assert env["TRAININGD_RDZV_ENDPOINT"] == f"{pod0}:{port}"
+
+
+# --- offline schema validation (kubernetes-validate's bundled core schemas) -----------------
+K8S_VERSION = "1.33"
+"""Kubernetes release whose schemas the manifests must satisfy (podFailurePolicy is GA since
+1.31; `kubernetes-validate` bundles 1.25 to 1.37, so no version is ever downloaded)."""
+_NOT_CORE = {
+    "kustomize.config.k8s.io/v1beta1": "a kustomize file, not an API object",
+    "monitoring.coreos.com/v1": "Prometheus Operator CRD (checked structurally above)",
+    "jobset.x-k8s.io/v1alpha2": "JobSet CRD: its Job templates are validated as batch/v1 Jobs",
+}
+
+
+@pytest.fixture
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail any socket connection: the validation must use only the bundled schemas."""
+
+    def refuse(self: socket.socket, address: object) -> None:
+        raise AssertionError(f"schema validation tried the network: {address!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+
+
+def _validate(resource: dict[str, Any]) -> None:
+    import kubernetes_validate
+
+    try:
+        # strict: unknown fields (a misspelt key Kubernetes would silently drop) fail too.
+        kubernetes_validate.validate(resource, K8S_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as err:
+        name = f"{resource['kind']}/{resource['metadata']['name']}"
+        raise AssertionError(f"{name}: {err.message} at {list(err.path)}") from err
+
+
+def _all_manifests() -> Iterator[tuple[Path, dict[str, Any]]]:
+    for path in sorted((DEPLOY / "kubernetes").rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            yield path, doc
+
+
+def test_kubernetes_manifests_validate_against_the_core_schemas_offline(no_network: None) -> None:
+    validated: list[str] = []
+    for path, doc in _all_manifests():
+        if doc["apiVersion"] in _NOT_CORE:
+            continue
+        _validate(doc)
+        validated.append(f"{path.name}:{doc['kind']}")
+    assert {"configmap.yaml:ConfigMap", "job.yaml:Job", "service.yaml:Service"} <= set(validated)
+    assert {"secret.example.yaml:Secret", "serviceaccount.yaml:ServiceAccount"} <= set(validated)
+    # JobSet is a CRD with no schema in the core set: each replicated Job's template is a
+    # batch/v1 JobTemplateSpec, so it is validated as the Job JobSet will create from it.
+    jobsets = [doc for _, doc in _all_manifests() if doc["kind"] == "JobSet"]
+    assert jobsets
+    for jobset in jobsets:
+        for rjob in jobset["spec"]["replicatedJobs"]:
+            template = rjob["template"]
+            _validate(
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "metadata": {
+                        **template.get("metadata", {}),
+                        "name": f"{jobset['metadata']['name']}-{rjob['name']}-0",
+                    },
+                    "spec": template["spec"],
+                }
+            )
+
+
+def test_schema_validation_catches_a_wrong_manifest(no_network: None) -> None:
+    # The check above can fail: a misspelt probe field and a string where an integer belongs.
+    job = yaml.safe_load((DEPLOY / "kubernetes" / "job.yaml").read_text())
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    container["startupProbe"]["failureTreshold"] = 90
+    with pytest.raises(AssertionError, match="failureTreshold"):
+        _validate(job)
+    del container["startupProbe"]["failureTreshold"]
+    job["spec"]["completions"] = "2"
+    with pytest.raises(AssertionError, match="completions"):
+        _validate(job)
