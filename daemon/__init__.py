@@ -14,7 +14,8 @@ Module plan:
     _state.py        `NodeState` / `NodePhase`: starting -> rendezvous -> loading -> training
                      <-> checkpointing; any -> draining -> stopped.
     _http.py         one port: /metrics, /healthz, /readyz.
-    _notify.py       sd_notify over a datagram socket (no dependency).
+    _notify.py       sd_notify over a datagram socket (no dependency); `TimeoutExtender`:
+                     EXTEND_TIMEOUT_USEC only after progress.
     _lifecycle.py    rank process groups, parent watch: workers never outlive the daemon.
     _control.py      stop / checkpoint requests as files the ranks poll.
     metrics.py       the metric catalog (names, types, units, buckets, labels).
