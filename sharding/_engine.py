@@ -74,9 +74,11 @@ class Engine:
         self._done = [False] * num
         self._backward_expected = False
         self.reduce = ReducePipeline(comm, stats, max_inflight=config.max_inflight_reductions)
+        stats.set_bound("reduce", config.max_inflight_reductions)
         self.gather: UnshardPipeline | None = None
         if config.strategy.shards_params:
             units = [UnitGather(i, buckets) for i, buckets in enumerate(unit_buckets)]
+            stats.set_bound("allgather", len(units))
             sizes = [u.nbytes for u in units[: self.root]]
             budget = config.communication_unit_bytes or (
                 2 * sum(sizes) // len(sizes) if sizes else 1

@@ -187,6 +187,7 @@ class DistributedOptimizer:
         pending = [p for b in self._engine.buckets if (p := b.push_main_weights()) is not None]
         for p in pending:
             p.wait()
+        self._engine.stats.end_step()  # [Note: queue depth per step] in sharding/_stats.py
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the main gradients (the next reduction overwrites them, no memset)."""

@@ -3,6 +3,13 @@
 `ShardingStats` is owned by one engine; every mutation and `snapshot()` takes one lock, so a
 metrics thread may read while training runs. Counting is a few integer additions per unit and
 per collective, far below 1% of a step.
+
+[Note: queue depth per step] A peak since the engine was built reaches the bound within the
+first steps and then never moves, so it cannot show a queue that fills up later or drains
+again. The engine therefore also keeps, per queue, the peak of the step in progress (reset by
+`end_step()`, which the optimizer calls at each step boundary; `snapshot()` reports the peak of
+the last completed step), the configured bound, and how often each depth was reached at an
+issue (depth -> count, a histogram the daemon buckets).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import threading
 from typing import Protocol, runtime_checkable
 
 __all__ = [
+    "QUEUES",
     "CollectiveObserver",
     "CollectiveTotals",
     "ShardingStats",
@@ -19,6 +27,8 @@ __all__ = [
 ]
 
 COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce")
+QUEUES = ("allgather", "reduce")
+"""Names of the engine's two bounded queues (keys of the per-queue snapshot fields)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +69,13 @@ class ShardingStatsSnapshot:
     """Gradient reductions issued and not yet waited on."""
     reduce_queue_depth_peak: int
     """Highest `reduce_queue_depth` seen."""
+    queue_depth_step_peak: dict[str, int]
+    """Per queue (`QUEUES`): highest depth during the last completed step (see the Note)."""
+    queue_bound: dict[str, int]
+    """Per queue: the most entries it can hold (`max_inflight_reductions` for `reduce`; the
+    number of ZeRO-3 units for `allgather`, whose prefetch budget is in bytes; 0: unused)."""
+    queue_depth_at_issue: dict[str, dict[int, int]]
+    """Per queue: depth right after an issue -> how many issues reached it."""
     prefetch_hits: int
     """Unit unshards whose gather an earlier call had already issued (prefetch)."""
     prefetch_misses: int
@@ -79,12 +96,37 @@ class ShardingStats:
         self._hits = 0
         self._misses = 0
         self._totals = {op: [0, 0, 0.0] for op in COLLECTIVE_OPS}
+        self._bound = dict.fromkeys(QUEUES, 0)
+        self._step_peak = dict.fromkeys(QUEUES, 0)
+        self._last_step_peak = dict.fromkeys(QUEUES, 0)
+        self._at_issue: dict[str, dict[int, int]] = {q: {} for q in QUEUES}
+
+    def set_bound(self, queue: str, bound: int) -> None:
+        """Record the configured capacity of `queue` (one of `QUEUES`)."""
+        if queue not in self._bound:
+            raise ValueError(f"queue={queue!r}: use one of {QUEUES}")
+        with self._lock:
+            self._bound[queue] = bound
+
+    def _issued(self, queue: str, depth: int) -> None:
+        # Caller holds the lock.
+        self._step_peak[queue] = max(self._step_peak[queue], depth)
+        seen = self._at_issue[queue]
+        seen[depth] = seen.get(depth, 0) + 1
+
+    def end_step(self) -> None:
+        """A step ended: its per-queue peaks become the reported ones, the next step's start
+        at the depth the queues hold now (work still in flight counts for the next step)."""
+        with self._lock:
+            self._last_step_peak = dict(self._step_peak)
+            self._step_peak = {"allgather": self._ag_depth, "reduce": self._rs_depth}
 
     def allgather_issued(self) -> None:
         """One unit gather entered the queue."""
         with self._lock:
             self._ag_depth += 1
             self._ag_peak = max(self._ag_peak, self._ag_depth)
+            self._issued("allgather", self._ag_depth)
 
     def allgather_waited(self) -> None:
         """One unit gather left the queue."""
@@ -96,6 +138,7 @@ class ShardingStats:
         with self._lock:
             self._rs_depth += 1
             self._rs_peak = max(self._rs_peak, self._rs_depth)
+            self._issued("reduce", self._rs_depth)
 
     def reduce_waited(self) -> None:
         """One gradient reduction left the queue."""
@@ -128,6 +171,9 @@ class ShardingStats:
                 reduce_queue_depth_peak=self._rs_peak,
                 prefetch_hits=self._hits,
                 prefetch_misses=self._misses,
+                queue_depth_step_peak=dict(self._last_step_peak),
+                queue_bound=dict(self._bound),
+                queue_depth_at_issue={q: dict(d) for q, d in self._at_issue.items()},
                 collectives={
                     op: CollectiveTotals(int(t[0]), int(t[1]), float(t[2]))
                     for op, t in self._totals.items()

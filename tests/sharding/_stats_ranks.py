@@ -58,7 +58,7 @@ def live_tensor_bytes() -> int:
 
 def stats_and_memory(rank: int, world: int) -> dict[str, Any]:
     """Steady-state prefetch counts, queue peaks, observer calls and buffer memory."""
-    out: dict[str, Any] = {"prefetch": {}, "reduce_peak": {}}
+    out: dict[str, Any] = {"prefetch": {}, "reduce_peak": {}, "reduce_step": {}}
     baseline = live_tensor_bytes()
     for prefetch in (True, False):
         recorder = _Recorder()
@@ -99,7 +99,13 @@ def stats_and_memory(rank: int, world: int) -> dict[str, Any]:
         model = _build(config)
         opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
         _train(model, opt, range(2), rank)
-        out["reduce_peak"][bound] = model.stats.snapshot().reduce_queue_depth_peak
+        snap = model.stats.snapshot()
+        out["reduce_peak"][bound] = snap.reduce_queue_depth_peak
+        out["reduce_step"][bound] = (
+            snap.queue_depth_step_peak["reduce"],
+            snap.queue_bound["reduce"],
+            snap.queue_depth_at_issue["reduce"],
+        )
     model = _build(dataclasses.replace(ShardingConfig(), strategy=Strategy.NO_SHARD))
     opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
     _train(model, opt, range(1), rank)

@@ -42,6 +42,26 @@ def test_reduce_queue_never_exceeds_its_bound(results: list[dict[str, Any]]) -> 
 
 
 @pytest.mark.slow
+def test_queue_depth_per_step_bound_and_depths_at_issue(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        for bound, (step_peak, reported_bound, at_issue) in rank["reduce_step"].items():
+            # The model has more buckets than 3, so every step fills the queue to its bound.
+            assert reported_bound == bound
+            assert step_peak == bound
+            assert max(at_issue) == bound
+            assert min(at_issue) == 1
+        # Every issue is counted once per depth: 2 steps of the same model, whatever the bound.
+        totals = {sum(d.values()) for _, _, d in rank["reduce_step"].values()}
+        assert len(totals) == 1
+    run = results[0]["prefetch"][True]
+    # end_step() moved the last step's peak into the snapshot; the bound counts every gather
+    # unit: the wrapped blocks plus the root.
+    after = run["after"]
+    assert after.queue_depth_step_peak["allgather"] == after.allgather_queue_depth_peak
+    assert after.queue_bound["allgather"] == run["units"] + 1
+
+
+@pytest.mark.slow
 def test_collectives_are_counted_and_observed(results: list[dict[str, Any]]) -> None:
     run = results[0]["prefetch"][True]
     snap = run["after"]
