@@ -3,7 +3,9 @@
 See [Note: one endpoint per node, ranks publish snapshots] in `daemon/metrics.py`.
 `SnapshotAggregator` reads the rank snapshot files and keeps counters monotonic across worker
 restarts; `NodeCollector` turns that and the `NodeState` into metric families following
-`metrics.CATALOG`; `make_registry` builds the injected `CollectorRegistry` the HTTP server serves.
+`metrics.CATALOG` and [Note: labels and scopes] there (every series labelled `run_id`; per-rank,
+once-per-node and summed families); `config_values` gives the `trainingd_config_*` gauges;
+`make_registry` builds the injected `CollectorRegistry` the HTTP server serves.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import math
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -26,9 +28,28 @@ from prometheus_client.registry import Collector
 
 from daemon._state import NodePhase, NodeState
 from daemon._telemetry import read_snapshot, snapshot_path
-from daemon.metrics import CATALOG, DAEMON_STATES, MetricKind, MetricSpec
+from daemon.metrics import CATALOG, DAEMON_STATES, MetricKind, MetricSpec, Scope
 
-__all__ = ["NodeCollector", "RankView", "SnapshotAggregator", "make_registry"]
+if TYPE_CHECKING:
+    from daemon.config import DaemonConfig
+
+__all__ = ["NodeCollector", "RankView", "SnapshotAggregator", "config_values", "make_registry"]
+
+_ENDED = (NodePhase.DRAINING, NodePhase.STOPPED)
+"""Phases in which the node is ending its run on purpose (`trainingd_daemon_finished`)."""
+
+
+def config_values(cfg: DaemonConfig) -> dict[str, float]:
+    """The `trainingd_config_*` gauges of a run: the thresholds its alerts compare against."""
+    return {
+        "trainingd_config_max_steps": float(cfg.train.max_steps),
+        "trainingd_config_ckpt_every_steps": float(cfg.checkpoint.ckpt_every),
+        "trainingd_config_heartbeat_timeout_seconds": cfg.observability.heartbeat_timeout_s,
+        "trainingd_config_max_restarts": float(cfg.launch.max_restarts),
+        "trainingd_config_max_consecutive_save_failures": float(
+            cfg.checkpoint.max_consecutive_save_failures
+        ),
+    }
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -151,14 +172,26 @@ class NodeCollector(Collector):
         aggregator: the local ranks' snapshots.
         state: the node's lifecycle state.
         build_labels: labels of `trainingd_build_info` (`metrics.build_info_labels`).
+        run_id: value of the `run_id` label on every series.
+        config: the `trainingd_config_*` values (`config_values`); missing ones export 0.
     """
 
     def __init__(
-        self, aggregator: SnapshotAggregator, state: NodeState, build_labels: dict[str, str]
+        self,
+        aggregator: SnapshotAggregator,
+        state: NodeState,
+        build_labels: dict[str, str],
+        *,
+        run_id: str,
+        config: dict[str, float] | None = None,
     ) -> None:
+        if not run_id:
+            raise ValueError("run_id is empty: pass DaemonConfig.run_id")
         self._aggregator = aggregator
         self._state = state
         self._build_labels = dict(build_labels)
+        self._run_id = run_id
+        self._config = dict(config or {})
 
     def describe(self) -> Iterable[Metric]:
         """Empty families with the catalog's names (lets the registry detect duplicates)."""
@@ -168,37 +201,72 @@ class NodeCollector(Collector):
         """Build every family from the current node state and rank snapshots."""
         views = self._aggregator.refresh()
         status = self._state.status()
+        # JOB families come from the lowest local rank that published (all ranks agree).
+        first = min(views, key=lambda v: v.local_rank, default=None)
+        step = first.gauge("trainingd_train_step") if first is not None else None
+        max_steps = self._config.get("trainingd_config_max_steps")
+        reached = step is not None and max_steps is not None and step >= max_steps
         node_values: dict[str, float] = {
             "trainingd_daemon_ready": float(status.ready),
+            "trainingd_daemon_finished": float(status.phase in _ENDED or reached),
             "trainingd_daemon_heartbeat_timestamp_seconds": status.heartbeat_unix_s,
             "trainingd_daemon_start_timestamp_seconds": status.start_unix_s,
             "trainingd_daemon_world_size": float(status.world_size),
             "trainingd_daemon_local_ranks": float(status.local_ranks),
             "trainingd_daemon_restarts_total": float(status.restarts),
         }
+        run = [self._run_id]
         for s in CATALOG:
             fam: Metric
             if s.name == "trainingd_build_info":
-                info = GaugeMetricFamily(s.name, s.help, labels=list(self._build_labels))
-                info.add_metric(list(self._build_labels.values()), 1.0)
+                names = ["run_id", *self._build_labels]
+                info = GaugeMetricFamily(s.name, s.help, labels=names)
+                info.add_metric(run + list(self._build_labels.values()), 1.0)
                 fam = info
             elif s.name == "trainingd_daemon_state":
-                states = GaugeMetricFamily(s.name, s.help, labels=["state"])
+                states = GaugeMetricFamily(s.name, s.help, labels=list(s.labelnames))
                 for value in DAEMON_STATES:
-                    states.add_metric([value], float(NodePhase(value) is status.phase))
+                    states.add_metric([*run, value], float(NodePhase(value) is status.phase))
                 fam = states
-            elif not s.per_rank:
+            elif s.scope is Scope.NODE:
                 node_cls = (
                     CounterMetricFamily if s.kind is MetricKind.COUNTER else GaugeMetricFamily
                 )
-                node = node_cls(s.name, s.help, labels=[])
-                node.add_metric([], node_values[s.name])
+                node = node_cls(s.name, s.help, labels=list(s.labelnames))
+                node.add_metric(run, node_values.get(s.name, self._config.get(s.name, 0.0)))
                 fam = node
-            else:
+            elif s.scope is Scope.RANK:
                 fam = _family(s)
                 for view in views:
-                    _add_rank_samples(fam, s, view)
+                    _add_samples(fam, s, view, [*run, str(view.rank), str(view.local_rank)])
+            elif s.scope is Scope.JOB:
+                fam = _family(s)
+                if first is not None:
+                    _add_samples(fam, s, first, run)
+            else:
+                fam = _family(s)
+                if views:
+                    _add_samples(fam, s, _summed(s, views), run)
             yield fam
+
+
+def _summed(s: MetricSpec, views: list[RankView]) -> RankView:
+    """A view holding family `s` summed over `views` (counters and histograms)."""
+    counters: dict[str, float] = {}
+    hists: dict[str, tuple[list[int], float]] = {}
+    for view in views:
+        for lv, value in view.counters.get(s.name, {}).items():
+            counters[lv] = counters.get(lv, 0.0) + value
+        for lv, (counts, total) in view.histograms.get(s.name, {}).items():
+            if len(counts) != len(s.buckets) + 1:
+                continue  # written by a build with other bucket edges
+            old_counts, old_total = hists.get(lv, ([0] * len(counts), 0.0))
+            summed = [a + b for a, b in zip(old_counts, counts, strict=True)]
+            hists[lv] = (summed, old_total + total)
+    head = views[0]
+    return dataclasses.replace(
+        head, counters={s.name: counters}, gauges={}, histograms={s.name: hists}
+    )
 
 
 def _go_float(edge: float) -> str:
@@ -215,8 +283,7 @@ def _family(s: MetricSpec) -> Metric:
     return HistogramMetricFamily(s.name, s.help, labels=labels)
 
 
-def _add_rank_samples(fam: Metric, s: MetricSpec, view: RankView) -> None:
-    ids = [str(view.rank), str(view.local_rank)]
+def _add_samples(fam: Metric, s: MetricSpec, view: RankView, ids: list[str]) -> None:
     label_values = s.label_values or ("",)
     if s.kind is MetricKind.COUNTER:
         assert isinstance(fam, CounterMetricFamily)

@@ -206,6 +206,7 @@ def run_training(
         start_step, saved_step, last_loss, stopped = step, step, None, False
         num_tokens = 0
         failures = SaveFailurePolicy(manager, cfg.checkpoint.max_consecutive_save_failures)
+        telemetry.set("trainingd_ckpt_consecutive_save_failures", failures.consecutive)
         tokens_per_step = tc.batch_size * tc.micro_batches * job.tokens_per_sample
         telemetry.set("trainingd_train_step", step)
         telemetry.heartbeat("training")
@@ -271,6 +272,7 @@ def run_training(
                 log.info("checkpoint_scheduled", ckpt_step=step, loss=round(last_loss, 4))
             failures.guard(manager.maybe_finalize)
             telemetry.update_checkpoints(manager.stats())
+            telemetry.set("trainingd_ckpt_consecutive_save_failures", failures.consecutive)
             telemetry.heartbeat()
             if rank == 0 and (step % 10 == 0 or step == tc.max_steps):
                 log.info(

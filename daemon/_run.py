@@ -35,7 +35,7 @@ from typing import Any
 import structlog
 
 from ckpt_manager import CheckpointError, latest_committed_step
-from daemon._collector import NodeCollector, SnapshotAggregator, make_registry
+from daemon._collector import NodeCollector, SnapshotAggregator, config_values, make_registry
 from daemon._control import request_checkpoint, request_stop
 from daemon._http import MetricsServer
 from daemon._logging import LogFormat, bind_process_context, configure_logging
@@ -251,7 +251,13 @@ def run_daemon(cfg: DaemonConfig) -> int:
                 print(complete, flush=True)
                 return EXIT_OK
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
-            collector = NodeCollector(aggregator, state, build_info_labels(distribution_version()))
+            collector = NodeCollector(
+                aggregator,
+                state,
+                build_info_labels(distribution_version()),
+                run_id=cfg.run_id,
+                config=config_values(cfg),
+            )
             board = StatusBoard(
                 max_steps=cfg.train.max_steps,
                 ckpt_uri=cfg.checkpoint.ckpt_uri,

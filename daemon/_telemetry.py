@@ -140,6 +140,17 @@ class RankTelemetry:
             hist.counts[bisect.bisect_left(buckets, value)] += 1
             hist.total += value
 
+    def set_histogram(self, name: str, values: dict[float, int], label: str = "") -> None:
+        """Set histogram `name` to cumulative observations an engine counted (value -> count)."""
+        buckets = spec(name).buckets
+        counts = [0] * (len(buckets) + 1)
+        total = 0.0
+        for value, num in values.items():
+            counts[bisect.bisect_left(buckets, value)] += num
+            total += value * num
+        with self._lock:
+            self._histograms.setdefault(name, {})[label] = _Histogram(counts=counts, total=total)
+
     def heartbeat(self, phase: str | None = None) -> None:
         """Mark the loop alive (and change phase); publishes at once when the phase changes."""
         changed = phase is not None and phase != self._phase
@@ -172,12 +183,18 @@ class RankTelemetry:
 
     def update_sharding(self, stats: ShardingStatsSnapshot) -> None:
         """Copy a `sharding.ShardingStatsSnapshot` (cumulative since the engine was built)."""
-        self.set("trainingd_fsdp_allgather_queue_depth", stats.allgather_queue_depth_peak)
-        self.set("trainingd_fsdp_reduce_queue_depth", stats.reduce_queue_depth_peak)
+        for queue, peak in stats.queue_depth_step_peak.items():
+            self.set("trainingd_fsdp_queue_depth_step_peak", peak, queue)
+        for queue, bound in stats.queue_bound.items():
+            self.set("trainingd_fsdp_queue_bound", bound, queue)
+        for queue, depths in stats.queue_depth_at_issue.items():
+            at_issue = {float(depth): num for depth, num in depths.items()}
+            self.set_histogram("trainingd_fsdp_queue_issue_depth", at_issue, queue)
         self.set_total("trainingd_fsdp_prefetch_hits_total", stats.prefetch_hits)
         self.set_total("trainingd_fsdp_prefetch_misses_total", stats.prefetch_misses)
         for op, totals in stats.collectives.items():
             self.set_total("trainingd_fsdp_collective_bytes_total", totals.num_bytes, op)
+            self.set_total("trainingd_fsdp_collective_wait_seconds_total", totals.seconds, op)
 
     def update_checkpoints(self, stats: ManagerStats) -> None:
         """Copy a `ckpt_manager.ManagerStats`."""
@@ -245,6 +262,9 @@ class NullTelemetry:
 
     def observe(self, name: str, value: float, label: str = "") -> None:
         """Do nothing (`RankTelemetry.observe` records a histogram observation)."""
+
+    def set_histogram(self, name: str, values: dict[float, int], label: str = "") -> None:
+        """Do nothing (`RankTelemetry.set_histogram` sets a histogram to an engine's counts)."""
 
     def heartbeat(self, phase: str | None = None) -> None:
         """Do nothing (`RankTelemetry.heartbeat` marks the loop alive)."""

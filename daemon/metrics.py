@@ -23,9 +23,21 @@ restarts: when a snapshot's `pid` changes, the collector folds the previous inca
 values into a per-local-rank base (the increments of a crashed rank's last unpublished interval
 are lost; Prometheus' `rate()` is correct either way).
 
-Labelling rule: series that describe one rank carry `rank` and `local_rank` (summing or taking the
-max over them is meaningful); series that describe the node (`trainingd_daemon_*`,
-`trainingd_build_info`) carry none. Step numbers, paths and run ids never become labels.
+[Note: labels and scopes] Every series carries `run_id` (`DaemonConfig.run_id`, the same on
+all nodes of a run), so dashboards and alerts group by run and two runs scraped as one job are
+never averaged together. Each family has a `Scope` saying where its value comes from and so
+which further labels it has:
+  RANK      values that differ between ranks (heartbeats, queue depths, collective waits,
+            prefetch): one series per rank, labelled `rank` and `local_rank`.
+  JOB       values every rank of the run agrees on (step, loss, LR, grad norm, saves, last
+            commit): exported once per node, from the lowest local rank that published.
+  NODE_SUM  counters/histograms whose per-rank split says little (tokens, data wait, collective
+            and checkpoint latencies): summed over the node's local ranks.
+  NODE      the daemon's own state and the job's configured thresholds (`trainingd_config_*`,
+            what the alerts compare against).
+This keeps a rank's own series to about 30 whatever the catalog's size (issue #15: ~211 per rank
+before, most identical on every rank); a test counts them on a real scrape. Step numbers and
+paths never become labels.
 """
 
 from __future__ import annotations
@@ -39,9 +51,12 @@ from typing import Any
 __all__ = [
     "CATALOG",
     "DAEMON_STATES",
+    "QUEUE_DEPTH_BUCKETS",
     "RANK_LABELS",
+    "RUN_LABEL",
     "MetricKind",
     "MetricSpec",
+    "Scope",
     "build_info_labels",
     "spec",
 ]
@@ -58,8 +73,23 @@ class MetricKind(enum.StrEnum):
     """Bucketed observations with `_bucket`, `_sum`, `_count` samples."""
 
 
+class Scope(enum.StrEnum):
+    """Where a family's values come from (see [Note: labels and scopes])."""
+
+    RANK = "rank"
+    """One series per local rank, labelled `rank` and `local_rank`."""
+    JOB = "job"
+    """A value all ranks agree on, exported once per node from the lowest local rank."""
+    NODE_SUM = "node_sum"
+    """A rank counter or histogram summed over the node's local ranks."""
+    NODE = "node"
+    """The daemon's own state or the job's configuration."""
+
+
+RUN_LABEL = "run_id"
+"""Label every trainingd series carries first: the run it belongs to."""
 RANK_LABELS: tuple[str, ...] = ("rank", "local_rank")
-"""Labels every per-rank series carries, in this order, before its own `label`."""
+"""Labels every per-rank series carries, in this order, after `run_id` and before `label`."""
 
 DAEMON_STATES: tuple[str, ...] = (
     "starting",
@@ -83,8 +113,8 @@ class MetricSpec:
     """Counter, gauge or histogram."""
     help: str
     """One-line description shown in the exposition."""
-    per_rank: bool
-    """Series carry `rank` and `local_rank` and come from rank snapshots."""
+    scope: Scope
+    """Where the value comes from, and so whether series carry `rank` and `local_rank`."""
     label: str | None = None
     """At most one further bounded label (`op`, `result`, `state`)."""
     label_values: tuple[str, ...] = ()
@@ -106,9 +136,19 @@ class MetricSpec:
             raise ValueError(f"metric {self.name!r} has label_values but no label")
 
     @property
+    def per_rank(self) -> bool:
+        """Whether series carry `rank` and `local_rank` (scope `RANK`)."""
+        return self.scope is Scope.RANK
+
+    @property
+    def from_ranks(self) -> bool:
+        """Whether values come from rank snapshots (every scope but `NODE`)."""
+        return self.scope is not Scope.NODE
+
+    @property
     def labelnames(self) -> tuple[str, ...]:
         """All label names of a series of this family, in exposition order."""
-        base = RANK_LABELS if self.per_rank else ()
+        base = (RUN_LABEL, *RANK_LABELS) if self.per_rank else (RUN_LABEL,)
         return (*base, self.label) if self.label else base
 
 
@@ -170,6 +210,8 @@ _CKPT_BACKGROUND_S = (
     3600.0,
 )
 """Background checkpoint phases (write, schedule to commit, restore): 100 ms to an hour."""
+QUEUE_DEPTH_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
+"""Depth of an engine queue right after an issue: 1 (nothing overlaps) to 16 (deep prefetch)."""
 
 
 def _scalar(
@@ -177,7 +219,7 @@ def _scalar(
     name: str,
     help_: str,
     *,
-    per_rank: bool = True,
+    scope: Scope = Scope.RANK,
     label: str | None = None,
     values: tuple[str, ...] = (),
 ) -> MetricSpec:
@@ -185,7 +227,7 @@ def _scalar(
         name=name,
         kind=kind,
         help=help_,
-        per_rank=per_rank,
+        scope=scope,
         label=label,
         label_values=values,
     )
@@ -204,6 +246,7 @@ def _h(
     help_: str,
     buckets: tuple[float, ...],
     *,
+    scope: Scope = Scope.NODE_SUM,
     label: str | None = None,
     values: tuple[str, ...] = (),
 ) -> MetricSpec:
@@ -211,7 +254,7 @@ def _h(
         name=name,
         kind=MetricKind.HISTOGRAM,
         help=help_,
-        per_rank=True,
+        scope=scope,
         label=label,
         label_values=values,
         buckets=buckets,
@@ -220,46 +263,79 @@ def _h(
 
 _OPS = ("all_gather", "reduce_scatter", "all_reduce")
 _RESULTS = ("committed", "failed")
+_QUEUES = ("allgather", "reduce")
+_NODE, _JOB, _SUM = Scope.NODE, Scope.JOB, Scope.NODE_SUM
 
 CATALOG: tuple[MetricSpec, ...] = (
     # --- node / daemon ---------------------------------------------------------------------
     _g(
         "trainingd_build_info",
         "Build metadata (labels version, torch, cuda, python); always 1.",
-        per_rank=False,
+        scope=_NODE,
     ),
     _g(
         "trainingd_daemon_state",
         "1 for the lifecycle state the node is in, 0 for the others.",
-        per_rank=False,
+        scope=_NODE,
         label="state",
         values=DAEMON_STATES,
     ),
     _g(
         "trainingd_daemon_ready",
         "1 when rendezvous and restore are done (what /readyz says).",
-        per_rank=False,
+        scope=_NODE,
+    ),
+    _g(
+        "trainingd_daemon_finished",
+        "1 once the node's run ended on purpose (max_steps reached, or draining/stopped).",
+        scope=_NODE,
     ),
     _g(
         "trainingd_daemon_heartbeat_timestamp_seconds",
         "Unix time of the daemon supervisor loop's last iteration.",
-        per_rank=False,
+        scope=_NODE,
     ),
     _g(
         "trainingd_daemon_start_timestamp_seconds",
         "Unix time the daemon process started.",
-        per_rank=False,
+        scope=_NODE,
     ),
     _g(
         "trainingd_daemon_world_size",
         "Ranks in the job (all nodes), as of the last rendezvous.",
-        per_rank=False,
+        scope=_NODE,
     ),
-    _g("trainingd_daemon_local_ranks", "Rank processes this node runs.", per_rank=False),
+    _g("trainingd_daemon_local_ranks", "Rank processes this node runs.", scope=_NODE),
     _c(
         "trainingd_daemon_restarts_total",
         "Worker group restarts done by the elastic agent on this node.",
-        per_rank=False,
+        scope=_NODE,
+    ),
+    # --- node: the job's own thresholds (what the alerts compare against) ---------------------
+    _g(
+        "trainingd_config_max_steps",
+        "Configured max_steps: the step at which the run is finished.",
+        scope=_NODE,
+    ),
+    _g(
+        "trainingd_config_ckpt_every_steps",
+        "Configured ckpt_every: steps between two scheduled saves (0: only on stop).",
+        scope=_NODE,
+    ),
+    _g(
+        "trainingd_config_heartbeat_timeout_seconds",
+        "Configured heartbeat_timeout_s: a rank silent this long is unhealthy.",
+        scope=_NODE,
+    ),
+    _g(
+        "trainingd_config_max_restarts",
+        "Configured max_restarts: worker-group restarts before the run fails.",
+        scope=_NODE,
+    ),
+    _g(
+        "trainingd_config_max_consecutive_save_failures",
+        "Configured max_consecutive_save_failures: failed saves in a row that stop the run.",
+        scope=_NODE,
     ),
     # --- per rank: liveness ------------------------------------------------------------------
     _g(
@@ -270,85 +346,136 @@ CATALOG: tuple[MetricSpec, ...] = (
         "trainingd_rank_recovery_seconds",
         "Rank process start to its first completed step (cost of a start or restart).",
     ),
-    # --- per rank: training ------------------------------------------------------------------
-    _c("trainingd_train_steps_total", "Optimizer steps completed."),
-    _g("trainingd_train_step", "Current optimizer step (completed steps since step 0)."),
-    _h("trainingd_train_step_duration_seconds", "Wall time of one optimizer step.", _STEP_S),
-    _h("trainingd_train_data_loading_seconds", "Time the loop waited for a batch.", _DATA_S),
-    _c("trainingd_train_tokens_total", "Tokens processed by this rank."),
-    _g("trainingd_train_loss", "Training loss of the last step (mean over all ranks)."),
-    _g("trainingd_train_grad_norm", "Global gradient norm of the last step, before clipping."),
-    _g("trainingd_train_learning_rate", "Learning rate used by the last step."),
-    # --- per rank: sharding engine -----------------------------------------------------------
+    # --- job: training (every rank agrees; exported once per node) ---------------------------
+    _c("trainingd_train_steps_total", "Optimizer steps completed.", scope=_JOB),
     _g(
-        "trainingd_fsdp_allgather_queue_depth",
-        "Peak number of all-gathers issued and not yet waited on, since the rank started.",
+        "trainingd_train_step",
+        "Current optimizer step (completed steps since step 0).",
+        scope=_JOB,
+    ),
+    _h(
+        "trainingd_train_step_duration_seconds",
+        "Wall time of one optimizer step.",
+        _STEP_S,
+        scope=_JOB,
+    ),
+    _h(
+        "trainingd_train_data_loading_seconds",
+        "Time the loop waited for a batch (all local ranks).",
+        _DATA_S,
+    ),
+    _c("trainingd_train_tokens_total", "Tokens processed by this node's ranks.", scope=_SUM),
+    _g("trainingd_train_loss", "Training loss of the last step (mean over all ranks).", scope=_JOB),
+    _g(
+        "trainingd_train_grad_norm",
+        "Global gradient norm of the last step, before clipping.",
+        scope=_JOB,
+    ),
+    _g("trainingd_train_learning_rate", "Learning rate used by the last step.", scope=_JOB),
+    # --- sharding engine ---------------------------------------------------------------------
+    _g(
+        "trainingd_fsdp_queue_depth_step_peak",
+        "Most operations the queue held at once during the rank's last completed step.",
+        label="queue",
+        values=_QUEUES,
     ),
     _g(
-        "trainingd_fsdp_reduce_queue_depth",
-        "Peak number of reduce-scatters issued and not yet waited on, since the rank started.",
+        "trainingd_fsdp_queue_bound",
+        "Most operations the queue can hold (max_inflight_reductions; ZeRO-3 units).",
+        scope=_JOB,
+        label="queue",
+        values=_QUEUES,
+    ),
+    _h(
+        "trainingd_fsdp_queue_issue_depth",
+        "Depth of the queue right after each issue.",
+        QUEUE_DEPTH_BUCKETS,
+        scope=Scope.RANK,
+        label="queue",
+        values=_QUEUES,
     ),
     _c(
         "trainingd_fsdp_prefetch_hits_total",
         "Unshards whose all-gather had already been issued ahead of use.",
     ),
     _c("trainingd_fsdp_prefetch_misses_total", "Unshards that had to issue their all-gather."),
+    _c(
+        "trainingd_fsdp_collective_wait_seconds_total",
+        "Time the rank waited on collectives.",
+        label="op",
+        values=_OPS,
+    ),
     _h(
         "trainingd_fsdp_collective_seconds",
-        "Time the engine waited on one collective.",
+        "Time the engine waited on one collective (all local ranks).",
         _COLLECTIVE_S,
         label="op",
         values=_OPS,
     ),
     _c(
         "trainingd_fsdp_collective_bytes_total",
-        "Bytes moved by the engine's collectives.",
+        "Bytes moved by one rank's collectives (the same on every rank).",
+        scope=_JOB,
         label="op",
         values=_OPS,
     ),
-    # --- per rank: checkpoints -----------------------------------------------------------------
+    # --- checkpoints ---------------------------------------------------------------------------
     _h(
         "trainingd_ckpt_save_stall_seconds",
         "Time save() blocked the training loop.",
         _CKPT_BLOCKING_S,
+        scope=_JOB,
     ),
     _h(
         "trainingd_ckpt_staging_seconds",
-        "Copy of the state to host memory for a save.",
+        "Copy of the state to host memory for a save (all local ranks).",
         _CKPT_BLOCKING_S,
     ),
     _h(
         "trainingd_ckpt_write_seconds",
-        "Background write of one rank's checkpoint files.",
+        "Background write of one rank's checkpoint files (all local ranks).",
         _CKPT_BACKGROUND_S,
     ),
     _h(
         "trainingd_ckpt_finalize_seconds",
         "Coordination and commit of a save across ranks.",
         _CKPT_BLOCKING_S,
+        scope=_JOB,
     ),
     _h(
         "trainingd_ckpt_save_latency_seconds",
         "Save scheduled to save committed (end to end).",
         _CKPT_BACKGROUND_S,
+        scope=_JOB,
     ),
     _h(
         "trainingd_ckpt_restore_seconds",
-        "Restore of the latest checkpoint at rank start.",
+        "Restore of the latest checkpoint at rank start (all local ranks).",
         _CKPT_BACKGROUND_S,
     ),
-    _c("trainingd_ckpt_bytes_total", "Checkpoint bytes written by this rank."),
+    _c("trainingd_ckpt_bytes_total", "Checkpoint bytes written by this node's ranks.", scope=_SUM),
     _c(
         "trainingd_ckpt_saves_total",
         "Finished saves by result (committed or failed).",
+        scope=_JOB,
         label="result",
         values=_RESULTS,
     ),
-    _g("trainingd_ckpt_inflight", "Saves scheduled and not yet finalized."),
-    _g("trainingd_ckpt_last_committed_step", "Step of the newest committed checkpoint."),
+    _g(
+        "trainingd_ckpt_consecutive_save_failures",
+        "Failed saves since the last commit (the run stops at max_consecutive_save_failures).",
+        scope=_JOB,
+    ),
+    _g("trainingd_ckpt_inflight", "Saves scheduled and not yet finalized.", scope=_JOB),
+    _g(
+        "trainingd_ckpt_last_committed_step",
+        "Step of the newest committed checkpoint.",
+        scope=_JOB,
+    ),
     _g(
         "trainingd_ckpt_last_committed_timestamp_seconds",
         "Unix time the newest committed checkpoint was committed.",
+        scope=_JOB,
     ),
 )
 """Every metric family trainingd exports, in exposition order."""

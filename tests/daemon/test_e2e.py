@@ -54,8 +54,9 @@ _REQUIRED_NONZERO = {
     "trainingd_train_step_duration_seconds": "trainingd_train_step_duration_seconds_count",
     "trainingd_train_tokens_total": "trainingd_train_tokens_total",
     "trainingd_train_loss": "trainingd_train_loss",
-    "trainingd_fsdp_allgather_queue_depth": "trainingd_fsdp_allgather_queue_depth",
-    "trainingd_fsdp_reduce_queue_depth": "trainingd_fsdp_reduce_queue_depth",
+    "trainingd_fsdp_queue_depth_step_peak": "trainingd_fsdp_queue_depth_step_peak",
+    "trainingd_fsdp_queue_bound": "trainingd_fsdp_queue_bound",
+    "trainingd_fsdp_queue_issue_depth": "trainingd_fsdp_queue_issue_depth_count",
     "trainingd_fsdp_prefetch_hits_total": "trainingd_fsdp_prefetch_hits_total",
     "trainingd_fsdp_collective_seconds": "trainingd_fsdp_collective_seconds_count",
     "trainingd_fsdp_collective_bytes_total": "trainingd_fsdp_collective_bytes_total",
@@ -136,21 +137,24 @@ def test_trains_scrapes_notifies_and_stops_cleanly_on_sigterm(
     )
     procs.append(d)
 
-    # Wait until work of every kind has been done and published: steps, and two commits in
-    # the snapshot of *each* rank (ranks publish independently; one may lag the other).
-    def two_commits_on_both_ranks() -> bool:
+    # Wait until work of every kind has been done and published: steps, and two commits (a job
+    # value, exported once per node from local rank 0) and both ranks' heartbeats.
+    def two_commits_and_both_ranks() -> bool:
         committed = d.values("trainingd_ckpt_saves_total", result="committed")
-        return len(committed) == 2 and min(committed) >= 2
+        beats = d.values("trainingd_rank_heartbeat_timestamp_seconds")
+        return len(committed) == 1 and min(committed) >= 2 and len(beats) == 2
 
-    wait_for(two_commits_on_both_ranks, 120, "2 commits on both ranks")
+    wait_for(two_commits_and_both_ranks, 120, "2 commits and both ranks")
     samples = d.scrape()
     for name, sample in _REQUIRED_NONZERO.items():
         values = [v for _, v in samples.get(sample, [])]
         assert values, f"{name} missing from the scrape"
         assert max(values) > 0, f"{name} is zero after a ZeRO-3 run with saves"
     assert set(samples) >= _REQUIRED_PRESENT
-    ranks = {labels["rank"] for labels, _ in samples["trainingd_train_step"]}
+    ranks = {labels["rank"] for labels, _ in samples["trainingd_rank_heartbeat_timestamp_seconds"]}
     assert ranks == {"0", "1"}
+    (step_labels,) = [lab for lab, _ in samples["trainingd_train_step"]]
+    assert set(step_labels) == {"run_id"}
     committed = [
         v for lab, v in samples["trainingd_ckpt_saves_total"] if lab["result"] == "committed"
     ]

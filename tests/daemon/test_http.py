@@ -30,7 +30,7 @@ def _get(url: str) -> tuple[int, str]:
 def node(tmp_path: Path) -> Iterator[tuple[MetricsServer, NodeState, list[float]]]:
     state = NodeState(local_ranks=1)
     beats: list[float] = []
-    collector = NodeCollector(SnapshotAggregator(tmp_path, 1), state, {"version": "t"})
+    collector = NodeCollector(SnapshotAggregator(tmp_path, 1), state, {"version": "t"}, run_id="t")
     server = MetricsServer(
         make_registry(collector), state, lambda: beats, heartbeat_timeout_s=60, port=0
     ).start()

@@ -13,17 +13,19 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ckpt_manager import ManagerStats, SaveReport, SaveResult
-from daemon._collector import NodeCollector, SnapshotAggregator, make_registry
+from daemon._collector import NodeCollector, SnapshotAggregator, config_values, make_registry
 from daemon._state import NodePhase, NodeState
 from daemon._telemetry import NullTelemetry, RankTelemetry, snapshot_path
-from daemon.metrics import CATALOG, MetricKind, MetricSpec, build_info_labels, spec
+from daemon.config import CheckpointSettings, DaemonConfig, TrainSettings
+from daemon.metrics import CATALOG, MetricKind, MetricSpec, Scope, build_info_labels, spec
 from tests.support.metric_names import ISSUE_METRICS
 
 REQUIRED = set(ISSUE_METRICS)
 
-_NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|rank|build)_[a-z0-9_]+$")
+_NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|rank|build|config)_[a-z0-9_]+$")
 _UNITS = ("_seconds", "_bytes", "_total", "_ratio", "_depth", "_step", "_info", "_loss",
-          "_norm", "_rate", "_size", "_ranks", "_state", "_ready", "_inflight")  # fmt: skip
+          "_norm", "_rate", "_size", "_ranks", "_state", "_ready", "_inflight", "_finished",
+          "_steps", "_restarts", "_failures", "_peak", "_bound")  # fmt: skip
 
 
 def test_catalog_names_follow_conventions() -> None:
@@ -48,13 +50,13 @@ def test_catalog_names_follow_conventions() -> None:
 
 def test_spec_validation_says_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="end in _total"):
-        MetricSpec(name="trainingd_x_things", kind=MetricKind.COUNTER, help="h", per_rank=True)
+        MetricSpec(name="trainingd_x_things", kind=MetricKind.COUNTER, help="h", scope=Scope.RANK)
     with pytest.raises(ValueError, match="ascending"):
         MetricSpec(
             name="trainingd_x_seconds",
             kind=MetricKind.HISTOGRAM,
             help="h",
-            per_rank=True,
+            scope=Scope.RANK,
             buckets=(2.0, 1.0),
         )
 
@@ -76,6 +78,15 @@ class _ShardingStats:
     prefetch_misses: int = 1
     collectives: dict[str, _Totals] = dataclasses.field(
         default_factory=lambda: {"all_gather": _Totals(3, 4096, 0.01)}
+    )
+    queue_depth_step_peak: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"allgather": 2, "reduce": 1}
+    )
+    queue_bound: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"allgather": 5, "reduce": 2}
+    )
+    queue_depth_at_issue: dict[str, dict[int, int]] = dataclasses.field(
+        default_factory=lambda: {"allgather": {1: 4, 2: 3}, "reduce": {1: 6, 5: 1}}
     )
 
 
@@ -131,61 +142,108 @@ def test_rank_snapshots_become_labelled_series(tmp_path: Path) -> None:
             snapshot_path(tmp_path, local), rank=2 + local, local_rank=local, world_size=4
         )
         _record_some_work(tel)
+        # Local rank 1 disagrees on a job value: only local rank 0's is exported.
+        tel.set("trainingd_train_loss", 2.5 + local)
         tel.publish(force=True)
     state = NodeState(local_ranks=2)
     state.update(phase=NodePhase.TRAINING, world_size=4, restarts=1)
-    collector = NodeCollector(SnapshotAggregator(tmp_path, 2), state, build_info_labels("1.2"))
+    cfg = DaemonConfig(
+        train=TrainSettings(max_steps=500), checkpoint=CheckpointSettings(ckpt_every=25)
+    )
+    collector = NodeCollector(
+        SnapshotAggregator(tmp_path, 2),
+        state,
+        build_info_labels("1.2"),
+        run_id="run-a",
+        config=config_values(cfg),
+    )
     s = _scrape(collector)
 
-    r1 = {"rank": "3", "local_rank": "1"}
-    assert _value(s, "trainingd_train_steps_total", **r1) == 1
-    assert _value(s, "trainingd_train_step", **r1) == 10
-    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="0.05", **r1) == 0
-    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="0.1", **r1) == 1
-    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="128.0", **r1) == 1
-    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="+Inf", **r1) == 2
-    assert _value(s, "trainingd_train_step_duration_seconds_count", **r1) == 2
-    assert _value(s, "trainingd_train_step_duration_seconds_sum", **r1) == pytest.approx(200.1)
-    assert _value(s, "trainingd_fsdp_prefetch_hits_total", **r1) == 7
-    assert _value(s, "trainingd_fsdp_allgather_queue_depth", **r1) == 2
-    assert _value(s, "trainingd_fsdp_collective_bytes_total", op="all_gather", **r1) == 4096
+    run = {"run_id": "run-a"}
+    r1 = {"rank": "3", "local_rank": "1", **run}
+    # Job values: once per node, without rank labels.
+    assert _value(s, "trainingd_train_steps_total", **run) == 1
+    assert _value(s, "trainingd_train_step", **run) == 10
+    assert _value(s, "trainingd_train_loss", **run) == 2.5
+    assert len(s["trainingd_train_loss"]) == 1
+    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="0.05", **run) == 0
+    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="0.1", **run) == 1
+    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="128.0", **run) == 1
+    assert _value(s, "trainingd_train_step_duration_seconds_bucket", le="+Inf", **run) == 2
+    assert _value(s, "trainingd_train_step_duration_seconds_count", **run) == 2
+    assert _value(s, "trainingd_train_step_duration_seconds_sum", **run) == pytest.approx(200.1)
+    assert _value(s, "trainingd_fsdp_collective_bytes_total", op="all_gather", **run) == 4096
     # Known label values exist at zero before any event.
-    assert _value(s, "trainingd_fsdp_collective_bytes_total", op="reduce_scatter", **r1) == 0
-    assert _value(s, "trainingd_fsdp_collective_seconds_count", op="all_gather", **r1) == 1
-    assert _value(s, "trainingd_ckpt_saves_total", result="committed", **r1) == 1
-    assert _value(s, "trainingd_ckpt_saves_total", result="failed", **r1) == 1
-    assert _value(s, "trainingd_ckpt_save_latency_seconds_count", **r1) == 1
-    assert _value(s, "trainingd_ckpt_bytes_total", **r1) == 1000
-    assert _value(s, "trainingd_ckpt_last_committed_step", **r1) == 10
-    assert _value(s, "trainingd_daemon_state", state="training") == 1
-    assert _value(s, "trainingd_daemon_state", state="draining") == 0
-    assert _value(s, "trainingd_daemon_ready") == 1
-    assert _value(s, "trainingd_daemon_world_size") == 4
-    assert _value(s, "trainingd_daemon_restarts_total") == 1
+    assert _value(s, "trainingd_fsdp_collective_bytes_total", op="reduce_scatter", **run) == 0
+    assert _value(s, "trainingd_ckpt_saves_total", result="committed", **run) == 1
+    assert _value(s, "trainingd_ckpt_saves_total", result="failed", **run) == 1
+    assert _value(s, "trainingd_ckpt_save_latency_seconds_count", **run) == 1
+    assert _value(s, "trainingd_ckpt_last_committed_step", **run) == 10
+    assert _value(s, "trainingd_fsdp_queue_bound", queue="reduce", **run) == 2
+    # Node sums: both local ranks.
+    assert _value(s, "trainingd_train_tokens_total", **run) == 1024
+    assert _value(s, "trainingd_ckpt_bytes_total", **run) == 2000
+    assert _value(s, "trainingd_fsdp_collective_seconds_count", op="all_gather", **run) == 2
+    # Per rank.
+    assert _value(s, "trainingd_fsdp_prefetch_hits_total", **r1) == 7
+    assert _value(s, "trainingd_fsdp_queue_depth_step_peak", queue="allgather", **r1) == 2
+    wait = _value(s, "trainingd_fsdp_collective_wait_seconds_total", op="all_gather", **r1)
+    assert wait == pytest.approx(0.01)
+    depth = "trainingd_fsdp_queue_issue_depth"
+    assert _value(s, f"{depth}_bucket", queue="reduce", le="1.0", **r1) == 6
+    assert _value(s, f"{depth}_bucket", queue="reduce", le="4.0", **r1) == 6
+    assert _value(s, f"{depth}_bucket", queue="reduce", le="6.0", **r1) == 7
+    assert _value(s, f"{depth}_sum", queue="reduce", **r1) == 11
+    # Node values and the job's thresholds.
+    assert _value(s, "trainingd_daemon_state", state="training", **run) == 1
+    assert _value(s, "trainingd_daemon_state", state="draining", **run) == 0
+    assert _value(s, "trainingd_daemon_ready", **run) == 1
+    assert _value(s, "trainingd_daemon_finished", **run) == 0
+    assert _value(s, "trainingd_daemon_world_size", **run) == 4
+    assert _value(s, "trainingd_daemon_restarts_total", **run) == 1
+    assert _value(s, "trainingd_config_ckpt_every_steps", **run) == 25
+    assert _value(s, "trainingd_config_max_steps", **run) == 500
+    assert _value(s, "trainingd_config_heartbeat_timeout_seconds", **run) == 300
     info = next(iter(s["trainingd_build_info"]))
     assert ("version", "1.2") in info
+    # Every series says which run it belongs to.
+    for name, series in s.items():
+        for labels in series:
+            assert ("run_id", "run-a") in labels, name
     assert {"trainingd_" + n.removeprefix("trainingd_") for n in REQUIRED} <= {
         n.removesuffix("_bucket").removesuffix("_count").removesuffix("_sum") for n in s
     }
+    # A node that is draining, or whose ranks reached max_steps, is finished (never pages).
+    state.update(phase=NodePhase.DRAINING)
+    assert _value(_scrape(collector), "trainingd_daemon_finished", **run) == 1
+    state.update(phase=NodePhase.TRAINING)
+    done = NodeCollector(
+        SnapshotAggregator(tmp_path, 2),
+        state,
+        {"version": "x"},
+        run_id="run-a",
+        config=config_values(dataclasses.replace(cfg, train=TrainSettings(max_steps=10))),
+    )
+    assert _value(_scrape(done), "trainingd_daemon_finished", **run) == 1
 
 
 def test_counters_stay_monotonic_across_a_worker_restart(tmp_path: Path) -> None:
     path = snapshot_path(tmp_path, 0)
     state = NodeState(local_ranks=1)
-    collector = NodeCollector(SnapshotAggregator(tmp_path, 1), state, {"version": "x"})
+    collector = NodeCollector(SnapshotAggregator(tmp_path, 1), state, {"version": "x"}, run_id="r")
     first = RankTelemetry(path, rank=0, local_rank=0, world_size=1)
     first.inc("trainingd_train_steps_total", 5)
     first.observe("trainingd_train_step_duration_seconds", 0.3)
     first.publish(force=True)
-    assert _value(_scrape(collector), "trainingd_train_steps_total", rank="0", local_rank="0") == 5
+    assert _value(_scrape(collector), "trainingd_train_steps_total", run_id="r") == 5
     second = RankTelemetry(path, rank=0, local_rank=0, world_size=1, restart=1)
     second._identity["pid"] = os.getpid() + 1  # a new incarnation of local rank 0
     second.inc("trainingd_train_steps_total", 2)
     second.observe("trainingd_train_step_duration_seconds", 0.3)
     second.publish(force=True)
     s = _scrape(collector)
-    assert _value(s, "trainingd_train_steps_total", rank="0", local_rank="0") == 7
-    assert _value(s, "trainingd_train_step_duration_seconds_count", rank="0", local_rank="0") == 2
+    assert _value(s, "trainingd_train_steps_total", run_id="r") == 7
+    assert _value(s, "trainingd_train_step_duration_seconds_count", run_id="r") == 2
 
 
 def test_publish_is_rate_limited_and_atomic(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ class Outcome:
 def resolve_variables(prom: PrometheusServer, dashboard: dict[str, object]) -> dict[str, list[str]]:
     """Each query variable's values, as Grafana would list them for *All* selections."""
     resolved: dict[str, list[str]] = {}
-    values = {name: ".+" for name in ("job", "instance", "rank")}
+    values = {name: ".+" for name in ("job", "run_id", "instance", "rank")}
     for var in promql.label_values_variables(dashboard):
         selector = promql.substitute(var.selector, values)
         found = sorted({s[var.label] for s in prom.series(selector) if var.label in s})

@@ -24,6 +24,8 @@ from prometheus_client.registry import Collector
 
 from daemon.metrics import CATALOG, MetricKind, MetricSpec
 
+RUN_ID = "fake-run"
+"""The `run_id` label of every series the fake node serves."""
 _BUILD_LABELS = {"version": "0.0.0-test", "torch": "test", "cuda": "none", "python": "3"}
 
 
@@ -51,13 +53,14 @@ class FakeNodeCollector(Collector):
 
     def _label_sets(self, spec: MetricSpec) -> list[list[str]]:
         own = list(spec.label_values or ("any",)) if spec.label else [None]
-        ids = [[str(r), str(r)] for r in self._ranks] if spec.per_rank else [[]]
+        run = [RUN_ID]
+        ids = [[*run, str(r), str(r)] for r in self._ranks] if spec.per_rank else [run]
         return [base + ([v] if v is not None else []) for base in ids for v in own]
 
     def _family(self, spec: MetricSpec, n: int, now: float) -> Metric:
         if spec.name == "trainingd_build_info":
-            info = GaugeMetricFamily(spec.name, spec.help, labels=list(_BUILD_LABELS))
-            info.add_metric(list(_BUILD_LABELS.values()), 1.0)
+            info = GaugeMetricFamily(spec.name, spec.help, labels=["run_id", *_BUILD_LABELS])
+            info.add_metric([RUN_ID, *_BUILD_LABELS.values()], 1.0)
             return info
         labels = list(spec.labelnames)
         if spec.kind is MetricKind.COUNTER:
@@ -70,7 +73,7 @@ class FakeNodeCollector(Collector):
             for i, values in enumerate(self._label_sets(spec)):
                 if spec.name.endswith("_timestamp_seconds"):
                     value = now - 1.0
-                elif spec.label:
+                elif spec.label == "state":
                     # Enum-like gauges (one series per state): the first value is current.
                     value = 1.0 if values[-1] == spec.label_values[0] else 0.0
                 else:

@@ -178,7 +178,7 @@ def metric_names(expr: str) -> set[str]:
     text = _GROUPING.sub(" ", text)
     names = set()
     for name, call in _IDENTIFIER.findall(text):
-        if call or name in _KEYWORDS:
+        if call or name.lower() in _KEYWORDS:  # Inf, NaN: any case
             continue
         names.add(name)
     return names
@@ -243,7 +243,9 @@ def recorded_labels() -> dict[str, frozenset[str]]:
     out = {}
     for rule in rules(RECORDING_RULES):
         level = rule["record"].split(":", 1)[0]
-        out[rule["record"]] = frozenset({"job", *level.split("_")})
+        # `run` in a level stands for the `run_id` label (a level splits on underscores).
+        kept = {"run_id" if part == "run" else part for part in level.split("_")}
+        out[rule["record"]] = frozenset({"job", *kept})
     return out
 
 

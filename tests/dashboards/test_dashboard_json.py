@@ -97,15 +97,16 @@ def test_datasource_only_through_the_variable(dashboard: dict[str, Any]) -> None
             assert target.get("datasource") == DS_REF, f"panel {panel['id']} {target['refId']}"
 
 
-def test_job_instance_rank_variables_use_label_values(dashboard: dict[str, Any]) -> None:
+def test_job_run_instance_rank_variables_use_label_values(dashboard: dict[str, Any]) -> None:
     variables = {v["name"]: v for v in promql.template_variables(dashboard)}
     parsed = {v.name: v for v in promql.label_values_variables(dashboard)}
-    assert list(parsed) == ["job", "instance", "rank"]
-    assert [v.label for v in parsed.values()] == ["job", "instance", "rank"]
+    assert list(parsed) == ["job", "run_id", "instance", "rank"]
+    assert [v.label for v in parsed.values()] == ["job", "run_id", "instance", "rank"]
     # Each variable narrows by the ones before it.
     assert promql.referenced_variables(parsed["job"].selector) == set()
-    assert promql.referenced_variables(parsed["instance"].selector) == {"job"}
-    assert promql.referenced_variables(parsed["rank"].selector) == {"job", "instance"}
+    assert promql.referenced_variables(parsed["run_id"].selector) == {"job"}
+    assert promql.referenced_variables(parsed["instance"].selector) == {"job", "run_id"}
+    assert promql.referenced_variables(parsed["rank"].selector) == {"job", "run_id", "instance"}
     for name, parsed_var in parsed.items():
         var = variables[name]
         assert var["datasource"] == DS_REF
@@ -157,6 +158,8 @@ def test_every_selector_filters_by_the_variables(dashboard: dict[str, Any]) -> N
             labels = promql.series_labels(sel.metric)
             assert labels is not None, f"{where}: not in daemon/metrics.py nor recorded"
             assert sel.matchers.get("job") == ("=~", "$job"), where
+            # Runs are never averaged together: every selector narrows to the chosen runs.
+            assert sel.matchers.get("run_id") == ("=~", "$run_id"), where
             assert sel.matchers.get("instance") == ("=~", "$instance"), where
             if "rank" in labels and not query.where.startswith("annotation"):
                 assert sel.matchers.get("rank") == ("=~", "$rank"), where

@@ -165,6 +165,7 @@ def test_every_dashboard_query_returns_data_from_a_real_run(
         time.sleep(1.0)
     for uid, found in variables.items():
         assert found["job"] == ["trainingd"], uid
+        assert len(found["run_id"]) == 1, uid
         assert len(found["instance"]) == 1, uid
         assert found["rank"] == [str(r) for r in range(NPROC)], uid
     assert not empty, "queries without data:\n" + "\n".join(o.describe() for o in empty)

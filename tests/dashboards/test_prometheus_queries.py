@@ -15,7 +15,7 @@ import pytest
 
 from tests.dashboards import _promql as promql
 from tests.dashboards._evaluate import Outcome, evaluate_dashboards
-from tests.dashboards._fake_node import FakeNode
+from tests.dashboards._fake_node import RUN_ID, FakeNode
 from tests.dashboards._prometheus import JOB, PrometheusServer
 
 pytestmark = pytest.mark.prometheus
@@ -64,6 +64,7 @@ def test_every_variable_lists_the_node(
     for found in variables.values():
         assert found == {
             "job": [JOB],
+            "run_id": [RUN_ID],
             "instance": [node.target],
             "rank": [str(r) for r in range(NUM_RANKS)],
         }

@@ -18,6 +18,7 @@ from tests.dashboards import _promql as promql
         ("x / on (job) group_left (rank) y and 1e-3 > z unless w offset 5m", {"x", "y", "z", "w"}),
         ("histogram_quantile(0.99, sum(rate(a:b:c[5m]))) >bool 2", {"a:b:c"}),
         ('up{job=~".*trainingd.*"} == 0', {"up"}),
+        ("(x != x) or (abs(x) == Inf) or y > NaN", {"x", "y"}),
     ],
 )
 def test_metric_names(expr: str, names: set[str]) -> None:
@@ -58,13 +59,20 @@ def test_catalog_families_and_labels() -> None:
     assert not promql.is_cumulative("trainingd_train_step")
     assert promql.catalog_family("trainingd_train_step_bucket") is None
     assert promql.series_labels("trainingd_fsdp_collective_seconds_bucket") == {
-        "rank",
-        "local_rank",
+        "run_id",
         "op",
         "le",
     }
-    assert promql.series_labels("trainingd_build_info") == frozenset()
-    assert promql.series_labels("instance_rank:trainingd_fsdp_prefetch_hit:ratio_rate5m") == {
-        "rank"
+    assert promql.series_labels("trainingd_fsdp_queue_issue_depth_bucket") == {
+        "run_id",
+        "rank",
+        "local_rank",
+        "queue",
+        "le",
+    }
+    assert promql.series_labels("trainingd_build_info") == {"run_id"}
+    assert promql.series_labels("run_instance_rank:trainingd_fsdp_prefetch_hit:ratio_rate5m") == {
+        "run_id",
+        "rank",
     }
     assert promql.series_labels("trainingd_no_such_metric") is None

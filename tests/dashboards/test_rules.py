@@ -15,8 +15,12 @@ from tests.dashboards import _promql as promql
 
 SEVERITIES = {"critical", "warning", "info"}
 REQUIRED_ALERTS = {
-    "TrainingdTrainingStalled",
     "TrainingdRankHeartbeatStale",
+    "TrainingdNotReadyTooLong",
+    "TrainingdRestartLoop",
+    "TrainingdWorkersRestarted",
+    "TrainingdLossNotFinite",
+    "TrainingdWorldSizeShrank",
     "TrainingdCheckpointTooOld",
     "TrainingdCheckpointSaveFailures",
     "TrainingdCheckpointStallHigh",
@@ -25,6 +29,9 @@ REQUIRED_ALERTS = {
     "TrainingdDaemonDown",
 }
 _BY_CLAUSE = re.compile(r"\bby\s*\(([^)]*)\)")
+_HEADING = re.compile(r"^## (\S+)\s*$", re.MULTILINE)
+RUNBOOKS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "runbooks.md"
+ANNOTATIONS = {"summary", "description", "runbook_url"}
 _SERIES = re.compile(r"^\s*([a-zA-Z_:][a-zA-Z0-9_:]*)\s*(?:\{(.*)\})?\s*$")
 _LABEL = re.compile(r'([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
@@ -58,10 +65,32 @@ def test_every_required_alert_exists_with_severity_and_annotations() -> None:
         name = alert["alert"]
         assert re.fullmatch(r"Trainingd(?:[A-Z][a-z]+)+", name), f"{name}: CamelCase, Trainingd…"
         assert alert["labels"]["severity"] in SEVERITIES, name
+        assert set(alert["annotations"]) == ANNOTATIONS, name
         for key in ("summary", "description"):
             text = alert["annotations"][key]
-            assert "{{ $labels.instance }}" in text, f"{name}.{key} does not name the node"
+            assert "$labels.run_id" in text, f"{name}.{key} does not name the run"
         assert len(alert["annotations"]["description"]) > len(alert["annotations"]["summary"])
+
+
+def test_every_alert_links_its_own_runbook_section() -> None:
+    sections = _HEADING.findall(RUNBOOKS.read_text())
+    assert sorted(sections) == sorted(REQUIRED_ALERTS), "one docs/runbooks.md section per alert"
+    for alert in _alerts():
+        # GitHub's anchor of a heading `## TrainingdX` is `#trainingdx`.
+        expected = f"docs/runbooks.md#{alert['alert'].lower()}"
+        assert alert["annotations"]["runbook_url"] == expected, alert["alert"]
+    text = RUNBOOKS.read_text()
+    for section in re.split(r"^## ", text, flags=re.MULTILINE)[1:]:
+        for part in ("**Means:**", "**Check:**", "**Do:**"):
+            assert part in section, f"runbook {section.split()[0]} lacks {part}"
+
+
+def test_every_alert_is_aggregated_by_run() -> None:
+    # The outermost aggregation of every alert keeps run_id and nothing else (one alert per
+    # run); the unit tests below check the labels of every alert that fires.
+    for alert in _alerts():
+        clauses = [{c.strip() for c in m.split(",")} for m in _BY_CLAUSE.findall(alert["expr"])]
+        assert {"run_id"} in clauses, alert["alert"]
 
 
 def test_rules_read_only_metrics_the_daemon_exports() -> None:
@@ -113,7 +142,9 @@ def test_unit_tests_cover_every_alert_firing_and_not_firing() -> None:
             (fires if case["exp_alerts"] else silent).add(case["alertname"])
             for exp in case["exp_alerts"]:
                 # Annotations are compared exactly, so the templates are rendered and checked.
-                assert set(exp["exp_annotations"]) == {"summary", "description"}, case
+                assert set(exp["exp_annotations"]) == ANNOTATIONS, case
+                # One alert per run: no rank, node or job label survives the aggregation.
+                assert set(exp["exp_labels"]) <= {"severity", "run_id"}, case
     names = {a["alert"] for a in _alerts()}
     assert fires == names, f"never firing in a test: {names - fires}"
     assert silent == names, f"never checked silent: {names - silent}"
@@ -183,6 +214,7 @@ def test_every_dashboard_query_parses(tmp_path: pathlib.Path) -> None:
     # promtool parses each expression as a recording rule (Grafana's variables substituted).
     values = {
         "job": ".+",
+        "run_id": ".+",
         "instance": ".+",
         "rank": ".+",
         "__rate_interval": "1m",
