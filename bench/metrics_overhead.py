@@ -37,7 +37,9 @@ def _scraper(run_dir: str, interval_s: float, stop: Any) -> None:
 
     state = NodeState(local_ranks=1)
     registry = make_registry(
-        NodeCollector(SnapshotAggregator(Path(run_dir), 1), state, {"version": "bench"})
+        NodeCollector(
+            SnapshotAggregator(Path(run_dir), 1), state, {"version": "bench"}, run_id="bench"
+        )
     )
     while not stop.wait(interval_s):
         generate_latest(registry)

@@ -156,7 +156,11 @@ def run_training(
     # --- build: sharded model, optimizer, schedule, loader, checkpoint manager ------------------
     model = FullyShardedDataParallel(
         job.model,
-        ShardingConfig(strategy=Strategy(tc.strategy.value), unit_modules=job.unit_modules),
+        ShardingConfig(
+            strategy=Strategy(tc.strategy.value),
+            unit_modules=job.unit_modules,
+            max_inflight_reductions=tc.max_inflight_reductions,
+        ),
         observer=telemetry,
     )
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=tc.lr, weight_decay=tc.weight_decay)

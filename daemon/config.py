@@ -158,9 +158,17 @@ class TrainSettings:
     """Seed of model init, data order and RNG streams."""
     threads_per_rank: int = 1
     """`torch.set_num_threads` in each rank."""
+    max_inflight_reductions: int = 2
+    """Gradient reductions in flight per rank before backward waits for the oldest (the
+    sharding engine's bound; its queue depth per step is exported against it)."""
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "micro_batches", "lr", "threads_per_rank")
+        if self.max_inflight_reductions < 1:
+            raise ValueError(
+                f"max_inflight_reductions={self.max_inflight_reductions}: use 1 or more "
+                "(1 waits for each reduction before issuing the next)"
+            )
         _non_negative(self, "max_steps", "warmup_steps", "weight_decay", "grad_clip", "seed")
         if not _JOB.match(self.job):
             raise ValueError(f"job={self.job!r}: use module:callable, e.g. mypkg.jobs:build")

@@ -68,6 +68,7 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
         ({"nnodes": "2"}, {}, "", r"rdzv_endpoint is empty"),
         ({"metrics_port": "70000"}, {}, "", r"metrics_port=70000"),
         ({"job": "nocolon"}, {}, "", r"job='nocolon': use module:callable"),
+        ({"max_inflight_reductions": "0"}, {}, "", r"max_inflight_reductions=0: use 1 or more"),
         ({}, {}, "[train\n", r"not valid TOML"),
     ],
 )  # fmt: skip

@@ -289,9 +289,8 @@ def test_two_daemons_train_one_job_and_each_serves_metrics(
         # The supervisor takes these from the ranks' snapshots on its next tick (0.25 s).
         wait_for(lambda n=node: n.max_value("trainingd_daemon_world_size") == 2, 30, "world")
         assert node.max_value("trainingd_daemon_local_ranks") == 1
-    ranks = {
-        labels["rank"] for node in nodes for labels, _ in node.scrape()["trainingd_train_step"]
-    }
+    beats = "trainingd_rank_heartbeat_timestamp_seconds"
+    ranks = {labels["rank"] for node in nodes for labels, _ in node.scrape()[beats]}
     assert ranks == {"0", "1"}
     gate.open()
     assert [node.wait(150) for node in nodes] == [0, 0], nodes[0].logs() + nodes[1].logs()

@@ -6,12 +6,23 @@ A `prometheus` on 127.0.0.1 scrapes it every second with the recording and alert
 Once the run has trained and committed a checkpoint, every variable, panel and annotation query
 of every dashboard (variables substituted: *All*, then the first value of each) must return at
 least one series, every rule must evaluate cleanly, and the daemon's own `/metrics` must carry
-every family the dashboards and rules read. Then the run is stopped with SIGTERM.
+every family the dashboards and rules read, within the series budget (at most 60 per rank).
+
+Then the same Prometheus watches real incidents of that run (each test builds on the one
+before, sharing the set-up; the run uses `max_inflight_reductions=64`, above its bucket count):
+1. one rank is SIGKILLed: the elastic agent restarts the group, and exactly one alert fires for
+   the run (not one per rank);
+2. the daemon is drained (SIGTERM) and a new one started on the same port, checkpoint root and
+   run (`max_inflight_reductions=1`): no critical alert is pending or firing at any moment;
+3. the queue-depth series follow the bound: with a bound of 1 every rank's per-step reduce peak
+   sits at the bound and every issue at depth 1; with 64 the peak/bound ratio is far lower.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import json
 import os
 import pathlib
@@ -28,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.dashboards import _promql as promql
 from tests.dashboards._evaluate import evaluate_dashboards
 from tests.dashboards._prometheus import PrometheusServer
+from tests.support.dist import free_port
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -38,12 +50,22 @@ DATA_TIMEOUT_S = 150.0
 STOP_TIMEOUT_S = 90.0
 
 
+SERIES_PER_RANK_MAX = 60
+FIRST_BOUND = 64
+"""`max_inflight_reductions` of the first run: above the default GPT's bucket count."""
+ALERT_TIMEOUT_S = 120.0
+
+
 class Daemon:
     """One `trainingd run` subprocess in its own session, output in `log_path`."""
 
-    def __init__(self, workdir: pathlib.Path) -> None:
+    def __init__(
+        self, workdir: pathlib.Path, *, port: int, bound: int, name: str = "trainingd"
+    ) -> None:
         self.workdir = workdir
-        self.log_path = workdir / "trainingd.log"
+        self.log_path = workdir / f"{name}.log"
+        self.port = port
+        self.bound = bound
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -57,10 +79,13 @@ class Daemon:
             f"--ckpt-uri={self.workdir / 'ckpt'}",
             f"--run-dir={self.workdir / 'run'}",
             "--metrics-host=127.0.0.1",
-            "--metrics-port=0",
+            # A fixed port: the restarted daemon is the same scrape target.
+            f"--metrics-port={self.port}",
             "--publish-interval-s=0.2",
             "--log-format=json",
-            "--max-restarts=0",
+            # One restart allowed: the SIGKILL test needs the group to come back.
+            "--max-restarts=1",
+            f"--max-inflight-reductions={self.bound}",
         ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with self.log_path.open("wb") as log:
@@ -117,7 +142,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def daemon(workdir: pathlib.Path) -> Iterator[Daemon]:
     assert TRAININGD.exists(), f"{TRAININGD} missing: is the package installed in this venv?"
-    d = Daemon(workdir)
+    d = Daemon(workdir, port=free_port(), bound=FIRST_BOUND)
     d.start()
     try:
         yield d
@@ -197,3 +222,182 @@ def test_the_daemon_exports_every_family_the_dashboards_and_rules_read(
     # The parser names counter families without `_total`.
     missing = sorted(f for f in families if f.removesuffix("_total") not in exported)
     assert not missing, f"families without samples in the daemon's /metrics: {missing}"
+
+
+# --- series budget ------------------------------------------------------------------------------
+def _scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return [
+        (sample.name, dict(sample.labels), sample.value)
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("trainingd_")
+    ]
+
+
+@pytest.fixture(scope="module")
+def first_scrape(prom: PrometheusServer, daemon: Daemon) -> list[tuple[str, dict[str, str], float]]:
+    """A scrape of the first run once every rank has published a step's queue peaks."""
+    url = daemon.metrics_url(START_TIMEOUT_S)
+    deadline = time.monotonic() + DATA_TIMEOUT_S
+    while True:
+        samples = _scrape(url)
+        peaks = [s for s in samples if s[0] == "trainingd_fsdp_queue_depth_step_peak"]
+        if len(peaks) == 2 * NPROC or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.5)
+
+
+def test_series_per_rank_stay_within_budget(
+    first_scrape: list[tuple[str, dict[str, str], float]],
+) -> None:
+    per_rank = collections.Counter(lab["rank"] for _, lab, _ in first_scrape if "rank" in lab)
+    node = sum(1 for _, labels, _ in first_scrape if "rank" not in labels)
+    print(f"series: {dict(per_rank)} per rank, {node} per node, {len(first_scrape)} in all")
+    assert sorted(per_rank) == [str(r) for r in range(NPROC)]
+    assert max(per_rank.values()) <= SERIES_PER_RANK_MAX, per_rank
+    # Every series says which run it belongs to, and there is one run.
+    assert {labels.get("run_id") for _, labels, _ in first_scrape} == {first_scrape[0][1]["run_id"]}
+    # Job values come once per node, not once per rank.
+    assert sum(1 for name, _, _ in first_scrape if name == "trainingd_train_loss") == 1
+
+
+# --- real alerts -----------------------------------------------------------------------------
+def _alerts(prom: PrometheusServer, selector: str = "") -> list[dict[str, str]]:
+    return [r["metric"] for r in prom.query(f"ALERTS{{{selector}}}")]
+
+
+def _rank_pid(workdir: pathlib.Path, local_rank: int) -> int:
+    data = json.loads((workdir / "run" / "ranks" / f"local-{local_rank}.json").read_text())
+    return int(data["pid"])
+
+
+@pytest.fixture(scope="module")
+def killed(
+    prom: PrometheusServer, daemon: Daemon, workdir: pathlib.Path, first_scrape: object
+) -> list[dict[str, str]]:
+    """SIGKILL local rank 1; the firing alerts once the restart's alert has fired."""
+    assert daemon.proc is not None
+    victim = _rank_pid(workdir, 1)
+    os.kill(victim, signal.SIGKILL)
+    deadline = time.monotonic() + ALERT_TIMEOUT_S
+    while not _alerts(prom, 'alertstate="firing"'):
+        if daemon.proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no alert after SIGKILL of rank pid {victim}:\n{daemon.log()[-6000:]}")
+        time.sleep(0.5)
+    # Several more rule evaluations (1 s each): a per-rank alert would show up by now.
+    time.sleep(5.0)
+    return _alerts(prom, 'alertstate="firing"')
+
+
+def test_killing_one_rank_fires_exactly_one_alert_for_the_run(
+    killed: list[dict[str, str]], first_scrape: list[tuple[str, dict[str, str], float]]
+) -> None:
+    run_id = first_scrape[0][1]["run_id"]
+    assert len(killed) == 1, killed
+    (alert,) = killed
+    assert alert["run_id"] == run_id
+    assert alert["alertname"] == "TrainingdWorkersRestarted"
+    assert "rank" not in alert
+    assert "instance" not in alert
+
+
+@dataclasses.dataclass
+class Restarted:
+    daemon: Daemon
+    critical_seen: list[dict[str, str]]
+    scrape: list[tuple[str, dict[str, str], float]]
+    target_seen_down: bool
+
+
+@pytest.fixture(scope="module")
+def restarted(
+    prom: PrometheusServer,
+    daemon: Daemon,
+    workdir: pathlib.Path,
+    killed: object,
+) -> Iterator[Restarted]:
+    """Drain the first daemon, start a second on the same port and run, with bound 1."""
+    critical: list[dict[str, str]] = []
+
+    def watch() -> None:
+        critical.extend(_alerts(prom, 'severity="critical"'))
+
+    assert daemon.proc is not None
+    daemon.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while daemon.proc.poll() is None and time.monotonic() < deadline:
+        watch()
+        time.sleep(0.5)
+    assert daemon.stop() == 143, daemon.log()[-6000:]
+    second = Daemon(workdir, port=daemon.port, bound=1, name="trainingd-2")
+    second.start()
+    try:
+        assert second.proc is not None
+        url = second.metrics_url(START_TIMEOUT_S)
+        deadline = time.monotonic() + DATA_TIMEOUT_S
+        # Until the new run has stepped on every rank and Prometheus has seen it train.
+        while True:
+            watch()
+            samples = _scrape(url)
+            peaks = [v for n, _, v in samples if n == "trainingd_fsdp_queue_depth_step_peak"]
+            training = prom.query("sum(rate(trainingd_train_steps_total[10s])) > 0")
+            if len(peaks) == 2 * NPROC and training:
+                break
+            if second.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"second run did not train:\n{second.log()[-6000:]}")
+            time.sleep(0.5)
+        for _ in range(6):  # a few more evaluations with the new daemon up
+            watch()
+            time.sleep(0.5)
+        # The gap between the two daemons was scraped as down: the test did exercise it.
+        gap = prom.query('min_over_time(up{job="trainingd"}[5m])')
+        yield Restarted(
+            daemon=second,
+            critical_seen=critical,
+            scrape=samples,
+            target_seen_down=[float(r["value"][1]) for r in gap] == [0.0],
+        )
+    finally:
+        second.stop()
+
+
+def test_a_drained_and_restarted_run_raises_no_critical_alert(restarted: Restarted) -> None:
+    # Prometheus saw the target down between the daemons (TrainingdDaemonDown's input), yet
+    # no critical alert was ever pending: the drained daemon's last scrape said finished.
+    assert restarted.target_seen_down
+    assert restarted.critical_seen == []
+
+
+# --- queue depth under load --------------------------------------------------------------------
+def _reduce_fill(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, float]:
+    """Per rank: the last step's reduce peak / the reduce bound."""
+    (bound,) = [
+        v for n, lab, v in samples if n == "trainingd_fsdp_queue_bound" and lab["queue"] == "reduce"
+    ]
+    return {
+        lab["rank"]: v / bound
+        for n, lab, v in samples
+        if n == "trainingd_fsdp_queue_depth_step_peak" and lab["queue"] == "reduce"
+    }
+
+
+def test_queue_depth_series_follow_the_bound(
+    first_scrape: list[tuple[str, dict[str, str], float]], restarted: Restarted
+) -> None:
+    tight, loose = _reduce_fill(restarted.scrape), _reduce_fill(first_scrape)
+    print(f"reduce peak/bound: bound 1 -> {tight}, bound {FIRST_BOUND} -> {loose}")
+    assert sorted(tight) == sorted(loose) == [str(r) for r in range(NPROC)]
+    # Bound 1: every step fills the queue; bound 64: the model's buckets never get near it.
+    assert set(tight.values()) == {1.0}
+    assert max(loose.values()) < 0.5
+    assert min(loose.values()) > 0  # but reductions did overlap
+    # Every issue of the bound-1 run found the queue at depth 1 (the bucket le="1.0" is all).
+    buckets = {
+        (lab["rank"], lab["le"]): v
+        for n, lab, v in restarted.scrape
+        if n == "trainingd_fsdp_queue_issue_depth_bucket" and lab["queue"] == "reduce"
+    }
+    for rank in tight:
+        assert buckets[rank, "1.0"] == buckets[rank, "+Inf"] > 0
