@@ -29,9 +29,25 @@ class LogFormat(enum.StrEnum):
     """Human-readable, coloured when the stream is a TTY."""
 
 
+_PROCESS_CONTEXT: dict[str, Any] = {}
+"""Fields `bind_process_context` bound: added to every event of every thread of the process."""
+
+
+def _merge_process_context(
+    logger: Any, method_name: str, event_dict: structlog.typing.EventDict
+) -> structlog.typing.EventDict:
+    # contextvars are per thread (a new thread starts with an empty context), so identity
+    # bound there would be missing from the supervisor's, the checkpoint threads' and torch's
+    # agent threads' events; this dict is process-wide. An event's own keys win.
+    for key, value in _PROCESS_CONTEXT.items():
+        event_dict.setdefault(key, value)
+    return event_dict
+
+
 def _shared_processors() -> list[structlog.typing.Processor]:
     return [
         structlog.contextvars.merge_contextvars,
+        _merge_process_context,
         structlog.stdlib.add_log_level,
         structlog.stdlib.add_logger_name,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
@@ -131,6 +147,7 @@ def _adopt_library_handlers() -> None:
 def bind_process_context(**values: Any) -> None:
     """Bind identity fields (`rank`, `local_rank`, `node`, `run_id`, ...) to every later event.
 
-    `None` values are skipped so callers can pass optional fields unconditionally.
+    The binding is process-wide: events logged from any thread carry it. `None` values are
+    skipped so callers can pass optional fields unconditionally.
     """
-    structlog.contextvars.bind_contextvars(**{k: v for k, v in values.items() if v is not None})
+    _PROCESS_CONTEXT.update({k: v for k, v in values.items() if v is not None})

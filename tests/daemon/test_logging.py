@@ -5,16 +5,19 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 
 import pytest
 import structlog
 
 from daemon import LogFormat, bind_process_context, configure_logging
+from daemon import _logging as daemon_logging
 
 
 @pytest.fixture(autouse=True)
 def _reset_structlog() -> None:
     yield
+    daemon_logging._PROCESS_CONTEXT.clear()
     structlog.contextvars.clear_contextvars()
     structlog.reset_defaults()
     logging.getLogger().handlers.clear()
@@ -36,6 +39,21 @@ def test_json_lines_when_not_a_tty_with_context() -> None:
     # stdlib records go through the same pipeline, with the same bound context.
     assert lines[1]["event"] == "from stdlib"
     assert lines[1]["rank"] == 1
+
+
+def test_bound_context_reaches_events_of_other_threads() -> None:
+    # The supervisor, checkpoint and torch agent threads log too: the run_id an alert names
+    # must be on their events as well (a contextvar binding is per thread and would not be).
+    out = io.StringIO()
+    configure_logging("json", stream=out)
+    bind_process_context(run_id="run-a", role="daemon")
+    worker = threading.Thread(target=lambda: structlog.get_logger("t").info("from_thread"))
+    worker.start()
+    worker.join()
+    structlog.get_logger("t").info("own_keys_win", role="other")
+    first, second = (json.loads(line) for line in out.getvalue().splitlines())
+    assert (first["event"], first["run_id"], first["role"]) == ("from_thread", "run-a", "daemon")
+    assert (second["run_id"], second["role"]) == ("run-a", "other")
 
 
 def test_console_when_asked() -> None:

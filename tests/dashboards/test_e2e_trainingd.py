@@ -263,6 +263,25 @@ def test_series_per_rank_stay_within_budget(
     assert sum(1 for name, _, _ in first_scrape if name == "trainingd_train_loss") == 1
 
 
+def test_every_log_event_names_the_run(
+    daemon: Daemon, first_scrape: list[tuple[str, dict[str, str], float]]
+) -> None:
+    # The run_id label of the metrics is bound into every structured log record (daemon and
+    # ranks), so an alert's run_id finds the run's log lines.
+    events = []
+    for line in daemon.log().splitlines():
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+            if isinstance(event, dict) and "event" in event:
+                events.append(event)
+    # Both the daemon's own events and the ranks' (checkpoint_scheduled) are there.
+    assert any(e.get("role") == "daemon" for e in events), events
+    assert any("rank" in e for e in events), events
+    run_id = first_scrape[0][1]["run_id"]
+    missing = sorted({e["event"] for e in events if e.get("run_id") != run_id})
+    assert not missing, f"log events without the run's run_id: {missing}"
+
+
 # --- real alerts -----------------------------------------------------------------------------
 def _alerts(prom: PrometheusServer, selector: str = "") -> list[dict[str, str]]:
     return [r["metric"] for r in prom.query(f"ALERTS{{{selector}}}")]
