@@ -227,6 +227,11 @@ def test_rank_snapshots_become_labelled_series(tmp_path: Path) -> None:
     assert _value(_scrape(done), "trainingd_daemon_finished", **run) == 1
 
 
+def test_a_collector_needs_a_run_id(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="run_id is empty"):
+        NodeCollector(SnapshotAggregator(tmp_path, 1), NodeState(local_ranks=1), {}, run_id="")
+
+
 def test_counters_stay_monotonic_across_a_worker_restart(tmp_path: Path) -> None:
     path = snapshot_path(tmp_path, 0)
     state = NodeState(local_ranks=1)

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 
+from sharding import ShardingStats
 from tests.sharding._stats_ranks import delta, stats_and_memory
 from tests.support.dist import run_on_ranks
 
@@ -92,3 +93,27 @@ def test_zero3_memory_is_a_shard_plus_units_in_flight(results: list[dict[str, An
         *units, root = rank["unit_bytes"]
         assert rank["peak_unsharded"] <= root + 2 * max(units)
         assert rank["released"]
+
+
+def test_step_peak_is_the_last_completed_steps_and_starts_at_the_depth_in_flight() -> None:
+    stats = ShardingStats()
+    stats.set_bound("reduce", 3)
+    for _ in range(3):
+        stats.reduce_issued()
+    for _ in range(2):
+        stats.reduce_waited()
+    assert stats.snapshot().queue_depth_step_peak["reduce"] == 0  # no step ended yet
+    stats.end_step()
+    snap = stats.snapshot()
+    assert snap.queue_depth_step_peak == {"allgather": 0, "reduce": 3}
+    assert snap.queue_bound == {"allgather": 0, "reduce": 3}
+    assert snap.queue_depth_at_issue["reduce"] == {1: 1, 2: 1, 3: 1}
+    # One reduction is still in flight when the next step starts: it counts for that step.
+    stats.reduce_waited()
+    stats.end_step()
+    assert stats.snapshot().queue_depth_step_peak["reduce"] == 1
+    stats.end_step()
+    assert stats.snapshot().queue_depth_step_peak["reduce"] == 0
+    assert stats.snapshot().reduce_queue_depth_peak == 3  # the since-start peak is kept
+    with pytest.raises(ValueError, match="use one of"):
+        stats.set_bound("scatter", 1)
