@@ -116,7 +116,7 @@ class MetricSpec:
     scope: Scope
     """Where the value comes from, and so whether series carry `rank` and `local_rank`."""
     label: str | None = None
-    """At most one further bounded label (`op`, `result`, `state`)."""
+    """At most one further bounded label (`op`, `result`, `state`, `queue`)."""
     label_values: tuple[str, ...] = ()
     """Values of `label` pre-created at zero so the series exist before the first event."""
     buckets: tuple[float, ...] = ()
