@@ -227,7 +227,10 @@ def load_config(
         except ValueError as err:
             origin = _origin_of(str(err), merged)
             raise ConfigError(f"{err}{origin}") from None
-    cfg = DaemonConfig(**built)
+    try:
+        cfg = DaemonConfig(**built)
+    except ValueError as err:  # a rule across sections (elastic nnodes vs micro_batches)
+        raise ConfigError(f"{err}{_origin_of(str(err), merged)}") from None
     if "ckpt_uri" not in merged:
         cfg = dataclasses.replace(
             cfg,

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-__all__ = ["RankControl", "request_checkpoint", "request_stop"]
+__all__ = ["RankControl", "clear_stop", "request_checkpoint", "request_stop"]
 
 
 def _control_dir(run_dir: Path) -> Path:
@@ -32,6 +32,15 @@ def request_stop(run_dir: Path) -> None:
     path = _control_dir(run_dir)
     path.mkdir(parents=True, exist_ok=True)
     (path / "stop").touch()
+
+
+def clear_stop(run_dir: Path) -> None:
+    """Withdraw a stop request once its ranks have stopped, so the next group trains.
+
+    An elastic daemon asks its ranks to stop for a membership change and then starts a new
+    group on the same run directory; a stop file left there would end that group at once.
+    """
+    (_control_dir(run_dir) / "stop").unlink(missing_ok=True)
 
 
 def request_checkpoint(run_dir: Path) -> int:

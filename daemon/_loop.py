@@ -152,6 +152,9 @@ def run_training(
 
     tc = cfg.train
     rank, world = dist.get_rank(), dist.get_world_size()
+    # Elastic jobs keep the global batch at any world size ([Note: an elastic job keeps its
+    # global batch] in `daemon/config.py`); fixed ones accumulate `micro_batches`.
+    micro_batches = cfg.micro_batches_at(world)
 
     # --- build: sharded model, optimizer, schedule, loader, checkpoint manager ------------------
     model = FullyShardedDataParallel(
@@ -211,10 +214,16 @@ def run_training(
         num_tokens = 0
         failures = SaveFailurePolicy(manager, cfg.checkpoint.max_consecutive_save_failures)
         telemetry.set("trainingd_ckpt_consecutive_save_failures", failures.consecutive)
-        tokens_per_step = tc.batch_size * tc.micro_batches * job.tokens_per_sample
+        tokens_per_step = tc.batch_size * micro_batches * job.tokens_per_sample
         telemetry.set("trainingd_train_step", step)
         telemetry.heartbeat("training")
-        log.info("training", start_step=step, max_steps=tc.max_steps, world_size=world)
+        log.info(
+            "training",
+            start_step=step,
+            max_steps=tc.max_steps,
+            world_size=world,
+            micro_batches=micro_batches,
+        )
         # A stop requested before the first step (e.g. during a restart of the group while the
         # node drains) ends the run here, at the restored step, without training further.
         early = torch.tensor([float(control.stop_requested())])
@@ -226,7 +235,7 @@ def run_training(
         while step < tc.max_steps and not stopped:
             step_start = time.perf_counter()
             # --- data ---------------------------------------------------------------------------
-            batches = [loader.next_batch() for _ in range(tc.micro_batches)]
+            batches = [loader.next_batch() for _ in range(micro_batches)]
             data_s = time.perf_counter() - step_start
             # --- forward / backward (gradients reduced on the last micro-batch) -----------------
             loss_sum = 0.0

@@ -104,7 +104,9 @@ def _check_s3(cfg: DaemonConfig) -> None:
 def _check_lease(cfg: DaemonConfig) -> None:
     uri = cfg.checkpoint.ckpt_uri
     try:
-        check_root_lease(uri, s3_storage_options(cfg))
+        # A node (re)joining an elastic job finds the lease held by the job's own coordinator.
+        joining = cfg.run_id if cfg.launch.elastic else None
+        check_root_lease(uri, s3_storage_options(cfg), joining_run_id=joining)
     except LeaseHeldError as err:
         raise StartupCheckError(f"ckpt_uri={uri!r}: {err}") from None
     except CheckpointError as err:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -48,6 +48,9 @@ from daemon._version import distribution_version
 from daemon.config import DaemonConfig
 from daemon.errors import ConfigError, StartupCheckError
 from daemon.metrics import build_info_labels
+
+if TYPE_CHECKING:
+    from daemon._elastic import LaunchOutcome
 
 __all__ = [
     "EXIT_CONFIG",
@@ -110,38 +113,27 @@ def _make_run_dir(cfg: DaemonConfig) -> tuple[Path, bool]:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base)), True
 
 
-def _launch_config(cfg: DaemonConfig, run_dir: Path) -> Any:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig
+def _rdzv_endpoint(cfg: DaemonConfig) -> str:
+    """`host:port` of the c10d rendezvous: the configured one, or a free loopback port."""
+    return cfg.launch.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
 
-    lc = cfg.launch
-    endpoint = lc.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
-    host = endpoint.rsplit(":", 1)[0]
-    loopback = host in ("127.0.0.1", "localhost", "::1", "[::1]")
-    return LaunchConfig(
-        min_nodes=lc.min_nodes,
-        max_nodes=lc.max_nodes,
-        nproc_per_node=lc.nproc_per_node,
-        run_id=cfg.rdzv_id,
-        role="trainer",
-        rdzv_endpoint=endpoint,
-        rdzv_backend="c10d",
-        # Node 0 hosts the rendezvous store; said explicitly so two daemons on one host agree.
-        rdzv_configs={
-            "is_host": lc.node_rank == 0,
-            "join_timeout": lc.rdzv_timeout_s,
-            "timeout": lc.rdzv_timeout_s,
-        },
-        max_restarts=lc.max_restarts,
-        monitor_interval=0.2,
-        start_method="spawn",
-        local_addr="127.0.0.1" if loopback else None,
-        # The daemon drives SIGTERM/SIGINT itself (final checkpoint within its own budget);
-        # the agent keeps only SIGQUIT, its "stop the workers now" path.
-        signals_to_handle="SIGQUIT",
-        shutdown_timeout=10,
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "elastic")),
-    )
+
+def _merge_rounds(outcome: LaunchOutcome) -> list[dict[str, Any]]:
+    """The last membership round's rank results, counted from the first round's start.
+
+    The run's summary speaks of the whole run: steps from where the first round restored,
+    tokens of every round; how it ended (final step, loss, stopped) is the last round's.
+    """
+    last = [dict(r) for r in outcome.last]
+    if not last or len(outcome.rounds) < 2:
+        return last
+    first = outcome.rounds[0]
+    start = min((int(r.get("start_step", 0)) for r in first), default=0)
+    for r in last:
+        r["start_step"] = start
+    earlier = sum(int(r.get("tokens") or 0) for rnd in outcome.rounds[:-1] for r in rnd)
+    last[0]["tokens"] = int(last[0].get("tokens") or 0) + earlier
+    return last
 
 
 def _already_complete(cfg: DaemonConfig) -> str | None:
@@ -231,7 +223,8 @@ class _Signals:
 def run_daemon(cfg: DaemonConfig) -> int:
     """Run this node's part of the job; returns the process exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
+
+    from daemon._elastic import ElasticLauncher
 
     started = time.monotonic()
     obs = cfg.observability
@@ -313,23 +306,31 @@ def run_daemon(cfg: DaemonConfig) -> int:
         # with "connection refused". Unshared, each attempt gets its own store (rank 0 hosts it
         # on a port the agent picks per round).
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        launcher = ElasticLauncher(
+            cfg,
+            run_dir,
+            _entry(),
+            _rdzv_endpoint(cfg),
+            on_waiting=lambda waiting: _on_nodes_waiting(run_dir, waiting),
+        )
         try:
-            results = elastic_launch(_launch_config(cfg, run_dir), _entry())(
-                cfg, str(run_dir), os.getpid()
-            )
+            outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
         except ChildFailedError as err:
             board.note_error(f"workers failed for good: {err}")
             log.error("workers_failed", max_restarts=cfg.launch.max_restarts, error=str(err))
             return EXIT_FAILED
         if supervisor.budget_exceeded.is_set():
             return EXIT_FAILED
-        final = max((r.get("final_step", 0) for r in results.values()), default=None)
-        stopped = any(r.get("stopped") for r in results.values())
-        code = exit_code_for(signals.stop_signal, stopped)
+        results = _merge_rounds(outcome)
+        final = max((r.get("final_step", 0) for r in results), default=None)
+        code = exit_code_for(signals.stop_signal, outcome.stopped)
+        if outcome.rendezvous_error is not None and code == EXIT_PEER_STOPPED:
+            # A later round could not form; if the job is done elsewhere, so is this node.
+            code = EXIT_OK if _already_complete(cfg) is not None else code
         log.info(
             "daemon_finished", final_step=final, stopped_by=signals.stop_signal, exit_code=code
         )
-        print(_ending(cfg, results.values(), signals.stop_signal, time.monotonic() - started))
+        print(_ending(cfg, results, signals.stop_signal, time.monotonic() - started))
         sys.stdout.flush()
         return code
     finally:
@@ -345,6 +346,12 @@ def run_daemon(cfg: DaemonConfig) -> int:
         notifier.close()
         if owned:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _on_nodes_waiting(run_dir: Path, waiting: int) -> None:
+    """A node waits to join: the ranks save and stop at the next step, then the job regrows."""
+    request_stop(run_dir)
+    log.info("membership_change_requested", nodes_waiting=waiting)
 
 
 def _entry() -> Any:

@@ -4,7 +4,8 @@ One thread, owned by `Supervisor`, wakes every `_TICK_S`. Each iteration:
 
 1. reads the local ranks' snapshots (the same aggregator `/metrics` uses);
 2. derives the node phase and readiness, world size, restarts, step (`NodeState.update`, which is
-   also the supervisor heartbeat behind `/healthz`);
+   also the supervisor heartbeat behind `/healthz`); logs `membership_changed` when the world
+   size changes (an elastic job that shrank or grew);
 3. kills the process group of every rank that is no longer alive (orphaned checkpoint writers,
    see [Note: how rank processes and their checkpoint writers die with the daemon]);
 4. talks to systemd: `READY=1` once every local rank has restored and trains, `STATUS=` with
@@ -110,6 +111,7 @@ class Supervisor:
         )
         self._draining_since: float | None = None
         self._tokens: tuple[float, float] | None = None
+        self._world_size = 0
         self.budget_exceeded = threading.Event()
         """Set when draining outlived `shutdown_timeout_s` and the ranks were killed."""
         self._thread = threading.Thread(target=self._run, name="trainingd-supervisor", daemon=True)
@@ -173,6 +175,16 @@ class Supervisor:
             restarts=max((v.restart for v in views), default=None),
             step=step,
         )
+        if status.world_size != self._world_size:
+            if self._world_size:
+                # The job shrank or grew (elastic `--nnodes MIN:MAX`): a new membership round.
+                log.info(
+                    "membership_changed",
+                    old_world_size=self._world_size,
+                    new_world_size=status.world_size,
+                    step=status.step,
+                )
+            self._world_size = status.world_size
         self._notify(status.phase, status.ready, views, now)
         if self._board is not None:
             self._board.observe(views, status)

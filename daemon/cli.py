@@ -18,14 +18,17 @@ examples:
   trainingd run                         train the default job on this node
   trainingd run --config job.toml       train with settings from a TOML file
   trainingd run --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400
+  trainingd run --nnodes 1:2 --node-rank 1 --rdzv-endpoint node0:29400
+                                        elastic: the job goes on at 1 node when the other
+                                        leaves and grows back to 2 when it returns
   trainingd config show --max-steps 50  print the effective configuration
   trainingd --version
 
 every config key is a flag (--max-steps), a TRAININGD_* variable (TRAININGD_MAX_STEPS) and a
 key of the TOML file ([train] max_steps); precedence: flag > variable > file > default.
 exit codes: 0 reached max_steps; 143 (130) stopped by SIGTERM (SIGINT) on this node, final
-checkpoint committed; 75 stopped because another node was stopped (restart me); 1 workers
-failed; 2 bad config or start-up check.
+checkpoint committed; 75 stopped because another node was stopped (restart me; with --nnodes
+MIN:MAX the other nodes go on instead); 1 workers failed; 2 bad config or start-up check.
 """
 
 EXIT_CONFIG = 2

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import math
 import re
 
 from daemon._logging import LogFormat
@@ -78,7 +79,8 @@ class LaunchSettings:
     nproc_per_node: int = 2
     """Rank processes started on this node."""
     nnodes: str = "1"
-    """Nodes in the job: `N`, or `MIN:MAX` for an elastic range."""
+    """Nodes in the job: `N`, or `MIN:MAX` (torchrun's syntax) for an elastic job that goes on
+    with fewer nodes when one leaves (down to MIN) and grows again when it returns (up to MAX)."""
     node_rank: int = 0
     """This node's index; node 0 hosts the rendezvous store at `rdzv_endpoint`."""
     rdzv_endpoint: str = ""
@@ -87,6 +89,9 @@ class LaunchSettings:
     """Rendezvous id shared by all nodes of the job; empty uses the run id."""
     rdzv_timeout_s: int = 300
     """How long to wait for all nodes to join."""
+    rdzv_last_call_s: int = 30
+    """Elastic `MIN:MAX` only: once MIN nodes are in a rendezvous, how long it waits for more
+    before the job goes on without them (torch's `last_call_timeout`)."""
     max_restarts: int = 3
     """Worker-group restarts the elastic agent may do before the run fails."""
     shutdown_timeout_s: float = 300.0
@@ -100,7 +105,9 @@ class LaunchSettings:
     `$RUNTIME_DIRECTORY` or the system temp directory."""
 
     def __post_init__(self) -> None:
-        _positive(self, "nproc_per_node", "rdzv_timeout_s", "shutdown_timeout_s")
+        _positive(
+            self, "nproc_per_node", "rdzv_timeout_s", "rdzv_last_call_s", "shutdown_timeout_s"
+        )
         _non_negative(self, "node_rank", "max_restarts")
         match = _NNODES.match(self.nnodes)
         if match is None:
@@ -131,6 +138,11 @@ class LaunchSettings:
         assert match is not None
         return int(match.group(2) or match.group(1))
 
+    @property
+    def elastic(self) -> bool:
+        """Whether the node count may change while the job runs (`MIN:MAX` with MIN < MAX)."""
+        return self.min_nodes < self.max_nodes
+
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class TrainSettings:
@@ -145,7 +157,8 @@ class TrainSettings:
     batch_size: int = 8
     """Sequences per micro-batch per rank."""
     micro_batches: int = 1
-    """Micro-batches accumulated per optimizer step."""
+    """Micro-batches accumulated per optimizer step; with `nnodes` MIN:MAX, at MAX nodes (fewer
+    nodes accumulate more, so the global batch stays the same)."""
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     warmup_steps: int = 20
@@ -245,6 +258,49 @@ class DaemonConfig:
     """Checkpoint root, cadence, retention, writer mode."""
     observability: ObservabilitySettings = dataclasses.field(default_factory=ObservabilitySettings)
     """Metrics endpoint and logs."""
+
+    def __post_init__(self) -> None:
+        lc, micro = self.launch, self.train.micro_batches
+        if not lc.elastic:
+            return
+        # [Note: an elastic job keeps its global batch] see `micro_batches_at`.
+        need = math.lcm(*range(lc.min_nodes, lc.max_nodes + 1))
+        step = need // math.gcd(need, lc.max_nodes)
+        if micro % step:
+            short = next(n for n in range(lc.min_nodes, lc.max_nodes) if lc.max_nodes * micro % n)
+            raise ValueError(
+                f"nnodes={lc.nnodes!r} with micro_batches={micro}: an elastic job keeps the global "
+                f"batch of {lc.max_nodes} nodes (batch_size x micro_batches x {lc.max_nodes} x "
+                f"nproc_per_node), which {short} nodes cannot split evenly; use micro_batches a "
+                f"multiple of {step}, or a narrower nnodes range"
+            )
+
+    def micro_batches_at(self, world_size: int) -> int:
+        """Micro-batches each rank accumulates per optimizer step at `world_size` ranks.
+
+        [Note: an elastic job keeps its global batch] With a fixed `nnodes` the global batch is
+        `batch_size x micro_batches x world_size`. With `MIN:MAX` it is fixed at the largest
+        world, `batch_size x micro_batches x max_nodes x nproc_per_node`: a smaller world
+        accumulates more micro-batches, so every step consumes the same global samples (data
+        position, counted in global samples, and the per-step LR schedule stay exact across a
+        membership change). `DaemonConfig` checks at load time that every node count in the
+        range splits it evenly.
+
+        Raises:
+            ValueError: `world_size` ranks cannot split the elastic global batch evenly.
+        """
+        lc, micro = self.launch, self.train.micro_batches
+        if not lc.elastic:
+            return micro
+        per_step = micro * lc.max_nodes * lc.nproc_per_node
+        if world_size <= 0 or per_step % world_size:
+            raise ValueError(
+                f"world size {world_size} cannot split the elastic global batch of {per_step} "
+                f"micro-batches (micro_batches={micro} x {lc.max_nodes} nodes x "
+                f"{lc.nproc_per_node} ranks); every node must run nproc_per_node="
+                f"{lc.nproc_per_node}"
+            )
+        return per_step // world_size
 
     @property
     def run_id(self) -> str:

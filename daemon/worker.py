@@ -45,7 +45,12 @@ def _env_int(name: str, default: int) -> int:
 
 
 def run_rank(
-    cfg: DaemonConfig, run_dir: Path | None, parent_pid: int, *, supervised: bool
+    cfg: DaemonConfig,
+    run_dir: Path | None,
+    parent_pid: int,
+    *,
+    supervised: bool,
+    restart_offset: int = 0,
 ) -> dict[str, Any]:
     """Run one rank to the end of training; returns a small summary.
 
@@ -54,6 +59,8 @@ def run_rank(
         run_dir: per-run directory for snapshots and control files (None: none).
         parent_pid: the supervising process; this rank kills its group if that one dies.
         supervised: started by `trainingd run` (stop requests arrive as files).
+        restart_offset: group restarts of the daemon's earlier membership rounds; added to the
+            agent's `TORCHELASTIC_RESTART_COUNT`, which starts at 0 in every round.
     """
     import torch
     import torch.distributed as dist
@@ -65,7 +72,7 @@ def run_rank(
     watch = ParentWatch(parent_pid).start()
     rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
-    restart = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+    restart = restart_offset + _env_int("TORCHELASTIC_RESTART_COUNT", 0)
     configure_logging(cfg.observability.log_format, level=cfg.observability.log_level.upper())
     bind_process_context(
         rank=rank,
@@ -120,6 +127,8 @@ def run_rank(
             "stopped": result.stopped,
             "loss": result.last_loss,
             "tokens": result.num_tokens,
+            "restart": restart,
+            "world_size": world_size,
         }
     finally:
         telemetry.heartbeat("exited")
@@ -129,9 +138,11 @@ def run_rank(
 
 
 @record
-def elastic_entry(cfg: DaemonConfig, run_dir: str, daemon_pid: int) -> dict[str, Any]:
+def elastic_entry(
+    cfg: DaemonConfig, run_dir: str, daemon_pid: int, restart_offset: int = 0
+) -> dict[str, Any]:
     """Entry point the daemon's elastic agent runs in every rank process."""
-    return run_rank(cfg, Path(run_dir), daemon_pid, supervised=True)
+    return run_rank(cfg, Path(run_dir), daemon_pid, supervised=True, restart_offset=restart_offset)
 
 
 @record

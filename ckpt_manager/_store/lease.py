@@ -179,12 +179,23 @@ def _watch(storage: Storage, version: str, wait_s: float) -> bool:
     return True
 
 
-def check_root_lease(root_uri: str, storage_options: dict[str, Any] | None = None) -> None:
+def check_root_lease(
+    root_uri: str,
+    storage_options: dict[str, Any] | None = None,
+    *,
+    joining_run_id: str | None = None,
+) -> None:
     """Refuse a root a live process holds (a start-up check; takes nothing).
 
     Watches the lease for up to half its holder's ttl (a live holder refreshes every third
     of it), without comparing clocks. A lease that does not move is left to the manager's
     own acquisition, which waits a whole ttl before taking it over.
+
+    Args:
+        root_uri: the checkpoint root.
+        storage_options: fsspec options (S3 endpoint, credentials).
+        joining_run_id: the run a process joins while it trains (a node rejoining an elastic
+            job): a lease held by that run is expected and passes.
 
     Raises:
         LeaseHeldError: the holder refreshed while we watched; the message names it.
@@ -195,6 +206,8 @@ def check_root_lease(root_uri: str, storage_options: dict[str, Any] | None = Non
     if not present or version is None or doc is None or doc.get("released"):
         return
     if holder_is_provably_dead(doc):
+        return
+    if joining_run_id is not None and doc.get("run_id") == joining_run_id:
         return
     _watch(storage, version, float(doc.get("ttl_s") or 0.0) / 2)
 

@@ -203,31 +203,45 @@ class Gate:
         directory: the gate's directory (created).
         after_steps: optimizer steps every rank completes before it is held.
         batch_size: the run's `--batch-size` (one micro-batch per step).
+        later_samples: for gate generations 1, 2, ...: samples each rank fetches before it is
+            held again (steps x batch size x micro-batches at that generation's world size).
     """
 
-    def __init__(self, directory: Path, *, after_steps: int, batch_size: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        after_steps: int,
+        batch_size: int,
+        later_samples: tuple[int, ...] = (),
+    ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
+        counts = (after_steps * batch_size, *later_samples)
         self.env = {
             _gated_job.GATE_DIR_ENV: str(directory),
-            _gated_job.GATE_AFTER_SAMPLES_ENV: str(after_steps * batch_size),
+            _gated_job.GATE_AFTER_SAMPLES_ENV: ",".join(str(n) for n in counts),
         }
         """Environment for `DaemonProc(env=...)`."""
 
-    def wait_until_held(self, world_size: int, *daemons: DaemonProc, timeout_s: float) -> None:
+    def wait_until_held(
+        self, world_size: int, *daemons: DaemonProc, timeout_s: float, generation: int = 0
+    ) -> None:
         """Wait until ranks 0..`world_size`-1 are all held; fail early if a daemon exits."""
 
         def held() -> bool:
             for d in daemons:
                 assert d.exit_code() is None, f"exited with {d.exit_code()}:\n{d.logs()}"
-            markers = [_gated_job.held_marker(self.directory, r) for r in range(world_size)]
+            markers = [
+                _gated_job.held_marker(self.directory, r, generation) for r in range(world_size)
+            ]
             return all(m.exists() for m in markers)
 
-        wait_for(held, timeout_s, f"{world_size} ranks held at the gate")
+        wait_for(held, timeout_s, f"{world_size} ranks held at gate generation {generation}")
 
-    def open(self) -> None:
-        """Let the held ranks (and any that arrive later) go on."""
-        _gated_job.open_marker(self.directory).touch()
+    def open(self, generation: int = 0) -> None:
+        """Let the ranks held at `generation` (and any that arrive later) go on."""
+        _gated_job.open_marker(self.directory, generation).touch()
 
 
 def committed_steps(root: Path) -> list[int]:

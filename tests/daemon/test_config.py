@@ -130,3 +130,19 @@ def test_config_show_prints_effective_toml_and_bad_config_exits_2(tmp_path: Path
     assert bad.stderr.strip().splitlines() == [
         "trainingd: max_steps=-3: use 0 or more (from --max-steps)"
     ]
+
+
+def test_an_elastic_job_keeps_its_global_batch_at_every_node_count() -> None:
+    cfg = load_config({"nnodes": "1:2", "rdzv_endpoint": "n0:29400", "nproc_per_node": "2"}, env={})
+    # [Note: an elastic job keeps its global batch]: 2 nodes x 2 ranks x 1 micro-batch.
+    assert [cfg.micro_batches_at(w) for w in (4, 2)] == [1, 2]
+    fixed = load_config({"nnodes": "2", "rdzv_endpoint": "n0:29400"}, env={})
+    assert [fixed.micro_batches_at(w) for w in (4, 2)] == [1, 1]  # fixed: per rank, as set
+    with pytest.raises(ValueError, match=r"world size 3 cannot split .* nproc_per_node=2"):
+        cfg.micro_batches_at(3)
+    wide = {"nnodes": "2:4", "rdzv_endpoint": "n0:29400", "micro_batches": "3"}
+    assert load_config(wide, env={}).micro_batches_at(3 * 2) == 4
+    with pytest.raises(ConfigError, match=r"nnodes='2:4' with micro_batches=1: .* 3 nodes") as e:
+        load_config({**wide, "micro_batches": "1"}, env={})
+    assert "multiple of 3" in str(e.value)
+    assert "\n" not in str(e.value)

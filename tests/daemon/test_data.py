@@ -64,3 +64,15 @@ def test_position_resumes_exactly_and_across_world_sizes() -> None:
     single = _loaders(1)[0]
     single.load_state_dict(state)
     assert single.samples_consumed == state["samples_consumed"]
+
+
+def test_one_rank_with_two_micro_batches_takes_the_samples_of_a_two_rank_step() -> None:
+    # [Note: an elastic job keeps its global batch]: an elastic job that shrank from 2 ranks to
+    # 1 accumulates 2 micro-batches per step, so each step trains on the same global samples.
+    pair = _loaders(2)
+    single = _loaders(1)[0]
+    for _ in range(3):
+        step_of_two = torch.cat([r.next_batch()[0] for r in pair])
+        step_of_one = torch.cat([single.next_batch()[0] for _ in range(2)])
+        assert torch.equal(step_of_two, step_of_one)
+    assert single.state_dict() == pair[0].state_dict()

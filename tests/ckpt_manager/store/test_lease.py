@@ -220,3 +220,16 @@ def test_dead_holder_here_is_taken_over_at_once_elsewhere_after_expiry(
         assert (took >= 1.0) is waits, (holder, took)
     takeovers = [e for e in log_events if e["event"] == "ckpt_lease_taken_over"]
     assert len(takeovers) == 3
+
+
+def test_start_up_check_passes_only_a_node_joining_the_holders_run(tmp_path: pathlib.Path) -> None:
+    from ckpt_manager import check_root_lease
+
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, lease_ttl_s=1.0)
+    with CheckpointManager(str(tmp_path), cfg, run_id="job"):
+        with pytest.raises(LeaseHeldError, match=r"run 'job'"):
+            check_root_lease(str(tmp_path))
+        with pytest.raises(LeaseHeldError, match=r"run 'job'"):
+            check_root_lease(str(tmp_path), joining_run_id="another-job")
+        # A node rejoining an elastic run finds the lease held by that run's coordinator.
+        check_root_lease(str(tmp_path), joining_run_id="job")
