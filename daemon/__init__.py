@@ -10,6 +10,7 @@ Module plan:
     _config_load.py  TOML + `TRAININGD_*` + flags -> `DaemonConfig`; precedence, messages.
     _preflight.py    start-up checks (job importable, storage reachable and writable) -> exit 2.
     _run.py          the daemon process: HTTP server, signals, supervisor, elastic agent.
+    _elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
     _supervisor.py   supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
     _state.py        `NodeState` / `NodePhase`: starting -> rendezvous -> loading -> training
                      <-> checkpointing; any -> draining -> stopped.

@@ -89,6 +89,22 @@ class LaunchOutcome:
         """The last round's rank results (empty if none returned)."""
         return self.rounds[-1] if self.rounds else []
 
+    def summary_results(self) -> list[dict[str, Any]]:
+        """The last round's rank results, counted from the first round's start.
+
+        The run's summary speaks of the whole run: steps from where the first round restored,
+        tokens of every round; how it ended (final step, loss, stopped) is the last round's.
+        """
+        last = [dict(r) for r in self.last]
+        if not last or len(self.rounds) < 2:
+            return last
+        start = min((int(r.get("start_step", 0)) for r in self.rounds[0]), default=0)
+        for r in last:
+            r["start_step"] = start
+        earlier = sum(int(r.get("tokens") or 0) for rnd in self.rounds[:-1] for r in rnd)
+        last[0]["tokens"] = int(last[0].get("tokens") or 0) + earlier
+        return last
+
     @property
     def stopped(self) -> bool:
         """Whether the last round stopped before `max_steps` (or never formed)."""

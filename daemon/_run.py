@@ -2,10 +2,13 @@
 
     configure logs -> per-run directory -> start-up checks (exit 2) -> HTTP server (exit 2 if
     the port is taken) -> signal handlers -> supervisor thread -> torch elastic agent in the main
-    thread (blocks while the ranks train; restarts them up to max_restarts) -> exit 0 when the
-    ranks reached max_steps, 128+N when a signal N stopped this node (final checkpoint
-    committed; also on a second signal, at once), 75 when a peer's stop ended this node's run,
-    1 when the ranks failed for good ([Note: exit codes tell finished from stopped]).
+    thread, in membership rounds (`daemon/_elastic.py`: blocks while the ranks train; restarts
+    them up to max_restarts; with `--nnodes MIN:MAX` a round ended by a peer's stop or a node
+    waiting to join is followed by the next one) -> exit 0 when the ranks reached max_steps,
+    128+N when a signal N stopped this node (final checkpoint committed; also on a second
+    signal, at once), 75 when a peer's stop ended this node's run (fixed `--nnodes N`; elastic:
+    only when no new round can form), 1 when the ranks failed for good
+    ([Note: exit codes tell finished from stopped]).
 A root that already holds a checkpoint at `max_steps` ends the run right after the start-up
 checks (one line, exit 0, no rank started). The last lines on stdout say how the run ended
 ("finished at step N of M" or "stopped at step N (checkpoint committed)") with a summary.
@@ -13,7 +16,8 @@ checks (one line, exit 0, no rank started). The last lines on stdout say how the
 Signals (the agent is told to handle only SIGQUIT, so these stay ours; see operations.md 9):
 SIGTERM/SIGINT -> `draining`: sd_notify `STOPPING=1`, write the stop request the ranks poll;
 they agree on a step, save a final checkpoint, finalize and return; the agent returns; exit
-128 + the signal (143 for SIGTERM), and 75 on the other nodes.
+128 + the signal (143 for SIGTERM), and 75 on the other nodes (an elastic job's other nodes go
+on without this one).
 A second SIGTERM/SIGINT kills every rank group and exits at once. SIGUSR1 -> a checkpoint at the
 next step boundary.
 """
@@ -30,7 +34,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
@@ -48,9 +52,6 @@ from daemon._version import distribution_version
 from daemon.config import DaemonConfig
 from daemon.errors import ConfigError, StartupCheckError
 from daemon.metrics import build_info_labels
-
-if TYPE_CHECKING:
-    from daemon._elastic import LaunchOutcome
 
 __all__ = [
     "EXIT_CONFIG",
@@ -83,7 +84,9 @@ def exit_code_for(stop_signal: str | None, stopped: bool) -> int:
     look like a finished job: a Kubernetes Indexed Job would count as Complete and systemd
     would not restart it. So only reaching `max_steps` exits 0; a node that got the signal exits
     128 + signal, and the other nodes, which stopped only because the stop was agreed across
-    ranks, exit 75 so that their supervisor restarts them into the next rendezvous.
+    ranks, exit 75 so that their supervisor restarts them into the next rendezvous. An elastic
+    job's other nodes form the next round themselves instead ([Note: membership changes end a
+    round gracefully]); they reach this function stopped only when no round could form.
     """
     if stop_signal is not None:
         return EXIT_SIGNALLED + int(signal.Signals[stop_signal])
@@ -116,24 +119,6 @@ def _make_run_dir(cfg: DaemonConfig) -> tuple[Path, bool]:
 def _rdzv_endpoint(cfg: DaemonConfig) -> str:
     """`host:port` of the c10d rendezvous: the configured one, or a free loopback port."""
     return cfg.launch.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
-
-
-def _merge_rounds(outcome: LaunchOutcome) -> list[dict[str, Any]]:
-    """The last membership round's rank results, counted from the first round's start.
-
-    The run's summary speaks of the whole run: steps from where the first round restored,
-    tokens of every round; how it ended (final step, loss, stopped) is the last round's.
-    """
-    last = [dict(r) for r in outcome.last]
-    if not last or len(outcome.rounds) < 2:
-        return last
-    first = outcome.rounds[0]
-    start = min((int(r.get("start_step", 0)) for r in first), default=0)
-    for r in last:
-        r["start_step"] = start
-    earlier = sum(int(r.get("tokens") or 0) for rnd in outcome.rounds[:-1] for r in rnd)
-    last[0]["tokens"] = int(last[0].get("tokens") or 0) + earlier
-    return last
 
 
 def _already_complete(cfg: DaemonConfig) -> str | None:
@@ -321,7 +306,7 @@ def run_daemon(cfg: DaemonConfig) -> int:
             return EXIT_FAILED
         if supervisor.budget_exceeded.is_set():
             return EXIT_FAILED
-        results = _merge_rounds(outcome)
+        results = outcome.summary_results()
         final = max((r.get("final_step", 0) for r in results), default=None)
         code = exit_code_for(signals.stop_signal, outcome.stopped)
         if outcome.rendezvous_error is not None and code == EXIT_PEER_STOPPED:

@@ -1,4 +1,7 @@
-"""End to end: an elastic job (`--nnodes 1:2`) shrinks when a node stops and grows when it returns.
+"""An elastic job (`--nnodes 1:2`) shrinks when a node stops and grows when it returns.
+
+The first tests check `daemon/_elastic.py`'s pieces in process; the end-to-end ones run the real
+console script:
 
 Two single-rank daemons on 127.0.0.1 share one c10d rendezvous. The gated job holds the ranks at
 known steps (`Gate` generations: one per membership round that must wait for the test), so every
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon._elastic import LaunchOutcome, MembershipWatch
 from tests.daemon._daemon_proc import (
     GATED_JOB,
     DaemonProc,
@@ -23,10 +27,48 @@ from tests.daemon._daemon_proc import (
 )
 from tests.support.dist import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
-
 _BATCH_SIZE = 4
 _MAX_STEPS = 16
+
+
+class _Handler:
+    """The part of a rendezvous handler `MembershipWatch` asks: how many nodes wait."""
+
+    def __init__(self) -> None:
+        self.waiting = 0
+
+    def num_nodes_waiting(self) -> int:
+        return self.waiting
+
+
+def test_a_waiting_node_asks_for_a_graceful_stop_once_per_round_and_the_agent_sees_none() -> None:
+    inner, asked = _Handler(), []
+    watch = MembershipWatch(inner, asked.append)  # type: ignore[arg-type]
+    assert watch.num_nodes_waiting() == 0
+    inner.waiting = 2
+    # torch's agent restarts (kills) the ranks when this is > 0: it must never see a waiting
+    # node; the ranks are asked once to save and stop instead.
+    assert [watch.num_nodes_waiting() for _ in range(3)] == [0, 0, 0]
+    assert asked == [2]
+    watch.arm()  # the next round
+    assert watch.num_nodes_waiting() == 0
+    assert asked == [2, 2]
+
+
+def test_the_summary_of_several_rounds_counts_from_the_first_and_ends_with_the_last() -> None:
+    rounds = [
+        [{"start_step": 0, "final_step": 4, "stopped": True, "tokens": 100, "loss": 3.0}],
+        [{"start_step": 4, "final_step": 7, "stopped": True, "tokens": 60, "loss": 2.5}],
+        [{"start_step": 7, "final_step": 16, "stopped": False, "tokens": 90, "loss": 2.0}],
+    ]
+    outcome = LaunchOutcome(rounds=rounds)
+    assert not outcome.stopped
+    [summary] = outcome.summary_results()
+    assert summary == {
+        "start_step": 0, "final_step": 16, "stopped": False, "tokens": 250, "loss": 2.0,
+    }  # fmt: skip
+    assert rounds[-1][0]["start_step"] == 7  # the rounds themselves are left as they were
+    assert LaunchOutcome(rounds=rounds[:1], rendezvous_error="store gone").stopped
 
 
 def _node_args(endpoint: str, root: Path, node_rank: int) -> list[str]:
@@ -38,6 +80,8 @@ def _node_args(endpoint: str, root: Path, node_rank: int) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_elastic_job_shrinks_on_a_drained_node_and_grows_when_it_returns(
     tmp_path: Path, procs: list[DaemonProc]
 ) -> None:
@@ -96,6 +140,8 @@ def test_elastic_job_shrinks_on_a_drained_node_and_grows_when_it_returns(
     assert session_pids(back.pid) == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(240)
 def test_elastic_job_goes_on_alone_when_its_peer_dies(
     tmp_path: Path, procs: list[DaemonProc]
 ) -> None:
