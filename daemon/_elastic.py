@@ -46,6 +46,7 @@ import structlog
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
     RendezvousError,
@@ -269,6 +270,11 @@ class ElasticLauncher:
                     return LaunchOutcome(rounds=rounds)
                 step = max((int(r.get("final_step", 0)) for r in results), default=0)
                 log.info("membership_round", after_step=step, min_nodes=self._params.min_nodes)
+        except SignalException:
+            # The agent's own SIGQUIT path: like torch's launcher, leave the rendezvous open
+            # (closing it would end the job for every node, for good).
+            close = False
+            raise
         finally:
             if close:
                 self._handler.shutdown()
