@@ -71,6 +71,27 @@ def test_the_summary_of_several_rounds_counts_from_the_first_and_ends_with_the_l
     assert LaunchOutcome(rounds=rounds[:1], rendezvous_error="store gone").stopped
 
 
+def _two_held_nodes(
+    tmp_path: Path, procs: list[DaemonProc], gate: Gate, *args: str
+) -> tuple[DaemonProc, DaemonProc, str]:
+    """Nodes 0 and 1 of one `1:2` job, both ranks held at the gate; and the rendezvous."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    root = tmp_path / "ckpt"
+    # Node 1 first: it waits for node 0's store, so both are in the first round however slowly
+    # node 0 starts (else node 0 could begin alone at world size 1 after the last call).
+    node1 = DaemonProc(tmp_path, [*_node_args(endpoint, root, 1), *args], gate.env, "node1")
+    procs.append(node1)
+    node0 = DaemonProc(tmp_path, [*_node_args(endpoint, root, 0), *args], gate.env, "node0")
+    procs.append(node0)
+    gate.wait_until_held(2, node0, node1, timeout_s=120)
+    return node0, node1, endpoint
+
+
+def _rounds(node: DaemonProc) -> list[tuple[int, int]]:
+    """(world size, start step) of every group this node's ranks trained in."""
+    return [(int(e["world_size"]), int(e["start_step"])) for e in node.find("training")]
+
+
 def _node_args(endpoint: str, root: Path, node_rank: int) -> list[str]:
     return [
         "--nnodes", "1:2", "--node-rank", str(node_rank), "--nproc-per-node", "1",
@@ -86,7 +107,6 @@ def test_elastic_job_shrinks_on_a_drained_node_and_grows_when_it_returns(
     tmp_path: Path, procs: list[DaemonProc]
 ) -> None:
     root = tmp_path / "ckpt"
-    endpoint = f"127.0.0.1:{free_port()}"
     # Generation 0: both ranks (world 2) held after step 3. Generation 1: node 0 alone, held
     # after 2 more steps: at world size 1 a step takes 2 micro-batches (the global batch stays),
     # and a restoring rank first fetches 2 samples to create its optimizer state
@@ -97,13 +117,7 @@ def test_elastic_job_shrinks_on_a_drained_node_and_grows_when_it_returns(
         batch_size=_BATCH_SIZE,
         later_samples=(2 + 2 * 2 * _BATCH_SIZE,),
     )
-    # Node 1 first: it waits for node 0's store, so both are in the first round however slowly
-    # node 0 starts (else node 0 could begin alone at world size 1 after the last call).
-    node1 = DaemonProc(tmp_path, _node_args(endpoint, root, 1), gate.env, "node1")
-    procs.append(node1)
-    node0 = DaemonProc(tmp_path, _node_args(endpoint, root, 0), gate.env, "node0")
-    procs.append(node0)
-    gate.wait_until_held(2, node0, node1, timeout_s=120)
+    node0, node1, endpoint = _two_held_nodes(tmp_path, procs, gate)
 
     # Shrink: node 1 is drained. Both ranks agree to stop after step 4 and commit it; node 1
     # exits 143 and leaves the rendezvous open; node 0 re-forms the job alone from step 4.
@@ -123,8 +137,7 @@ def test_elastic_job_shrinks_on_a_drained_node_and_grows_when_it_returns(
     assert node0.wait(150) == 0, node0.logs()
     assert back.wait(150) == 0, back.logs()
 
-    rounds = [(int(e["world_size"]), int(e["start_step"])) for e in node0.find("training")]
-    assert rounds == [(2, 0), (1, 4), (2, 7)], node0.logs()
+    assert _rounds(node0) == [(2, 0), (1, 4), (2, 7)], node0.logs()
     stops = [int(e["step"]) for e in node0.find("stopping")]
     assert stops == [4, 7], node0.logs()
     # Each round restored the checkpoint its predecessor committed when it stopped.
@@ -135,7 +148,7 @@ def test_elastic_job_shrinks_on_a_drained_node_and_grows_when_it_returns(
         for e in node0.find("membership_changed")
     ]
     assert changes == [(2, 1), (1, 2)], node0.logs()
-    assert [int(e["start_step"]) for e in back.find("training")] == [7]
+    assert _rounds(back) == [(2, 7)]
     assert session_pids(node0.pid) == []
     assert session_pids(back.pid) == []
 
@@ -146,16 +159,12 @@ def test_elastic_job_goes_on_alone_when_its_peer_dies(
     tmp_path: Path, procs: list[DaemonProc]
 ) -> None:
     root = tmp_path / "ckpt"
-    endpoint = f"127.0.0.1:{free_port()}"
-    args = ["--ckpt-every", "4", "--max-steps", "12"]
     # Both ranks held after step 8: step 4 is committed by then (scheduling step 8's save
     # finalized it; one save in flight at most), step 8's may be.
     gate = Gate(tmp_path / "gate", after_steps=8, batch_size=_BATCH_SIZE)
-    node1 = DaemonProc(tmp_path, [*_node_args(endpoint, root, 1), *args], gate.env, "node1")
-    procs.append(node1)
-    node0 = DaemonProc(tmp_path, [*_node_args(endpoint, root, 0), *args], gate.env, "node0")
-    procs.append(node0)
-    gate.wait_until_held(2, node0, node1, timeout_s=120)
+    node0, node1, _ = _two_held_nodes(
+        tmp_path, procs, gate, "--ckpt-every", "4", "--max-steps", "12"
+    )
     newest = committed_steps(root)[-1]
     assert newest in (4, 8)
     node1.signal(signal.SIGKILL)
@@ -164,8 +173,7 @@ def test_elastic_job_goes_on_alone_when_its_peer_dies(
     # Node 0's rank fails in its next collective; the agent restarts it (a failure, counted)
     # into a round without node 1, from the newest committed step, and it finishes alone.
     assert node0.wait(150) == 0, node0.logs()
-    rounds = [(int(e["world_size"]), int(e["start_step"])) for e in node0.find("training")]
-    assert rounds == [(2, 0), (1, newest)], node0.logs()
+    assert _rounds(node0) == [(2, 0), (1, newest)], node0.logs()
     assert [int(e["restart"]) for e in node0.find("restored")] == [1]
     assert committed_steps(root)[-1] == 12
     assert session_pids(node0.pid) == []
