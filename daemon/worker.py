@@ -1,7 +1,8 @@
 """The rank process: what the elastic agent (or a plain `torchrun`) starts on each local rank.
 
 Under `trainingd run` the daemon's in-process elastic agent calls `elastic_entry(cfg, run_dir,
-daemon_pid)` in a spawned process. Under plain torchrun, run the module with the same config
+daemon_pid, restart_offset)` in a spawned process (one agent per membership round,
+`daemon/_elastic.py`). Under plain torchrun, run the module with the same config
 flags as `trainingd run` (a run directory enables the snapshot/control files):
 
     torchrun --nproc-per-node 2 -m daemon.worker --max-steps 100 --ckpt-uri /tmp/ck
