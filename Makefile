@@ -10,9 +10,10 @@ TORCH_PIN := torch==2.13.0
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 # System tools some tests need, from Debian packages: promtool and prometheus (tests/dashboards),
-# chromium (the status page test, tests/daemon/test_status_page.py).
-SYSTEM_TOOLS := promtool prometheus chromium systemd-analyze
-SYSTEM_PACKAGES := prometheus chromium systemd
+# chromium (the status page test, tests/daemon/test_status_page.py), systemd-analyze (the unit
+# file test), tmux (the live status line test, tests/daemon/test_progress.py).
+SYSTEM_TOOLS := promtool prometheus chromium systemd-analyze tmux
+SYSTEM_PACKAGES := prometheus chromium systemd tmux
 
 .PHONY: venv system-tools stop-packaged-prometheus run test lint format clean bench
 

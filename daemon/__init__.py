@@ -12,6 +12,8 @@ Module plan:
     _run.py          the daemon process: HTTP server, signals, supervisor, elastic agent.
     _elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
     _supervisor.py   supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
+    _progress.py     the live status line on a terminal, `progress` log events off it.
+    _relay.py        on a terminal: the ranks' output, redirected to files, printed by the daemon.
     _state.py        `NodeState` / `NodePhase`: starting -> rendezvous -> loading -> training
                      <-> checkpointing; any -> draining -> stopped.
     _http.py         one port: /metrics, /healthz, /readyz.
@@ -26,8 +28,10 @@ Module plan:
     _loop.py         the training loop: data -> forward/backward -> step -> metrics -> ckpt.
     job.py           the job seam: `JobSpec`, `JobContext`, `Dataset`, `load_job`.
     data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
-    default_job.py   the embedded default job: byte-level GPT on a generated corpus.
-    gpt.py           the default job's byte-level GPT (also used by tests and benchmarks).
+    default_job.py   the embedded default job: byte-level GPT on a generated corpus, and the
+                     sample of text it writes at the end of a completed run.
+    gpt.py           the default job's byte-level GPT and `generate` (also used by tests and
+                     benchmarks).
     _logging.py      structlog configuration shared by every process of a run.
     errors.py        the daemon's error tree.
 """

@@ -45,7 +45,7 @@ from typing import Any
 import structlog
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import (
@@ -57,6 +57,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from daemon._control import clear_stop
+from daemon._relay import RankOutputRelay, RelayLogsSpecs
 from daemon.config import DaemonConfig
 
 __all__ = ["ElasticLauncher", "LaunchOutcome", "MembershipWatch"]
@@ -203,9 +204,12 @@ class ElasticLauncher:
     Args:
         cfg: effective configuration.
         run_dir: per-run directory (agent logs under `elastic/`, control files).
-        entry: the rank entry point, called as `entry(cfg, run_dir, daemon_pid, restart_offset)`.
+        entry: the rank entry point, called as
+            `entry(cfg, run_dir, daemon_pid, restart_offset, relayed)`.
         endpoint: `host:port` of the c10d rendezvous store.
         on_waiting: elastic jobs only: called when a node waits to join (ask the ranks to stop).
+        relay: on a terminal, the daemon's relay of the ranks' output (their stdout/stderr go
+            to files it prints above the live line, `_relay.py`); None leaves them as they are.
     """
 
     def __init__(
@@ -215,8 +219,10 @@ class ElasticLauncher:
         entry: Entry,
         endpoint: str,
         on_waiting: Callable[[int], None],
+        relay: RankOutputRelay | None = None,
     ) -> None:
         self._cfg = cfg
+        self._relay = relay
         self._run_dir = run_dir
         self._entry = entry
         # The daemon drives SIGTERM/SIGINT itself (final checkpoint within its own budget); the
@@ -279,13 +285,25 @@ class ElasticLauncher:
             if close:
                 self._handler.shutdown()
 
+    def _logs_specs(self) -> LogsSpecs:
+        log_dir = str(self._run_dir / "elastic")
+        if self._relay is None:
+            return DefaultLogsSpecs(log_dir=log_dir)
+        return RelayLogsSpecs(log_dir, self._relay)
+
     def _round(self, restart_offset: int, max_restarts: int) -> list[dict[str, Any]]:
         lc = self._cfg.launch
         spec = WorkerSpec(
             role="trainer",
             local_world_size=lc.nproc_per_node,
             entrypoint=self._entry,
-            args=(self._cfg, str(self._run_dir), os.getpid(), restart_offset),
+            args=(
+                self._cfg,
+                str(self._run_dir),
+                os.getpid(),
+                restart_offset,
+                self._relay is not None,
+            ),
             rdzv_handler=self._handler,
             max_restarts=max(0, max_restarts),
             monitor_interval=_MONITOR_INTERVAL_S,
@@ -293,7 +311,7 @@ class ElasticLauncher:
         )
         agent = LocalElasticAgent(
             spec=spec,
-            logs_specs=DefaultLogsSpecs(log_dir=str(self._run_dir / "elastic")),
+            logs_specs=self._logs_specs(),
             start_method="spawn",
             shutdown_timeout=_AGENT_SHUTDOWN_S,
         )

@@ -67,6 +67,7 @@ def configure_logging(
     *,
     level: int | str = logging.INFO,
     stream: TextIO | None = None,
+    colors: bool | None = None,
 ) -> LogFormat:
     """Configure structlog and the stdlib root logger once per process.
 
@@ -74,6 +75,8 @@ def configure_logging(
         fmt: `auto`, `json` or `console`.
         level: minimum level, as a `logging` constant or name (`"DEBUG"`).
         stream: where events go; default `sys.stderr`.
+        colors: colour console output; None colours it when `stream` is a TTY. A rank whose
+            output the daemon relays to its terminal writes to a file and passes True.
 
     Returns:
         The format actually chosen (`auto` resolved).
@@ -99,8 +102,10 @@ def configure_logging(
         renderer = structlog.processors.JSONRenderer()
         final: list[structlog.typing.Processor] = [structlog.processors.dict_tracebacks, renderer]
     else:
-        isatty = getattr(out, "isatty", None)
-        renderer = structlog.dev.ConsoleRenderer(colors=bool(isatty and isatty()))
+        if colors is None:
+            isatty = getattr(out, "isatty", None)
+            colors = bool(isatty and isatty())
+        renderer = structlog.dev.ConsoleRenderer(colors=colors)
         final = [renderer]
 
     shared = _shared_processors()

@@ -20,6 +20,9 @@ which the collective `save()` requires. One tiny collective per step is the whol
 Checkpoint calls go through `SaveFailurePolicy` (`_save_failures.py`): a failed save is
 reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
 The final save of the drain is retried once and must commit, else the run fails.
+
+A run that reached `max_steps` ends with the job's `sample` (if it has one): every rank takes
+part in gathering the full weights (`full_state_dict`, collective), rank 0 calls the hook.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class LoopResult:
     """Global mean loss of the last step run by this process."""
     num_tokens: int
     """Tokens this rank trained on in this process (for the run's tokens/s summary)."""
+    sample: str | None = None
+    """The job's `sample` of the trained model (rank 0 of a run that reached `max_steps`)."""
 
 
 def _lr_lambda(cfg: DaemonConfig) -> Any:
@@ -309,10 +314,35 @@ def run_training(
         manager.check_for_errors()
         telemetry.update_checkpoints(manager.stats())
         telemetry.heartbeat("finished")
+    # --- the job's sample of the trained model (a completed run only) ------------------------
+    sample = None
+    if not stopped and job.sample is not None:
+        sample = _sample(model, job, rank)
     return LoopResult(
         start_step=start_step,
         final_step=step,
         stopped=stopped,
         last_loss=last_loss,
         num_tokens=num_tokens,
+        sample=sample,
     )
+
+
+def _sample(model: Any, job: JobSpec, rank: int) -> str | None:
+    """Gather the full weights (every rank) and run the job's sample hook on rank 0.
+
+    The checkpoints are committed by now: a hook that fails is logged and shows nothing, the
+    run still counts as finished.
+    """
+    assert job.sample is not None
+    weights = model.full_state_dict()
+    if rank != 0:
+        return None
+    t0 = time.perf_counter()
+    try:
+        text = job.sample(weights)
+    except Exception:
+        log.exception("sample_failed")
+        return None
+    log.info("sample_generated", seconds=round(time.perf_counter() - t0, 3), chars=len(text))
+    return text

@@ -11,7 +11,12 @@
     ([Note: exit codes tell finished from stopped]).
 A root that already holds a checkpoint at `max_steps` ends the run right after the start-up
 checks (one line, exit 0, no rank started). The last lines on stdout say how the run ended
-("finished at step N of M" or "stopped at step N (checkpoint committed)") with a summary.
+("finished at step N of M" or "stopped at step N (checkpoint committed)") with a summary, and
+for a finished run the job's sample of the trained model.
+
+On a terminal (console logs on a TTY) a live status line stands at the bottom of stderr and the
+ranks' output is relayed through the daemon so that every line is printed above it
+(`_progress.py`, `_relay.py`); off a terminal, `progress` events are logged instead.
 
 Signals (the agent is told to handle only SIGQUIT, so these stay ours; see operations.md 9):
 SIGTERM/SIGINT -> `draining`: sd_notify `STOPPING=1`, write the stop request the ranks poll;
@@ -45,9 +50,11 @@ from daemon._http import MetricsServer
 from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._notify import Notifier
 from daemon._preflight import check_startup, s3_storage_options
+from daemon._progress import LiveProgress, ProgressEvents
+from daemon._relay import RankOutputRelay
 from daemon._state import NodePhase, NodeState
 from daemon._status import StatusBoard
-from daemon._supervisor import Supervisor, progress_stream
+from daemon._supervisor import Supervisor
 from daemon._version import distribution_version
 from daemon.config import DaemonConfig
 from daemon.errors import ConfigError, StartupCheckError
@@ -168,10 +175,15 @@ def _ending(
     if num_tokens and wall_s > 0:
         summary.append(f"{num_tokens / wall_s:,.0f} tokens/s on this node")
     uri = cfg.checkpoint.ckpt_uri
-    return (
-        f"trainingd: run {cfg.run_id} {how}: {', '.join(summary)}\n"
-        f"trainingd: checkpoints in {uri}; list them with `{_ckptctl()} list {uri}`"
-    )
+    lines = [
+        f"trainingd: run {cfg.run_id} {how}: {', '.join(summary)}",
+        f"trainingd: checkpoints in {uri}; list them with `{_ckptctl()} list {uri}`",
+    ]
+    sample = next((r["sample"] for r in ranks if r.get("sample")), None)
+    if sample is not None:
+        lines.append("trainingd: sample of the trained model:")
+        lines.extend(f"    {line}" for line in str(sample).splitlines())
+    return "\n".join(lines)
 
 
 class _Signals:
@@ -221,6 +233,16 @@ def run_daemon(cfg: DaemonConfig) -> int:
     server: MetricsServer | None = None
     supervisor: Supervisor | None = None
     board: StatusBoard | None = None
+    live: LiveProgress | None = None
+    relay: RankOutputRelay | None = None
+
+    def end_display() -> None:
+        # Every relayed rank line first, then the status line goes: the ending follows below.
+        if relay is not None:
+            relay.close()
+        if live is not None:
+            live.close()
+
     try:
         try:
             check_startup(cfg, run_dir)
@@ -241,13 +263,15 @@ def run_daemon(cfg: DaemonConfig) -> int:
                 ckpt_uri=cfg.checkpoint.ckpt_uri,
                 storage_options=s3_storage_options(cfg),
             )
+            if chosen is LogFormat.CONSOLE and sys.stderr.isatty():
+                live = LiveProgress(board)
             supervisor = Supervisor(
                 state,
                 aggregator,
                 notifier,
                 heartbeat_timeout_s=obs.heartbeat_timeout_s,
                 shutdown_timeout_s=cfg.launch.shutdown_timeout_s,
-                progress=progress_stream(chosen is LogFormat.CONSOLE),
+                progress=live or ProgressEvents(board, obs.log_every_s),
                 board=board,
             )
             try:
@@ -270,6 +294,13 @@ def run_daemon(cfg: DaemonConfig) -> int:
             return EXIT_CONFIG
         url = f"http://{server.host}:{server.port}"
         board.start()
+        if live is not None:
+            # From here on the daemon's console is the terminal's only writer (_progress.py).
+            live.start()
+            configure_logging(
+                LogFormat.CONSOLE, level=obs.log_level.upper(), stream=live.log_stream()
+            )
+            relay = RankOutputRelay(live.print_line).start()
         log.info(
             "daemon_started",
             status=f"{url}/",
@@ -297,10 +328,12 @@ def run_daemon(cfg: DaemonConfig) -> int:
             _entry(),
             _rdzv_endpoint(cfg),
             on_waiting=lambda waiting: _on_nodes_waiting(run_dir, waiting),
+            relay=relay,
         )
         try:
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
         except ChildFailedError as err:
+            end_display()  # the ranks' last lines (their tracebacks) come before this record
             board.note_error(f"workers failed for good: {err}")
             log.error("workers_failed", max_restarts=cfg.launch.max_restarts, error=str(err))
             return EXIT_FAILED
@@ -315,10 +348,13 @@ def run_daemon(cfg: DaemonConfig) -> int:
         log.info(
             "daemon_finished", final_step=final, stopped_by=signals.stop_signal, exit_code=code
         )
-        print(_ending(cfg, results, signals.stop_signal, time.monotonic() - started))
+        wall_s = time.monotonic() - started
+        end_display()
+        print(_ending(cfg, results, signals.stop_signal, wall_s))
         sys.stdout.flush()
         return code
     finally:
+        end_display()
         state.update(phase=NodePhase.STOPPED)
         notifier.send(STOPPING=1)
         if supervisor is not None:

@@ -160,14 +160,22 @@ class StatusBoard:
             return 0.0, 0.0
         return max(0.0, (tok1 - tok0) / (t1 - t0)), max(0.0, (s1 - s0) / (t1 - t0))
 
+    def eta_s(self) -> float | None:
+        """Seconds to `max_steps` at the current steps/s (None until it is known)."""
+        with self._lock:
+            return self._eta_s(self._rates()[1])
+
+    def _eta_s(self, steps_per_s: float) -> float | None:
+        remaining = self.max_steps - (self._node.get("step") or 0)
+        return remaining / steps_per_s if steps_per_s > 0 and remaining > 0 else None
+
     def snapshot(self) -> dict[str, Any]:
         """The JSON body of `/api/status` (see README, Status page)."""
         now = self._clock()
         with self._lock:
             tokens_per_s, steps_per_s = self._rates()
             step = self._node.get("step")
-            remaining = self.max_steps - (step or 0)
-            eta = remaining / steps_per_s if steps_per_s > 0 and remaining > 0 else None
+            eta = self._eta_s(steps_per_s)
             return {
                 "now_unix_s": now,
                 "node": dict(self._node),

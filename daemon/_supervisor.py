@@ -13,16 +13,15 @@ One thread, owned by `Supervisor`, wakes every `_TICK_S`. Each iteration:
    caught), `EXTEND_TIMEOUT_USEC=` while starting and while draining, but only after the node
    moved (`TimeoutExtender`: a hung restore must let systemd's start timeout fire);
 5. enforces the shutdown budget: once draining for `shutdown_timeout_s`, it kills the ranks;
-6. redraws the live progress line when stderr is a TTY with console logs.
+6. hands the views to the progress sink (`_progress.py`): the live status line on a terminal,
+   `progress` log events off it.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Hashable
-from typing import TextIO
 
 import structlog
 
@@ -30,8 +29,9 @@ from daemon._collector import RankView, SnapshotAggregator
 from daemon._http import health
 from daemon._lifecycle import kill_group, pid_alive
 from daemon._notify import Notifier, TimeoutExtender
+from daemon._progress import ProgressSink
 from daemon._state import NodePhase, NodeState
-from daemon._status import StatusBoard, format_duration
+from daemon._status import StatusBoard
 
 __all__ = ["Supervisor"]
 
@@ -77,7 +77,7 @@ class Supervisor:
         notifier: sd_notify sender.
         heartbeat_timeout_s: rank heartbeat age beyond which the node is unhealthy.
         shutdown_timeout_s: draining budget before ranks are killed.
-        progress: stream for the live progress line, or None.
+        progress: where the node's progress goes every tick (live line or events), or None.
         board: the status page's board, fed every tick, or None.
     """
 
@@ -89,7 +89,7 @@ class Supervisor:
         *,
         heartbeat_timeout_s: float,
         shutdown_timeout_s: float,
-        progress: TextIO | None = None,
+        progress: ProgressSink | None = None,
         board: StatusBoard | None = None,
     ) -> None:
         self._board = board
@@ -110,7 +110,6 @@ class Supervisor:
             notifier, window_s=_EXTEND_WINDOW_S, every_s=_EXTEND_EVERY_S
         )
         self._draining_since: float | None = None
-        self._tokens: tuple[float, float] | None = None
         self._world_size = 0
         self.budget_exceeded = threading.Event()
         """Set when draining outlived `shutdown_timeout_s` and the ranks were killed."""
@@ -122,12 +121,9 @@ class Supervisor:
         return self
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the loop and clear the progress line."""
+        """Stop the loop."""
         self._stop.set()
         self._thread.join(timeout=timeout_s)
-        if self._progress is not None:
-            self._progress.write("\r\x1b[K")
-            self._progress.flush()
 
     def rank_heartbeats(self) -> list[float]:
         """Last heartbeat of every live local rank of the current incarnation (for /healthz)."""
@@ -191,7 +187,7 @@ class Supervisor:
         if status.phase is NodePhase.DRAINING:
             self._enforce_budget(now)
         if self._progress is not None:
-            self._draw(views, now)
+            self._progress.observe(views, status, now)
 
     def _local_ranks(self) -> int:
         return self._state.status().local_ranks
@@ -222,30 +218,6 @@ class Supervisor:
                 self.budget_exceeded.set()
             self.kill_all()
 
-    def _draw(self, views: list[RankView], now: float) -> None:
-        assert self._progress is not None
-        tokens = sum(v.counters.get("trainingd_train_tokens_total", {}).get("", 0.0) for v in views)
-        rate = 0.0
-        if self._tokens is not None and now > self._tokens[0]:
-            rate = (tokens - self._tokens[1]) / (now - self._tokens[0])
-        if self._tokens is None or now - self._tokens[0] >= 2.0:
-            self._tokens = (now, tokens)
-        status = self._state.status()
-        loss = views[0].gauge("trainingd_train_loss") if views else None
-        ckpt = views[0].gauge("trainingd_ckpt_last_committed_step") if views else None
-        of_max = f"/{self._board.max_steps}" if self._board is not None else ""
-        parts = [f"[trainingd] {status.phase.value}", f"step {_or_dash(status.step)}{of_max}"]
-        if loss is not None:
-            parts.append(f"loss {loss:.4f}")
-        parts.append(f"{rate:,.0f} tok/s")
-        if self._board is not None:
-            parts.append(f"ETA {format_duration(self._board.snapshot()['eta_s'])}")
-        parts.append(f"last ckpt {_or_dash(None if ckpt is None else int(ckpt))}")
-        parts.append(f"restarts {status.restarts}")
-        line = " | ".join(parts)
-        self._progress.write("\r\x1b[K" + line)
-        self._progress.flush()
-
 
 def _progress_mark(phase: NodePhase, views: list[RankView]) -> Hashable:
     """What changes when the node moves: phase, membership, each rank's phase, step and beat."""
@@ -261,12 +233,3 @@ def _progress_mark(phase: NodePhase, views: list[RankView]) -> Hashable:
         for v in sorted(views, key=lambda v: v.local_rank)
     )
     return phase, ranks
-
-
-def _or_dash(value: int | None) -> str:
-    return "-" if value is None else str(value)
-
-
-def progress_stream(log_is_console: bool) -> TextIO | None:
-    """stderr when it is a TTY and logs are rendered for humans; None otherwise."""
-    return sys.stderr if log_is_console and sys.stderr.isatty() else None

@@ -237,11 +237,14 @@ class ObservabilitySettings:
     """`json`, `console`, or `auto` (console on a TTY)."""
     log_level: str = "info"
     """Minimum log level: debug, info, warning, error."""
+    log_every_s: float = 10.0
+    """Off a terminal: seconds between two structured `progress` log events (step, loss,
+    tokens/s, ETA, last checkpoint, restarts); a terminal shows a live status line instead."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port={self.metrics_port}: use 0..65535")
-        _positive(self, "publish_interval_s", "heartbeat_timeout_s")
+        _positive(self, "publish_interval_s", "heartbeat_timeout_s", "log_every_s")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level={self.log_level!r}: use debug, info, warning or error")
 

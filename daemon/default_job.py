@@ -4,6 +4,10 @@ No download and no data file: `corpus()` writes sentences from a small grammar w
 `random.Random`, so every rank and every run sees the same bytes. The text has real structure
 (word spellings, agreement, punctuation, recurring phrases), so the loss falls quickly from
 ln(256) ~ 5.5 nats towards ~1 within the default run of a few hundred steps.
+
+At the end of a completed run `sample()` shows what the model learned: the trained GPT continues
+a fixed prompt by `SAMPLE_BYTES` bytes, greedily (so the same weights always write the same text),
+and the daemon prints it in its summary.
 """
 
 from __future__ import annotations
@@ -13,10 +17,26 @@ import random
 
 import torch
 
-from daemon.gpt import GPT, Block, GPTConfig, lm_loss
+from daemon.gpt import GPT, Block, GPTConfig, generate, lm_loss
 from daemon.job import JobContext, JobSpec
 
-__all__ = ["ByteCorpus", "build", "corpus"]
+__all__ = [
+    "MODEL",
+    "SAMPLE_BYTES",
+    "SAMPLE_PROMPT",
+    "ByteCorpus",
+    "build",
+    "corpus",
+    "printable",
+    "sample",
+]
+
+MODEL = GPTConfig(seq_len=64, num_layers=4, num_heads=4, d_model=128)
+"""The default job's model: a 4-layer, 128-wide byte-level GPT."""
+SAMPLE_PROMPT = b"The daemon "
+"""What the trained model is asked to continue at the end of a run."""
+SAMPLE_BYTES = 200
+"""How many bytes it writes after the prompt."""
 
 _SUBJECTS = ("the daemon", "a rank", "the agent", "every node", "the writer", "one shard",
              "the scheduler", "a checkpoint", "the optimizer", "the gradient")  # fmt: skip
@@ -75,13 +95,29 @@ class ByteCorpus:
         return chunk[:-1], chunk[1:]
 
 
+def printable(data: bytes) -> str:
+    """`data` as text safe for a terminal.
+
+    Printable ASCII and newlines stay as they are; every other byte (control characters, escape
+    sequences, non-ASCII) is written as `\\xNN`.
+    """
+    return "".join(chr(b) if 32 <= b < 127 or b == 10 else f"\\x{b:02x}" for b in data)
+
+
+def sample(weights: dict[str, torch.Tensor]) -> str:
+    """`SAMPLE_PROMPT` and the `SAMPLE_BYTES` bytes the model with `weights` writes after it."""
+    model = GPT(MODEL)
+    model.load_state_dict(weights)
+    return printable(SAMPLE_PROMPT + generate(model, SAMPLE_PROMPT, SAMPLE_BYTES))
+
+
 def build(ctx: JobContext) -> JobSpec:
-    """The default job: a 4-layer, 128-wide byte-level GPT on `corpus()`."""
-    cfg = GPTConfig(seq_len=64, num_layers=4, num_heads=4, d_model=128)
+    """The default job: `MODEL` on `corpus()`, with `sample()` at the end."""
     return JobSpec(
-        model=GPT(cfg),
-        train_data=ByteCorpus(corpus(), cfg.seq_len),
+        model=GPT(MODEL),
+        train_data=ByteCorpus(corpus(), MODEL.seq_len),
         loss_fn=lm_loss,
         unit_modules=(Block,),
-        tokens_per_sample=cfg.seq_len,
+        tokens_per_sample=MODEL.seq_len,
+        sample=sample,
     )

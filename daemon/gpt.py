@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "Block", "GPTConfig", "lm_loss"]
+__all__ = ["GPT", "Block", "GPTConfig", "generate", "lm_loss"]
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -129,3 +129,41 @@ class GPT(nn.Module):
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross entropy."""
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+@torch.no_grad()
+def generate(
+    model: GPT, prompt: bytes, num_bytes: int, *, temperature: float = 0.0, seed: int = 0
+) -> bytes:
+    """The `num_bytes` bytes the model writes after `prompt`, one at a time.
+
+    Deterministic: greedy (the most likely byte) at `temperature` 0, else sampled from the
+    softmax of logits / `temperature` with a generator seeded by `seed`. The context is the
+    last `seq_len` bytes. The model is put in eval mode for the call and its mode restored.
+
+    Raises:
+        ValueError: empty prompt, negative `num_bytes` or `temperature`.
+    """
+    if not prompt:
+        raise ValueError("generate() needs a non-empty prompt")
+    if num_bytes < 0 or temperature < 0:
+        raise ValueError(
+            f"generate(num_bytes={num_bytes}, temperature={temperature}): use 0 or more"
+        )
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    tokens = list(prompt)
+    try:
+        for _ in range(num_bytes):
+            context = torch.tensor([tokens[-model.cfg.seq_len :]])
+            logits = model(context)[0, -1]
+            if temperature == 0:
+                token = int(logits.argmax())
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=generator))
+            tokens.append(token)
+    finally:
+        model.train(was_training)
+    return bytes(tokens[len(prompt) :])

@@ -1,8 +1,9 @@
 """The rank process: what the elastic agent (or a plain `torchrun`) starts on each local rank.
 
 Under `trainingd run` the daemon's in-process elastic agent calls `elastic_entry(cfg, run_dir,
-daemon_pid, restart_offset)` in a spawned process (one agent per membership round,
-`daemon/_elastic.py`). Under plain torchrun, run the module with the same config
+daemon_pid, restart_offset, relayed)` in a spawned process (one agent per membership round,
+`daemon/_elastic.py`; `relayed`: the daemon prints this rank's output on its terminal, see
+`daemon/_relay.py`). Under plain torchrun, run the module with the same config
 flags as `trainingd run` (a run directory enables the snapshot/control files):
 
     torchrun --nproc-per-node 2 -m daemon.worker --max-steps 100 --ckpt-uri /tmp/ck
@@ -30,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from daemon._config_load import add_config_flags, load_config
 from daemon._control import RankControl
 from daemon._lifecycle import ParentWatch, become_group_leader
-from daemon._logging import bind_process_context, configure_logging
+from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._telemetry import NullTelemetry, RankTelemetry, snapshot_path
 from daemon.config import DaemonConfig
 from daemon.errors import ConfigError
@@ -52,6 +53,7 @@ def run_rank(
     *,
     supervised: bool,
     restart_offset: int = 0,
+    relayed: bool = False,
 ) -> dict[str, Any]:
     """Run one rank to the end of training; returns a small summary.
 
@@ -62,6 +64,8 @@ def run_rank(
         supervised: started by `trainingd run` (stop requests arrive as files).
         restart_offset: group restarts of the daemon's earlier membership rounds; added to the
             agent's `TORCHELASTIC_RESTART_COUNT`, which starts at 0 in every round.
+        relayed: stdout/stderr are files the daemon prints on its terminal: log in colour for
+            that terminal although stderr is a file.
     """
     import torch
     import torch.distributed as dist
@@ -74,7 +78,11 @@ def run_rank(
     rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     restart = restart_offset + _env_int("TORCHELASTIC_RESTART_COUNT", 0)
-    configure_logging(cfg.observability.log_format, level=cfg.observability.log_level.upper())
+    configure_logging(
+        LogFormat.CONSOLE if relayed else cfg.observability.log_format,
+        level=cfg.observability.log_level.upper(),
+        colors=True if relayed else None,
+    )
     bind_process_context(
         rank=rank,
         local_rank=local_rank,
@@ -130,6 +138,7 @@ def run_rank(
             "tokens": result.num_tokens,
             "restart": restart,
             "world_size": world_size,
+            "sample": result.sample,
         }
     finally:
         telemetry.heartbeat("exited")
@@ -140,10 +149,21 @@ def run_rank(
 
 @record
 def elastic_entry(
-    cfg: DaemonConfig, run_dir: str, daemon_pid: int, restart_offset: int = 0
+    cfg: DaemonConfig,
+    run_dir: str,
+    daemon_pid: int,
+    restart_offset: int = 0,
+    relayed: bool = False,
 ) -> dict[str, Any]:
     """Entry point the daemon's elastic agent runs in every rank process."""
-    return run_rank(cfg, Path(run_dir), daemon_pid, supervised=True, restart_offset=restart_offset)
+    return run_rank(
+        cfg,
+        Path(run_dir),
+        daemon_pid,
+        supervised=True,
+        restart_offset=restart_offset,
+        relayed=relayed,
+    )
 
 
 @record

@@ -2,8 +2,8 @@
 
 [Note: missing system tools] Tests marked `prometheus` need the `promtool` and `prometheus`
 binaries (Debian's `prometheus` package), tests marked `browser` need `chromium` (Debian's
-`chromium` package), tests marked `systemd` need `systemd-analyze` (Debian's `systemd`);
-`make test` installs them as root with apt-get. Where
+`chromium` package), tests marked `systemd` need `systemd-analyze` (Debian's `systemd`), tests
+marked `tmux` need `tmux` (Debian's `tmux`); `make test` installs them as root with apt-get. Where
 they are missing those tests skip with one reason, printed in the header and the `-ra` summary.
 In strict mode (`STRICT_SYSTEM_TOOLS=1`, or `CI=true`; `.ci/run` sets the former) the same
 tests fail instead, so CI never loses that coverage silently. This hook is the only place that
@@ -29,9 +29,15 @@ SYSTEM_TOOLS = {
     "prometheus": ("promtool", "prometheus"),
     "browser": ("chromium",),
     "systemd": ("systemd-analyze",),
+    "tmux": ("tmux",),
 }
 """Marker -> binaries its tests need on PATH."""
-SYSTEM_PACKAGES = {"prometheus": "prometheus", "browser": "chromium", "systemd": "systemd"}
+SYSTEM_PACKAGES = {
+    "prometheus": "prometheus",
+    "browser": "chromium",
+    "systemd": "systemd",
+    "tmux": "tmux",
+}
 """Marker -> the Debian package that provides its binaries."""
 
 

@@ -70,6 +70,9 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
         ({"job": "nocolon"}, {}, "", r"job='nocolon': use module:callable"),
         ({"max_inflight_reductions": "0"}, {}, "", r"max_inflight_reductions=0: use 1 or more"),
         ({}, {}, "[train\n", r"not valid TOML"),
+        ({"log_every_s": "0"}, {}, "", r"log_every_s=0.0: use a positive number \(from --log-e"),
+        ({}, {"TRAININGD_LOG_EVERY_S": "-5"}, "", r"log_every_s=-5.0: use a positive.*LOG_EVERY_S"),
+        ({"log_every_s": "often"}, {}, "", r"'often' \(from --log-every-s\) is invalid: use a num"),
     ],
 )  # fmt: skip
 def test_bad_keys_and_values_name_the_key_and_the_fix(
@@ -79,6 +82,15 @@ def test_bad_keys_and_values_name_the_key_and_the_fix(
     with pytest.raises(ConfigError, match=match) as info:
         load_config(flags, env=env, file=path)
     assert "\n" not in str(info.value)
+
+
+def test_log_every_s_defaults_to_10_and_comes_from_file_env_or_flag(tmp_path: Path) -> None:
+    assert load_config({}, env={}).observability.log_every_s == 10.0
+    path = _write(tmp_path, "[observability]\nlog_every_s = 30\n")
+    assert load_config({}, env={}, file=path).observability.log_every_s == 30.0
+    env = {"TRAININGD_LOG_EVERY_S": "2.5"}
+    assert load_config({}, env=env, file=path).observability.log_every_s == 2.5
+    assert load_config({"log_every_s": "1"}, env=env).observability.log_every_s == 1.0
 
 
 def test_dump_toml_round_trips(tmp_path: Path) -> None:

@@ -1,20 +1,32 @@
 """How `trainingd run` ends, as an operator reads it: the last lines on stdout and the exit code.
 
 A finished run prints "finished at step N of M" and a summary (steps, final loss, wall time,
-tokens/s, where the checkpoints are, how to list them); a run stopped by SIGTERM prints
-"stopped at step N (checkpoint committed)"; a second run on a root that already holds
+tokens/s, where the checkpoints are, how to list them), then the default job's sample: text the
+trained model writes from a fixed prompt (its weights gathered under ZeRO-3); a run stopped by
+SIGTERM prints "stopped at step N (checkpoint committed)"; a second run on a root that already holds
 `max_steps` says so in one line, starts no rank and exits 0.
 """
 
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.daemon._daemon_proc import GATED_JOB, DaemonProc, Gate, committed_steps, wait_for
+from daemon.default_job import MODEL, sample
+from daemon.gpt import GPT
+from tests.daemon._daemon_proc import (
+    CKPTCTL,
+    GATED_JOB,
+    DaemonProc,
+    Gate,
+    committed_steps,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -42,6 +54,7 @@ def test_finished_run_summarises_and_a_second_run_is_already_complete(
     assert f"checkpoints in {root}; list them with `" in out
     assert f"ckptctl list {root}`" in out
     assert "/metrics" not in out  # the metrics server is gone by then
+    assert "trainingd: sample of the trained model:\n    The daemon " in out
 
     started = time.monotonic()
     second = DaemonProc(tmp_path, args, name="second")
@@ -74,4 +87,43 @@ def test_sigterm_says_stopped_at_step_with_its_checkpoint_committed(
     out = _stdout(d)
     assert "stopped at step 2 (checkpoint committed) on SIGTERM: " in out, out
     assert "finished" not in out
+    assert "sample" not in out  # only a run that reached max_steps shows one
     assert committed_steps(root) == [2]
+
+
+def _printed_sample(out: str) -> list[str]:
+    lines = out.splitlines()
+    start = lines.index("trainingd: sample of the trained model:") + 1
+    assert all(line.startswith("    ") for line in lines[start:]), out
+    return [line.removeprefix("    ") for line in lines[start:]]
+
+
+def test_the_sample_is_written_by_the_trained_weights_gathered_from_zero3_shards(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    root = tmp_path / "ckpt"
+    args = ["--nproc-per-node", "2", "--batch-size", str(_BATCH_SIZE), "--warmup-steps", "1"]
+    args += ["--strategy", "optim_grads_params", "--max-steps", "3", "--ckpt-uri", str(root)]
+    d = DaemonProc(tmp_path, args)
+    procs.append(d)
+    assert d.wait(180) == 0, d.logs()
+    printed = _printed_sample(_stdout(d))
+    assert d.find("sample_generated")[0]["rank"] == 0
+    # The weights of the committed final step, consolidated by ckptctl, write the same text.
+    exported = tmp_path / "model.pt"
+    subprocess.run(
+        [str(CKPTCTL), "restore", str(root), "3", "--only", "model", "--to", str(exported)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a rank: 200 tiny forwards crawl with threads fighting
+    try:
+        trained = sample(torch.load(exported, weights_only=True))
+        torch.manual_seed(0)  # the ranks build the model right after seeding with the seed, 0
+        untrained = sample(GPT(MODEL).state_dict())
+    finally:
+        torch.set_num_threads(threads)
+    assert printed == trained.splitlines()
+    assert printed != untrained.splitlines()  # written by the trained weights

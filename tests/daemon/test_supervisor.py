@@ -1,9 +1,8 @@
-"""The supervisor loop: readiness, sd_notify decisions, progress line, orphan reaping."""
+"""The supervisor loop: readiness, sd_notify decisions, progress, orphan reaping."""
 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import signal
 import socket
@@ -15,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from daemon._collector import SnapshotAggregator
+from daemon._collector import RankView, SnapshotAggregator
 from daemon._lifecycle import group_in_my_session, kill_group, pid_alive
 from daemon._notify import Notifier
-from daemon._state import NodePhase, NodeState
+from daemon._progress import format_progress, read_progress
+from daemon._state import NodePhase, NodeState, NodeStatus
+from daemon._status import StatusBoard
 from daemon._supervisor import Supervisor
 from daemon._telemetry import RankTelemetry, snapshot_path
 
@@ -47,14 +48,21 @@ def test_ready_once_watchdog_only_while_ranks_beat_and_progress_line(
 ) -> None:
     sock, path = systemd
     state = NodeState(local_ranks=1)
-    progress = io.StringIO()
+    board = StatusBoard(max_steps=10, ckpt_uri=str(tmp_path), list_checkpoints=list)
+    lines: list[str] = []
+
+    class Lines:
+        def observe(self, views: list[RankView], status: NodeStatus, now: float) -> None:
+            lines.append(format_progress(read_progress(views, status, board)))
+
     sup = Supervisor(
         state,
         SnapshotAggregator(tmp_path, 1),
         Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "2000000"}),
         heartbeat_timeout_s=30,
         shutdown_timeout_s=60,
-        progress=progress,
+        progress=Lines(),
+        board=board,
     )
     sup.tick(now=0.0)  # no rank yet: rendezvous, still healthy
     assert state.status().phase is NodePhase.RENDEZVOUS
@@ -71,8 +79,7 @@ def test_ready_once_watchdog_only_while_ranks_beat_and_progress_line(
     assert first.count("READY=1") == 1
     assert "WATCHDOG=1" in first
     assert "STATUS=training: step 7, loss 2.5000" in first
-    assert "step 7" in progress.getvalue()
-    assert "loss 2.5000" in progress.getvalue()
+    assert "step 7/10 | loss 2.5000 |" in lines[-1]
     # The rank's loop stops beating: no more watchdog pings.
     tel.set("trainingd_rank_heartbeat_timestamp_seconds", time.time() - 3600)
     tel.publish(force=True)
