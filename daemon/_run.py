@@ -217,13 +217,19 @@ class _Signals:
         log.info("checkpoint_requested", signal="SIGUSR1", request=request_id)
 
 
-def run_daemon(cfg: DaemonConfig) -> int:
-    """Run this node's part of the job; returns the process exit code."""
+def run_daemon(cfg: DaemonConfig, *, started: float | None = None) -> int:
+    """Run this node's part of the job; returns the process exit code.
+
+    Args:
+        cfg: the effective configuration.
+        started: `time.monotonic()` when the command started (the summary's wall time counts
+            from there: importing torch alone takes seconds); None: from this call.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from daemon._elastic import ElasticLauncher
 
-    started = time.monotonic()
+    started = time.monotonic() if started is None else started
     obs = cfg.observability
     chosen = configure_logging(obs.log_format, level=obs.log_level.upper())
     bind_process_context(node=cfg.launch.node_rank, run_id=cfg.run_id, role="daemon")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -104,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `trainingd` console script; returns the exit code."""
+    started = time.monotonic()
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
@@ -123,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from daemon._run import run_daemon
 
-    return run_daemon(cfg)
+    return run_daemon(cfg, started=started)
 
 
 if __name__ == "__main__":

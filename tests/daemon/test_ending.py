@@ -104,9 +104,16 @@ def test_the_sample_is_written_by_the_trained_weights_gathered_from_zero3_shards
     root = tmp_path / "ckpt"
     args = ["--nproc-per-node", "2", "--batch-size", str(_BATCH_SIZE), "--warmup-steps", "1"]
     args += ["--strategy", "optim_grads_params", "--max-steps", "3", "--ckpt-uri", str(root)]
-    d = DaemonProc(tmp_path, args)
+    d = DaemonProc(tmp_path, [*args, "--log-every-s", "1"])
     procs.append(d)
     assert d.wait(180) == 0, d.logs()
+    # Off a terminal (JSON logs): progress events, with the status line's fields.
+    progress = d.find("progress")
+    assert len(progress) >= 2, d.logs()
+    assert progress[-1]["max_steps"] == 3
+    keys = {"step", "loss", "tokens_per_s", "eta_s", "last_committed_step", "restarts", "phase"}
+    assert keys <= set(progress[-1]), progress[-1]
+    assert any(e["step"] for e in progress), progress
     printed = _printed_sample(_stdout(d))
     assert d.find("sample_generated")[0]["rank"] == 0
     # The weights of the committed final step, consolidated by ckptctl, write the same text.
