@@ -161,6 +161,9 @@ class LiveProgress:
     def start(self) -> LiveProgress:
         """Draw the line; returns self."""
         self._live.start()
+        # Live hides the cursor until stop(); an abrupt exit (a second SIGINT exits at once,
+        # SIGKILL) would leave the user's shell without one. Shown, it blinks after the line.
+        self._console.show_cursor(True)
         return self
 
     def log_stream(self) -> TextIO:

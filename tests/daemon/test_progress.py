@@ -8,6 +8,7 @@ records included: they are separate processes, relayed through the daemon).
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shlex
@@ -19,7 +20,7 @@ import pytest
 import structlog
 
 from daemon._collector import SnapshotAggregator
-from daemon._progress import Progress, ProgressEvents, format_progress
+from daemon._progress import LiveProgress, Progress, ProgressEvents, format_progress
 from daemon._state import NodeState
 from daemon._status import StatusBoard
 from daemon._telemetry import RankTelemetry, snapshot_path
@@ -96,6 +97,30 @@ def test_progress_events_every_log_every_s_with_the_status_fields(tmp_path: Path
     assert last["last_committed_step"] == 20
     assert last["restarts"] == 0
     assert last["phase"] == "starting"
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_live_line_prints_lines_above_itself_and_leaves_a_cursor(tmp_path: Path) -> None:
+    term = _Terminal()
+    board = StatusBoard(max_steps=5, ckpt_uri=str(tmp_path), list_checkpoints=list)
+    live = LiveProgress(board, file=term).start()
+    live.print_line("rank line \x1b[31mred\x1b[0m")
+    live.log_stream().write("daemon record\n")
+    live.close()
+    live.close()  # idempotent
+    out = term.getvalue()
+    status = "[trainingd] starting | step -/5"
+    # Each printed line ends with a newline and the status line is drawn again after it.
+    assert "rank line \x1b[31mred\x1b[0m\n" + status in out
+    assert "daemon record\n" + status in out
+    # The cursor is shown again right after Live hides it (an abrupt exit keeps a cursor) ...
+    assert out.index("\x1b[?25h") == out.index("\x1b[?25l") + len("\x1b[?25l")
+    # ... and the line is erased at the end: the run's ending is printed where it stood.
+    assert out.endswith("\x1b[1A\x1b[2K")
 
 
 def _tmux(socket: str, *args: str) -> str:
