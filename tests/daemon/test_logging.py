@@ -67,6 +67,18 @@ def test_console_when_asked() -> None:
         json.loads(text)
 
 
+def test_console_colours_follow_the_stream_unless_forced() -> None:
+    plain = io.StringIO()
+    configure_logging("console", stream=plain)
+    structlog.get_logger().info("hello")
+    assert "\x1b[" not in plain.getvalue()  # a file: no colour codes
+    # A rank whose output the daemon relays to its terminal writes to a file, in colour.
+    relayed = io.StringIO()
+    configure_logging("console", stream=relayed, colors=True)
+    structlog.get_logger().info("hello")
+    assert "\x1b[" in relayed.getvalue()
+
+
 def test_level_filters_and_bad_values_are_rejected() -> None:
     out = io.StringIO()
     configure_logging("json", level="WARNING", stream=out)
