@@ -17,10 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+import structlog
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.api import LogsDest
 
 __all__ = ["RankOutputRelay", "RelayLogsSpecs"]
+
+log = structlog.get_logger("trainingd.relay")
 
 _POLL_S = 0.1
 _READ_BYTES = 1 << 16
@@ -65,7 +68,8 @@ class RankOutputRelay:
     """Follows the ranks' output files and hands every line to `emit`, in order per file.
 
     One thread owns the files; `close()` stops it and prints what is left (every wait has a
-    timeout). A failing `emit` does not stop the relay: the line is lost, the next is tried.
+    timeout). A failing `emit` does not stop the relay: the line is lost (counted in
+    `num_lost_lines`, logged by `close()`), the next is tried.
 
     Args:
         emit: called with each line (no newline), from the relay's thread.
@@ -79,6 +83,9 @@ class RankOutputRelay:
         self._files: list[_Followed] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trainingd-relay", daemon=True)
+        self.num_lost_lines = 0
+        """Lines `emit` failed to print."""
+        self._reported_lost = 0
 
     def start(self) -> RankOutputRelay:
         """Start following; returns self."""
@@ -102,6 +109,9 @@ class RankOutputRelay:
             rest = f.close()
             if rest:
                 self._print(rest)
+        if self.num_lost_lines > self._reported_lost:
+            self._reported_lost = self.num_lost_lines
+            log.warning("rank_output_lines_lost", num_lines=self.num_lost_lines)
 
     def _run(self) -> None:
         while not self._stop.wait(self._poll_s):
@@ -122,7 +132,7 @@ class RankOutputRelay:
         try:
             self._emit(line.decode(errors="replace").rstrip("\r"))
         except Exception:  # a terminal hiccup must not end the relay, nor the run
-            return
+            self.num_lost_lines += 1
 
 
 class RelayLogsSpecs(DefaultLogsSpecs):

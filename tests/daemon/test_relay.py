@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import structlog
+
 from daemon._relay import RankOutputRelay, RelayLogsSpecs
 from tests.daemon._daemon_proc import wait_for
 
@@ -57,8 +59,11 @@ def test_a_failing_printer_loses_one_line_not_the_relay(tmp_path: Path) -> None:
     path.write_bytes(b"good\nbad\nafter\n")
     relay = RankOutputRelay(emit, poll_s=0.02)
     relay.follow([str(path)])
-    relay.close()  # never started: close() still reads what is there
+    with structlog.testing.capture_logs() as logs:
+        relay.close()  # never started: close() still reads what is there
     assert seen == ["good", "after"]
+    assert relay.num_lost_lines == 1
+    assert [e["num_lines"] for e in logs if e["event"] == "rank_output_lines_lost"] == [1]
 
 
 def test_logs_specs_redirect_every_rank_and_hand_each_attempt_to_the_relay(
