@@ -33,7 +33,7 @@ import functools
 import math
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
@@ -46,7 +46,10 @@ from daemon.config import DaemonConfig
 from daemon.data import ShardedLoader
 from daemon.job import JobSpec
 
-__all__ = ["LoopResult", "run_training"]
+if TYPE_CHECKING:
+    from sharding import DistributedOptimizer, FullyShardedDataParallel
+
+__all__ = ["LoopResult", "make_optimizer", "run_training"]
 
 log = structlog.get_logger("trainingd.loop")
 
@@ -118,6 +121,21 @@ def _checkpoint_exists(manager: Any) -> bool:
     return bool(flag[0])
 
 
+def make_optimizer(
+    model: FullyShardedDataParallel, *, lr: float, weight_decay: float
+) -> DistributedOptimizer:
+    """AdamW over the wrapped model in two groups (`sharding.no_decay_groups`).
+
+    Matrices decay by `weight_decay`; biases, norm weights and embeddings (a tied LM head
+    included) do not, as GPT-2/nanoGPT train. Both groups are saved with the optimizer
+    state, so a resume restores them exactly.
+    """
+    from sharding import no_decay_groups
+
+    groups = no_decay_groups(model, weight_decay)
+    return model.make_optimizer(torch.optim.AdamW, groups, lr=lr, weight_decay=weight_decay)
+
+
 def _materialize_optimizer_state(model: Any, optimizer: Any, job: JobSpec) -> None:
     """Give the optimizer its state tensors so a restore template has places for them.
 
@@ -171,7 +189,7 @@ def run_training(
         ),
         observer=telemetry,
     )
-    optimizer = model.make_optimizer(torch.optim.AdamW, lr=tc.lr, weight_decay=tc.weight_decay)
+    optimizer = make_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, _lr_lambda(cfg))
     loader = ShardedLoader(
         job.train_data, batch_size=tc.batch_size, rank=rank, world_size=world, seed=tc.seed
