@@ -118,6 +118,8 @@ class UnshardPipeline:
                 pending.wait()
             unit.pending = []
             unit.state = GatherState.UNSHARDED
+            for bucket in unit.buckets:
+                bucket.gate.open = True
             self._stats.allgather_waited()
 
     def prefetch_from(self, position: int, phase: Phase, *, used_bytes: int) -> None:

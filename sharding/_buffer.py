@@ -10,12 +10,11 @@ the memory is released.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from sharding._comm import Communicator, PendingCollective
 from sharding._config import Strategy
 from sharding._layout import BucketLayout
-from sharding._param import ManagedParameter, engine_access
+from sharding._param import Gate, ManagedParameter, engine_access
 
 __all__ = ["FlatBucket"]
 
@@ -30,6 +29,8 @@ class FlatBucket:
         comm: Communicator,
         compute_dtype: torch.dtype,
         sources: list[torch.Tensor],
+        *,
+        unit_name: str = "",
     ) -> None:
         """Copy `sources` (one tensor per slot) in, take rank 0's values, then shard.
 
@@ -39,6 +40,7 @@ class FlatBucket:
             comm: the data-parallel communicator (rank 0's values are broadcast).
             compute_dtype: dtype of the model weights used by forward and backward.
             sources: current values of the parameters, in slot order.
+            unit_name: the owning unit's name (error messages).
         """
         self.layout = layout
         self.strategy = strategy
@@ -68,13 +70,17 @@ class FlatBucket:
             self.param_shard = (
                 self.main_weight if same else self.full_param[self.start : self.end].clone()
             )
-        self.params: list[nn.Parameter] = [
+        self.params: list[ManagedParameter] = [
             ManagedParameter(
                 self.full_param[s.offset : s.offset + s.numel].view(s.shape),
                 requires_grad=layout.requires_grad,
             )
             for s in layout.slots
         ]
+        self.gate = Gate(unit_name)
+        """Open while the parameters may be used (see `sharding/_param.py`)."""
+        for param, slot in zip(self.params, layout.slots, strict=True):
+            param.attach(self.gate, slot.names[0])
         self.trains = layout.requires_grad
         """Whether the bucket has gradients and an optimizer (its parameters require grad)."""
         # Sharded gradients exist only between the first reduction and `zero_grad` (like
@@ -132,6 +138,7 @@ class FlatBucket:
 
     def free_full(self) -> None:
         """Release the unsharded weights (parameters keep their shapes, lose their storage)."""
+        self.gate.open = False
         self.full_param.untyped_storage().resize_(0)
 
     def gather_params(self) -> PendingCollective:

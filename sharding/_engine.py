@@ -6,8 +6,9 @@ IDLE --forward--> FORWARD --first grad at the output--> BACKWARD --end of graph-
 * root pre-forward: start recording the unit order; ZeRO-3 gathers the root unit and issues
   the first unit ahead.
 * unit pre-forward: IDLE means the inner module was called directly (error); BACKWARD means
-  an activation-checkpoint recompute (reuse the gathered weights, nothing else); FORWARD:
-  count the call, unshard with forward prefetch, wrap the inputs for post-backward.
+  an activation-checkpoint recompute: unshard with backward prefetch, and for a reentrant
+  recompute wrap the inputs for post-backward (see the note below); FORWARD: count the call,
+  unshard with forward prefetch, wrap the inputs for post-backward (grad mode only).
 * unit post-forward: ZeRO-3 releases the weights; register the unit's pre-backward hook.
 * root pre-backward (once per backward): queue the end-of-graph callback; ZeRO-3 issues the
   last forward unit ahead.
@@ -16,6 +17,20 @@ IDLE --forward--> FORWARD --first grad at the output--> BACKWARD --end of graph-
   gradients to the reduce pipeline and (ZeRO-3) release its weights.
 * end of graph: finish units that never reported (unused, no differentiable input), then the
   root unit, drain the reduce queue, release everything, back to IDLE.
+
+[Note: reentrant checkpointing] `checkpoint(unit, x, use_reentrant=True)` runs the unit's
+forward under `no_grad` (no inputs to wrap, no output hook) and, in backward, runs it again
+with grad enabled and immediately backpropagates through that recompute in a nested
+backward. The recompute's pre-forward is therefore the unit's first signal in backward (it
+unshards with backward prefetch), and wrapping the recompute's inputs in the post-backward
+function is its last: that function's backward runs once the nested backward has produced
+every gradient of the unit, so the unit is reduced and released there, as without
+checkpointing (peak gathered memory: the root unit plus the units in flight). Only a unit
+with a grad-less forward call still waiting for its recompute is wrapped (`_nograd_calls`):
+a non-reentrant recompute is never backpropagated (its unit reports through the inputs
+wrapped in forward), and a unit whose post-backward never runs is finished at the end of
+the graph. Every forward call counts in `_fwd_calls`, so a unit is finished early only
+once all its calls (grad-less ones through their recompute) have reported.
 """
 
 from __future__ import annotations
@@ -71,6 +86,7 @@ class Engine:
         num = len(unit_buckets)
         self._fwd_calls = [0] * num
         self._bwd_calls = [0] * num
+        self._nograd_calls = [0] * num
         self._done = [False] * num
         self._backward_expected = False
         self.reduce = ReducePipeline(comm, stats, max_inflight=config.max_inflight_reductions)
@@ -121,8 +137,12 @@ class Engine:
             self._backward_expected = True
         if self.state is TrainingState.FORWARD:
             self.state = TrainingState.IDLE
-            if self.gather is not None and not self._backward_expected:
-                self.gather.reshard_all()
+            if not self._backward_expected:
+                # No backward will come (evaluation): this forward's calls must not count
+                # against the next training step's units.
+                self._reset_counts()
+                if self.gather is not None:
+                    self.gather.reshard_all()
 
     def unit_pre_forward(
         self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -132,13 +152,18 @@ class Engine:
         if self.state is TrainingState.BACKWARD:
             if self.gather is not None:
                 self.gather.unshard(index, Phase.BACKWARD)
-            return None
-        self._fwd_calls[index] += 1
-        if self.gather is not None:
-            self.gather.note_forward(index)
-            self.gather.unshard(index, Phase.FORWARD)
-        if not torch.is_grad_enabled():
-            return None
+            if not (torch.is_grad_enabled() and self._nograd_calls[index] > 0):
+                return None
+            # A reentrant checkpoint's recompute: [Note: reentrant checkpointing].
+            self._nograd_calls[index] -= 1
+        else:
+            self._fwd_calls[index] += 1
+            if self.gather is not None:
+                self.gather.note_forward(index)
+                self.gather.unshard(index, Phase.FORWARD)
+            if not torch.is_grad_enabled():
+                self._nograd_calls[index] += 1
+                return None
         new_args, new_kwargs, _ = wrap_inputs(args, kwargs, lambda: self.unit_post_backward(index))
         return new_args, new_kwargs
 
@@ -193,12 +218,16 @@ class Engine:
         self.reduce.drain()
         if self.gather is not None:
             self.gather.reshard_all()
+        self._reset_counts()
+        self.state = TrainingState.IDLE
+
+    def _reset_counts(self) -> None:
         num = len(self.unit_buckets)
         self._fwd_calls = [0] * num
         self._bwd_calls = [0] * num
+        self._nograd_calls = [0] * num
         self._done = [False] * num
         self._backward_expected = False
-        self.state = TrainingState.IDLE
 
     # ---- outside the passes ----
 

@@ -8,9 +8,18 @@ takes them at the end of each unit's backward into its own buffers. So that plai
 cannot read freed memory or silently no-op, every torch call on a managed parameter is
 checked (`__torch_function__`): metadata (shape, dtype, device, ...) always works; reading
 or writing values raises `ParameterNotGatheredError` when the storage is released; touching
-`.grad` always raises `GradientsInEngineError`. The wrapper turns the checks off for the
-duration of its own forward (one context per forward, so no per-op cost where the engine is
-in charge); autograd's backward runs in C++ and never sees them.
+`.grad` always raises `GradientsInEngineError`. Autograd's backward runs in C++ and never
+sees the checks.
+
+[Note: parameters inside forward] Under `OPTIM_GRADS_PARAMS` the checks stay on inside the
+wrapper's forward: a unit's weights are usable only from the moment its own gather has been
+waited on until it is released (`Gate`), so forward code that reads the parameter of
+another unit (released, or prefetched and still being gathered) raises
+`ParameterNotGatheredError` instead of reading freed or half-written memory (and instead of
+saving for backward a weight that will be freed before backward needs it). The cost is one
+Python call per torch op that takes a parameter (BENCHMARKS.md has the figure). Under the
+other strategies every weight is always whole, so the wrapper turns the checks off for its
+forward (`engine_access`, one context per forward: no per-op cost).
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from torch import nn
 
 from sharding.errors import GradientsInEngineError, ParameterNotGatheredError
 
-__all__ = ["ManagedParameter", "engine_access"]
+__all__ = ["Gate", "ManagedParameter", "engine_access"]
 
 engine_access = torch._C.DisableTorchFunctionSubclass
 """Context in which the engine itself touches managed parameters (no checks)."""
@@ -83,6 +92,24 @@ def _tensors(values: Iterable[Any]) -> Iterable[Any]:
             yield value
 
 
+class Gate:
+    """Whether the parameters of one bucket may be used now (one object per bucket).
+
+    Always open except under `OPTIM_GRADS_PARAMS`, where it is open exactly while the
+    bucket's unit is gathered and waited on (see the note above).
+    """
+
+    __slots__ = ("open", "unit")
+
+    def __init__(self, unit: str) -> None:
+        """A gate, open, for the parameters of `unit` (a name for error messages)."""
+        self.open = True
+        self.unit = unit
+
+
+_ALWAYS_OPEN = Gate("")
+
+
 class ManagedParameter(nn.Parameter):
     """An `nn.Parameter` whose memory the engine manages (see the note above).
 
@@ -90,6 +117,9 @@ class ManagedParameter(nn.Parameter):
     `summon_full_params()` to read or edit whole weights; gradients are reached through the
     engine's optimizer (`optimizer.clip_grad_norm_`, `model.make_optimizer`).
     """
+
+    _gate: Gate = _ALWAYS_OPEN
+    _name: str = ""
 
     @classmethod
     def __torch_function__(
@@ -109,18 +139,24 @@ class ManagedParameter(nn.Parameter):
                     "optimizer.clip_grad_norm_(max_norm) and build the optimizer with "
                     "model.make_optimizer(torch.optim.AdamW, ...), not on model.parameters()"
                 )
-            with engine_access():
-                for value in _tensors((*args, *kwargs.values())):
-                    if (
-                        isinstance(value, ManagedParameter)
-                        and value.numel() > 0
-                        and value.untyped_storage().nbytes() == 0
-                    ):
-                        raise ParameterNotGatheredError(
-                            f"a parameter of shape {tuple(value.shape)} is sharded "
-                            f"(OPTIM_GRADS_PARAMS releases whole weights outside forward) and "
-                            f"cannot be used by {getattr(func, '__name__', func)}: wrap the code "
-                            f"in `with model.summon_full_params():` (writeback=True to keep "
-                            f"edits), or use model.sharded_state_dict() / full_state_dict()"
-                        )
+            for value in _tensors((*args, *kwargs.values())):
+                if isinstance(value, ManagedParameter) and not value._gate.open:
+                    raise ParameterNotGatheredError(
+                        f"parameter {value._name!r} of FSDP unit {value._gate.unit!r} "
+                        f"is sharded at this point (OPTIM_GRADS_PARAMS holds a unit's whole "
+                        f"weights only while that unit runs) and cannot be used by "
+                        f"{getattr(func, '__name__', func)}: outside forward wrap the code in "
+                        f"`with model.summon_full_params():` (writeback=True to keep edits) or "
+                        f"use model.sharded_state_dict() / full_state_dict(); inside forward "
+                        f"use a unit's parameters only within that unit's own forward (or "
+                        f"make the modules that share them one unit, ShardingConfig.unit_modules)"
+                    )
         return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+
+    def attach(self, gate: Gate, name: str) -> None:
+        """Bind the parameter to its bucket's `gate`; `name` is used in error messages."""
+        with engine_access():
+            empty = self.numel() == 0
+        # An empty parameter has no memory to miss: it is always usable.
+        self._gate = _ALWAYS_OPEN if empty else gate
+        self._name = name

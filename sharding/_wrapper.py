@@ -125,6 +125,7 @@ class FullyShardedDataParallel(nn.Module):
                 self._comm,
                 self.config.param_dtype,
                 [current[slot.names[0]].detach() for slot in layout.slots],
+                unit_name=units[layout.unit].name or "(root)",
             )
             for layout in layouts
         ]
@@ -185,8 +186,10 @@ class FullyShardedDataParallel(nn.Module):
         if self._summoned:
             raise ShardingError("forward inside summon_full_params(); leave the context first")
         self._engine.root_pre_forward()
-        # Managed parameters' checks are off while the engine is in charge (no per-op cost).
-        with engine_access():
+        # [Note: parameters inside forward] in `_param.py`: ZeRO-3 keeps the checks on (a
+        # unit's weights exist only while it runs); elsewhere every weight is whole.
+        checks = contextlib.nullcontext() if self.config.strategy.shards_params else engine_access()
+        with checks:
             output = self.module(*args, **kwargs)
         self._engine.root_post_forward(output)
         return output

@@ -93,6 +93,29 @@ def _summoned_writeback(model: Any, rank: int, truth: dict[str, torch.Tensor]) -
     return after, want
 
 
+def _forward_reads(model: Any, rank: int, reader: int, owner: int) -> Any:
+    """Forward in which unit `reader` adds a weight of unit `owner` (a different unit)."""
+    blocks = model.module.blocks
+    other = blocks[owner].ln1.weight
+
+    def add_other(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
+        return output + other
+
+    blocks[reader].ln1.register_forward_hook(add_other)
+    _forward_backward(model, rank)
+    return None, "a ParameterNotGatheredError"
+
+
+def _reads_released_unit(model: Any, rank: int, truth: dict[str, torch.Tensor]) -> Any:
+    # Block 0 ran and was released before block 1 runs.
+    return _forward_reads(model, rank, reader=1, owner=0)
+
+
+def _reads_prefetched_unit(model: Any, rank: int, truth: dict[str, torch.Tensor]) -> Any:
+    # Block 1 is prefetched (its gather issued, not waited on) while block 0 runs.
+    return _forward_reads(model, rank, reader=0, owner=1)
+
+
 CASES = {
     "state_dict": _state_dict,
     "parameter_norms": _norms,
@@ -102,6 +125,8 @@ CASES = {
     "torch_optimizer": _torch_optimizer,
     "summoned_state_dict": _summoned_state_dict,
     "summoned_writeback": _summoned_writeback,
+    "forward_reads_released_unit": _reads_released_unit,
+    "forward_reads_prefetched_unit": _reads_prefetched_unit,
 }
 
 

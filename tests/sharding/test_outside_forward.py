@@ -1,5 +1,8 @@
 """Plain torch calls on a wrapped model, outside forward: each works correctly or raises.
 
+Two cases run inside forward: under ZeRO-3 a unit that reads another unit's weight must
+raise, whether that unit was already released or is only being prefetched.
+
 Every case runs in its own spawned process group, so a crash (SIGSEGV on freed ZeRO-3
 storage) is a failed case, not a dead test run.
 """
@@ -25,6 +28,9 @@ API_OF = {
     "torch_optimizer": "make_optimizer",
     "summoned_state_dict": "(must work)",
     "summoned_writeback": "(must work)",
+    # Inside forward: another unit's weight (released, or still being gathered).
+    "forward_reads_released_unit": "within that unit's own forward",
+    "forward_reads_prefetched_unit": "within that unit's own forward",
 }
 
 
