@@ -78,10 +78,6 @@ class UnshardPipeline:
         self._counted = counted
         self.order: list[int] = sorted(counted)
         self._recording: list[int] | None = None
-        self.unsharded_bytes = 0
-        """Bytes of unsharded weights currently allocated (gathering or gathered)."""
-        self.peak_unsharded_bytes = 0
-        """Highest `unsharded_bytes` seen."""
 
     # ---- forward order ----
 
@@ -105,8 +101,7 @@ class UnshardPipeline:
     def _issue(self, unit: UnitGather, *, ahead: bool) -> None:
         unit.pending = [b.gather_params() for b in unit.buckets]
         unit.state = GatherState.GATHERING
-        self.unsharded_bytes += unit.nbytes
-        self.peak_unsharded_bytes = max(self.peak_unsharded_bytes, self.unsharded_bytes)
+        self._stats.gathered(unit.nbytes)
         unit.ahead = ahead
         self._stats.allgather_issued()
 
@@ -175,7 +170,7 @@ class UnshardPipeline:
         self.wait(index)
         for bucket in unit.buckets:
             bucket.free_full()
-        self.unsharded_bytes -= unit.nbytes
+        self._stats.gathered(-unit.nbytes)
         unit.state = GatherState.SHARDED
         unit.ahead = False
 

@@ -82,6 +82,10 @@ class ShardingStatsSnapshot:
     """Unit unshards that had to issue their gather on demand."""
     collectives: dict[str, CollectiveTotals]
     """Totals keyed by `"all_gather"`, `"reduce_scatter"`, `"all_reduce"`."""
+    gathered_bytes: int
+    """Bytes of whole (gathered) unit weights allocated now (`OPTIM_GRADS_PARAMS`)."""
+    gathered_bytes_peak: int
+    """Highest `gathered_bytes` seen: the root unit plus the units in flight."""
 
 
 class ShardingStats:
@@ -100,6 +104,8 @@ class ShardingStats:
         self._step_peak = dict.fromkeys(QUEUES, 0)
         self._last_step_peak = dict.fromkeys(QUEUES, 0)
         self._at_issue: dict[str, dict[int, int]] = {q: {} for q in QUEUES}
+        self._gathered = 0
+        self._gathered_peak = 0
 
     def set_bound(self, queue: str, bound: int) -> None:
         """Record the configured capacity of `queue` (one of `QUEUES`)."""
@@ -145,6 +151,12 @@ class ShardingStats:
         with self._lock:
             self._rs_depth -= 1
 
+    def gathered(self, num_bytes: int) -> None:
+        """Whole unit weights were allocated (`num_bytes` > 0) or released (< 0)."""
+        with self._lock:
+            self._gathered += num_bytes
+            self._gathered_peak = max(self._gathered_peak, self._gathered)
+
     def prefetch(self, *, hit: bool) -> None:
         """Count one unit unshard as a prefetch hit or miss."""
         with self._lock:
@@ -178,4 +190,6 @@ class ShardingStats:
                     op: CollectiveTotals(int(t[0]), int(t[1]), float(t[2]))
                     for op, t in self._totals.items()
                 },
+                gathered_bytes=self._gathered,
+                gathered_bytes_peak=self._gathered_peak,
             )

@@ -57,7 +57,7 @@ def live_tensor_bytes() -> int:
 
 
 def stats_and_memory(rank: int, world: int) -> dict[str, Any]:
-    """Steady-state prefetch counts, queue peaks, observer calls and buffer memory."""
+    """Steady-state prefetch counts, queue peaks, observer calls and resident tensor memory."""
     out: dict[str, Any] = {"prefetch": {}, "reduce_peak": {}, "reduce_step": {}}
     baseline = live_tensor_bytes()
     for prefetch in (True, False):
@@ -81,19 +81,11 @@ def stats_and_memory(rank: int, world: int) -> dict[str, Any]:
             "observer_calls": len(recorder.calls),
         }
         if prefetch:
-            engine = model._engine
-            assert engine.gather is not None
-            units = [g.nbytes for g in engine.gather.units]
-            out["peak_unsharded"] = engine.gather.peak_unsharded_bytes
-            out["unit_bytes"] = units
-            out["released"] = all(
-                b.full_param.untyped_storage().nbytes() == 0 for b in engine.buckets
-            )
             # Measured with gradients present (they are dropped by zero_grad).
             x, y = batch(9, 0, rank, 2)
             lm_loss(model(x), y).backward()
             out["zero3_bytes"] = live_tensor_bytes() - baseline
-            del model, opt, engine
+            del model, opt
     for bound in (1, 2, 3):
         config = ShardingConfig(unit_modules=(Block,), max_inflight_reductions=bound)
         model = _build(config)

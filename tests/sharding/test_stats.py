@@ -1,4 +1,4 @@
-"""Prefetch hits/misses, queue bounds, collective accounting and ZeRO-3 memory (2 ranks)."""
+"""Prefetch hits/misses, queue bounds, collective accounting, ZeRO-3 resident memory (2 ranks)."""
 
 from __future__ import annotations
 
@@ -84,15 +84,13 @@ def test_collectives_are_counted_and_observed(results: list[dict[str, Any]]) -> 
 
 
 @pytest.mark.slow
-def test_zero3_memory_is_a_shard_plus_units_in_flight(results: list[dict[str, Any]]) -> None:
+def test_zero3_memory_between_steps_is_a_shard(results: list[dict[str, Any]]) -> None:
     for rank in results:
         # Measured live tensor memory after backward (weights, grads, both Adam moments):
-        # half of NO_SHARD's at two ranks, give or take buffers and scalars (5%).
+        # half of NO_SHARD's at two ranks, give or take buffers and scalars (5%). The
+        # units in flight during a step are measured in test_memory.py.
         zero3, noshard = rank["zero3_bytes"], rank["noshard_bytes"]
         assert abs(2 * zero3 - noshard) <= 0.05 * noshard, (zero3, noshard)
-        *units, root = rank["unit_bytes"]
-        assert rank["peak_unsharded"] <= root + 2 * max(units)
-        assert rank["released"]
 
 
 def test_step_peak_is_the_last_completed_steps_and_starts_at_the_depth_in_flight() -> None:
