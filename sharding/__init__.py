@@ -49,7 +49,7 @@ Module plan:
 * `errors.py`: the error tree.
 """
 
-from sharding._config import ShardingConfig, Strategy
+from sharding._config import NoSyncMode, ShardingConfig, Strategy
 from sharding._groups import no_decay_groups
 from sharding._optimizer import DistributedOptimizer
 from sharding._state_dict import ShardedTensor
@@ -66,6 +66,7 @@ __all__ = [
     "CollectiveTotals",
     "DistributedOptimizer",
     "FullyShardedDataParallel",
+    "NoSyncMode",
     "ShardedTensor",
     "ShardingConfig",
     "ShardingStats",

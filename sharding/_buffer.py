@@ -103,6 +103,9 @@ class FlatBucket:
         # `settle_grad` zeroes for real if the optimizer runs before any reduction.
         self.local_is_zero = True
         self.grad_is_zero = True
+        self.held_grad: torch.Tensor | None = None
+        """Whole fp32 gradients held back by `no_sync()` (`NoSyncMode.ACCUMULATE_UNSHARDED`,
+        grads-sharded strategies), not yet reduced; `None` when nothing is held."""
         self._pads = [
             torch.zeros(b - a, dtype=torch.float32, device=device) for a, b in layout.gaps()
         ]
@@ -201,6 +204,21 @@ class FlatBucket:
         torch.cat(pieces, out=out)
         return out
 
+    def fold_grads(
+        self, grads: list[torch.Tensor | None], into: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Add `grads` into the whole fp32 bucket `into`, or pack them fresh if it is `None`."""
+        if into is None:
+            return self.flat_grads(grads)
+        pairs = [
+            (into[s.offset : s.offset + s.numel].view(s.shape), g)
+            for s, g in zip(self.layout.slots, grads, strict=True)
+            if g is not None
+        ]
+        if pairs:
+            torch._foreach_add_([v for v, _ in pairs], [g for _, g in pairs])
+        return into
+
     def optimizer_grad(self) -> torch.Tensor | None:
         """The fp32 gradient the optimizer reads (shape of `main_weight`), if it exists."""
         return self.reduced_grad if self.strategy is Strategy.OPTIM else self.main_grad
@@ -220,6 +238,7 @@ class FlatBucket:
         with engine_access():
             for p in self.params:
                 p.grad = None
+        self.held_grad = None
         self.local_is_zero = True
         self.grad_is_zero = True
         if self.strategy.shards_optimizer:

@@ -8,7 +8,7 @@ import enum
 import torch
 from torch import nn
 
-__all__ = ["ShardingConfig", "Strategy"]
+__all__ = ["NoSyncMode", "ShardingConfig", "Strategy"]
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -45,6 +45,25 @@ class Strategy(enum.Enum):
         return self is Strategy.OPTIM_GRADS_PARAMS
 
 
+class NoSyncMode(enum.Enum):
+    """What `no_sync()` does with gradients under `OPTIM_GRADS` and `OPTIM_GRADS_PARAMS`.
+
+    `NO_SHARD` and `OPTIM` keep a whole local fp32 gradient anyway: they always accumulate
+    inside `no_sync()` and reduce once, on the last micro-batch, whatever this says.
+    """
+
+    REDUCE_SCATTER = "reduce_scatter"
+    """Reduce-scatter every micro-batch, `no_sync()` or not (no extra memory: gradients are
+    only ever held sharded, plus each unit's whole gradients while it is being reduced).
+    An accumulation window of n micro-batches costs n reduce-scatters per trained bucket."""
+    ACCUMULATE_UNSHARDED = "accumulate_unsharded"
+    """Inside `no_sync()`, add each trained bucket's gradients into a whole fp32 buffer
+    kept on this rank; the first micro-batch outside `no_sync()` adds its own and
+    reduce-scatters once. Saves n - 1 of n reduce-scatters per window; costs 4 bytes per
+    trained parameter on every rank (the whole model in fp32, i.e. world size times the
+    sharded fp32 gradient) from the first `no_sync()` micro-batch until that reduction."""
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ShardingConfig:
     """How `FullyShardedDataParallel` shards and communicates.
@@ -71,6 +90,9 @@ class ShardingConfig:
     max_inflight_reductions: int = 2
     """Bound of the gradient-reduction queue: before another reduction is issued, the oldest
     is waited on once this many are in flight."""
+    no_sync_mode: NoSyncMode = NoSyncMode.REDUCE_SCATTER
+    """Whether `no_sync()` reduce-scatters each micro-batch or accumulates whole fp32
+    gradients locally under the grads-sharded strategies (memory cost: see `NoSyncMode`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, Strategy):
@@ -102,6 +124,12 @@ class ShardingConfig:
             raise ValueError(
                 f"ShardingConfig.param_dtype must be one of {_COMPUTE_DTYPES}, "
                 f"got {self.param_dtype}"
+            )
+        if not isinstance(self.no_sync_mode, NoSyncMode):
+            raise ValueError(
+                f"ShardingConfig.no_sync_mode must be a sharding.NoSyncMode, got "
+                f"{self.no_sync_mode!r}; use e.g. NoSyncMode.ACCUMULATE_UNSHARDED or "
+                f"NoSyncMode('{NoSyncMode.REDUCE_SCATTER.value}')"
             )
         if self.max_inflight_reductions < 1:
             raise ValueError(

@@ -89,7 +89,12 @@ class Engine:
         self._nograd_calls = [0] * num
         self._done = [False] * num
         self._backward_expected = False
-        self.reduce = ReducePipeline(comm, stats, max_inflight=config.max_inflight_reductions)
+        self.reduce = ReducePipeline(
+            comm,
+            stats,
+            max_inflight=config.max_inflight_reductions,
+            no_sync_mode=config.no_sync_mode,
+        )
         stats.set_bound("reduce", config.max_inflight_reductions)
         self.gather: UnshardPipeline | None = None
         if config.strategy.shards_params:

@@ -7,6 +7,9 @@ a power-of-two world size the division is exact, so the result equals DDP's bit 
   unit's gradients are packed into a fresh fp32 bucket and reduce-scattered. The first
   reduction after `zero_grad` writes straight into the persistent fp32 shard; later ones go
   to a temporary shard that is added into it once the collective is done.
+  With `NoSyncMode.ACCUMULATE_UNSHARDED`, micro-batches inside `no_sync()` only add into
+  the bucket's whole fp32 `held_grad`; the next one outside adds its own and is reduced
+  as above, once.
 * `NO_SHARD` / `OPTIM`: gradients are accumulated locally into the whole fp32 main gradient;
   on the last micro-batch it is scaled and all-reduced in place (`NO_SHARD`) or
   reduce-scattered into the shard the optimizer reads (`OPTIM`, whose local buffer then
@@ -26,7 +29,7 @@ import torch
 
 from sharding._buffer import FlatBucket
 from sharding._comm import Communicator, PendingCollective
-from sharding._config import Strategy
+from sharding._config import NoSyncMode, Strategy
 from sharding._stats import ShardingStats
 
 __all__ = ["ReducePipeline"]
@@ -54,7 +57,15 @@ class _Inflight:
 class ReducePipeline:
     """Issues gradient reductions bucket by bucket and bounds how many are in flight."""
 
-    def __init__(self, comm: Communicator, stats: ShardingStats, *, max_inflight: int) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        stats: ShardingStats,
+        *,
+        max_inflight: int,
+        no_sync_mode: NoSyncMode = NoSyncMode.REDUCE_SCATTER,
+    ) -> None:
+        self._hold = no_sync_mode is NoSyncMode.ACCUMULATE_UNSHARDED
         self._comm = comm
         self._stats = stats
         self.max_inflight = max_inflight
@@ -91,10 +102,14 @@ class ReducePipeline:
         if not bucket.trains:
             return
         if bucket.strategy.shards_grads:
+            if self._hold and not last_microbatch:
+                bucket.held_grad = bucket.fold_grads(grads, bucket.held_grad)
+                return
             # Wait for the oldest first and drop the unsharded grads once packed: fewer
             # full-size gradient buffers are alive at once.
             self._make_room()
-            full = bucket.flat_grads(grads)
+            full = bucket.fold_grads(grads, bucket.held_grad)
+            bucket.held_grad = None
             grads.clear()
             full.mul_(self._scale)
             if bucket.grad_is_zero:

@@ -246,10 +246,17 @@ class FullyShardedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate gradients without reducing them (`NO_SHARD`, `OPTIM`).
+        """Micro-batches inside accumulate gradients; the next one outside reduces.
 
-        Grads-sharded strategies reduce every micro-batch anyway (their gradients are not kept
-        whole); inside the context they still accumulate correctly.
+        `NO_SHARD` and `OPTIM` add into their whole local fp32 gradient and reduce once, on
+        the first micro-batch outside the context (as DDP). `OPTIM_GRADS` and
+        `OPTIM_GRADS_PARAMS` follow `ShardingConfig.no_sync_mode`: by default
+        (`REDUCE_SCATTER`) they still reduce-scatter every micro-batch, since they keep no
+        whole gradient (n reduce-scatters per window of n micro-batches, no extra memory);
+        `ACCUMULATE_UNSHARDED` holds whole fp32 gradients on each rank instead and reduces
+        once (1 reduce-scatter per window, 4 bytes per trained parameter held meanwhile).
+        Gradients are correct either way. Held gradients reach the optimizer only through
+        a micro-batch outside the context.
         """
         previous = self._engine.is_last_microbatch
         self._engine.is_last_microbatch = False

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from daemon.gpt import GPT, Block, GPTConfig, lm_loss
 from sharding import (
     FullyShardedDataParallel,
+    NoSyncMode,
     ShardedTensor,
     ShardingConfig,
     Strategy,
@@ -46,6 +47,8 @@ class Setup:
     """Train on the same batch every step (so the loss must go down)."""
     groups: bool = False
     """Two parameter groups: `no_decay_groups`, the no-decay one with its own `lr`."""
+    no_sync_mode: NoSyncMode = NoSyncMode.REDUCE_SCATTER
+    """What `no_sync()` does under the grads-sharded strategies."""
 
 
 class TinyGPT(GPT):
@@ -116,6 +119,7 @@ def wrap(model: nn.Module, setup: Setup) -> FullyShardedDataParallel:
             unit_modules=(Block,),
             param_dtype=setup.param_dtype,
             prefetch=setup.prefetch,
+            no_sync_mode=setup.no_sync_mode,
         ),
     )
 
@@ -130,12 +134,14 @@ def param_groups(model: nn.Module, setup: Setup) -> list[dict[str, Any]] | None:
 
 
 def train_sharded(rank: int, world: int, setup: Setup) -> dict[str, Any]:
-    """Train the setup with the engine; return global losses, norms and rank 0's weights."""
+    """Train the setup with the engine: global losses, norms, rank 0's weights, and the
+    reduce-scatters of each step (with the number of trained buckets to compare them to)."""
     model = wrap(make_model(setup), setup)
     groups = param_groups(model, setup)
     opt = model.make_optimizer(torch.optim.AdamW, groups, lr=1e-3, weight_decay=0.1)
-    losses, norms = [], []
+    losses, norms, reduce_scatters = [], [], []
     for step in range(setup.steps):
+        before = model.stats.snapshot().collectives["reduce_scatter"].count
         total = torch.zeros(())
         for micro in range(setup.micro_batches):
             x, y = batch(0 if setup.fixed_data else step, micro, rank, setup.per_rank_batch)
@@ -148,10 +154,17 @@ def train_sharded(rank: int, world: int, setup: Setup) -> dict[str, Any]:
             norms.append(float(opt.clip_grad_norm_(setup.clip)))
         opt.step()
         opt.zero_grad()
+        reduce_scatters.append(model.stats.snapshot().collectives["reduce_scatter"].count - before)
         if world > 1:
             dist.all_reduce(total)
         losses.append(float(total) / world)
-    return {"losses": losses, "norms": norms, "weights": model.full_state_dict()}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "weights": model.full_state_dict(),
+        "reduce_scatters": reduce_scatters,
+        "trained_buckets": sum(b.trains for b in model._engine.buckets),
+    }
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sharding import ShardingConfig, Strategy
+from sharding import NoSyncMode, ShardingConfig, Strategy
 
 
 def test_defaults_are_zero3_fp32_with_prefetch() -> None:
@@ -14,6 +14,7 @@ def test_defaults_are_zero3_fp32_with_prefetch() -> None:
     assert cfg.param_dtype == torch.float32
     assert cfg.prefetch
     assert cfg.communication_unit_bytes is None
+    assert cfg.no_sync_mode is NoSyncMode.REDUCE_SCATTER
 
 
 @pytest.mark.parametrize(
@@ -25,6 +26,7 @@ def test_defaults_are_zero3_fp32_with_prefetch() -> None:
         ({"communication_unit_bytes": -1}, "communication_unit_bytes"),
         ({"param_dtype": torch.int8}, "param_dtype"),
         ({"max_inflight_reductions": 0}, "max_inflight_reductions"),
+        ({"no_sync_mode": "accumulate_unsharded"}, "sharding.NoSyncMode"),
     ],
 )
 def test_invalid_values_say_how_to_fix(kwargs: dict[str, object], match: str) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from sharding import Strategy
+from sharding import NoSyncMode, Strategy
 from tests.sharding._helpers import (
     Setup,
     ddp_and_engine_losses,
@@ -32,6 +32,23 @@ HARD = [
 # Two parameter groups (decay / no decay with its own lr): a rank's shard spans both.
 GROUPS = [Setup(strategy=s, groups=True, steps=12) for s in ALL]
 GROUPS_ODD = [Setup(strategy=s, groups=True, steps=8, num_layers=2) for s in ALL]
+# Reentrant checkpointing (units reduced and released inside backward) under both no_sync
+# modes: gradients held whole across the window, or reduce-scattered every micro-batch.
+GRADS_SHARDED = [Strategy.OPTIM_GRADS, Strategy.OPTIM_GRADS_PARAMS]
+NO_SYNC = [
+    Setup(
+        strategy=s,
+        micro_batches=3,
+        checkpointing=True,
+        reentrant=True,
+        clip=1.0,
+        tie=False,
+        no_sync_mode=m,
+        steps=8,
+    )
+    for s in GRADS_SHARDED
+    for m in NoSyncMode
+]
 BF16 = Setup(
     strategy=Strategy.OPTIM_GRADS_PARAMS,
     param_dtype=torch.bfloat16,
@@ -86,6 +103,27 @@ def test_two_rank_parity_accumulation_clipping_unused_checkpointing(
 @pytest.mark.parametrize("index", range(len(ALL)), ids=[s.value for s in ALL])
 def test_two_rank_parity_two_param_groups(two_rank_runs: list[dict[str, Any]], index: int) -> None:
     _assert_parity(GROUPS[index], 2, two_rank_runs[0][len(PLAIN) + len(HARD) + 1 + index])
+
+
+@pytest.fixture(scope="module")
+def no_sync_runs() -> list[dict[str, Any]]:
+    return run_on_ranks(train_many, 2, NO_SYNC, timeout_s=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "index",
+    range(len(NO_SYNC)),
+    ids=[f"{s.strategy.value}-{s.no_sync_mode.value}" for s in NO_SYNC],
+)
+def test_two_rank_parity_reentrant_checkpointing_no_sync_modes(
+    no_sync_runs: list[dict[str, Any]], index: int
+) -> None:
+    setup, got = NO_SYNC[index], no_sync_runs[0][index]
+    _assert_parity(setup, 2, got)
+    # Reduce-scatters per accumulation window (one optimizer step), from the stats.
+    per_window = setup.micro_batches if setup.no_sync_mode is NoSyncMode.REDUCE_SCATTER else 1
+    assert got["reduce_scatters"] == [per_window * got["trained_buckets"]] * setup.steps
 
 
 @pytest.mark.slow
