@@ -164,7 +164,7 @@ class TrainSettings:
     warmup_steps: int = 20
     """Linear warm-up steps, then cosine decay to 10% of `lr` at `max_steps`."""
     weight_decay: float = 0.1
-    """AdamW weight decay."""
+    """AdamW weight decay of weight matrices; biases, norm weights and embeddings get none."""
     grad_clip: float = 1.0
     """Global gradient-norm clip; 0 disables clipping."""
     seed: int = 0

@@ -15,29 +15,36 @@ wrapper, train as with DDP:
 Semantics worth knowing: every rank starts from rank 0's weights; gradients are averaged
 over ranks in fp32; a parameter that gets no gradient in a step counts as a zero gradient
 (the optimizer still steps it, e.g. weight decay applies); activation checkpointing works
-with both `torch.utils.checkpoint` variants, but the reentrant one hides a unit's backward
-from the hooks, so its gradients are reduced only at the end of backward (no overlap).
+with both `torch.utils.checkpoint` variants: with the reentrant one a unit is re-gathered
+for its recompute and reduced and released right after its recomputed backward (peak
+gathered memory: the root unit plus two units, `ShardingStatsSnapshot.gathered_bytes_peak`).
+`no_sync()` under ZeRO-2/3 reduce-scatters every micro-batch unless
+`ShardingConfig.no_sync_mode` says to hold whole fp32 gradients locally (`NoSyncMode`).
 Outside forward, ZeRO-3 parameters have no memory (torch calls on them raise; use
-`model.summon_full_params()`), and no parameter has a `.grad` (it raises; the engine's
-optimizer clips and steps).
+`model.summon_full_params()`); inside forward, a unit's parameters are usable only while
+that unit is gathered (another unit's raise too). No parameter has a `.grad` (it raises;
+the engine's optimizer clips and steps).
 
 Module plan:
-* `_config.py`: `Strategy` (what is sharded), `ShardingConfig`.
+* `_config.py`: `Strategy` (what is sharded), `NoSyncMode`, `ShardingConfig`.
 * `_layout.py`: units (outermost instances of the unit classes, root unit last), buckets
   grouped by (dtype, requires_grad) per unit, 64-byte aligned offsets, padded rank shards.
-* `_param.py`: `ManagedParameter`: the module's parameters; checks every torch call outside
-  the wrapper's forward (no reads of released ZeRO-3 storage, no `.grad`).
+* `_param.py`: `ManagedParameter`: the module's parameters; checks every torch call (outside
+  forward, and inside it under ZeRO-3) against its bucket's `Gate` (open while the unit is
+  gathered) and forbids `.grad`.
 * `_buffer.py`: `FlatBucket`: flat compute weights (storage resized 0 <-> full under ZeRO-3),
-  fp32 main weights and fp32 main grads per strategy; gradient packing.
+  fp32 main weights and fp32 main grads per strategy; gradient packing; gradients held
+  whole by `no_sync()` (`NoSyncMode.ACCUMULATE_UNSHARDED`).
 * `_comm.py`: `Communicator`: async flat collectives on a communication stream (CUDA),
   `PendingCollective.wait()` with timing; local fallbacks at world size 1.
 * `_allgather.py`: `UnshardPipeline`: SHARDED -> GATHERING -> UNSHARDED per unit, prefetch in
-  forward / reverse order bounded by `communication_unit_bytes`, hit/miss accounting.
+  forward / reverse order bounded by `communication_unit_bytes`, hit/miss and gathered-bytes
+  accounting; opens a unit's gates once its gather is waited on.
 * `_reduce.py`: `ReducePipeline`: reduce-scatter / all-reduce per bucket, bounded queue.
 * `_hooks.py`: `TrainingState`, the post-backward identity function, pre-backward hooks,
   the end-of-backward callback.
 * `_engine.py`: `Engine`: the state machine IDLE -> FORWARD -> BACKWARD -> IDLE driving both
-  pipelines from the hooks.
+  pipelines from the hooks; reentrant checkpoint recomputes report their units' backward.
 * `_groups.py`: `no_decay_groups`; torch-style parameter groups resolved to element runs of
   each bucket's main weights (a shard may span several groups).
 * `_optimizer.py`: `DistributedOptimizer`: torch optimizer on main-weight shards, global

@@ -20,8 +20,10 @@ class Strategy(enum.Enum):
     |---|---|---|---|
     | `NO_SHARD` (DDP) | whole | whole | whole, all-reduced on the last micro-batch |
     | `OPTIM` (ZeRO-1) | whole | shard | whole, reduce-scattered on the last micro-batch |
-    | `OPTIM_GRADS` (ZeRO-2) | whole | shard | shard, reduce-scattered every micro-batch |
-    | `OPTIM_GRADS_PARAMS` (ZeRO-3) | shard | shard | shard, reduce-scattered every micro-batch |
+    | `OPTIM_GRADS` (ZeRO-2) | whole | shard | shard, reduce-scattered every micro-batch* |
+    | `OPTIM_GRADS_PARAMS` (ZeRO-3) | shard | shard | shard, reduce-scattered every micro-batch* |
+
+    *or held whole inside `no_sync()` and reduce-scattered once per window (`NoSyncMode`).
     """
 
     NO_SHARD = "no_shard"

@@ -84,12 +84,27 @@ _METADATA.add(_descriptor("requires_grad").__set__)
 _GRAD = {_descriptor("grad").__get__, _descriptor("grad").__set__}
 
 
-def _tensors(values: Iterable[Any]) -> Iterable[Any]:
+_run_plain = torch._C._disabled_torch_function_impl
+
+
+def _check_all(values: Iterable[Any], func: Callable[..., Any]) -> None:
     for value in values:
         if isinstance(value, (list, tuple)):
-            yield from value
-        else:
-            yield value
+            _check_all(value, func)
+        elif type(value) is ManagedParameter and not value._gate.open:
+            _not_gathered(value, func)
+
+
+def _not_gathered(param: ManagedParameter, func: Callable[..., Any]) -> None:
+    raise ParameterNotGatheredError(
+        f"parameter {param._name!r} of FSDP unit {param._gate.unit!r} is sharded at this "
+        f"point (OPTIM_GRADS_PARAMS holds a unit's whole weights only while that unit runs) "
+        f"and cannot be used by {getattr(func, '__name__', func)}: outside forward wrap the "
+        f"code in `with model.summon_full_params():` (writeback=True to keep edits) or use "
+        f"model.sharded_state_dict() / full_state_dict(); inside forward use a unit's "
+        f"parameters only within that unit's own forward (or make the modules that share "
+        f"them one unit, ShardingConfig.unit_modules)"
+    )
 
 
 class Gate:
@@ -130,28 +145,28 @@ class ManagedParameter(nn.Parameter):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         """Check a torch call on managed parameters, then run it as on plain tensors."""
-        kwargs = kwargs or {}
-        if func not in _METADATA:
-            if func in _GRAD:
-                raise GradientsInEngineError(
-                    "gradients of a FullyShardedDataParallel model live in the engine, not on "
-                    "its parameters (.grad is not available): clip with the engine's "
-                    "optimizer.clip_grad_norm_(max_norm) and build the optimizer with "
-                    "model.make_optimizer(torch.optim.AdamW, ...), not on model.parameters()"
-                )
-            for value in _tensors((*args, *kwargs.values())):
-                if isinstance(value, ManagedParameter) and not value._gate.open:
-                    raise ParameterNotGatheredError(
-                        f"parameter {value._name!r} of FSDP unit {value._gate.unit!r} "
-                        f"is sharded at this point (OPTIM_GRADS_PARAMS holds a unit's whole "
-                        f"weights only while that unit runs) and cannot be used by "
-                        f"{getattr(func, '__name__', func)}: outside forward wrap the code in "
-                        f"`with model.summon_full_params():` (writeback=True to keep edits) or "
-                        f"use model.sharded_state_dict() / full_state_dict(); inside forward "
-                        f"use a unit's parameters only within that unit's own forward (or "
-                        f"make the modules that share them one unit, ShardingConfig.unit_modules)"
-                    )
-        return torch._C._disabled_torch_function_impl(func, types, args, kwargs)
+        if kwargs is None:
+            kwargs = {}
+        if func in _METADATA:
+            return _run_plain(func, types, args, kwargs)
+        if func in _GRAD:
+            raise GradientsInEngineError(
+                "gradients of a FullyShardedDataParallel model live in the engine, not on "
+                "its parameters (.grad is not available): clip with the engine's "
+                "optimizer.clip_grad_norm_(max_norm) and build the optimizer with "
+                "model.make_optimizer(torch.optim.AdamW, ...), not on model.parameters()"
+            )
+        # Hot path inside ZeRO-3 forward: plain loops, no generator (BENCHMARKS.md).
+        # `type() is`, not `isinstance`: Parameter's metaclass makes isinstance a Python call.
+        for value in args:
+            if type(value) is ManagedParameter:
+                if not value._gate.open:
+                    _not_gathered(value, func)
+            elif isinstance(value, (list, tuple)):
+                _check_all(value, func)
+        if kwargs:
+            _check_all(kwargs.values(), func)
+        return _run_plain(func, types, args, kwargs)
 
     def attach(self, gate: Gate, name: str) -> None:
         """Bind the parameter to its bucket's `gate`; `name` is used in error messages."""
