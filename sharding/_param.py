@@ -25,7 +25,7 @@ forward (`engine_access`, one context per forward: no per-op cost).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ def _check_all(values: Iterable[Any], func: Callable[..., Any]) -> None:
             _not_gathered(value, func)
 
 
-def _not_gathered(param: ManagedParameter, func: Callable[..., Any]) -> None:
+def _not_gathered(param: ManagedParameter, func: Callable[..., Any]) -> NoReturn:
     raise ParameterNotGatheredError(
         f"parameter {param._name!r} of FSDP unit {param._gate.unit!r} is sharded at this "
         f"point (OPTIM_GRADS_PARAMS holds a unit's whole weights only while that unit runs) "
