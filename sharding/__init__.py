@@ -56,9 +56,10 @@ Module plan:
 * `errors.py`: the error tree.
 """
 
-from sharding._config import NoSyncMode, ShardingConfig, Strategy
+from sharding._config import BufferSync, NoSyncMode, ShardingConfig, Strategy
 from sharding._groups import no_decay_groups
 from sharding._optimizer import DistributedOptimizer
+from sharding._precision import MixedPrecisionPolicy
 from sharding._state_dict import ShardedTensor
 from sharding._stats import (
     CollectiveObserver,
@@ -69,10 +70,12 @@ from sharding._stats import (
 from sharding._wrapper import FullyShardedDataParallel
 
 __all__ = [
+    "BufferSync",
     "CollectiveObserver",
     "CollectiveTotals",
     "DistributedOptimizer",
     "FullyShardedDataParallel",
+    "MixedPrecisionPolicy",
     "NoSyncMode",
     "ShardedTensor",
     "ShardingConfig",

@@ -5,6 +5,10 @@ the wrapped module are replaced by `nn.Parameter`s that alias slices of `full_pa
 ZeRO-3 the storage behind `full_param` is resized to 0 between uses and back to full size for
 an all-gather, so the parameter objects (and the tensors autograd saved) stay valid while
 the memory is released.
+
+Dtypes (see [Note: mixed precision] in `_precision.py`): compute weights are in the bucket's
+`compute_dtype`; main weights and main gradients are fp32; gradients travel in
+`reduce_dtype` (packed in it, pre-divided in it, added into the fp32 main gradient after).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class FlatBucket:
         sources: list[torch.Tensor],
         *,
         unit_name: str = "",
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         """Copy `sources` (one tensor per slot) in, take rank 0's values, then shard.
 
@@ -41,11 +46,13 @@ class FlatBucket:
             compute_dtype: dtype of the model weights used by forward and backward.
             sources: current values of the parameters, in slot order.
             unit_name: the owning unit's name (error messages).
+            reduce_dtype: dtype the gradients are communicated in.
         """
         self.layout = layout
         self.strategy = strategy
         self.comm = comm
         self.compute_dtype = compute_dtype
+        self.reduce_dtype = reduce_dtype
         self.start, self.end = layout.shard_range(comm.rank)
         device = comm.device
         n = layout.padded_numel
@@ -107,7 +114,7 @@ class FlatBucket:
         """Whole fp32 gradients held back by `no_sync()` (`NoSyncMode.ACCUMULATE_UNSHARDED`,
         grads-sharded strategies), not yet reduced; `None` when nothing is held."""
         self._pads = [
-            torch.zeros(b - a, dtype=torch.float32, device=device) for a, b in layout.gaps()
+            torch.zeros(b - a, dtype=reduce_dtype, device=device) for a, b in layout.gaps()
         ]
         self._pieces_order = self._piece_order()
         self.nbytes_full = n * self.full_param.element_size()
@@ -187,7 +194,7 @@ class FlatBucket:
         self.local_is_zero = False
 
     def flat_grads(self, grads: list[torch.Tensor | None]) -> torch.Tensor:
-        """One fresh fp32 full-size bucket of `grads` (zeros for `None`, gaps and padding)."""
+        """One fresh full-size `reduce_dtype` bucket of `grads` (zeros: `None`, gaps, padding)."""
         pieces = []
         for is_param, i in self._pieces_order:
             if not is_param:
@@ -198,9 +205,11 @@ class FlatBucket:
             pieces.append(
                 g.reshape(-1)
                 if g is not None
-                else torch.zeros(slot.numel, dtype=torch.float32, device=self.comm.device)
+                else torch.zeros(slot.numel, dtype=self.reduce_dtype, device=self.comm.device)
             )
-        out = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.comm.device)
+        out = torch.empty(
+            self.layout.padded_numel, dtype=self.reduce_dtype, device=self.comm.device
+        )
         torch.cat(pieces, out=out)
         return out
 
@@ -218,6 +227,16 @@ class FlatBucket:
         if pairs:
             torch._foreach_add_([v for v, _ in pairs], [g for _, g in pairs])
         return into
+
+    def to_reduce_dtype(self, grad: torch.Tensor) -> torch.Tensor:
+        """`grad` (fp32) as the collective's input: itself, or a `reduce_dtype` copy."""
+        return grad if self.reduce_dtype == grad.dtype else grad.to(self.reduce_dtype)
+
+    def reduce_out(self) -> torch.Tensor:
+        """A fresh `reduce_dtype` shard for a reduce-scatter to write into."""
+        return torch.empty(
+            self.layout.shard_numel, dtype=self.reduce_dtype, device=self.comm.device
+        )
 
     def optimizer_grad(self) -> torch.Tensor | None:
         """The fp32 gradient the optimizer reads (shape of `main_weight`), if it exists."""

@@ -1,4 +1,4 @@
-"""`ShardingConfig` and the `Strategy` enum: what the user chooses."""
+"""`ShardingConfig` and the `Strategy` / `BufferSync` enums: what the user chooses."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import enum
 import torch
 from torch import nn
 
-__all__ = ["NoSyncMode", "ShardingConfig", "Strategy"]
+from sharding._precision import MixedPrecisionPolicy
 
-_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["BufferSync", "NoSyncMode", "ShardingConfig", "Strategy"]
 
 
 class Strategy(enum.Enum):
@@ -66,11 +66,27 @@ class NoSyncMode(enum.Enum):
     sharded fp32 gradient) from the first `no_sync()` micro-batch until that reduction."""
 
 
+class BufferSync(enum.Enum):
+    """What happens to module buffers (e.g. BatchNorm running statistics) after wrapping.
+
+    Both start from rank 0's buffers (broadcast at wrap).
+    """
+
+    BROADCAST = "broadcast"
+    """As DDP's `broadcast_buffers=True`: rank 0's buffers overwrite every rank's at the start
+    of a forward that follows a training forward (grad enabled, not inside `no_sync`), so all
+    ranks normalise with rank 0's statistics; one coalesced broadcast per buffer dtype."""
+    RANK_LOCAL = "rank_local"
+    """Each rank keeps updating its own buffers; they drift apart (no communication).
+    State dicts save rank 0's (`full_state_dict`) or this rank's (`sharded_state_dict`)."""
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ShardingConfig:
     """How `FullyShardedDataParallel` shards and communicates.
 
-    Gradients are always accumulated and reduced in fp32, whatever `param_dtype` is.
+    Gradients always accumulate into fp32 main gradients; `mixed_precision` chooses the
+    compute, communication and output dtypes.
     """
 
     strategy: Strategy = Strategy.OPTIM_GRADS_PARAMS
@@ -87,8 +103,14 @@ class ShardingConfig:
     gathered; `None` means twice the average unit size (the next unit is fetched while the
     current one runs)."""
     param_dtype: torch.dtype = torch.float32
-    """Compute dtype of the model weights (`torch.float32`, `torch.bfloat16`, `torch.float16`);
-    main weights, optimizer state and gradient reduction stay fp32."""
+    """Shorthand for `mixed_precision=MixedPrecisionPolicy(param_dtype=...)` (`torch.float32`
+    or `torch.bfloat16`); when `mixed_precision` is given it mirrors the policy's."""
+    mixed_precision: MixedPrecisionPolicy | None = None
+    """Compute / reduce / output dtypes and fp32 modules; `None` is the policy of
+    `param_dtype` (see `precision`)."""
+    buffer_sync: BufferSync = BufferSync.BROADCAST
+    """Whether buffers are re-broadcast from rank 0 before forwards (DDP's default) or stay
+    rank-local: see `BufferSync`."""
     max_inflight_reductions: int = 2
     """Bound of the gradient-reduction queue: before another reduction is issued, the oldest
     is waited on once this many are in flight."""
@@ -122,10 +144,29 @@ class ShardingConfig:
                 "ShardingConfig.communication_unit_bytes must be positive or None (twice the "
                 f"average unit), got {self.communication_unit_bytes}"
             )
-        if self.param_dtype not in _COMPUTE_DTYPES:
+        policy = self.mixed_precision
+        if policy is None:
+            try:
+                MixedPrecisionPolicy(param_dtype=self.param_dtype)
+            except ValueError as err:
+                raise ValueError(f"ShardingConfig.param_dtype: {err}") from None
+        elif not isinstance(policy, MixedPrecisionPolicy):
             raise ValueError(
-                f"ShardingConfig.param_dtype must be one of {_COMPUTE_DTYPES}, "
-                f"got {self.param_dtype}"
+                "ShardingConfig.mixed_precision must be a sharding.MixedPrecisionPolicy or "
+                f"None, got {policy!r}"
+            )
+        elif self.param_dtype not in (torch.float32, policy.param_dtype):
+            raise ValueError(
+                f"ShardingConfig.param_dtype={self.param_dtype} contradicts mixed_precision."
+                f"param_dtype={policy.param_dtype}; set the dtype in the policy only"
+            )
+        else:
+            # Frozen: the shorthand mirrors the policy so readers of `param_dtype` agree.
+            object.__setattr__(self, "param_dtype", policy.param_dtype)
+        if not isinstance(self.buffer_sync, BufferSync):
+            raise ValueError(
+                f"ShardingConfig.buffer_sync must be a sharding.BufferSync, got "
+                f"{self.buffer_sync!r}; use BufferSync.BROADCAST or BufferSync.RANK_LOCAL"
             )
         if not isinstance(self.no_sync_mode, NoSyncMode):
             raise ValueError(
@@ -138,3 +179,8 @@ class ShardingConfig:
                 "ShardingConfig.max_inflight_reductions must be at least 1, "
                 f"got {self.max_inflight_reductions}"
             )
+
+    @property
+    def precision(self) -> MixedPrecisionPolicy:
+        """The effective policy: `mixed_precision`, or the one of `param_dtype`."""
+        return self.mixed_precision or MixedPrecisionPolicy(param_dtype=self.param_dtype)

@@ -2,7 +2,8 @@
 
 Pure bookkeeping, no storage. Units are found by a pre-order walk (outermost unit wins); the
 parameters outside every unit form the root unit (index `len(units)`). Each unit's parameters
-are grouped by `(dtype, requires_grad)`, one bucket per group; root groups are split once a
+are grouped by `(compute dtype, requires_grad)`, one bucket per group (the compute dtype comes
+from the mixed-precision policy, `_precision.py`); root groups are split once a
 bucket reaches `bucket_size_bytes`. Inside a bucket each parameter starts on a 64-byte
 boundary (the alignment of a standalone tensor, so kernels see the same addresses and give
 bitwise the same results as on unwrapped parameters) and the bucket is padded so that every
@@ -58,6 +59,8 @@ class BucketLayout:
     """Buffer length: a multiple of `world_size` * alignment."""
     world_size: int
     """Number of shards."""
+    compute_dtype: torch.dtype = torch.float32
+    """Dtype of the bucket's compute weights (one per bucket)."""
 
     @property
     def shard_numel(self) -> int:
@@ -110,8 +113,12 @@ def detect_unit_classes(module: nn.Module) -> tuple[type[nn.Module], ...]:
     return tuple(cls for cls, names in repeated.items() if not all(map(nested, names)))
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def _align(numel: int, dtype: torch.dtype) -> int:
-    step = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    step = max(1, _ALIGN_BYTES // _itemsize(dtype))
     return -(-numel // step) * step
 
 
@@ -122,8 +129,17 @@ def build_layout(
     world_size: int,
     compute_dtype: torch.dtype,
     bucket_size_bytes: int,
+    param_dtypes: dict[int, torch.dtype] | None = None,
 ) -> tuple[list[UnitLayout], list[BucketLayout], list[nn.Module | None]]:
     """Assign every parameter of `module` to a unit, a bucket and an offset.
+
+    Args:
+        module: the model.
+        unit_classes: module classes whose outermost instances become units.
+        world_size: number of shards.
+        compute_dtype: compute dtype of every parameter not in `param_dtypes`.
+        bucket_size_bytes: largest root bucket (compute bytes).
+        param_dtypes: compute dtype per parameter `id` (the mixed-precision policy's).
 
     Returns:
         `(units, buckets, unit_modules)`; `unit_modules[i]` is unit i's module (`None` for the
@@ -167,33 +183,40 @@ def build_layout(
 
     buckets: list[BucketLayout] = []
     units: list[UnitLayout] = []
-    align_unit = max(1, _ALIGN_BYTES // torch.empty((), dtype=compute_dtype).element_size())
-    itemsize = torch.empty((), dtype=compute_dtype).element_size()
+    dtypes = param_dtypes or {}
     for unit in range(root + 1):
         groups: dict[tuple[torch.dtype, bool], list[list[int]]] = {}
         for key in order:
             if owner[key] != unit:
                 continue
             p = params[key]
-            runs = groups.setdefault((p.dtype, p.requires_grad), [[]])
-            size = sum(params[k].numel() for k in runs[-1]) * itemsize
+            dtype = dtypes.get(key, compute_dtype)
+            runs = groups.setdefault((dtype, p.requires_grad), [[]])
+            size = sum(params[k].numel() for k in runs[-1]) * _itemsize(dtype)
             if unit == root and runs[-1] and size >= bucket_size_bytes:
                 runs.append([])
             runs[-1].append(key)
         mine: list[int] = []
-        for (_, requires_grad), runs in groups.items():
+        for (dtype, requires_grad), runs in groups.items():
+            align_unit = max(1, _ALIGN_BYTES // _itemsize(dtype))
             for run in runs:
                 slots, pos = [], 0
                 for key in run:
                     p = params[key]
                     slots.append(ParamSlot(tuple(names[key]), p.shape, pos, p.dtype))
-                    pos = _align(pos + p.numel(), compute_dtype)
+                    pos = _align(pos + p.numel(), dtype)
                 quantum = world_size * align_unit
                 padded = max(quantum, -(-pos // quantum) * quantum)
                 mine.append(len(buckets))
                 buckets.append(
                     BucketLayout(
-                        len(buckets), unit, requires_grad, tuple(slots), padded, world_size
+                        len(buckets),
+                        unit,
+                        requires_grad,
+                        tuple(slots),
+                        padded,
+                        world_size,
+                        dtype,
                     )
                 )
         units.append(UnitLayout(unit, unit_names[unit] if unit < root else "", tuple(mine)))

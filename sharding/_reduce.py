@@ -1,4 +1,8 @@
-"""The gradient reduce pipeline: fp32 reduce-scatter / all-reduce with a bounded queue.
+"""The gradient reduce pipeline: reduce-scatter / all-reduce with a bounded queue.
+
+Collectives run in the bucket's `reduce_dtype` (fp32 by default; bf16 halves the bytes): the
+gradients are packed (or the fp32 local gradient copied) into it, reduced, and the result is
+copied or added into the fp32 main gradient once the collective is done.
 
 Gradients are pre-divided by the world size and summed by the collective, as DDP does (with
 a power-of-two world size the division is exact, so the result equals DDP's bit for bit).
@@ -37,6 +41,10 @@ __all__ = ["ReducePipeline"]
 
 def _add(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.add_(src)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
 
 
 class _Inflight:
@@ -114,11 +122,16 @@ class ReducePipeline:
             full.mul_(self._scale)
             if bucket.grad_is_zero:
                 shard = bucket.new_grad_shard()
-                self._push(self._comm.reduce_scatter(shard, full), None, (full,))
+                if shard.dtype == full.dtype:
+                    self._push(self._comm.reduce_scatter(shard, full), None, (full,))
+                    return
+                low = bucket.reduce_out()
+                pending = self._comm.reduce_scatter(low, full)
+                self._push(pending, functools.partial(_copy, shard, low), (full, low))
                 return
             main = bucket.main_grad
             assert main is not None
-            out = torch.empty_like(main)
+            out = bucket.reduce_out()
             pending = self._comm.reduce_scatter(out, full)
             self._push(pending, functools.partial(_add, main, out), (full, out))
             return
@@ -129,8 +142,13 @@ class ReducePipeline:
         self._make_room()
         main = bucket.main_grad
         assert main is not None
+        wire = bucket.to_reduce_dtype(main)
         if bucket.strategy is Strategy.NO_SHARD:
-            self._push(self._comm.all_reduce(main), None, ())
+            if wire is main:
+                self._push(self._comm.all_reduce(main), None, ())
+            else:
+                pending = self._comm.all_reduce(wire)
+                self._push(pending, functools.partial(_copy, main, wire), (wire,))
             return
 
         def consumed() -> None:
@@ -138,17 +156,26 @@ class ReducePipeline:
 
         if bucket.grad_is_zero:
             shard = bucket.new_grad_shard()
-            self._push(self._comm.reduce_scatter(shard, main), consumed, ())
+            if wire is main:
+                self._push(self._comm.reduce_scatter(shard, main), consumed, ())
+                return
+            low = bucket.reduce_out()
+
+            def first() -> None:
+                shard.copy_(low)
+                bucket.local_is_zero = True
+
+            self._push(self._comm.reduce_scatter(low, wire), first, (low, wire))
             return
         reduced = bucket.reduced_grad
         assert reduced is not None
-        out = torch.empty_like(reduced)
+        out = bucket.reduce_out()
 
         def finish() -> None:
             reduced.add_(out)
             bucket.local_is_zero = True
 
-        self._push(self._comm.reduce_scatter(out, main), finish, (out,))
+        self._push(self._comm.reduce_scatter(out, wire), finish, (out, wire))
 
     def drain(self) -> None:
         """Wait for and finish every reduction in flight."""

@@ -17,8 +17,10 @@ from sharding._config import ShardingConfig
 from sharding._engine import Engine
 from sharding._hooks import TrainingState
 from sharding._layout import build_layout, detect_unit_classes
+from sharding._module_buffers import ModuleBuffers
 from sharding._optimizer import DistributedOptimizer
 from sharding._param import engine_access
+from sharding._precision import cast_floating, check_stored_dtypes, compute_dtypes, keep_fp32
 from sharding._state_dict import (
     StateDict,
     full_state_dict,
@@ -98,6 +100,7 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             DeviceMismatchError: a parameter or buffer is on another device.
             SharedParameterError: a parameter is used by two units.
+            MixedPrecisionError: the policy would recast a parameter the user kept in a dtype.
         """
         super().__init__()
         self.config = config or ShardingConfig()
@@ -107,6 +110,10 @@ class FullyShardedDataParallel(nn.Module):
         self.stats = ShardingStats()
         """Engine counters; `stats.snapshot()` returns a `ShardingStatsSnapshot`."""
         self._comm = Communicator(process_group, self.device, self.stats, observer)
+        self.precision = self.config.precision
+        """The effective `MixedPrecisionPolicy`."""
+        param_dtypes, buffer_dtypes = compute_dtypes(module, self.precision)
+        check_stored_dtypes(module, self.precision, param_dtypes)
         unit_classes = self.config.unit_modules
         if unit_classes is None:
             unit_classes = detect_unit_classes(module)
@@ -114,8 +121,9 @@ class FullyShardedDataParallel(nn.Module):
             module,
             unit_classes,
             world_size=self._comm.world_size,
-            compute_dtype=self.config.param_dtype,
+            compute_dtype=self.precision.param_dtype,
             bucket_size_bytes=self.config.bucket_size_bytes,
+            param_dtypes=param_dtypes,
         )
         current = dict(module.named_parameters(remove_duplicate=False))
         buckets = [
@@ -123,9 +131,10 @@ class FullyShardedDataParallel(nn.Module):
                 layout,
                 self.config.strategy,
                 self._comm,
-                self.config.param_dtype,
+                layout.compute_dtype,
                 [current[slot.names[0]].detach() for slot in layout.slots],
                 unit_name=units[layout.unit].name or "(root)",
+                reduce_dtype=self.precision.reduce_dtype,
             )
             for layout in layouts
         ]
@@ -134,10 +143,10 @@ class FullyShardedDataParallel(nn.Module):
                 for name in slot.names:
                     owner, _, attr = name.rpartition(".")
                     module.get_submodule(owner)._parameters[attr] = param
-        self._buffers_by_name = dict(module.named_buffers())
-        with torch.no_grad():
-            for buf in self._buffers_by_name.values():
-                self._comm.broadcast_(buf)
+        self._module_buffers = ModuleBuffers(
+            module, buffer_dtypes, self._comm, self.config.buffer_sync
+        )
+        self._buffers_by_name = self._module_buffers.by_name
         self._param_names = [name for name in module.state_dict(keep_vars=True) if name in current]
         self._state_names = list(module.state_dict(keep_vars=True))
         self._engine = Engine(
@@ -150,9 +159,13 @@ class FullyShardedDataParallel(nn.Module):
         self.unit_names = [unit.name for unit in units[:-1]]
         """Qualified names of the FSDP units, in registration order."""
         self._register_hooks(unit_modules)
+        if self.precision.param_dtype != torch.float32:
+            keep_fp32(module, self.precision)
 
     def _register_hooks(self, unit_modules: list[nn.Module | None]) -> None:
         engine = self._engine
+        cast_inputs = self.precision.cast_forward_inputs
+        param_dtype = self.precision.param_dtype
 
         def check_wrapped(module: nn.Module, args: Any) -> None:
             engine.check_wrapped()
@@ -170,6 +183,14 @@ class FullyShardedDataParallel(nn.Module):
 
             unit.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
             unit.register_forward_hook(post_forward)
+            if cast_inputs:
+                # Runs first, so the engine sees (and routes backward through) the cast inputs.
+
+                def cast(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+                    cast_args: tuple[Any, Any] = cast_floating((args, kwargs), param_dtype)
+                    return cast_args
+
+                unit.register_forward_pre_hook(cast, prepend=True, with_kwargs=True)
 
     @property
     def world_size(self) -> int:
@@ -185,12 +206,21 @@ class FullyShardedDataParallel(nn.Module):
         """Run the wrapped module (gathering weights as the strategy requires)."""
         if self._summoned:
             raise ShardingError("forward inside summon_full_params(); leave the context first")
+        policy = self.precision
+        if policy.cast_forward_inputs:
+            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        self._module_buffers.pre_forward()
         self._engine.root_pre_forward()
         # [Note: parameters inside forward] in `_param.py`: ZeRO-3 keeps the checks on (a
         # unit's weights exist only while it runs); elsewhere every weight is whole.
         checks = contextlib.nullcontext() if self.config.strategy.shards_params else engine_access()
         with checks:
             output = self.module(*args, **kwargs)
+        if policy.output_dtype is not None:
+            output = cast_floating(output, policy.output_dtype)
+        self._module_buffers.post_forward(
+            trained=torch.is_grad_enabled() and self._engine.is_last_microbatch
+        )
         self._engine.root_post_forward(output)
         return output
 
@@ -323,7 +353,10 @@ class FullyShardedDataParallel(nn.Module):
             On rank 0 a dict loadable by the unwrapped module's `load_state_dict`; `{}` elsewhere.
         """
         return full_state_dict(
-            self._engine.buckets, self._state_names, self._buffers_by_name, self._comm.rank
+            self._engine.buckets,
+            self._state_names,
+            self._module_buffers.exported(),
+            self._comm.rank,
         )
 
     @functools.cached_property

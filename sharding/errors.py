@@ -4,6 +4,7 @@
 ShardingError (RuntimeError)                    base of everything the engine raises itself
 ├── DeviceMismatchError (+ ValueError)          a module tensor is not on the engine's device
 ├── SharedParameterError (+ ValueError)         one parameter belongs to two FSDP units
+├── MixedPrecisionError (+ ValueError)          the policy would recast a dtype the user chose
 ├── UnwrappedModuleError                        the inner module ran outside the wrapper
 ├── ParameterNotGatheredError                   a ZeRO-3 parameter was used while sharded
 ├── GradientsInEngineError                      `.grad` of a managed parameter was touched
@@ -18,6 +19,7 @@ from __future__ import annotations
 __all__ = [
     "DeviceMismatchError",
     "GradientsInEngineError",
+    "MixedPrecisionError",
     "ParameterNotGatheredError",
     "ShardingError",
     "SharedParameterError",
@@ -36,6 +38,14 @@ class DeviceMismatchError(ShardingError, ValueError):
 
 class SharedParameterError(ShardingError, ValueError):
     """A parameter is used by two FSDP units, so no single unit can own its shard."""
+
+
+class MixedPrecisionError(ShardingError, ValueError):
+    """The mixed-precision policy would silently recast parameters the user kept in a dtype.
+
+    The message names the module; keep it with `MixedPrecisionPolicy.fp32_modules`, choose
+    `param_dtype` to match, or convert the module before wrapping.
+    """
 
 
 class UnwrappedModuleError(ShardingError):

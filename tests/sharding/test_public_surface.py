@@ -8,10 +8,12 @@ import sharding.errors
 
 def test_all_is_pinned_and_documented() -> None:
     assert sorted(sharding.__all__) == [
+        "BufferSync",
         "CollectiveObserver",
         "CollectiveTotals",
         "DistributedOptimizer",
         "FullyShardedDataParallel",
+        "MixedPrecisionPolicy",
         "NoSyncMode",
         "ShardedTensor",
         "ShardingConfig",

@@ -1,0 +1,267 @@
+"""Mixed-precision policy: validation, dtypes per module, casts, no silent recasts, reduce dtype.
+
+Single-process tests run at world size 1; the training ones run on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from sharding import (
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    ShardingConfig,
+    Strategy,
+)
+from sharding.errors import MixedPrecisionError
+from tests.sharding._helpers import single_thread
+from tests.sharding._precision_ranks import (
+    MLPBlock,
+    float_mlp_runs,
+    make_mlp,
+    reduce_bytes,
+    regression_batch,
+)
+from tests.support.dist import run_on_ranks
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    with single_thread():
+        yield
+
+
+# ---- configuration ----
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"param_dtype": torch.float16}, "param_dtype=torch.float16: float16 needs a loss scaler"),
+        ({"reduce_dtype": torch.float16}, "reduce_dtype=torch.float16: float16 needs a loss"),
+        ({"param_dtype": torch.int8}, "param_dtype must be torch.float32 or torch.bfloat16"),
+        ({"reduce_dtype": torch.float64}, "reduce_dtype must be torch.float32 or"),
+        ({"output_dtype": torch.int64}, "output_dtype must be a floating-point"),
+        ({"fp32_modules": (nn.LayerNorm(4),)}, r"fp32_modules must be a tuple of nn.Module"),
+        ({"fp32_modules": nn.LayerNorm}, r"fp32_modules must be a tuple"),
+    ],
+)
+def test_invalid_policies_say_how_to_fix(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        MixedPrecisionPolicy(**kwargs)
+
+
+def test_config_param_dtype_is_a_shorthand_for_the_policy() -> None:
+    assert ShardingConfig().precision == MixedPrecisionPolicy()
+    assert ShardingConfig(param_dtype=BF16).precision == MixedPrecisionPolicy(param_dtype=BF16)
+    policy = MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=BF16)
+    cfg = ShardingConfig(mixed_precision=policy)
+    assert cfg.param_dtype == BF16  # mirrors the policy for readers of the shorthand
+    assert cfg.precision is policy
+    with pytest.raises(ValueError, match=r"param_dtype: .*float16 needs a loss scaler"):
+        ShardingConfig(param_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"contradicts mixed_precision\.param_dtype"):
+        ShardingConfig(param_dtype=BF16, mixed_precision=MixedPrecisionPolicy())
+    with pytest.raises(ValueError, match=r"mixed_precision must be a sharding\.MixedPrecision"):
+        ShardingConfig(mixed_precision=BF16)  # type: ignore[arg-type]
+
+
+def _wrap(module: nn.Module, strategy: Strategy = Strategy.NO_SHARD, **policy: Any) -> Any:
+    return FullyShardedDataParallel(
+        module,
+        ShardingConfig(
+            strategy=strategy,
+            unit_modules=(MLPBlock,),
+            mixed_precision=MixedPrecisionPolicy(**policy),
+        ),
+    )
+
+
+# ---- casts ----
+
+
+@pytest.mark.parametrize("strategy", list(Strategy), ids=[s.value for s in Strategy])
+def test_float_inputs_meet_bf16_weights_and_outputs_take_output_dtype(strategy: Strategy) -> None:
+    model = _wrap(make_mlp(), strategy, param_dtype=BF16, output_dtype=torch.float32)
+    opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    x, y = regression_batch(0, 0)
+    out = model(x)  # fp32 features; the wrapper casts them to bf16
+    assert out.dtype == torch.float32
+    nn.functional.mse_loss(out, y).backward()
+    opt.step()
+    with model.summon_full_params():
+        assert {p.dtype for p in model.parameters()} == {BF16}
+    # Without output_dtype the output is what the bf16 model computed.
+    assert _wrap(make_mlp(), strategy, param_dtype=BF16)(x).dtype == BF16
+
+
+def test_without_input_casting_float_inputs_hit_bf16_weights() -> None:
+    model = _wrap(make_mlp(), param_dtype=BF16, cast_forward_inputs=False)
+    x, _ = regression_batch(0, 0)
+    with pytest.raises(RuntimeError, match="dtype"):
+        model(x)
+    assert model(x.to(BF16)).dtype == BF16
+
+
+def test_unit_inputs_are_cast_so_fp32_activations_between_units_work() -> None:
+    class Promote(nn.Module):
+        """Adds an fp32 tensor between units: type promotion makes the activation fp32."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = MLPBlock(8)
+            self.b = MLPBlock(8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x) + torch.ones(8)  # bf16 + fp32 -> fp32
+            assert h.dtype == torch.float32
+            return self.b(h)
+
+    model = _wrap(Promote(), param_dtype=BF16)
+    assert model(torch.randn(2, 8)).dtype == BF16
+
+
+# ---- fp32 modules and buffers ----
+
+
+class _Normed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.ln = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 8)
+        self.register_buffer("offset", torch.full((8,), 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.ln(self.bn(self.fc(x)) + self.offset))
+
+
+def test_batchnorm_stays_fp32_by_default_and_returns_its_input_dtype() -> None:
+    inner = _Normed()
+    seen: dict[str, torch.dtype] = {}
+
+    def pre(module: nn.Module, args: tuple[torch.Tensor]) -> None:
+        seen["bn_in"] = args[0].dtype
+
+    def post(module: nn.Module, args: Any, out: torch.Tensor) -> None:
+        seen["bn_out"] = out.dtype
+
+    inner.bn.register_forward_pre_hook(pre)
+    inner.bn.register_forward_hook(post)
+    model = _wrap(inner, param_dtype=BF16)
+    assert inner.bn.weight.dtype == torch.float32
+    assert inner.bn.running_mean.dtype == torch.float32
+    assert inner.ln.weight.dtype == BF16  # norms other than BatchNorm follow param_dtype
+    assert inner.fc.weight.dtype == BF16
+    assert inner.offset.dtype == BF16  # floating buffers are cast with the policy
+    assert inner.bn.num_batches_tracked.dtype == torch.int64
+    out = model(torch.randn(4, 8))
+    assert out.dtype == BF16
+    # Hooks registered before wrapping see the module's own call: fp32 in, fp32 out; the
+    # policy's hooks around it cast back to the surrounding bf16.
+    assert seen == {"bn_in": torch.float32, "bn_out": torch.float32}
+    opt = model.make_optimizer(torch.optim.SGD, lr=0.1)
+    out.float().pow(2).mean().backward()
+    opt.step()
+    exported = model.full_state_dict()
+    assert exported["offset"].dtype == torch.float32  # original dtypes on export
+    torch.testing.assert_close(exported["offset"], torch.full((8,), 0.1), rtol=0, atol=1e-3)
+
+
+def test_listed_classes_are_kept_fp32() -> None:
+    inner = _Normed()
+    model = _wrap(inner, param_dtype=BF16, fp32_modules=(nn.LayerNorm,))
+    assert inner.ln.weight.dtype == torch.float32
+    assert inner.bn.weight.dtype == BF16  # the list replaces the default
+    assert inner.bn.running_var.dtype == BF16
+    assert model(torch.randn(4, 8)).dtype == BF16
+
+
+def test_a_bf16_model_trains_with_its_batchnorm_upcast() -> None:
+    inner = _Normed().to(BF16)
+    model = _wrap(inner, param_dtype=BF16)
+    assert inner.bn.weight.dtype == torch.float32
+    assert model(torch.randn(4, 8)).dtype == BF16
+
+
+# ---- no silent recasts ----
+
+
+def test_submodule_kept_in_bf16_in_an_fp32_model_is_named() -> None:
+    inner = _Normed()
+    inner.out.to(BF16)
+    with pytest.raises(MixedPrecisionError, match=r"'out\.weight' of 'out' is stored in torch\."):
+        _wrap(inner)
+    # Choosing the dtype in the policy is the fix the message names.
+    with pytest.raises(MixedPrecisionError, match=r"param_dtype=torch.bfloat16"):
+        _wrap(inner)
+
+
+def test_submodule_kept_in_fp32_in_a_bf16_model_is_named_and_can_be_kept() -> None:
+    inner = _Normed().to(BF16)
+    inner.out.float()
+    with pytest.raises(MixedPrecisionError, match=r"'out'.*add its class \(Linear\) to"):
+        _wrap(inner, param_dtype=BF16)
+    model = _wrap(inner, param_dtype=BF16, fp32_modules=(nn.Linear, nn.BatchNorm1d))
+    assert inner.out.weight.dtype == torch.float32
+    assert inner.fc.weight.dtype == torch.float32  # every Linear is listed
+    # fp32 modules hand their input's dtype back: the model stays a bf16 model outside them.
+    assert model(torch.randn(4, 8)).dtype == BF16
+
+
+def test_tied_parameter_inside_and_outside_fp32_modules_is_rejected() -> None:
+    inner = _Normed()
+    inner.ln.weight = inner.bn.weight
+    with pytest.raises(MixedPrecisionError, match=r"tied to"):
+        _wrap(inner, param_dtype=BF16)
+
+
+# ---- two ranks ----
+
+
+@pytest.mark.slow
+def test_float_input_mlp_trains_in_bf16_within_two_percent_of_fp32() -> None:
+    runs = run_on_ranks(float_mlp_runs, 2, 200, timeout_s=420)
+    assert runs[0] == runs[1]  # global losses
+    fp32 = runs[0]["fp32"]
+    assert fp32[-1] < 0.25 * fp32[0], fp32[::20]  # it learns
+    for key in ("bf16_zero3", "bf16_no_shard"):
+        bf16 = runs[0][key]
+        assert bf16 != fp32  # really computed in bf16
+        # Averages over the last 20 steps: the per-step loss moves with its batch.
+        tail, ref = sum(bf16[-20:]) / 20, sum(fp32[-20:]) / 20
+        assert abs(tail - ref) <= 0.02 * ref, (key, tail, ref)
+
+
+@pytest.fixture(scope="module")
+def reduce_runs() -> list[dict[str, Any]]:
+    return run_on_ranks(reduce_bytes, 2, timeout_s=300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", list(Strategy), ids=[s.value for s in Strategy])
+def test_bf16_reduce_moves_exactly_half_the_gradient_bytes(
+    reduce_runs: list[dict[str, Any]], strategy: Strategy
+) -> None:
+    op = "all_reduce" if strategy is Strategy.NO_SHARD else "reduce_scatter"
+    for rank in reduce_runs:
+        fp32 = rank[f"{strategy.value}/{torch.float32}"]
+        bf16 = rank[f"{strategy.value}/{BF16}"]
+        full, half = fp32["collectives"][op], bf16["collectives"][op]
+        assert full.count == half.count > 0
+        assert 2 * half.num_bytes == full.num_bytes
+        # Weight all-gathers are unchanged (bf16 compute weights either way).
+        gathers = [run["collectives"]["all_gather"] for run in (fp32, bf16)]
+        assert gathers[0].num_bytes == gathers[1].num_bytes
+    # bf16 communication rounds the gradients, nothing more: the weights stay close.
+    ref, got = (reduce_runs[0][f"{strategy.value}/{d}"]["weights"] for d in (torch.float32, BF16))
+    for name, value in ref.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=5e-3, msg=name)
