@@ -59,7 +59,7 @@ Module plan:
 from sharding._config import BufferSync, NoSyncMode, ShardingConfig, Strategy
 from sharding._groups import no_decay_groups
 from sharding._optimizer import DistributedOptimizer
-from sharding._precision import MixedPrecisionPolicy
+from sharding._precision import DynamicLossScale, MixedPrecisionPolicy
 from sharding._state_dict import ShardedTensor
 from sharding._stats import (
     CollectiveObserver,
@@ -74,6 +74,7 @@ __all__ = [
     "CollectiveObserver",
     "CollectiveTotals",
     "DistributedOptimizer",
+    "DynamicLossScale",
     "FullyShardedDataParallel",
     "MixedPrecisionPolicy",
     "NoSyncMode",

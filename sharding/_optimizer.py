@@ -15,6 +15,11 @@ element range even where a rank's shard spans parameters of several groups.
 The optimizer's sharded state dict is per parameter, not per chunk: each elementwise state
 tensor becomes `ShardedTensor` pieces in the model's flat form (`_state_dict.py`), so it
 reshards on load exactly like the weights.
+
+With a `loss_scale` in the mixed-precision policy the optimizer owns a `ShardedLossScaler`
+(`_scaler.py`): `scale_loss` multiplies the loss, `clip_grad_norm_` / `step` unscale once,
+an overflow anywhere skips the step on every rank, and the scale is saved under
+`"loss_scaler"` in the state dict.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 
 from sharding._engine import Engine
 from sharding._groups import group_runs, resolve_groups
+from sharding._scaler import ShardedLossScaler
 from sharding._state_dict import (
     StateDict,
     as_pieces,
@@ -48,6 +54,8 @@ __all__ = [
 CHUNK_NUMEL = 1 << 18
 GROUP_NAMES_KEY = "param_names"
 """Key of each saved parameter group's list of parameter names (checked on load)."""
+LOSS_SCALER_KEY = "loss_scaler"
+"""Key of the loss scaler's state (scale, growth tracker) when the policy has one."""
 
 
 class DistributedOptimizer:
@@ -97,6 +105,36 @@ class DistributedOptimizer:
         ]
         self.optimizer: torch.optim.Optimizer = optimizer_class(torch_groups, **kwargs)
         """The underlying torch optimizer (give it to LR schedulers); one group per user group."""
+        loss_scale = engine.config.precision.loss_scale
+        self.loss_scaler = (
+            ShardedLossScaler(loss_scale, engine.comm) if loss_scale is not None else None
+        )
+        """The dynamic loss scaler (`None` unless the policy has `loss_scale`)."""
+        self.last_step_skipped = False
+        """Whether the last `step()` was skipped because a gradient overflowed (loss scaling)."""
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without loss scaling)."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call `.backward()` on: multiplied by the loss scale when there is one.
+
+        Always correct to use (it returns `loss` itself without loss scaling); required when
+        the mixed-precision policy has `loss_scale` (fp16).
+        """
+        return self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+
+    def _settled_grads(self) -> list[torch.Tensor]:
+        """Every trained bucket's real, unscaled gradient (unscaling checks for overflow)."""
+        self._engine.check_no_stray_grads()
+        for bucket in self.buckets:
+            bucket.settle_grad()
+        grads = [g for b in self.buckets if (g := b.optimizer_grad()) is not None]
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_(grads)
+        return grads
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -149,12 +187,10 @@ class DistributedOptimizer:
             norm_type: the p of the p-norm (`math.inf` for the max norm).
 
         Returns:
-            The global norm before clipping, a float32 scalar tensor.
+            The global norm before clipping, a float32 scalar tensor (of the unscaled
+            gradients; inf when loss scaling found an overflow, and the step will be skipped).
         """
-        self._engine.check_no_stray_grads()
-        for bucket in self.buckets:
-            bucket.settle_grad()
-        grads = [g for b in self.buckets if (g := b.optimizer_grad()) is not None]
+        grads = self._settled_grads()
         sharded = self._engine.config.strategy.shards_optimizer
         device = self._engine.comm.device
         if math.isinf(norm_type):
@@ -171,6 +207,10 @@ class DistributedOptimizer:
             if sharded:
                 local_sum = self._engine.comm.sum_scalar(local_sum)
             total = (local_sum ** (1.0 / norm_type)).float()
+        if self.loss_scaler is not None and self.loss_scaler.found_inf:
+            # The step will be skipped; a NaN coefficient would also poison the alignment gaps
+            # of NO_SHARD's persistent gradient, which later steps never overwrite.
+            return total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coef)
@@ -178,10 +218,21 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One optimizer step on the shards, then refresh the model's weights."""
-        self._engine.check_no_stray_grads()
-        for bucket in self.buckets:
-            bucket.settle_grad()
+        """One optimizer step on the shards, then refresh the model's weights.
+
+        With loss scaling, a step whose gradients overflowed on any rank is skipped on every
+        rank (`last_step_skipped`) and the scale backs off.
+
+        Raises:
+            ShardingError: loss scaling is on and the loss was not passed to `scale_loss`.
+        """
+        self._settled_grads()
+        scaler = self.loss_scaler
+        self.last_step_skipped = scaler is not None and scaler.found_inf
+        if scaler is not None:
+            scaler.update()
+        if self.last_step_skipped:
+            return
         self._link_grads()
         self.optimizer.step()
         pending = [p for b in self._engine.buckets if (p := b.push_main_weights()) is not None]
@@ -244,17 +295,23 @@ def optimizer_sharded_state_dict(opt: DistributedOptimizer) -> StateDict:
                 for key, value in flat.items()
             }
     groups = opt.optimizer.state_dict()["param_groups"]
-    return {
+    out: StateDict = {
         "state": state,
         "param_groups": [
             {**_json_group(g), GROUP_NAMES_KEY: list(names)}
             for g, names in zip(groups, opt.group_names, strict=True)
         ],
     }
+    if opt.loss_scaler is not None:
+        out[LOSS_SCALER_KEY] = opt.loss_scaler.state_dict()
+    return out
 
 
 def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: StateDict) -> None:
     """Rebuild the torch optimizer's chunked state from per-parameter pieces."""
+    if opt.loss_scaler is not None and LOSS_SCALER_KEY in state_dict:
+        # A checkpoint without it (saved without loss scaling) keeps the initial scale.
+        opt.loss_scaler.load_state_dict(state_dict[LOSS_SCALER_KEY])
     saved_state: dict[str, dict[str, Any]] = state_dict.get("state", {})
     groups: Sequence[dict[str, Any]] = state_dict.get("param_groups", [])
     current = opt.optimizer.state_dict()

@@ -25,8 +25,11 @@ bf16/fp16 must compute in that dtype (or be upcast by `fp32_modules`); and where
 stored in mixed dtypes, its fp32 parameters were kept in fp32 on purpose, so they must be in
 `fp32_modules` rather than be lowered to `param_dtype`. An all-fp32 model is simply cast.
 
-fp16 compute is refused: without a loss scaler its small gradients underflow to zero
-silently; bf16 has fp32's exponent range and needs none.
+fp16 (compute or reduce) needs `loss_scale=DynamicLossScale()`: without loss scaling its
+small gradients underflow to zero silently (bf16 has fp32's exponent range and needs none).
+The sharded scaler (`_scaler.py`) multiplies the loss (`optimizer.scale_loss(loss)`), checks
+every rank's gradient shards for inf/NaN in one all-reduce, skips the step and backs the scale
+off on overflow, and grows it after `growth_interval` clean steps.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from torch.utils._pytree import tree_map
 from sharding.errors import MixedPrecisionError
 
 __all__ = [
+    "DynamicLossScale",
     "MixedPrecisionPolicy",
     "cast_floating",
     "check_stored_dtypes",
@@ -50,11 +54,56 @@ __all__ = [
 ]
 
 _LOW = (torch.bfloat16, torch.float16)
-_PARAM_DTYPES = (torch.float32, torch.bfloat16)
-_FP16_REFUSED = (
-    "float16 needs a loss scaler (its gradients underflow to zero silently without one), "
-    "which the engine does not have; use torch.bfloat16 (fp32's exponent range, no scaler)"
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP16_NEEDS_SCALER = (
+    "float16 needs loss scaling (its small gradients underflow to zero silently without "
+    "it): also pass loss_scale=DynamicLossScale() and train with "
+    "optimizer.scale_loss(loss).backward(), or use torch.bfloat16 (no scaler needed)"
 )
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class DynamicLossScale:
+    """Dynamic loss scaling for fp16 (as `torch.amp.GradScaler` and Megatron's scaler).
+
+    The loss is multiplied by the scale before backward; a step whose gradients (any shard,
+    any rank) hold inf/NaN is skipped and the scale multiplied by `backoff_factor`; after
+    `growth_interval` clean steps in a row it is multiplied by `growth_factor`.
+    """
+
+    init_scale: float = 2.0**16
+    """Scale of the first step."""
+    growth_factor: float = 2.0
+    """Factor (> 1) applied after `growth_interval` steps without overflow."""
+    backoff_factor: float = 0.5
+    """Factor (in (0, 1)) applied on overflow (the step is skipped)."""
+    growth_interval: int = 2000
+    """Clean steps in a row before the scale grows."""
+    min_scale: float = 1.0
+    """The scale never backs off below this."""
+
+    def __post_init__(self) -> None:
+        if not (0.0 < self.init_scale < float("inf")):
+            raise ValueError(
+                f"DynamicLossScale.init_scale must be positive and finite, got {self.init_scale}"
+            )
+        if not self.growth_factor > 1.0:
+            raise ValueError(
+                f"DynamicLossScale.growth_factor must be > 1, got {self.growth_factor}"
+            )
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(
+                f"DynamicLossScale.backoff_factor must be in (0, 1), got {self.backoff_factor}"
+            )
+        if self.growth_interval < 1:
+            raise ValueError(
+                f"DynamicLossScale.growth_interval must be >= 1, got {self.growth_interval}"
+            )
+        if not 0.0 < self.min_scale <= self.init_scale:
+            raise ValueError(
+                f"DynamicLossScale.min_scale must be in (0, init_scale={self.init_scale}], "
+                f"got {self.min_scale}"
+            )
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -70,10 +119,12 @@ class MixedPrecisionPolicy:
     """
 
     param_dtype: torch.dtype = torch.float32
-    """Compute dtype of the model weights: `torch.float32` or `torch.bfloat16`."""
+    """Compute dtype of the model weights: `torch.float32`, `torch.bfloat16`, or
+    `torch.float16` (with `loss_scale`)."""
     reduce_dtype: torch.dtype = torch.float32
-    """Dtype gradients are reduce-scattered / all-reduced in (`torch.float32` or
-    `torch.bfloat16`, which halves the bytes); they accumulate into fp32 either way."""
+    """Dtype gradients are reduce-scattered / all-reduced in (`torch.float32`;
+    `torch.bfloat16` halves the bytes; `torch.float16` with `loss_scale`); they accumulate
+    into fp32 main gradients either way."""
     output_dtype: torch.dtype | None = None
     """Dtype the wrapper's floating-point outputs are cast to; `None` leaves them as computed."""
     cast_forward_inputs: bool = True
@@ -83,17 +134,24 @@ class MixedPrecisionPolicy:
     """Module classes whose instances (and everything inside them) compute, keep buffers and
     reduce in fp32; they cast floating inputs to fp32 and outputs back to the input's dtype.
     Default: every BatchNorm (and SyncBatchNorm)."""
+    loss_scale: DynamicLossScale | None = None
+    """Dynamic loss scaling (required with float16); `None`: no scaling."""
 
     def __post_init__(self) -> None:
+        if self.loss_scale is not None and not isinstance(self.loss_scale, DynamicLossScale):
+            raise ValueError(
+                "MixedPrecisionPolicy.loss_scale must be a sharding.DynamicLossScale or None, "
+                f"got {self.loss_scale!r}"
+            )
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
-            if value == torch.float16:
-                raise ValueError(f"MixedPrecisionPolicy.{name}=torch.float16: {_FP16_REFUSED}")
-            if value not in _PARAM_DTYPES:
+            if value not in _DTYPES:
                 raise ValueError(
-                    f"MixedPrecisionPolicy.{name} must be torch.float32 or torch.bfloat16, "
-                    f"got {value!r}"
+                    f"MixedPrecisionPolicy.{name} must be torch.float32, torch.bfloat16 or "
+                    f"torch.float16, got {value!r}"
                 )
+            if value == torch.float16 and self.loss_scale is None:
+                raise ValueError(f"MixedPrecisionPolicy.{name}=torch.float16: {_FP16_NEEDS_SCALER}")
         out = self.output_dtype
         if out is not None and not (isinstance(out, torch.dtype) and out.is_floating_point):
             raise ValueError(

@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from sharding import (
+    DynamicLossScale,
     FullyShardedDataParallel,
     MixedPrecisionPolicy,
     ShardingConfig,
     Strategy,
 )
-from sharding.errors import MixedPrecisionError
+from sharding.errors import MixedPrecisionError, ShardingError
 from tests.sharding._helpers import single_thread
 from tests.sharding._precision_ranks import (
     MLPBlock,
@@ -44,10 +45,11 @@ def _one_thread() -> Iterator[None]:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"param_dtype": torch.float16}, "param_dtype=torch.float16: float16 needs a loss scaler"),
-        ({"reduce_dtype": torch.float16}, "reduce_dtype=torch.float16: float16 needs a loss"),
-        ({"param_dtype": torch.int8}, "param_dtype must be torch.float32 or torch.bfloat16"),
-        ({"reduce_dtype": torch.float64}, "reduce_dtype must be torch.float32 or"),
+        ({"param_dtype": torch.float16}, r"param_dtype=torch.float16: .*loss_scale=DynamicLoss"),
+        ({"reduce_dtype": torch.float16}, r"reduce_dtype=torch.float16: float16 needs loss sca"),
+        ({"param_dtype": torch.int8}, "param_dtype must be torch.float32, torch.bfloat16 or"),
+        ({"reduce_dtype": torch.float64}, "reduce_dtype must be torch.float32"),
+        ({"loss_scale": 2.0**16}, "loss_scale must be a sharding.DynamicLossScale"),
         ({"output_dtype": torch.int64}, "output_dtype must be a floating-point"),
         ({"fp32_modules": (nn.LayerNorm(4),)}, r"fp32_modules must be a tuple of nn.Module"),
         ({"fp32_modules": nn.LayerNorm}, r"fp32_modules must be a tuple"),
@@ -58,6 +60,22 @@ def test_invalid_policies_say_how_to_fix(kwargs: dict[str, Any], match: str) -> 
         MixedPrecisionPolicy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"init_scale": 0.0}, "init_scale must be positive and finite"),
+        ({"init_scale": float("inf")}, "init_scale must be positive and finite"),
+        ({"growth_factor": 1.0}, "growth_factor must be > 1"),
+        ({"backoff_factor": 1.0}, r"backoff_factor must be in \(0, 1\)"),
+        ({"growth_interval": 0}, "growth_interval must be >= 1"),
+        ({"min_scale": 2.0**20}, r"min_scale must be in \(0, init_scale"),
+    ],
+)
+def test_invalid_loss_scales_say_how_to_fix(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DynamicLossScale(**kwargs)
+
+
 def test_config_param_dtype_is_a_shorthand_for_the_policy() -> None:
     assert ShardingConfig().precision == MixedPrecisionPolicy()
     assert ShardingConfig(param_dtype=BF16).precision == MixedPrecisionPolicy(param_dtype=BF16)
@@ -65,7 +83,7 @@ def test_config_param_dtype_is_a_shorthand_for_the_policy() -> None:
     cfg = ShardingConfig(mixed_precision=policy)
     assert cfg.param_dtype == BF16  # mirrors the policy for readers of the shorthand
     assert cfg.precision is policy
-    with pytest.raises(ValueError, match=r"param_dtype: .*float16 needs a loss scaler"):
+    with pytest.raises(ValueError, match=r"param_dtype: .*float16 needs loss scaling"):
         ShardingConfig(param_dtype=torch.float16)
     with pytest.raises(ValueError, match=r"contradicts mixed_precision\.param_dtype"):
         ShardingConfig(param_dtype=BF16, mixed_precision=MixedPrecisionPolicy())
@@ -231,14 +249,26 @@ def test_tied_parameter_inside_and_outside_fp32_modules_is_rejected() -> None:
 def test_float_input_mlp_trains_in_bf16_within_two_percent_of_fp32() -> None:
     runs = run_on_ranks(float_mlp_runs, 2, 200, timeout_s=420)
     assert runs[0] == runs[1]  # global losses
-    fp32 = runs[0]["fp32"]
+    fp32 = runs[0]["fp32"]["losses"]
     assert fp32[-1] < 0.25 * fp32[0], fp32[::20]  # it learns
+    ref = sum(fp32[-20:]) / 20
     for key in ("bf16_zero3", "bf16_no_shard"):
-        bf16 = runs[0][key]
+        bf16 = runs[0][key]["losses"]
         assert bf16 != fp32  # really computed in bf16
         # Averages over the last 20 steps: the per-step loss moves with its batch.
-        tail, ref = sum(bf16[-20:]) / 20, sum(fp32[-20:]) / 20
+        tail = sum(bf16[-20:]) / 20
         assert abs(tail - ref) <= 0.02 * ref, (key, tail, ref)
+    for key in ("fp16_zero3", "fp16_no_shard"):
+        run = runs[0][key]
+        assert run["finite"], key
+        # The initial scale of 2**30 overflows: the first steps are skipped on both ranks.
+        assert run["skipped"][0]
+        assert sum(run["skipped"]) >= 10, run["skipped"]
+        assert run["skipped"] == runs[1][key]["skipped"]
+        assert run["scale"] == runs[1][key]["scale"] < 2.0**30
+        # Skipped steps delay it; it still ends near the fp32 run.
+        tail = sum(run["losses"][-20:]) / 20
+        assert abs(tail - ref) <= 0.1 * ref, (key, tail, ref)
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +295,100 @@ def test_bf16_reduce_moves_exactly_half_the_gradient_bytes(
     ref, got = (reduce_runs[0][f"{strategy.value}/{d}"]["weights"] for d in (torch.float32, BF16))
     for name, value in ref.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=5e-3, msg=name)
+
+
+# ---- fp16 with the sharded loss scaler (world size 1) ----
+
+
+def _fp16(strategy: Strategy, **scale: Any) -> tuple[Any, Any]:
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, loss_scale=DynamicLossScale(**scale))
+    model = FullyShardedDataParallel(
+        make_mlp(),
+        ShardingConfig(strategy=strategy, unit_modules=(MLPBlock,), mixed_precision=policy),
+    )
+    return model, model.make_optimizer(torch.optim.AdamW, lr=1e-3)
+
+
+def _step(model: Any, opt: Any, step: int, *, clip: bool = False) -> None:
+    x, y = regression_batch(step, 0)
+    opt.scale_loss(nn.functional.mse_loss(model(x).float(), y)).backward()
+    if clip:
+        opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("strategy", list(Strategy), ids=[s.value for s in Strategy])
+def test_overflow_skips_the_step_and_backs_off(strategy: Strategy) -> None:
+    model, opt = _fp16(strategy, init_scale=2.0**40)
+    before = model.full_state_dict()
+    _step(model, opt, 0, clip=True)
+    assert opt.last_step_skipped
+    assert opt.loss_scale == 2.0**39
+    assert opt.loss_scaler.num_skipped_steps == 1
+    after = model.full_state_dict()
+    for name, value in before.items():
+        assert torch.equal(after[name], value), name  # a skipped step changes nothing
+    while opt.last_step_skipped:
+        _step(model, opt, 1, clip=True)
+    scale = opt.loss_scale
+    assert scale <= 2.0**17  # fp16's range: the scale came down to where gradients fit
+    changed = model.full_state_dict()
+    assert any(not torch.equal(changed[n], v) for n, v in before.items())
+    assert all(bool(torch.isfinite(v).all()) for v in model.full_state_dict().values())
+
+
+def test_scale_grows_after_growth_interval_clean_steps() -> None:
+    model, opt = _fp16(Strategy.OPTIM_GRADS, init_scale=2.0**8, growth_interval=2)
+    _step(model, opt, 0)
+    assert (opt.loss_scale, opt.loss_scaler.growth_tracker) == (2.0**8, 1)
+    _step(model, opt, 1)
+    assert (opt.loss_scale, opt.loss_scaler.growth_tracker) == (2.0**9, 0)
+    assert opt.loss_scaler.num_skipped_steps == 0
+
+
+def test_gradients_are_unscaled_before_clipping() -> None:
+    # The global norm clip_grad_norm_ returns is of the unscaled gradients: the same for any
+    # scale that neither overflows nor underflows, and close to the fp32 model's.
+    x, y = regression_batch(0, 0)
+    norms = []
+    for init in (2.0**6, 2.0**12):
+        model, opt = _fp16(Strategy.OPTIM_GRADS_PARAMS, init_scale=init)
+        opt.scale_loss(nn.functional.mse_loss(model(x).float(), y)).backward()
+        norms.append(float(opt.clip_grad_norm_(1e9)))
+        assert opt.loss_scale == init
+    fp32 = _wrap(make_mlp(), Strategy.OPTIM_GRADS_PARAMS)
+    fp32_opt = fp32.make_optimizer(torch.optim.SGD, lr=0.1)
+    nn.functional.mse_loss(fp32(x), y).backward()
+    ref = float(fp32_opt.clip_grad_norm_(1e9))
+    assert abs(norms[0] - norms[1]) <= 1e-3 * norms[1], norms
+    assert abs(norms[1] - ref) <= 1e-2 * ref, (norms, ref)
+
+
+def test_unscaled_loss_is_refused_with_loss_scaling() -> None:
+    model, opt = _fp16(Strategy.OPTIM_GRADS_PARAMS)
+    x, y = regression_batch(0, 0)
+    nn.functional.mse_loss(model(x).float(), y).backward()
+    with pytest.raises(ShardingError, match=r"optimizer\.scale_loss\(loss\)\.backward\(\)"):
+        opt.step()
+
+
+def test_scale_is_saved_and_restored_with_the_optimizer() -> None:
+    model, opt = _fp16(Strategy.OPTIM_GRADS_PARAMS, init_scale=2.0**40)
+    _step(model, opt, 0)
+    state = opt.sharded_state_dict()
+    assert state["loss_scaler"] == {
+        "scale": 2.0**39,
+        "growth_tracker": 0,
+        "num_skipped_steps": 1,
+    }
+    _, fresh = _fp16(Strategy.OPTIM_GRADS_PARAMS, init_scale=2.0**40)
+    fresh.load_sharded_state_dict(state)
+    assert fresh.loss_scale == 2.0**39
+    assert fresh.loss_scaler.num_skipped_steps == 1
+    # Without loss scaling the optimizer has no scaler state and scale_loss is the identity.
+    plain = _wrap(make_mlp()).make_optimizer(torch.optim.SGD, lr=0.1)
+    assert "loss_scaler" not in plain.sharded_state_dict()
+    loss = torch.ones(())
+    assert plain.scale_loss(loss) is loss
+    assert plain.loss_scale == 1.0

@@ -12,6 +12,7 @@ def test_all_is_pinned_and_documented() -> None:
         "CollectiveObserver",
         "CollectiveTotals",
         "DistributedOptimizer",
+        "DynamicLossScale",
         "FullyShardedDataParallel",
         "MixedPrecisionPolicy",
         "NoSyncMode",
