@@ -171,7 +171,12 @@ def run_training(
         control: stop and checkpoint requests.
     """
     from ckpt_manager import CheckpointManager, RankLocal
-    from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
+    from sharding import (
+        FullyShardedDataParallel,
+        MixedPrecisionPolicy,
+        ShardingConfig,
+        Strategy,
+    )
 
     tc = cfg.train
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -180,12 +185,18 @@ def run_training(
     micro_batches = cfg.micro_batches_at(world)
 
     # --- build: sharded model, optimizer, schedule, loader, checkpoint manager ------------------
+    precision = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, tc.param_dtype.value),
+        reduce_dtype=getattr(torch, tc.reduce_dtype.value),
+        output_dtype=torch.float32,  # the job's loss sees fp32 logits
+    )
     model = FullyShardedDataParallel(
         job.model,
         ShardingConfig(
             strategy=Strategy(tc.strategy.value),
             unit_modules=job.unit_modules,
             max_inflight_reductions=tc.max_inflight_reductions,
+            mixed_precision=precision,
         ),
         observer=telemetry,
     )

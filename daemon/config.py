@@ -24,6 +24,7 @@ __all__ = [
     "DaemonConfig",
     "LaunchSettings",
     "ObservabilitySettings",
+    "Precision",
     "Strategy",
     "TrainSettings",
 ]
@@ -40,6 +41,19 @@ class Strategy(enum.StrEnum):
     """Sharded optimizer state and gradients (ZeRO-2)."""
     OPTIM_GRADS_PARAMS = "optim_grads_params"
     """Everything sharded (ZeRO-3)."""
+
+
+class Precision(enum.StrEnum):
+    """Dtypes the daemon's model may compute or reduce gradients in (`torch.<value>`).
+
+    float16 is not offered: it needs loss scaling (`sharding.DynamicLossScale`), and the
+    daemon's loop calls `loss.backward()` on the unscaled loss.
+    """
+
+    FLOAT32 = "float32"
+    """Full precision."""
+    BFLOAT16 = "bfloat16"
+    """bf16: fp32's exponent range, half the bytes; main weights stay fp32."""
 
 
 class AsyncMode(enum.StrEnum):
@@ -154,6 +168,12 @@ class TrainSettings:
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
     strategy: Strategy = Strategy.OPTIM_GRADS_PARAMS
     """Sharding strategy."""
+    param_dtype: Precision = Precision.FLOAT32
+    """Compute dtype of the model (`float32` or `bfloat16`; float inputs are cast to it, the
+    logits handed to the loss are fp32, main weights and optimizer state stay fp32)."""
+    reduce_dtype: Precision = Precision.FLOAT32
+    """Dtype of the gradient reduce-scatter / all-reduce (`bfloat16` halves its bytes;
+    gradients still accumulate in fp32)."""
     batch_size: int = 8
     """Sequences per micro-batch per rank."""
     micro_batches: int = 1

@@ -8,16 +8,17 @@ Gradients are pre-divided by the world size and summed by the collective, as DDP
 a power-of-two world size the division is exact, so the result equals DDP's bit for bit).
 
 * grads-sharded strategies (`OPTIM_GRADS`, `OPTIM_GRADS_PARAMS`): every micro-batch, the
-  unit's gradients are packed into a fresh fp32 bucket and reduce-scattered. The first
-  reduction after `zero_grad` writes straight into the persistent fp32 shard; later ones go
-  to a temporary shard that is added into it once the collective is done.
+  unit's gradients are packed into a fresh `reduce_dtype` bucket and reduce-scattered. In
+  fp32, the first reduction after `zero_grad` writes straight into the fp32 shard; later ones
+  (and bf16 ones) go to a temporary shard copied or added into it after the collective.
   With `NoSyncMode.ACCUMULATE_UNSHARDED`, micro-batches inside `no_sync()` only add into
   the bucket's whole fp32 `held_grad`; the next one outside adds its own and is reduced
   as above, once.
 * `NO_SHARD` / `OPTIM`: gradients are accumulated locally into the whole fp32 main gradient;
   on the last micro-batch it is scaled and all-reduced in place (`NO_SHARD`) or
   reduce-scattered into the shard the optimizer reads (`OPTIM`, whose local buffer then
-  counts as empty again).
+  counts as empty again); with a bf16 `reduce_dtype` a bf16 copy is reduced instead and the
+  result copied or added back into fp32.
 
 At most `max_inflight` reductions are in flight: the oldest is waited on (and finished)
 before another is issued. `drain()` at the end of backward waits for the rest.

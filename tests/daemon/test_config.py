@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from daemon._config_load import KEYS, config_reference, dump_toml, load_config
-from daemon.config import AsyncMode, DaemonConfig, Strategy
+from daemon.config import AsyncMode, DaemonConfig, Precision, Strategy
 from daemon.errors import ConfigError
 
 BIN = Path(sys.executable).parent
@@ -64,6 +65,7 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
         ({}, {}, "[train]\nmax_steps = -4\n", r"max_steps=-4: use 0 or more \(from .*c.toml"),
         ({"max_steps": "ten"}, {}, "", r"'ten' \(from --max-steps\) is invalid: use an int"),
         ({"async_mode": "later"}, {}, "", r"use one of persistent, temporal, sync"),
+        ({"param_dtype": "float16"}, {}, "", r"use one of float32, bfloat16"),
         ({}, {}, "[train]\nmax_steps = 1.5\n", r"use an integer"),
         ({"nnodes": "2"}, {}, "", r"rdzv_endpoint is empty"),
         ({"metrics_port": "70000"}, {}, "", r"metrics_port=70000"),
@@ -118,6 +120,9 @@ def test_enum_values_match_the_engines() -> None:
 
     assert {s.value for s in Strategy} == {s.value for s in sharding.Strategy}
     assert {m.value for m in AsyncMode} == {m.value for m in ckpt_manager._config.AsyncMode}
+    for precision in Precision:  # each names a dtype the engine's policy accepts
+        dtype = getattr(torch, precision.value)
+        sharding.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
 
 
 def test_config_show_prints_effective_toml_and_bad_config_exits_2(tmp_path: Path) -> None:

@@ -17,13 +17,12 @@ from tests.support.dist import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 
-def test_worker_trains_and_checkpoints_under_torchrun_without_a_run_dir(tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    out = subprocess.run(
+def _torchrun_worker(tmp_path: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [
             str(BIN / "torchrun"),
             "--nproc-per-node",
-            "1",
+            str(nproc),
             "--master-addr",
             "127.0.0.1",
             "--master-port",
@@ -39,7 +38,8 @@ def test_worker_trains_and_checkpoints_under_torchrun_without_a_run_dir(tmp_path
             "--warmup-steps",
             "1",
             "--ckpt-uri",
-            str(root),
+            str(tmp_path / "ckpt"),
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -47,6 +47,18 @@ def test_worker_trains_and_checkpoints_under_torchrun_without_a_run_dir(tmp_path
         cwd=tmp_path,
         check=False,
     )
+
+
+def test_worker_trains_and_checkpoints_under_torchrun_without_a_run_dir(tmp_path: Path) -> None:
+    out = _torchrun_worker(tmp_path, 1)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert committed_steps(root) == [2, 4]
+    assert committed_steps(tmp_path / "ckpt") == [2, 4]
     assert not (tmp_path / "ranks").exists()  # no snapshot files anywhere
+
+
+def test_worker_trains_in_bf16_with_bf16_gradient_reduction(tmp_path: Path) -> None:
+    out = _torchrun_worker(
+        tmp_path, 2, "--param-dtype", "bfloat16", "--reduce-dtype", "bfloat16", "--lr", "0.001"
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert committed_steps(tmp_path / "ckpt") == [2, 4]
