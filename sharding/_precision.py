@@ -50,6 +50,7 @@ __all__ = [
     "cast_floating",
     "check_stored_dtypes",
     "compute_dtypes",
+    "fp32_module_ids",
     "keep_fp32",
 ]
 
@@ -179,6 +180,11 @@ def _fp32_roots(module: nn.Module, policy: MixedPrecisionPolicy) -> list[tuple[s
             continue
         roots.append((name, sub))
     return roots
+
+
+def fp32_module_ids(module: nn.Module, policy: MixedPrecisionPolicy) -> set[int]:
+    """`id` of every module that computes in fp32 (the `fp32_modules` roots and their insides)."""
+    return {id(m) for _, root in _fp32_roots(module, policy) for m in root.modules()}
 
 
 def _in_fp32(name: str, roots: list[str]) -> bool:

@@ -20,7 +20,13 @@ from sharding._layout import build_layout, detect_unit_classes
 from sharding._module_buffers import ModuleBuffers
 from sharding._optimizer import DistributedOptimizer
 from sharding._param import engine_access
-from sharding._precision import cast_floating, check_stored_dtypes, compute_dtypes, keep_fp32
+from sharding._precision import (
+    cast_floating,
+    check_stored_dtypes,
+    compute_dtypes,
+    fp32_module_ids,
+    keep_fp32,
+)
 from sharding._state_dict import (
     StateDict,
     full_state_dict,
@@ -166,6 +172,8 @@ class FullyShardedDataParallel(nn.Module):
         engine = self._engine
         cast_inputs = self.precision.cast_forward_inputs
         param_dtype = self.precision.param_dtype
+        # Units inside fp32 modules get their inputs from those modules' fp32 casts.
+        in_fp32 = fp32_module_ids(self.module, self.precision)
 
         def check_wrapped(module: nn.Module, args: Any) -> None:
             engine.check_wrapped()
@@ -183,7 +191,7 @@ class FullyShardedDataParallel(nn.Module):
 
             unit.register_forward_pre_hook(pre_forward, prepend=True, with_kwargs=True)
             unit.register_forward_hook(post_forward)
-            if cast_inputs:
+            if cast_inputs and id(unit) not in in_fp32:
                 # Runs first, so the engine sees (and routes backward through) the cast inputs.
 
                 def cast(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:

@@ -210,6 +210,19 @@ def test_a_bf16_model_trains_with_its_batchnorm_upcast() -> None:
     assert model(torch.randn(4, 8)).dtype == BF16
 
 
+def test_a_unit_class_can_be_kept_fp32() -> None:
+    inner = make_mlp()
+    model = _wrap(inner, param_dtype=BF16, fp32_modules=(MLPBlock,))
+    assert inner[1].fc.weight.dtype == torch.float32
+    assert inner[0].weight.dtype == BF16
+    x, y = regression_batch(0, 0)
+    out = model(x)
+    assert out.dtype == BF16
+    opt = model.make_optimizer(torch.optim.SGD, lr=0.1)
+    nn.functional.mse_loss(out.float(), y).backward()
+    opt.step()
+
+
 # ---- no silent recasts ----
 
 
