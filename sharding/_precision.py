@@ -235,7 +235,7 @@ def check_stored_dtypes(
         MixedPrecisionError: naming the module and how to fix it.
     """
     named = list(module.named_parameters())
-    mixed = any(p.dtype != torch.float32 for _, p in named)
+    mixed = any(p.dtype in _LOW for _, p in named)
     for name, param in named:
         stored, compute = param.dtype, dtypes[id(param)]
         if stored == compute:
@@ -253,10 +253,15 @@ def check_stored_dtypes(
                 " to MixedPrecisionPolicy.fp32_modules to keep it in fp32, or convert it to "
                 f"{compute} before wrapping"
             )
-        else:
+        elif stored in _DTYPES:
             hint = (
                 f"set MixedPrecisionPolicy(param_dtype={stored}) or convert it with "
                 f".to({compute}) before wrapping"
+            )
+        else:
+            hint = (
+                f"convert it with .to({compute}) before wrapping (the engine computes in "
+                "torch.float32, torch.bfloat16 or torch.float16)"
             )
         raise MixedPrecisionError(
             f"parameter {name!r} of {_owner(name)} is stored in {stored} but would compute in "
