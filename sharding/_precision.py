@@ -10,8 +10,9 @@
   `param_dtype` layers. LayerNorm/RMSNorm follow `param_dtype` by default (torch's kernels
   accumulate in fp32 anyway, as FSDP2 and Megatron run them); list them to keep them fp32;
 * gradient communication (`reduce_dtype`): each bucket is packed, pre-divided and reduced
-  in it, then added into the fp32 main gradient; bf16 halves the bytes on the wire. Buckets
-  of `fp32_modules` always reduce in fp32;
+  in it, then added into the fp32 main gradient; bf16 halves the bytes on the wire. It
+  applies to every bucket, fp32 modules' included (their gradients are tiny; one rule keeps
+  the byte count exactly half);
 * outputs (`output_dtype`): the wrapper's floating outputs are cast to it (e.g. fp32 logits
   for the loss); `None` leaves them as computed.
 
@@ -132,8 +133,8 @@ class MixedPrecisionPolicy:
     """Cast floating-point tensors among the wrapper's and each unit's forward arguments to
     `param_dtype` (integer tensors such as token ids are untouched)."""
     fp32_modules: tuple[type[nn.Module], ...] = (_BatchNorm,)
-    """Module classes whose instances (and everything inside them) compute, keep buffers and
-    reduce in fp32; they cast floating inputs to fp32 and outputs back to the input's dtype.
+    """Module classes whose instances (and everything inside them) compute and keep floating
+    buffers in fp32; they cast floating inputs to fp32 and outputs back to the input's dtype.
     Default: every BatchNorm (and SyncBatchNorm)."""
     loss_scale: DynamicLossScale | None = None
     """Dynamic loss scaling (required with float16); `None`: no scaling."""
