@@ -232,6 +232,8 @@ class DistributedOptimizer:
         if scaler is not None:
             scaler.update()
         if self.last_step_skipped:
+            # A skipped step is still a step for the queue-depth peaks.
+            self._engine.stats.end_step()
             return
         self._link_grads()
         self.optimizer.step()

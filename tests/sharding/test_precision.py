@@ -359,6 +359,14 @@ def test_overflow_skips_the_step_and_backs_off(strategy: Strategy) -> None:
     assert all(bool(torch.isfinite(v).all()) for v in model.full_state_dict().values())
 
 
+def test_a_skipped_step_still_ends_a_step_for_the_queue_peaks() -> None:
+    model, opt = _fp16(Strategy.OPTIM_GRADS, init_scale=2.0**40)
+    _step(model, opt, 0)
+    assert opt.last_step_skipped
+    # The skipped step's reductions are reported as the last completed step's peak.
+    assert model.stats.snapshot().queue_depth_step_peak["reduce"] >= 1
+
+
 def test_scale_grows_after_growth_interval_clean_steps() -> None:
     model, opt = _fp16(Strategy.OPTIM_GRADS, init_scale=2.0**8, growth_interval=2)
     _step(model, opt, 0)
