@@ -8,7 +8,9 @@ Module plan:
     cli.py           `trainingd` console script: `run`, `config show`.
     config.py        frozen per-component settings (`DaemonConfig` and its four sections).
     _config_load.py  TOML + `TRAININGD_*` + flags -> `DaemonConfig`; precedence, messages.
-    _preflight.py    start-up checks (job importable, storage reachable and writable) -> exit 2.
+    _preflight.py    start-up checks (job importable, storage reachable and writable, the
+                     device available) -> exit 2.
+    _device.py       `device` auto|cpu|cuda -> this rank's torch device and collective backend.
     _run.py          the daemon process: HTTP server, signals, supervisor, elastic agent.
     _elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
     _supervisor.py   supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.

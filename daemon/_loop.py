@@ -21,6 +21,11 @@ Checkpoint calls go through `SaveFailurePolicy` (`_save_failures.py`): a failed 
 reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
 The final save of the drain is retried once and must commit, else the run fails.
 
+On CUDA (`device`, see `daemon/_device.py`) the model lives on the rank's GPU before the engine
+wraps it, batches come from pinned host memory and are copied with `non_blocking=True` (the
+copy overlaps the host's work on the next micro-batch), and the per-step agreement tensor lives
+on the device, as NCCL requires. The CUDA RNG state is saved with the CPU one.
+
 A run that reached `max_steps` ends with the job's `sample` (if it has one): every rank takes
 part in gathering the full weights (`full_state_dict`, collective), rank 0 calls the hook.
 """
@@ -84,13 +89,19 @@ def _lr_lambda(cfg: DaemonConfig) -> Any:
     return factor
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state(device: torch.device) -> dict[str, Any]:
     version, internal, gauss = random.getstate()
-    return {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
+    # A checkpoint written on the CPU has no CUDA stream: the device keeps its seeded one.
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
     version, internal, gauss = state["python"]
     random.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
@@ -136,7 +147,9 @@ def make_optimizer(
     return model.make_optimizer(torch.optim.AdamW, groups, lr=lr, weight_decay=weight_decay)
 
 
-def _materialize_optimizer_state(model: Any, optimizer: Any, job: JobSpec) -> None:
+def _materialize_optimizer_state(
+    model: Any, optimizer: Any, job: JobSpec, device: torch.device
+) -> None:
     """Give the optimizer its state tensors so a restore template has places for them.
 
     [Note: the restore template needs optimizer state] `restore(into=template)` fills only the
@@ -147,8 +160,8 @@ def _materialize_optimizer_state(model: Any, optimizer: Any, job: JobSpec) -> No
     and param groups included, so nothing of this step survives.
     """
     samples = [job.train_data[i] for i in range(min(2, len(job.train_data)))]
-    inputs = torch.stack([x for x, _ in samples])
-    targets = torch.stack([y for _, y in samples])
+    inputs = torch.stack([x for x, _ in samples]).to(device)
+    targets = torch.stack([y for _, y in samples]).to(device)
     loss = job.loss_fn(model(inputs), targets) * 0.0
     loss.backward()  # type: ignore[no-untyped-call]
     optimizer.step()
@@ -161,6 +174,7 @@ def run_training(
     *,
     telemetry: RankTelemetry | NullTelemetry,
     control: RankControl,
+    device: torch.device | None = None,
 ) -> LoopResult:
     """Train this rank until `max_steps` or an agreed stop; the process group must exist.
 
@@ -169,6 +183,8 @@ def run_training(
         job: model, data and loss from the job callable.
         telemetry: where metrics go (`NullTelemetry`: record nothing).
         control: stop and checkpoint requests.
+        device: where the model and batches live (None: the CPU); on CUDA the process group
+            must be NCCL and `torch.cuda.set_device(device)` done.
     """
     from ckpt_manager import CheckpointManager, RankLocal
     from sharding import (
@@ -183,6 +199,8 @@ def run_training(
     # Elastic jobs keep the global batch at any world size ([Note: an elastic job keeps its
     # global batch] in `daemon/config.py`); fixed ones accumulate `micro_batches`.
     micro_batches = cfg.micro_batches_at(world)
+    device = torch.device("cpu") if device is None else device
+    on_cuda = device.type == "cuda"
 
     # --- build: sharded model, optimizer, schedule, loader, checkpoint manager ------------------
     precision = MixedPrecisionPolicy(
@@ -191,7 +209,7 @@ def run_training(
         output_dtype=torch.float32,  # the job's loss sees fp32 logits
     )
     model = FullyShardedDataParallel(
-        job.model,
+        job.model.to(device),
         ShardingConfig(
             strategy=Strategy(tc.strategy.value),
             unit_modules=job.unit_modules,
@@ -203,7 +221,12 @@ def run_training(
     optimizer = make_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, _lr_lambda(cfg))
     loader = ShardedLoader(
-        job.train_data, batch_size=tc.batch_size, rank=rank, world_size=world, seed=tc.seed
+        job.train_data,
+        batch_size=tc.batch_size,
+        rank=rank,
+        world_size=world,
+        seed=tc.seed,
+        pin_memory=on_cuda,
     )
     manager = CheckpointManager(
         cfg.checkpoint.ckpt_uri, _checkpoint_config(cfg), run_id=cfg.run_id, observer=telemetry
@@ -215,7 +238,7 @@ def run_training(
             "optimizer": optimizer.sharded_state_dict(),
             "scheduler": scheduler.state_dict(),
             "data": loader.state_dict(),
-            "rng": RankLocal(_rng_state()),
+            "rng": RankLocal(_rng_state(device)),
         }
 
     with manager:
@@ -223,7 +246,7 @@ def run_training(
         telemetry.heartbeat("restoring")
         t0 = time.perf_counter()
         if _checkpoint_exists(manager):
-            _materialize_optimizer_state(model, optimizer, job)
+            _materialize_optimizer_state(model, optimizer, job, device)
         # [Note: ranks beat while restoring] Every read from storage beats the heartbeat
         # behind /healthz (published at most every `publish_interval_s`), so a restore of any
         # length stays healthy while bytes arrive, and one stuck in a read goes stale after
@@ -241,7 +264,7 @@ def run_training(
             rng = restored.state["rng"]
             rng = rng.value if isinstance(rng, RankLocal) else rng
             if rng is not None:
-                _set_rng_state(rng)
+                _set_rng_state(rng, device)
             log.info("restored", ckpt_step=step, seconds=round(time.perf_counter() - t0, 3))
             telemetry.observe("trainingd_ckpt_restore_seconds", time.perf_counter() - t0)
         start_step, saved_step, last_loss, stopped = step, step, None, False
@@ -260,7 +283,7 @@ def run_training(
         )
         # A stop requested before the first step (e.g. during a restart of the group while the
         # node drains) ends the run here, at the restored step, without training further.
-        early = torch.tensor([float(control.stop_requested())])
+        early = torch.tensor([float(control.stop_requested())], device=device)
         dist.all_reduce(early)
         stopped = bool(early[0] > 0)
         if stopped:
@@ -269,7 +292,10 @@ def run_training(
         while step < tc.max_steps and not stopped:
             step_start = time.perf_counter()
             # --- data ---------------------------------------------------------------------------
-            batches = [loader.next_batch() for _ in range(micro_batches)]
+            batches = [
+                tuple(t.to(device, non_blocking=True) for t in loader.next_batch())
+                for _ in range(micro_batches)
+            ]
             data_s = time.perf_counter() - step_start
             # --- forward / backward (gradients reduced on the last micro-batch) -----------------
             loss_sum = 0.0
@@ -289,7 +315,7 @@ def run_training(
             step += 1
             # --- agree on loss, stop and checkpoint requests (see the Note above) ---------------
             stop_local, ckpt_local = control.poll()
-            agreed = torch.tensor([loss_sum, float(stop_local), float(ckpt_local)])
+            agreed = torch.tensor([loss_sum, float(stop_local), float(ckpt_local)], device=device)
             dist.all_reduce(agreed)
             last_loss = float(agreed[0]) / world
             stopped, ckpt_requested = bool(agreed[1] > 0), bool(agreed[2] > 0)

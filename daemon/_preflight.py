@@ -6,7 +6,8 @@ config that can never work). Checks: the job can be imported, the checkpoint roo
 and writable (a probe file is written and removed; for S3 the endpoint must accept a TCP
 connection within a few seconds and the bucket must exist), no other live process holds the
 root's lease (the one line names its host, pid, run id and last refresh; see
-`ckpt_manager.check_root_lease`), the per-run directory is writable.
+`ckpt_manager.check_root_lease`), the per-run directory is writable, the configured device
+exists (`--device cuda` on a node without CUDA, or more ranks than GPUs).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ckpt_manager import CheckpointError, LeaseHeldError, S3Options, check_root_lease
+from daemon._device import cuda_problem
 from daemon.config import DaemonConfig
 from daemon.errors import StartupCheckError
 
@@ -119,6 +121,9 @@ def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
     Raises:
         StartupCheckError: the first failing check, as one line.
     """
+    problem = cuda_problem(cfg.train.device, cfg.launch.nproc_per_node)
+    if problem is not None:
+        raise StartupCheckError(problem)
     _check_job(cfg)
     uri = cfg.checkpoint.ckpt_uri
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"

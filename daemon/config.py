@@ -22,6 +22,7 @@ __all__ = [
     "AsyncMode",
     "CheckpointSettings",
     "DaemonConfig",
+    "Device",
     "LaunchSettings",
     "ObservabilitySettings",
     "Precision",
@@ -65,6 +66,17 @@ class AsyncMode(enum.StrEnum):
     """A fresh writer process per save."""
     SYNC = "sync"
     """Inline in the training loop."""
+
+
+class Device(enum.StrEnum):
+    """Where each rank trains (`daemon/_device.py` resolves it on the node)."""
+
+    AUTO = "auto"
+    """CUDA when this node has it (rank `r` on GPU `local_rank`), else the CPU."""
+    CPU = "cpu"
+    """The CPU, gloo collectives."""
+    CUDA = "cuda"
+    """GPU `local_rank`, NCCL collectives; start-up fails when the node has no CUDA."""
 
 
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
@@ -191,6 +203,9 @@ class TrainSettings:
     """Seed of model init, data order and RNG streams."""
     threads_per_rank: int = 1
     """`torch.set_num_threads` in each rank."""
+    device: Device = Device.AUTO
+    """`auto`, `cpu` or `cuda`: CUDA runs each rank on GPU `local_rank` with NCCL for training
+    collectives (`nproc_per_node` at most the GPU count)."""
     max_inflight_reductions: int = 2
     """Gradient reductions in flight per rank before backward waits for the oldest (the
     sharding engine's bound; its queue depth per step is exported against it)."""

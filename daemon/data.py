@@ -7,6 +7,8 @@ counted in *global samples consumed* within the epoch, so it means the same thin
 size (an elastic restart with fewer ranks continues where the job was, not where one rank was),
 and it is identical on every rank: the checkpoint stores it once, as a replicated value.
 A trailing partial global batch is dropped so every rank always gets a full batch.
+With `pin_memory` (a CUDA rank) batches are stacked into page-locked memory, so the rank's
+`non_blocking` copy to the GPU is a real asynchronous DMA.
 """
 
 from __future__ import annotations
@@ -29,10 +31,18 @@ class ShardedLoader:
         rank: this rank.
         world_size: number of ranks.
         seed: seed of the shuffling.
+        pin_memory: return batches in page-locked memory (for `non_blocking` copies to a GPU).
     """
 
     def __init__(
-        self, dataset: Dataset, *, batch_size: int, rank: int, world_size: int, seed: int
+        self,
+        dataset: Dataset,
+        *,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        pin_memory: bool = False,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
@@ -46,6 +56,7 @@ class ShardedLoader:
                 f"({batch_size} x {world_size} ranks); lower batch_size"
             )
         self._seed = seed
+        self._pin = pin_memory
         self.epoch = 0
         """Current epoch (starts at 0)."""
         self.samples_consumed = 0
@@ -68,7 +79,10 @@ class ShardedLoader:
         indices = self._permutation()[start : start + self._batch].tolist()
         self.samples_consumed += self._global
         pairs = [self._dataset[i] for i in indices]
-        return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        inputs, targets = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
+        if self._pin:
+            return inputs.pin_memory(), targets.pin_memory()
+        return inputs, targets
 
     def state_dict(self) -> dict[str, Any]:
         """The position: `{"epoch", "samples_consumed", "seed"}` (plain JSON)."""

@@ -13,6 +13,9 @@ Both read the rank layout from torchrun's environment (`RANK`, `LOCAL_RANK`, `WO
 become a process-group leader and start the parent watch before anything can spawn (see
 `daemon/_lifecycle.py`), publish a first snapshot (so the daemon knows the pid), then join the
 process group, build the job and train.
+
+On CUDA (`--device`, `daemon/_device.py`) local rank `r` trains on GPU `r`: the device is set
+before the process group exists, so NCCL binds each rank to its own GPU.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def run_rank(
     import torch
     import torch.distributed as dist
 
+    from daemon._device import process_group_backend, resolve_device
     from daemon._loop import run_training
     from daemon.job import JobContext, load_job
 
@@ -111,13 +115,17 @@ def run_rank(
     control = RankControl(run_dir, graceful_signals=not supervised)
     torch.set_num_threads(cfg.train.threads_per_rank)
     try:
-        dist.init_process_group("gloo", timeout=_COLLECTIVE_TIMEOUT)
+        device = resolve_device(cfg.train.device, local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(process_group_backend(device), timeout=_COLLECTIVE_TIMEOUT)
         torch.manual_seed(cfg.train.seed)
         job = load_job(cfg.train.job)(
             JobContext(rank=rank, world_size=world_size, seed=cfg.train.seed)
         )
         telemetry.heartbeat("loading")
-        result = run_training(cfg, job, telemetry=telemetry, control=control)
+        log.info("device_selected", device=str(device), backend=dist.get_backend())
+        result = run_training(cfg, job, telemetry=telemetry, control=control, device=device)
         log.info(
             "rank_finished",
             final_step=result.final_step,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from daemon._config_load import KEYS, config_reference, dump_toml, load_config
-from daemon.config import AsyncMode, DaemonConfig, Precision, Strategy
+from daemon.config import AsyncMode, DaemonConfig, Device, Precision, Strategy
 from daemon.errors import ConfigError
 
 BIN = Path(sys.executable).parent
@@ -75,6 +75,8 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
         ({"log_every_s": "0"}, {}, "", r"log_every_s=0.0: use a positive number \(from --log-e"),
         ({}, {"TRAININGD_LOG_EVERY_S": "-5"}, "", r"log_every_s=-5.0: use a positive.*LOG_EVERY_S"),
         ({"log_every_s": "often"}, {}, "", r"'often' \(from --log-every-s\) is invalid: use a num"),
+        ({"device": "tpu"}, {}, "", r"'tpu' \(from --device\) is invalid: use one of auto, cpu"),
+        ({}, {"TRAININGD_DEVICE": "gpu"}, "", r"'gpu' \(from \$TRAININGD_DEVICE\).*auto, cpu, cu"),
     ],
 )  # fmt: skip
 def test_bad_keys_and_values_name_the_key_and_the_fix(
@@ -93,6 +95,15 @@ def test_log_every_s_defaults_to_10_and_comes_from_file_env_or_flag(tmp_path: Pa
     env = {"TRAININGD_LOG_EVERY_S": "2.5"}
     assert load_config({}, env=env, file=path).observability.log_every_s == 2.5
     assert load_config({"log_every_s": "1"}, env=env).observability.log_every_s == 1.0
+
+
+def test_device_defaults_to_auto_and_comes_from_file_env_or_flag(tmp_path: Path) -> None:
+    assert load_config({}, env={}).train.device is Device.AUTO
+    path = _write(tmp_path, '[train]\ndevice = "cpu"\n')
+    assert load_config({}, env={}, file=path).train.device is Device.CPU
+    env = {"TRAININGD_DEVICE": "cuda"}
+    assert load_config({}, env=env, file=path).train.device is Device.CUDA
+    assert load_config({"device": "cpu"}, env=env).train.device is Device.CPU
 
 
 def test_dump_toml_round_trips(tmp_path: Path) -> None:

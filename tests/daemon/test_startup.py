@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.dist import free_port
 
@@ -52,13 +53,24 @@ def _bad_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
             f"checkpoint root {a_file / 'ckpt'} is not writable",
         ),
         "missing job": (["--job", "nosuchmodule:build"], "cannot import nosuchmodule"),
+        "cuda without a gpu": (["--device", "cuda"], "device=cuda: CUDA is not available"),
     }
 
 
 @pytest.mark.parametrize(
-    "case", ["unknown key", "negative steps", "unreachable s3", "unwritable path", "missing job"]
+    "case",
+    [
+        "unknown key",
+        "negative steps",
+        "unreachable s3",
+        "unwritable path",
+        "missing job",
+        "cuda without a gpu",
+    ],
 )
 def test_bad_config_exits_2_with_one_line_before_any_rank(tmp_path: Path, case: str) -> None:
+    if case == "cuda without a gpu" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --device cuda is valid here")
     args, expected = _bad_cases(tmp_path)[case]
     result = _run(args, tmp_path)
     assert result.returncode == 2, result.stderr
