@@ -17,6 +17,12 @@ After the optimizer step each rank all-reduces `[loss, stop, checkpoint]` (sum).
 the global mean; a stop or checkpoint request seen by any rank is seen by all at the same step,
 which the collective `save()` requires. One tiny collective per step is the whole cost.
 
+[Note: one host read per step] Reading a device tensor on the host (`float(loss)`, `.item()`)
+blocks until the GPU has caught up, so the host cannot queue the next kernels ahead of it. The
+micro-batch losses are summed on the device; the agreed `[loss, stop, checkpoint]` and the
+gradient norm come back together in one `.tolist()` after the all-reduce, the step's only
+read (the stop decision needs it every step). `tests/daemon/test_loop_host_syncs.py` counts.
+
 Checkpoint calls go through `SaveFailurePolicy` (`_save_failures.py`): a failed save is
 reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
 The final save of the drain is retried once and must commit, else the run fails.
@@ -298,13 +304,13 @@ def run_training(
             ]
             data_s = time.perf_counter() - step_start
             # --- forward / backward (gradients reduced on the last micro-batch) -----------------
-            loss_sum = 0.0
+            loss_sum = torch.zeros((), device=device)
             for i, (inputs, targets) in enumerate(batches):
                 last = i == len(batches) - 1
                 with contextlib.nullcontext() if last else model.no_sync():
                     loss = job.loss_fn(model(inputs), targets) / len(batches)
                     loss.backward()  # type: ignore[no-untyped-call]
-                loss_sum += float(loss.detach())
+                loss_sum += loss.detach()
             # --- step ---------------------------------------------------------------------------
             grad_norm = optimizer.clip_grad_norm_(tc.grad_clip if tc.grad_clip > 0 else math.inf)
             lr = float(scheduler.get_last_lr()[0])
@@ -315,10 +321,16 @@ def run_training(
             step += 1
             # --- agree on loss, stop and checkpoint requests (see the Note above) ---------------
             stop_local, ckpt_local = control.poll()
-            agreed = torch.tensor([loss_sum, float(stop_local), float(ckpt_local)], device=device)
+            # [Note: one host read per step]; a pageable host->device copy with non_blocking
+            # is staged at once, without waiting for the stream (a blocking one would).
+            flags = torch.tensor([float(stop_local), float(ckpt_local)])
+            agreed = torch.cat([loss_sum.float().reshape(1), flags.to(device, non_blocking=True)])
             dist.all_reduce(agreed)
-            last_loss = float(agreed[0]) / world
-            stopped, ckpt_requested = bool(agreed[1] > 0), bool(agreed[2] > 0)
+            loss_total, stop_count, ckpt_count, grad_norm_value = torch.cat(
+                [agreed, grad_norm.float().reshape(1)]
+            ).tolist()
+            last_loss = loss_total / world
+            stopped, ckpt_requested = stop_count > 0, ckpt_count > 0
             step_s = time.perf_counter() - step_start
             # --- metrics ------------------------------------------------------------------------
             telemetry.inc("trainingd_train_steps_total")
@@ -329,7 +341,7 @@ def run_training(
             num_tokens += step_tokens
             telemetry.inc("trainingd_train_tokens_total", step_tokens)
             telemetry.set("trainingd_train_loss", last_loss)
-            telemetry.set("trainingd_train_grad_norm", float(grad_norm))
+            telemetry.set("trainingd_train_grad_norm", grad_norm_value)
             telemetry.set("trainingd_train_learning_rate", lr)
             if step == start_step + 1:
                 recovery = time.time() - telemetry.started_unix_s

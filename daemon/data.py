@@ -61,12 +61,14 @@ class ShardedLoader:
         """Current epoch (starts at 0)."""
         self.samples_consumed = 0
         """Global samples consumed in the current epoch (all ranks together)."""
-        self._order: torch.Tensor | None = None
+        self._order: list[int] | None = None
 
-    def _permutation(self) -> torch.Tensor:
+    def _permutation(self) -> list[int]:
+        # A list, read once per epoch: slicing a tensor and `.tolist()` per batch would be a
+        # host read of a tensor per micro-batch (see `tests/daemon/test_loop_host_syncs.py`).
         if self._order is None:
             gen = torch.Generator().manual_seed(self._seed * 1_000_003 + self.epoch)
-            self._order = torch.randperm(len(self._dataset), generator=gen)
+            self._order = torch.randperm(len(self._dataset), generator=gen).tolist()
         return self._order
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +78,7 @@ class ShardedLoader:
             self.samples_consumed = 0
             self._order = None
         start = self.samples_consumed + self._rank * self._batch
-        indices = self._permutation()[start : start + self._batch].tolist()
+        indices = self._permutation()[start : start + self._batch]
         self.samples_consumed += self._global
         pairs = [self._dataset[i] for i in indices]
         inputs, targets = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
