@@ -25,6 +25,7 @@ Module plan:
     _control.py      stop / checkpoint requests as files the ranks poll.
     metrics.py       the metric catalog (names, types, units, buckets, labels).
     _telemetry.py    rank-side recording and snapshot files.
+    _throughput.py   per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
     _collector.py    node-side aggregation of rank snapshots at scrape time.
     worker.py        rank entry point (elastic agent or plain torchrun).
     _loop.py         the training loop: data -> forward/backward -> step -> metrics -> ckpt.

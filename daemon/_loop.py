@@ -53,6 +53,7 @@ import torch.distributed as dist
 from daemon._control import RankControl
 from daemon._save_failures import SaveFailurePolicy
 from daemon._telemetry import NullTelemetry, RankTelemetry
+from daemon._throughput import gpu_memory, mfu_ratio, peak_flops
 from daemon.config import DaemonConfig
 from daemon.data import ShardedLoader
 from daemon.job import JobSpec
@@ -278,6 +279,8 @@ def run_training(
         failures = SaveFailurePolicy(manager, cfg.checkpoint.max_consecutive_save_failures)
         telemetry.set("trainingd_ckpt_consecutive_save_failures", failures.consecutive)
         tokens_per_step = tc.batch_size * micro_batches * job.tokens_per_sample
+        # [Note: MFU] in `daemon/_throughput.py`: None (no peak known) exports no MFU.
+        peak = peak_flops(device, tc.peak_flops) if job.flops_per_token > 0 else None
         telemetry.set("trainingd_train_step", step)
         telemetry.heartbeat("training")
         log.info(
@@ -340,6 +343,12 @@ def run_training(
             step_tokens = tokens_per_step or sum(int(b[0].numel()) for b in batches)
             num_tokens += step_tokens
             telemetry.inc("trainingd_train_tokens_total", step_tokens)
+            telemetry.set("trainingd_train_tokens_per_second", step_tokens / step_s)
+            if peak is not None:
+                mfu = mfu_ratio(step_tokens / step_s, job.flops_per_token, peak)
+                telemetry.set("trainingd_train_mfu_ratio", mfu)
+            for name, num_bytes in gpu_memory(device).items():
+                telemetry.set(name, num_bytes)
             telemetry.set("trainingd_train_loss", last_loss)
             telemetry.set("trainingd_train_grad_norm", grad_norm_value)
             telemetry.set("trainingd_train_learning_rate", lr)

@@ -206,6 +206,9 @@ class TrainSettings:
     device: Device = Device.AUTO
     """`auto`, `cpu` or `cuda`: CUDA runs each rank on GPU `local_rank` with NCCL for training
     collectives (`nproc_per_node` at most the GPU count)."""
+    peak_flops: float = 0.0
+    """Peak FLOP/s of one device, the denominator of `trainingd_train_mfu_ratio`; 0 looks the
+    GPU up in a built-in table of bf16 dense peaks (the CPU has no entry: no MFU exported)."""
     max_inflight_reductions: int = 2
     """Gradient reductions in flight per rank before backward waits for the oldest (the
     sharding engine's bound; its queue depth per step is exported against it)."""
@@ -217,7 +220,9 @@ class TrainSettings:
                 f"max_inflight_reductions={self.max_inflight_reductions}: use 1 or more "
                 "(1 waits for each reduction before issuing the next)"
             )
-        _non_negative(self, "max_steps", "warmup_steps", "weight_decay", "grad_clip", "seed")
+        _non_negative(
+            self, "max_steps", "warmup_steps", "weight_decay", "grad_clip", "seed", "peak_flops"
+        )
         if not _JOB.match(self.job):
             raise ValueError(f"job={self.job!r}: use module:callable, e.g. mypkg.jobs:build")
 

@@ -113,11 +113,13 @@ def sample(weights: dict[str, torch.Tensor]) -> str:
 
 def build(ctx: JobContext) -> JobSpec:
     """The default job: `MODEL` on `corpus()`, with `sample()` at the end."""
+    model = GPT(MODEL)
     return JobSpec(
-        model=GPT(MODEL),
+        model=model,
         train_data=ByteCorpus(corpus(), MODEL.seq_len),
         loss_fn=lm_loss,
         unit_modules=(Block,),
         tokens_per_sample=MODEL.seq_len,
+        flops_per_token=model.flops_per_token(),
         sample=sample,
     )

@@ -114,6 +114,25 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def flops_per_token(self) -> float:
+        """Model FLOPs of one trained token (forward and backward) at full `seq_len`.
+
+        `6 * N + 12 * num_layers * d_model * seq_len` (PaLM, appendix B; nanoGPT's
+        `estimate_mfu`): each weight of a matmul costs 2 FLOPs per token forward and 4
+        backward, and attention's two `seq_len`-long products (QK^T, AV) cost
+        `2 * 2 * d_model * seq_len` per layer forward, times 3 with backward. N counts the
+        weights that take part in a matmul: every parameter except the position table (a
+        lookup) and, when the head is not tied to it, the token table (a lookup too; tied, it
+        is the head's matmul). Causal masking is not discounted, so figures compare with
+        published MFUs.
+        """
+        lookups = {id(self.pos_emb.weight)}
+        if self.head.weight is not self.tok_emb.weight:
+            lookups.add(id(self.tok_emb.weight))
+        num_matmul = sum(p.numel() for p in self.parameters() if id(p) not in lookups)
+        cfg = self.cfg
+        return float(6 * num_matmul + 12 * cfg.num_layers * cfg.d_model * cfg.seq_len)
+
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Map token ids `(batch, seq)` to logits `(batch, seq, vocab)`."""
         _, t = idx.shape

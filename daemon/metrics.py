@@ -372,6 +372,27 @@ CATALOG: tuple[MetricSpec, ...] = (
         scope=_JOB,
     ),
     _g("trainingd_train_learning_rate", "Learning rate used by the last step.", scope=_JOB),
+    # --- per rank: speed and device (GPU series exist only on CUDA ranks) -------------------
+    _g(
+        "trainingd_train_tokens_per_second",
+        "Tokens this rank trained per second in its last step (its tokens over the step time).",
+    ),
+    _g(
+        "trainingd_train_mfu_ratio",
+        "Model FLOPs utilisation of the rank's last step: model FLOP/s over the device's peak.",
+    ),
+    _g(
+        "trainingd_gpu_memory_allocated_bytes",
+        "CUDA memory held by live tensors on the rank's GPU (caching allocator).",
+    ),
+    _g(
+        "trainingd_gpu_memory_reserved_bytes",
+        "CUDA memory the caching allocator holds on the rank's GPU (allocated plus cached).",
+    ),
+    _g(
+        "trainingd_gpu_memory_max_allocated_bytes",
+        "Peak CUDA memory held by live tensors on the rank's GPU since the rank started.",
+    ),
     # --- sharding engine ---------------------------------------------------------------------
     _g(
         "trainingd_fsdp_queue_depth_step_peak",

@@ -22,10 +22,12 @@ from tests.support.metric_names import ISSUE_METRICS
 
 REQUIRED = set(ISSUE_METRICS)
 
-_NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|rank|build|config)_[a-z0-9_]+$")
+_NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|rank|build|config|gpu)_[a-z0-9_]+$")
 _UNITS = ("_seconds", "_bytes", "_total", "_ratio", "_depth", "_step", "_info", "_loss",
           "_norm", "_rate", "_size", "_ranks", "_state", "_ready", "_inflight", "_finished",
-          "_steps", "_restarts", "_failures", "_peak", "_bound")  # fmt: skip
+          "_steps", "_restarts", "_failures", "_peak", "_bound",
+          # A rate gauge: tokens/s of the last step (issue #17 names it), not a counter's rate.
+          "_per_second")  # fmt: skip
 
 
 def test_catalog_names_follow_conventions() -> None:
