@@ -1,15 +1,29 @@
 """Collectives over the data-parallel group, issued asynchronously, waited on with accounting.
 
-[Note: streams and lifetimes] On CUDA every collective is issued from a dedicated
-communication stream that first waits on the compute stream, so it overlaps the compute that
-follows; `PendingCollective.wait()` makes the compute stream wait on it (a stream wait, the
-host does not block). Every tensor a collective touches is either persistent or is freed only
-after `wait()`, on the compute stream, so the caching allocator never hands its memory to
-another user while the collective may still read or write it: no `record_stream` is needed.
-Each `PendingCollective` holds its tensors until it has been waited on, so a temporary
-input (e.g. the shard pushed after an optimizer step) cannot be freed early by accident.
+[Note: streams and lifetimes] On CUDA a collective is issued from the current (compute)
+stream with `async_op=True`: NCCL runs it on its process group's own stream, which first waits
+for the compute issued so far, so it overlaps the compute that follows; `PendingCollective.wait()`
+makes the compute stream wait on it (a stream wait, the host does not block). No extra
+communication stream sits in between: one stream shared by all-gathers and reduce-scatters
+would only add a second queue in which a backward prefetch waits behind pending reductions.
+A process group runs its collectives in issue order on its one NCCL stream, so all-gathers go
+to a second NCCL group over the same ranks (`gather_group`, made when the engine's group spans
+the whole world, the only case where every rank can take part in creating it): a backward
+prefetch then starts while earlier reduce-scatters are still running, independent of them.
+Lifetimes: every tensor a collective touches is held by its `PendingCollective` until `wait()`
+(and ProcessGroupNCCL records it on its stream); after `wait()` the compute stream is ordered
+after the collective, so a tensor freed on the compute stream from then on cannot be handed to
+another user while NCCL still reads or writes it. A temporary input (e.g. the shard pushed
+after an optimizer step) therefore cannot be freed early by accident.
 On CPU (gloo) `async_op=True` runs the collective on gloo's threads and `wait()` blocks the
 host; compute issued in between overlaps with it.
+
+[Note: collective timings] `trainingd_fsdp_collective_seconds` is the time the engine waited
+for a collective. On CPU that is the host's time in `wait()`. On CUDA the host does not wait,
+the compute stream does: a pair of timing events recorded on the compute stream around the
+stream wait measures exactly that stall, read with `elapsed_time` once the GPU has passed the
+second event (polled without blocking at every issue and wait, so a timing is reported at
+the latest with the next collective; `flush_timings(block=True)` settles all of them).
 
 Without an initialised process group the engine runs at world size 1: collectives become the
 equivalent local copies, so one code path serves every world size.
@@ -17,10 +31,10 @@ equivalent local copies, so one code path serves every world size.
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +61,15 @@ _keep_version: Callable[[torch.Tensor], Any] = torch.autograd._unsafe_preserve_v
 
 def _set_version(tensor: torch.Tensor, version: int) -> None:
     torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
+
+
+class _StreamWait(NamedTuple):
+    """A CUDA stream wait on a collective, timed by two events (see [Note: collective timings])."""
+
+    op: str
+    num_bytes: int
+    started: torch.cuda.Event
+    ended: torch.cuda.Event
 
 
 class PendingCollective:
@@ -100,14 +123,19 @@ class PendingCollective:
         if self._done:
             return 0.0
         start = time.perf_counter()
+        started = None
         if self._work is not None:
+            started = self._comm.device_wait_started()
             self._work.wait()
             if self._keep_version is not None:
                 _set_version(self._keep_version, self._version)
         seconds = time.perf_counter() - start
         self._done = True
         self._tensors = ()
-        self._comm.record(self.op, self.num_bytes, seconds)
+        if started is None:
+            self._comm.record(self.op, self.num_bytes, seconds)
+        else:
+            self._comm.device_wait_ended(self.op, self.num_bytes, started)
         return seconds
 
 
@@ -131,11 +159,19 @@ class Communicator:
             self.distributed = True
         else:
             self.rank, self.world_size, self.distributed = 0, 1, False
-        self._stream: torch.cuda.Stream | None = (
-            torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
-            if device.type == "cuda"
-            else None
-        )
+        self._on_cuda = device.type == "cuda"
+        self._stream_waits: collections.deque[_StreamWait] = collections.deque()
+        self.gather_group = group
+        """The group all-gathers run on: a second NCCL group on CUDA (see
+        [Note: streams and lifetimes]), else `group`."""
+        if self._on_cuda and self.distributed and self._spans_world(group):
+            self.gather_group = dist.new_group(backend=dist.get_backend(group))
+
+    @staticmethod
+    def _spans_world(group: dist.ProcessGroup | None) -> bool:
+        # `new_group` is collective over the whole world: only a group every rank belongs to
+        # is sure to be built on every rank, in the same order.
+        return group is None or dist.get_world_size(group) == dist.get_world_size()
 
     def record(self, op: str, num_bytes: int, seconds: float) -> None:
         """Account for one completed collective."""
@@ -143,14 +179,32 @@ class Communicator:
         if self._observer is not None:
             self._observer.on_collective(op, num_bytes, seconds)
 
-    @contextlib.contextmanager
-    def _on_comm_stream(self) -> Iterator[None]:
-        if self._stream is None:
-            yield
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            yield
+    def device_wait_started(self) -> torch.cuda.Event | None:
+        """On CUDA: a timing event on the compute stream, before it waits (None on CPU)."""
+        if not self._on_cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def device_wait_ended(self, op: str, num_bytes: int, started: torch.cuda.Event) -> None:
+        """On CUDA: close the timing opened by `device_wait_started`; reported once measured."""
+        ended = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+        ended.record(torch.cuda.current_stream(self.device))
+        self._stream_waits.append(_StreamWait(op, num_bytes, started, ended))
+        self.flush_timings()
+
+    def flush_timings(self, *, block: bool = False) -> None:
+        """Report the CUDA stream waits the GPU has passed (all of them with `block`).
+
+        See [Note: collective timings]; a no-op on CPU, where `wait()` reports at once.
+        """
+        # Events recorded on one stream complete in order: stop at the first one still ahead.
+        while self._stream_waits and (block or self._stream_waits[0].ended.query()):  # type: ignore[no-untyped-call]
+            wait = self._stream_waits.popleft()
+            wait.ended.synchronize()
+            seconds = wait.started.elapsed_time(wait.ended) / 1000.0
+            self.record(wait.op, wait.num_bytes, seconds)
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> PendingCollective:
         """Gather every rank's `shard` into the flat `output` (rank-major)."""
@@ -164,8 +218,8 @@ class Communicator:
             pending = PendingCollective(
                 self, "all_gather", None, num_bytes, (output, shard), keep_version=output
             )
-            with self._on_comm_stream():
-                pending._work = _all_gather_flat(output, shard, group=self.group, async_op=True)
+            self.flush_timings()
+            pending._work = _all_gather_flat(output, shard, group=self.gather_group, async_op=True)
         return pending
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> PendingCollective:
@@ -175,8 +229,8 @@ class Communicator:
             if not self.distributed:
                 output.copy_(full)
                 return PendingCollective(self, "reduce_scatter", None, num_bytes, ())
-            with self._on_comm_stream():
-                work = _reduce_scatter_flat(output, full, group=self.group, async_op=True)
+            self.flush_timings()
+            work = _reduce_scatter_flat(output, full, group=self.group, async_op=True)
         return PendingCollective(self, "reduce_scatter", work, num_bytes, (output, full))
 
     def all_reduce(self, tensor: torch.Tensor) -> PendingCollective:
@@ -184,8 +238,8 @@ class Communicator:
         num_bytes = tensor.numel() * tensor.element_size()
         if not self.distributed:
             return PendingCollective(self, "all_reduce", None, num_bytes, ())
-        with self._on_comm_stream():
-            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        self.flush_timings()
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return PendingCollective(self, "all_reduce", work, num_bytes, (tensor,))
 
     def broadcast_(self, tensor: torch.Tensor, src_rank: int = 0) -> None:

@@ -40,7 +40,7 @@ class CollectiveTotals:
     num_bytes: int
     """Bytes of the full (unsharded) buffers they moved."""
     seconds: float
-    """Host time spent waiting on them (on CUDA a stream wait, so close to 0)."""
+    """Time spent waiting on them: host time on CPU, the compute stream's stall on CUDA."""
 
 
 @runtime_checkable
