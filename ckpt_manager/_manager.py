@@ -36,6 +36,7 @@ from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._retention.deleter import Deleter
 from ckpt_manager._retention.record import record_retention
 from ckpt_manager._save.commit import build_contribution, leaves_to_write
+from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.finalize import Finalizer
 from ckpt_manager._save.pipeline import LocalPipeline
 from ckpt_manager._save.request import Limits, SaveRequest
@@ -264,6 +265,7 @@ class CheckpointManager:
             writer=writer,
         )
         request.tensors = [x.tensor for x in leaves]
+        request.device_fence = DeviceFence.after_current_work(request.tensors)
         self._next_request_id += 1
         return request
 
@@ -273,14 +275,22 @@ class CheckpointManager:
     def before_optimizer_step(self) -> None:
         """Fence: return once every snapshot copy is done, so tensors may change.
 
+        A CUDA snapshot is fenced on the device instead: the host waits only until its copies
+        are enqueued, then the current stream waits for them ([Note: CUDA staging]).
+
         Raises:
-            CheckpointTimeoutError: a copy did not finish within `staging_timeout_s`.
+            CheckpointTimeoutError: a copy did not finish (CUDA: was not enqueued) within
+                `staging_timeout_s`.
         """
         for request in list(self._pending):
             if request.copied.is_set():
                 continue
             t0 = time.monotonic()
-            finished = request.copied.wait(self.config.staging_timeout_s)
+            fence = request.device_fence
+            signal = request.copied if fence is None else fence.enqueued
+            finished = signal.wait(self.config.staging_timeout_s)
+            if finished and fence is not None:
+                fence.order_compute_after_copy()
             request.stall_s += time.monotonic() - t0
             if not finished:
                 raise CheckpointTimeoutError(

@@ -8,6 +8,8 @@ persistent writer process, then finalized across ranks (agreement, then one mani
     pipeline.py     LocalPipeline: one rank's staging buffers, staging thread and writer.
     staging.py      Slab (memfd shared memory reused across saves), copy_into_slab,
                     BackgroundThread (the staging thread).
+    device_copy.py  CUDA snapshots: DeviceFence (events), copy_to_pinned_slab on a dedicated
+                    copy stream into a page-locked slab, fenced on the compute stream.
     writer.py       the writer process (no torch): request loop, write_shard, fault hooks.
     writer_proc.py  WriterProcess: trainer-side handle (start, submit, poll, stop, kill).
     finalize.py     Finalizer: saves in flight; agree, commit or fail across ranks, report.

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
+from ckpt_manager._save.device_copy import copy_to_pinned_slab
 from ckpt_manager._save.request import SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread, Slab, copy_into_slab
 from ckpt_manager._save.writer import write_shard_retrying
@@ -120,6 +121,8 @@ class LocalPipeline:
             elif self._copy(request, slab):
                 self._dispatch(request)  # a no-op if the save failed meanwhile
         finally:
+            if request.device_fence is not None:
+                request.device_fence.enqueued.set()  # a failed copy enqueued nothing
             request.copied.set()
             request.handed_off.set()
 
@@ -149,7 +152,11 @@ class LocalPipeline:
         """Copy the snapshot into `slab`; False (and the request failed) if that failed."""
         try:
             t0 = time.monotonic()
-            copy_into_slab(slab, request.layout, request.tensors, on_progress)
+            fence = request.device_fence
+            if fence is None:
+                copy_into_slab(slab, request.layout, request.tensors, on_progress)
+            else:  # [Note: CUDA staging] in device_copy.py
+                copy_to_pinned_slab(slab, request.layout, request.tensors, fence, on_progress)
             request.staging_s += time.monotonic() - t0
             return True
         except Exception as err:

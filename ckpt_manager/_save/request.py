@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import structlog
 
 from ckpt_manager._coord import Status
+from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.staging import Slab
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.format import FileLayout
@@ -108,8 +109,10 @@ class SaveRequest:
     """Tensors to copy into the slab; dropped once copied."""
     writer: WriterProcess | None = None
     """The process writing it (None in sync mode or with nothing to write)."""
+    device_fence: DeviceFence | None = None
+    """CUDA snapshot: the copy's events, fenced on the compute stream (None: CPU tensors)."""
     copied: threading.Event = dataclasses.field(default_factory=threading.Event)
-    """Set when the snapshot copy finished or failed (the optimizer-step fence)."""
+    """Set when the snapshot copy finished or failed (the CPU optimizer-step fence)."""
     handed_off: threading.Event = dataclasses.field(default_factory=threading.Event)
     """Set when the staging job is over: dispatched to the writer, failed or cancelled."""
     dispatched: float | None = None

@@ -4,6 +4,8 @@ A `Slab` is one anonymous shared-memory file (`memfd`) mapped in the trainer and
 fd passing, in the writer: the trainer copies tensors into it, the writer writes it out. Slabs
 are allocated once per in-flight slot and reused across saves while the state fits, so the
 steady state allocates nothing. A memfd has no name, so nothing leaks if a process is killed.
+For a CUDA snapshot a slab is page-locked once (`pin`), so the device-to-host copy lands in it
+by DMA (`device_copy.py`); `close()` unlocks it.
 
 `BackgroundThread` runs queued jobs on one long-lived daemon thread owned by the manager
 (a queue and a sentinel); the manager waits on each job's own event, with a timeout.
@@ -48,6 +50,21 @@ class Slab:
         self._mm = mmap.mmap(self.fd, self.capacity, flags=flags)
         self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
         """The whole buffer as a uint8 tensor."""
+        self._pinned = False
+
+    def pin(self) -> None:
+        """Page-lock the buffer for CUDA copies (`cudaHostRegister`, once per slab).
+
+        Raises:
+            RuntimeError: the buffer is closed, or CUDA refused (the message says why).
+        """
+        if self._pinned:
+            return
+        if self.tensor is None:
+            raise RuntimeError(f"staging buffer {self.slab_id} is closed")
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        torch.cuda.check_error(cudart.cudaHostRegister(self.tensor.data_ptr(), self.capacity, 0))
+        self._pinned = True
 
     def view(self, nbytes: int) -> memoryview:
         """The first `nbytes` as a memoryview (for in-process writes)."""
@@ -55,6 +72,11 @@ class Slab:
 
     def close(self) -> None:
         """Unmap and close; call once no tensor or view of it is alive."""
+        if self._pinned and self.tensor is not None:
+            with contextlib.suppress(RuntimeError):  # best effort: the mapping goes anyway
+                cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+                torch.cuda.check_error(cudart.cudaHostUnregister(self.tensor.data_ptr()))
+            self._pinned = False
         self.tensor = None
         with contextlib.suppress(BufferError, ValueError):
             self._mm.close()

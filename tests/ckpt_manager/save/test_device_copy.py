@@ -1,0 +1,47 @@
+"""CUDA staging: a CPU snapshot keeps the CPU path; a CUDA one is fenced on the device (-m gpu)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
+from ckpt_manager._save.device_copy import DeviceFence
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_a_cpu_snapshot_has_no_device_fence() -> None:
+    cpu_state = [torch.ones(3), torch.zeros(2, 2), "not a tensor"]
+    assert DeviceFence.after_current_work(cpu_state) is None
+    assert DeviceFence.after_current_work([]) is None
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mode", [AsyncMode.PERSISTENT, AsyncMode.SYNC])
+def test_cuda_state_saved_before_an_in_place_update_keeps_the_old_values(
+    tmp_path: pathlib.Path, mode: AsyncMode
+) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=device).manual_seed(0)
+    state = {
+        "w": torch.randn(64 << 20, device=device, generator=gen),  # 256 MiB: the copy takes a while
+        "b": torch.randn(7, 3, device=device, generator=gen).t(),  # not contiguous
+        "half": torch.randn(1000, device=device, generator=gen).to(torch.bfloat16),
+        "cpu": torch.arange(5),
+    }
+    expected = {k: v.detach().cpu().clone() for k, v in state.items()}
+    with CheckpointManager(str(tmp_path), CheckpointConfig(async_mode=mode), run_id="r") as mgr:
+        mgr.save(1, state)
+        mgr.before_optimizer_step()
+        # The "optimizer step": runs on the compute stream, which now waits for the copy.
+        for value in state.values():
+            value.add_(1)
+        mgr.wait_until_finished()
+        restored = mgr.restore(1)
+    assert restored is not None
+    for key, value in expected.items():
+        assert torch.equal(restored.state[key].cpu(), value), key
