@@ -358,3 +358,65 @@ def test_schema_validation_catches_a_wrong_manifest(no_network: None) -> None:
     job["spec"]["completions"] = "2"
     with pytest.raises(AssertionError, match="completions"):
         _validate(job)
+
+
+# --- the GPU variants (kustomize overlays rendered offline by `kubectl kustomize`) ----------
+def _render(overlay: str) -> list[dict[str, Any]]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("needs kubectl (its built-in kustomize renders the overlay offline)")
+    result = subprocess.run(
+        [kubectl, "kustomize", str(DEPLOY / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return list(yaml.safe_load_all(result.stdout))
+
+
+def _gpu_pod_checks(pod: dict[str, Any], base_pod: dict[str, Any]) -> None:
+    (container,) = pod["containers"]
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus > 0
+    command = container["command"]
+    # One rank per GPU, and a node without CUDA fails its start instead of training on CPUs.
+    assert command[command.index("--nproc-per-node") + 1] == str(gpus)
+    assert command[command.index("--device") + 1] == "cuda"
+    assert command[:4] == base_pod["containers"][0]["command"]
+    cfg = load_config(
+        {"nproc_per_node": str(gpus), "device": "cuda"}, env={"TRAININGD_NODE_RANK": "0"}
+    )
+    assert cfg.launch.nproc_per_node == gpus
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    # Everything else is the CPU pod's (probes, security, ports).
+    for key in ("securityContext", "ports", "startupProbe", "livenessProbe", "env"):
+        assert container[key] == base_pod["containers"][0][key], key
+
+
+def test_gpu_overlays_request_one_gpu_per_rank_and_validate(no_network: None) -> None:
+    docs = {doc["kind"]: doc for doc in _render("kubernetes-gpu")}
+    base = _docs()
+    assert set(docs) >= {"Job", "ConfigMap", "Service", "PodMonitor"}
+    _gpu_pod_checks(
+        docs["Job"]["spec"]["template"]["spec"], base["Job"]["spec"]["template"]["spec"]
+    )
+    _validate(docs["Job"])
+    (jobset,) = _render("kubernetes-gpu/jobset")
+    template = jobset["spec"]["replicatedJobs"][0]["template"]
+    base_jobset = yaml.safe_load((DEPLOY / "kubernetes" / "jobset" / "jobset.yaml").read_text())
+    base_template = base_jobset["spec"]["replicatedJobs"][0]["template"]
+    _gpu_pod_checks(template["spec"]["template"]["spec"], base_template["spec"]["template"]["spec"])
+    _validate(
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "trainingd-nodes-0"},
+            "spec": template["spec"],
+        }
+    )
