@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,3 +57,31 @@ def test_more_ranks_than_gpus_is_refused(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_nccl_trains_on_cuda_and_gloo_on_the_cpu() -> None:
     assert process_group_backend(torch.device("cuda", 1)) == "nccl"
     assert process_group_backend(torch.device("cpu")) == "gloo"
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_trainingd_trains_on_cuda_with_nccl(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGD_")}
+    result = subprocess.run(
+        [
+            Path(sys.executable).parent / "trainingd",
+            "run",
+            "--device=cuda",
+            "--nproc-per-node=1",
+            "--max-steps=5",
+            "--ckpt-every=0",
+            f"--ckpt-uri={tmp_path / 'ckpt'}",
+            "--metrics-port=0",
+            "--log-format=json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (tmp_path / "ckpt" / f"step-{5:012d}" / "manifest.json").exists()

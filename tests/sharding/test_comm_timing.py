@@ -62,3 +62,32 @@ def test_stream_waits_are_reported_in_order_once_the_gpu_passed_them() -> None:
     assert snap["all_gather"].count == 2
     assert snap["all_gather"].seconds == pytest.approx(0.0015)
     assert not comm._stream_waits
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_collectives_are_timed_by_events_on_a_one_rank_nccl_group() -> None:
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from tests.support.dist import free_port
+
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    dist.init_process_group("nccl", rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        device = torch.device("cuda", torch.cuda.current_device())
+        stats = ShardingStats()
+        comm = Communicator(None, device, stats, None)
+        assert comm.gather_group is not None  # all-gathers on their own NCCL group
+        out, shard = torch.empty(1 << 20, device=device), torch.ones(1 << 20, device=device)
+        comm.all_gather(out, shard).wait()
+        comm.reduce_scatter(shard, out).wait()
+        comm.flush_timings(block=True)
+        snap = stats.snapshot().collectives
+        assert snap["all_gather"].count == snap["reduce_scatter"].count == 1
+        assert snap["all_gather"].seconds >= 0.0
+        assert torch.equal(out, torch.ones_like(out))
+    finally:
+        dist.destroy_process_group()
