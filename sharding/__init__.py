@@ -56,8 +56,9 @@ Module plan:
   gradients held whole by `no_sync()` (`NoSyncMode.ACCUMULATE_UNSHARDED`).
 * `_module_buffers.py`: `ModuleBuffers`: the module's buffers, cast per policy, broadcast
   per `BufferSync`, exported in their original dtypes.
-* `_comm.py`: `Communicator`: async flat collectives on a communication stream (CUDA),
-  `PendingCollective.wait()` with timing; local fallbacks at world size 1.
+* `_comm.py`: `Communicator`: async flat collectives (CUDA: on NCCL's own streams, all-gathers
+  on a second group), `PendingCollective.wait()` timed (CUDA: by events); local fallbacks at
+  world size 1.
 * `_allgather.py`: `UnshardPipeline`: SHARDED -> GATHERING -> UNSHARDED per unit, prefetch in
   forward / reverse order bounded by `communication_unit_bytes`, hit/miss and gathered-bytes
   accounting; opens a unit's gates once its gather is waited on.

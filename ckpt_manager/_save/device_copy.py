@@ -85,6 +85,19 @@ def copy_to_pinned_slab(
     Returns once every byte is in the slab; `fence.enqueued` is set before that, as soon as
     the copies are on the copy stream.
     """
+    # The staging thread's current device is 0 unless set: make it the snapshot's GPU.
+    with torch.cuda.device(fence.device):
+        _copy_on_stream(slab, layout, tensors, fence, on_progress, progress_bytes)
+
+
+def _copy_on_stream(
+    slab: Slab,
+    layout: FileLayout,
+    tensors: Sequence[torch.Tensor],
+    fence: DeviceFence,
+    on_progress: Callable[[int], None] | None,
+    progress_bytes: int,
+) -> None:
     buf = slab.tensor
     if buf is None:
         raise RuntimeError(f"staging buffer {slab.slab_id} is closed")

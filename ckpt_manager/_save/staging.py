@@ -63,7 +63,12 @@ class Slab:
         if self.tensor is None:
             raise RuntimeError(f"staging buffer {self.slab_id} is closed")
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        torch.cuda.check_error(cudart.cudaHostRegister(self.tensor.data_ptr(), self.capacity, 0))
+        # cudaHostRegisterPortable: page-locked for every GPU's context, not only for the one
+        # current on the staging thread (device 0 unless set there).
+        portable = 1
+        torch.cuda.check_error(
+            cudart.cudaHostRegister(self.tensor.data_ptr(), self.capacity, portable)
+        )
         self._pinned = True
 
     def view(self, nbytes: int) -> memoryview:
