@@ -86,6 +86,9 @@ class FlatBucket:
         ]
         self.gate = Gate(unit_name)
         """Open while the parameters may be used (see `sharding/_param.py`)."""
+        self.pending_weights: PendingCollective | None = None
+        """The weight all-gather `refresh_weights` issued after an optimizer step and nobody
+        has waited on yet ([Note: deferred weight gather] in `_optimizer.py`)."""
         for param, slot in zip(self.params, layout.slots, strict=True):
             param.attach(self.gate, slot.names[0])
         self.trains = layout.requires_grad
@@ -292,8 +295,49 @@ class FlatBucket:
 
     # ---- after the optimizer step ----
 
+    def refresh_weights(self) -> None:
+        """`push_main_weights`, keeping its all-gather pending on the bucket (not waited).
+
+        Until `wait_weights()` the gate is closed, so a checked read of a parameter waits
+        first (see `Gate.settle`). See [Note: deferred weight gather] in `_optimizer.py`.
+        """
+        pending = self.push_main_weights()
+        if pending is None:
+            return
+        self.pending_weights = pending
+        self.gate.open = False
+        self.gate.settle = self._settle_from_gate
+        self.comm.stats.weight_gather_issued()
+
+    def _settle_from_gate(self) -> None:
+        self.wait_weights()
+
+    def wait_weights(self, *, in_forward: bool = False) -> bool:
+        """Wait on the pending weight all-gather, if any (idempotent).
+
+        Args:
+            in_forward: the wait is the unit's own pre-forward one (counted apart).
+
+        Returns:
+            Whether there was one to wait on.
+        """
+        pending = self.pending_weights
+        if pending is None:
+            return False
+        self.pending_weights = None
+        pending.wait()
+        self.gate.settle = None
+        self.gate.open = True
+        self.comm.stats.weight_gather_waited(in_forward=in_forward)
+        return True
+
     def push_main_weights(self) -> PendingCollective | None:
-        """Copy updated fp32 main weights into the compute weights (gather if needed)."""
+        """Copy updated fp32 main weights into the compute weights (gather if needed).
+
+        Waits first on a weight all-gather still pending from the last step, which writes
+        the same buffers.
+        """
+        self.wait_weights()
         same = self.compute_dtype == torch.float32
         with torch.no_grad():
             if self.strategy.shards_params:

@@ -167,6 +167,11 @@ class Communicator:
         if self._on_cuda and self.distributed and self._spans_world(group):
             self.gather_group = dist.new_group(backend=dist.get_backend(group))
 
+    @property
+    def stats(self) -> ShardingStats:
+        """The engine's counters (buckets count their deferred weight gathers there)."""
+        return self._stats
+
     @staticmethod
     def _spans_world(group: dist.ProcessGroup | None) -> bool:
         # `new_group` is collective over the whole world: only a group every rank belongs to

@@ -3,15 +3,18 @@
 ```
 IDLE --forward--> FORWARD --first grad at the output--> BACKWARD --end of graph--> IDLE
 ```
-* root pre-forward: start recording the unit order; ZeRO-3 gathers the root unit and issues
-  the first unit ahead.
+* root pre-forward: wait on the root unit's deferred weight gathers (`OPTIM`/`OPTIM_GRADS`,
+  [Note: deferred weight gather] in `_optimizer.py`); start recording the unit order; ZeRO-3
+  gathers the root unit and issues the first unit ahead.
 * unit pre-forward: IDLE means the inner module was called directly (error); BACKWARD means
   an activation-checkpoint recompute: unshard with backward prefetch, and for a reentrant
-  recompute wrap the inputs for post-backward (see the note below); FORWARD: count the call,
-  unshard with forward prefetch, wrap the inputs for post-backward (grad mode only).
+  recompute wrap the inputs for post-backward (see the note below); FORWARD: wait on the
+  unit's deferred weight gathers, count the call, unshard with forward prefetch, wrap the
+  inputs for post-backward (grad mode only).
 * unit post-forward: ZeRO-3 releases the weights; register the unit's pre-backward hook.
-* root pre-backward (once per backward): queue the end-of-graph callback; ZeRO-3 issues the
-  last forward unit ahead.
+* root pre-backward (once per backward): wait on any deferred weight gather left (a unit
+  that did not run forward), queue the end-of-graph callback; ZeRO-3 issues the last
+  forward unit ahead.
 * unit pre-backward: unshard with backward (reverse) prefetch.
 * unit post-backward: once every forward call of the unit has run backward, hand its
   gradients to the reduce pipeline and (ZeRO-3) release its weights.
@@ -124,6 +127,8 @@ class Engine:
 
     def root_pre_forward(self) -> None:
         """Wrapper forward starts."""
+        # The root unit's parameters may be used anywhere in the wrapper's forward.
+        self.wait_pending_weights(self.root, in_forward=True)
         if self.state is TrainingState.IDLE:
             self.state = TrainingState.FORWARD
         if self.gather is not None:
@@ -155,6 +160,7 @@ class Engine:
         """Unit `index` is about to run forward."""
         self.check_wrapped()
         if self.state is TrainingState.BACKWARD:
+            self.wait_pending_weights(index)
             if self.gather is not None:
                 self.gather.unshard(index, Phase.BACKWARD)
             if not (torch.is_grad_enabled() and self._nograd_calls[index] > 0):
@@ -162,6 +168,7 @@ class Engine:
             # A reentrant checkpoint's recompute: [Note: reentrant checkpointing].
             self._nograd_calls[index] -= 1
         else:
+            self.wait_pending_weights(index, in_forward=True)
             self._fwd_calls[index] += 1
             if self.gather is not None:
                 self.gather.note_forward(index)
@@ -188,6 +195,7 @@ class Engine:
         if self.state is TrainingState.BACKWARD:
             return
         self.state = TrainingState.BACKWARD
+        self.wait_pending_weights()
         queue_end_of_backward(self.root_post_backward)
         if self.gather is not None:
             self.gather.unshard(self.root, Phase.BACKWARD)
@@ -233,6 +241,27 @@ class Engine:
         self._nograd_calls = [0] * num
         self._done = [False] * num
         self._backward_expected = False
+
+    # ---- deferred weight gathers ----
+
+    def has_pending_weights(self) -> bool:
+        """Whether some bucket's post-step weight all-gather has not been waited on yet."""
+        return any(b.pending_weights is not None for b in self.buckets)
+
+    def wait_pending_weights(self, index: int | None = None, *, in_forward: bool = False) -> None:
+        """Wait on the post-step weight all-gathers of unit `index` (every unit if `None`).
+
+        Idempotent; every reader of compute or main weights calls it first ([Note: deferred
+        weight gather] in `_optimizer.py`).
+
+        Args:
+            index: the unit (the root unit is `len(unit_buckets) - 1`), or `None` for all.
+            in_forward: the wait is the unit's own pre-forward one (counted apart).
+        """
+        buckets = self.buckets if index is None else self.unit_buckets[index]
+        for bucket in buckets:
+            if bucket.pending_weights is not None:
+                bucket.wait_weights(in_forward=in_forward)
 
     # ---- outside the passes ----
 

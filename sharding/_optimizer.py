@@ -20,6 +20,24 @@ With a `loss_scale` in the mixed-precision policy the optimizer owns a `ShardedL
 (`_scaler.py`): `scale_loss` multiplies the loss, `clip_grad_norm_` / `step` unscale once,
 an overflow anywhere skips the step on every rank, and the scale is saved under
 `"loss_scaler"` in the state dict.
+
+[Note: deferred weight gather] Under `OPTIM` / `OPTIM_GRADS` each rank updates only its shard
+of the fp32 main weights, and the compute weights every rank uses are refreshed by one
+all-gather per bucket. `step()` issues them and returns; each bucket keeps its pending
+gather (`FlatBucket.pending_weights`, its gate closed) until a reader waits on it
+(`Engine.wait_pending_weights`, idempotent). The next forward waits per unit just before
+that unit runs (the root unit's in the wrapper's pre-forward), so the first units compute
+while later units' gathers are still in flight. Every other reader waits first: a checked
+read of a parameter (the gate's `settle`; the wrapper's forward keeps the checks on while
+a gather is pending, so code reading another unit's weight early waits too), the model's
+`state_dict` / `sharded_state_dict` / `full_state_dict` / `load_sharded_state_dict`,
+`summon_full_params`, backward (a unit that skipped forward) and the next `step` (it
+writes main weights that may alias the compute weights being filled). `zero_grad` does
+not wait: it touches gradients only, and it sits between `step` and the next forward in
+every training loop. Eval forwards (`no_grad`) and `no_sync` micro-batches wait exactly
+like training forwards. On CUDA the wait is a stream wait ([Note: streams and lifetimes]
+in `_comm.py`); on CPU gloo runs the gather on its own threads, so it overlaps there too.
+`NO_SHARD` and `OPTIM_GRADS_PARAMS` have nothing to gather after a step.
 """
 
 from __future__ import annotations
@@ -218,7 +236,12 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        """One optimizer step on the shards, then refresh the model's weights.
+        """One optimizer step on the shards, then start refreshing the model's weights.
+
+        Under `OPTIM` / `OPTIM_GRADS` the all-gathers of the updated weights are issued and
+        left running: each unit's pre-forward of the next forward waits on its own, and any
+        other reader (a parameter read, state dicts, `summon_full_params`, the next step)
+        waits first ([Note: deferred weight gather]).
 
         With loss scaling, a step whose gradients overflowed on any rank is skipped on every
         rank (`last_step_skipped`) and the scale backs off.
@@ -226,6 +249,9 @@ class DistributedOptimizer:
         Raises:
             ShardingError: loss scaling is on and the loss was not passed to `scale_loss`.
         """
+        # The optimizer writes the main weights, which may alias the compute weights that the
+        # last step's gathers still fill; and those gathers must finish before new ones.
+        self._engine.wait_pending_weights()
         self._settled_grads()
         scaler = self.loss_scaler
         self.last_step_skipped = scaler is not None and scaler.found_inf
@@ -237,9 +263,9 @@ class DistributedOptimizer:
             return
         self._link_grads()
         self.optimizer.step()
-        pending = [p for b in self._engine.buckets if (p := b.push_main_weights()) is not None]
-        for p in pending:
-            p.wait()
+        # [Note: deferred weight gather]: not waited here; the next forward waits per unit.
+        for bucket in self._engine.buckets:
+            bucket.refresh_weights()
         self._engine.stats.end_step()  # [Note: queue depth per step] in sharding/_stats.py
 
     def zero_grad(self, set_to_none: bool = True) -> None:

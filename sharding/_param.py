@@ -91,7 +91,9 @@ def _check_all(values: Iterable[Any], func: Callable[..., Any]) -> None:
     for value in values:
         if isinstance(value, (list, tuple)):
             _check_all(value, func)
-        elif type(value) is ManagedParameter and not value._gate.open:
+        elif (
+            type(value) is ManagedParameter and not value._gate.open and not value._gate.try_open()
+        ):
             _not_gathered(value, func)
 
 
@@ -110,16 +112,27 @@ def _not_gathered(param: ManagedParameter, func: Callable[..., Any]) -> NoReturn
 class Gate:
     """Whether the parameters of one bucket may be used now (one object per bucket).
 
-    Always open except under `OPTIM_GRADS_PARAMS`, where it is open exactly while the
-    bucket's unit is gathered and waited on (see the note above).
+    Under `OPTIM_GRADS_PARAMS` it is open exactly while the bucket's unit is gathered and
+    waited on (see the note above). Under `OPTIM` / `OPTIM_GRADS` it is closed only while
+    the weight all-gather of the last optimizer step is pending; then `settle` waits on it
+    and opens the gate, so a read waits instead of raising (see [Note: deferred weight
+    gather] in `_optimizer.py`). Always open otherwise.
     """
 
-    __slots__ = ("open", "unit")
+    __slots__ = ("open", "settle", "unit")
 
     def __init__(self, unit: str) -> None:
         """A gate, open, for the parameters of `unit` (a name for error messages)."""
         self.open = True
         self.unit = unit
+        self.settle: Callable[[], None] | None = None
+        """Opens the gate by waiting on a pending weight gather (`None`: nothing to wait)."""
+
+    def try_open(self) -> bool:
+        """Open the gate if a pending gather can be waited on; whether it is open now."""
+        if self.settle is not None:
+            self.settle()
+        return self.open
 
 
 _ALWAYS_OPEN = Gate("")
@@ -160,7 +173,7 @@ class ManagedParameter(nn.Parameter):
         # `type() is`, not `isinstance`: Parameter's metaclass makes isinstance a Python call.
         for value in args:
             if type(value) is ManagedParameter:
-                if not value._gate.open:
+                if not value._gate.open and not value._gate.try_open():
                     _not_gathered(value, func)
             elif isinstance(value, (list, tuple)):
                 _check_all(value, func)

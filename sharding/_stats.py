@@ -86,6 +86,14 @@ class ShardingStatsSnapshot:
     """Bytes of whole (gathered) unit weights allocated now (`OPTIM_GRADS_PARAMS`)."""
     gathered_bytes_peak: int
     """Highest `gathered_bytes` seen: the root unit plus the units in flight."""
+    weight_gathers_pending: int = 0
+    """`OPTIM` / `OPTIM_GRADS`: buckets whose post-step weight all-gather is issued and not
+    yet waited on (it overlaps the next forward until the bucket's unit runs)."""
+    weight_gathers_waited_in_forward: int = 0
+    """Post-step weight all-gathers waited on by their own unit's pre-forward."""
+    weight_gathers_waited_elsewhere: int = 0
+    """Post-step weight all-gathers waited on by another reader (a parameter read, a state
+    dict, `summon_full_params`, the next `step`, backward)."""
 
 
 class ShardingStats:
@@ -106,6 +114,9 @@ class ShardingStats:
         self._at_issue: dict[str, dict[int, int]] = {q: {} for q in QUEUES}
         self._gathered = 0
         self._gathered_peak = 0
+        self._weights_pending = 0
+        self._weights_in_forward = 0
+        self._weights_elsewhere = 0
 
     def set_bound(self, queue: str, bound: int) -> None:
         """Record the configured capacity of `queue` (one of `QUEUES`)."""
@@ -157,6 +168,20 @@ class ShardingStats:
             self._gathered += num_bytes
             self._gathered_peak = max(self._gathered_peak, self._gathered)
 
+    def weight_gather_issued(self) -> None:
+        """One bucket's post-step weight all-gather was issued and left pending."""
+        with self._lock:
+            self._weights_pending += 1
+
+    def weight_gather_waited(self, *, in_forward: bool) -> None:
+        """One pending weight all-gather was waited on (by its unit's pre-forward or not)."""
+        with self._lock:
+            self._weights_pending -= 1
+            if in_forward:
+                self._weights_in_forward += 1
+            else:
+                self._weights_elsewhere += 1
+
     def prefetch(self, *, hit: bool) -> None:
         """Count one unit unshard as a prefetch hit or miss."""
         with self._lock:
@@ -192,4 +217,7 @@ class ShardingStats:
                 },
                 gathered_bytes=self._gathered,
                 gathered_bytes_peak=self._gathered_peak,
+                weight_gathers_pending=self._weights_pending,
+                weight_gathers_waited_in_forward=self._weights_in_forward,
+                weight_gathers_waited_elsewhere=self._weights_elsewhere,
             )

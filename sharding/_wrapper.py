@@ -165,6 +165,8 @@ class FullyShardedDataParallel(nn.Module):
         self.unit_names = [unit.name for unit in units[:-1]]
         """Qualified names of the FSDP units, in registration order."""
         self._register_hooks(unit_modules)
+        # `module.state_dict()` reads compute weights: [Note: deferred weight gather].
+        self.register_state_dict_pre_hook(self._wait_before_state_dict)  # type: ignore[no-untyped-call]
         if self.precision.param_dtype != torch.float32:
             keep_fp32(module, self.precision)
 
@@ -200,6 +202,20 @@ class FullyShardedDataParallel(nn.Module):
 
                 unit.register_forward_pre_hook(cast, prepend=True, with_kwargs=True)
 
+    def _wait_before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self._engine.wait_pending_weights()
+
+    def wait_pending_weights(self) -> None:
+        """Wait until the weights of the last optimizer step are in every parameter.
+
+        `DistributedOptimizer.step()` leaves the weight all-gathers of `OPTIM` /
+        `OPTIM_GRADS` running ([Note: deferred weight gather] in `sharding/_optimizer.py`);
+        the engine waits on its own before anything reads the weights, so this is only
+        needed to time or synchronise explicitly. Idempotent; a no-op under the other
+        strategies.
+        """
+        self._engine.wait_pending_weights()
+
     @property
     def world_size(self) -> int:
         """Number of data-parallel ranks."""
@@ -220,8 +236,11 @@ class FullyShardedDataParallel(nn.Module):
         self._module_buffers.pre_forward()
         self._engine.root_pre_forward()
         # [Note: parameters inside forward] in `_param.py`: ZeRO-3 keeps the checks on (a
-        # unit's weights exist only while it runs); elsewhere every weight is whole.
-        checks = contextlib.nullcontext() if self.config.strategy.shards_params else engine_access()
+        # unit's weights exist only while it runs); elsewhere every weight is whole, except
+        # while a step's weight gathers are pending: then the checks stay on so that code
+        # reading a unit's weight before that unit runs waits (`Gate.try_open`).
+        checked = self.config.strategy.shards_params or self._engine.has_pending_weights()
+        checks = contextlib.nullcontext() if checked else engine_access()
         with checks:
             output = self.module(*args, **kwargs)
         if policy.output_dtype is not None:
@@ -256,6 +275,7 @@ class FullyShardedDataParallel(nn.Module):
             raise ShardingError(
                 "summon_full_params() must be entered outside forward/backward and not nested"
             )
+        self._engine.wait_pending_weights()
         self._summoned = True
         try:
             self._engine.gather_all()
@@ -335,6 +355,7 @@ class FullyShardedDataParallel(nn.Module):
 
     def sharded_state_dict(self) -> StateDict:
         """This rank's pieces of every parameter (`ShardedTensor`, flat form) and buffers."""
+        self._engine.wait_pending_weights()
         return model_sharded_state_dict(self._engine.buckets, self._buffers_by_name)
 
     def load_sharded_state_dict(self, state_dict: StateDict) -> None:
@@ -346,6 +367,7 @@ class FullyShardedDataParallel(nn.Module):
         Raises:
             StateDictLayoutError: keys, shapes or coverage do not match.
         """
+        self._engine.wait_pending_weights()
         self._engine.reshard_all()
         load_model_sharded_state_dict(self._engine.buckets, self._buffers_by_name, state_dict)
         pending = [p for b in self._engine.buckets if (p := b.push_main_weights()) is not None]
@@ -360,6 +382,7 @@ class FullyShardedDataParallel(nn.Module):
         Returns:
             On rank 0 a dict loadable by the unwrapped module's `load_state_dict`; `{}` elsewhere.
         """
+        self._engine.wait_pending_weights()
         return full_state_dict(
             self._engine.buckets,
             self._state_names,
