@@ -21,6 +21,12 @@ released right after its recomputed backward (peak gathered memory: the root uni
 units, `ShardingStatsSnapshot.gathered_bytes_peak`). `no_sync()` under ZeRO-2/3
 reduce-scatters every micro-batch unless `ShardingConfig.no_sync_mode` says to hold whole
 fp32 gradients locally (`NoSyncMode`).
+Under `OPTIM` / `OPTIM_GRADS`, `optimizer.step()` issues the all-gathers of the updated
+weights and returns without waiting: each unit's pre-forward of the next forward waits on
+its own (the root unit's first), so the first units compute while later gathers are in
+flight; anything else that reads the weights first (a parameter, state dicts,
+`summon_full_params`, the next step) waits too ([Note: deferred weight gather] in
+`_optimizer.py`; `model.wait_pending_weights()` waits explicitly).
 Outside forward, ZeRO-3 parameters have no memory (torch calls on them raise; use
 `model.summon_full_params()`); inside forward, a unit's parameters are usable only while
 that unit is gathered (another unit's raise too). No parameter has a `.grad` (it raises;
@@ -49,11 +55,13 @@ Module plan:
 * `_layout.py`: units (outermost instances of the unit classes, root unit last), buckets
   grouped by (compute dtype, requires_grad) per unit, 64-byte aligned offsets, padded rank shards.
 * `_param.py`: `ManagedParameter`: the module's parameters; checks every torch call (outside
-  forward, and inside it under ZeRO-3) against its bucket's `Gate` (open while the unit is
-  gathered) and forbids `.grad`.
+  forward, and inside it under ZeRO-3 or while a step's weight gathers are pending) against
+  its bucket's `Gate` (open while the unit is gathered; a pending ZeRO-1/2 weight gather is
+  waited on instead of raising) and forbids `.grad`.
 * `_buffer.py`: `FlatBucket`: flat compute weights (storage resized 0 <-> full under ZeRO-3),
   fp32 main weights and fp32 main grads per strategy; gradient packing in `reduce_dtype`;
   gradients held whole by `no_sync()` (`NoSyncMode.ACCUMULATE_UNSHARDED`).
+  After a ZeRO-1/2 step it keeps its weight all-gather pending until `wait_weights()`.
 * `_module_buffers.py`: `ModuleBuffers`: the module's buffers, cast per policy, broadcast
   per `BufferSync`, exported in their original dtypes.
 * `_comm.py`: `Communicator`: async flat collectives (CUDA: on NCCL's own streams, all-gathers
@@ -68,13 +76,14 @@ Module plan:
   the end-of-backward callback.
 * `_engine.py`: `Engine`: the state machine IDLE -> FORWARD -> BACKWARD -> IDLE driving both
   pipelines from the hooks; reentrant checkpoint recomputes report their units' backward.
+  `wait_pending_weights()`: the one wait every reader of a step's weights goes through.
 * `_groups.py`: `no_decay_groups`; torch-style parameter groups resolved to element runs of
   each bucket's main weights (a shard may span several groups).
 * `_scaler.py`: `ShardedLossScaler`: dynamic loss scale, one all-reduced overflow verdict
   per step, back-off / growth, its state.
 * `_optimizer.py`: `DistributedOptimizer`: torch optimizer on main-weight shards, global
-  norm clipping, loss scaling, pushing updated weights back; its sharded state dict (save,
-  reshard on load).
+  norm clipping, loss scaling, pushing updated weights back (ZeRO-1/2: gathers left pending
+  for the next forward); its sharded state dict (save, reshard on load).
 * `_state_dict.py`: `ShardedTensor`, the flat form's piece helpers (resharding on load), the
   model's sharded / full state dicts (`_optimizer` imports it, never the reverse).
 * `_stats.py`: `ShardingStats`, `ShardingStatsSnapshot`, `CollectiveObserver`.
