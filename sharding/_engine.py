@@ -244,6 +244,11 @@ class Engine:
 
     # ---- deferred weight gathers ----
 
+    def buckets_in_forward_order(self) -> list[FlatBucket]:
+        """Every bucket in the order a forward first needs it: the root unit's (its
+        pre-forward runs first), then the units' in registration order."""
+        return [b for i in [self.root, *range(self.root)] for b in self.unit_buckets[i]]
+
     def has_pending_weights(self) -> bool:
         """Whether some bucket's post-step weight all-gather has not been waited on yet."""
         return any(b.pending_weights is not None for b in self.buckets)

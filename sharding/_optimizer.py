@@ -264,7 +264,9 @@ class DistributedOptimizer:
         self._link_grads()
         self.optimizer.step()
         # [Note: deferred weight gather]: not waited here; the next forward waits per unit.
-        for bucket in self._engine.buckets:
+        # Issued in the order it waits (the root unit first): a process group runs its
+        # collectives in issue order, so the first wait must not queue behind the others.
+        for bucket in self._engine.buckets_in_forward_order():
             bucket.refresh_weights()
         self._engine.stats.end_step()  # [Note: queue depth per step] in sharding/_stats.py
 
