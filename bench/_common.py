@@ -104,6 +104,20 @@ def stdout_to_stderr() -> None:
     os.dup2(2, 1)
 
 
+def tied_gpt_config(spec: Mapping[str, Any]) -> Any:
+    """The benches' GPT shape from a rank spec (`seq_len`, `layers`, `heads`, `d_model`), with
+    tied embeddings (imported here, inside the rank process, like torch)."""
+    from daemon.gpt import GPTConfig
+
+    return GPTConfig(
+        seq_len=spec["seq_len"],
+        num_layers=spec["layers"],
+        num_heads=spec["heads"],
+        d_model=spec["d_model"],
+        tie_embeddings=True,
+    )
+
+
 def median(values: Iterable[float]) -> float:
     """Median of a non-empty iterable."""
     data = list(values)

@@ -131,16 +131,10 @@ def _rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
     import torch
     import torch.distributed as dist
 
-    from daemon.gpt import GPT, GPTConfig, lm_loss
+    from daemon.gpt import GPT, lm_loss
 
     _common.stdout_to_stderr()
-    cfg = GPTConfig(
-        seq_len=spec["seq_len"],
-        num_layers=spec["layers"],
-        num_heads=spec["heads"],
-        d_model=spec["d_model"],
-        tie_embeddings=True,
-    )
+    cfg = _common.tied_gpt_config(spec)
     torch.manual_seed(spec["seed"])
     module = GPT(cfg)
     num_params = sum(p.numel() for p in module.parameters())

@@ -34,17 +34,11 @@ def _rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
     import torch
     import torch.distributed as dist
 
-    from daemon.gpt import GPT, Block, GPTConfig, lm_loss
+    from daemon.gpt import GPT, Block, lm_loss
     from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
 
     _common.stdout_to_stderr()
-    cfg = GPTConfig(
-        seq_len=spec["seq_len"],
-        num_layers=spec["layers"],
-        num_heads=spec["heads"],
-        d_model=spec["d_model"],
-        tie_embeddings=True,
-    )
+    cfg = _common.tied_gpt_config(spec)
     torch.manual_seed(0)
     model = FullyShardedDataParallel(
         GPT(cfg), ShardingConfig(strategy=Strategy(spec["strategy"]), unit_modules=(Block,))

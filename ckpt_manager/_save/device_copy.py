@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from ckpt_manager._save.staging import Slab
+from ckpt_manager._save.staging import Slab, copy_into_slot
 from ckpt_manager._store.format import FileLayout
 
 __all__ = ["DeviceFence", "copy_to_pinned_slab"]
@@ -113,12 +113,7 @@ def _copy_on_stream(
             for slot, tensor in zip(layout.slots, tensors, strict=True):
                 if slot.nbytes == 0:
                     continue
-                dst = buf[slot.offset : slot.offset + slot.nbytes]
-                src = tensor.detach()
-                if src.dtype == slot.dtype and src.is_contiguous():
-                    dst.copy_(src.reshape(-1).view(torch.uint8), non_blocking=True)
-                else:
-                    dst.view(slot.dtype).view(slot.shape).copy_(src, non_blocking=True)
+                copy_into_slot(buf, slot, tensor, non_blocking=True)
                 end = slot.offset + slot.nbytes
                 if on_progress is not None and end - marked >= progress_bytes:
                     mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
