@@ -209,7 +209,8 @@ class CheckpointManager:
 
         Raises:
             ValueError: bad step, metrics or state.
-            SaveFailedError: an older save that had to be finalized first failed.
+            SaveFailedError: an older save that had to be finalized first failed (raised
+                after this save is queued: it goes on), or, in `AsyncMode.SYNC`, this one.
             CheckpointError: the manager is closed or a collective failed.
         """
         started = time.monotonic()
@@ -235,14 +236,23 @@ class CheckpointManager:
                 f"step {step}: the folder of its failed save was not removed (a delete "
                 "failed, or another attempt's manifest holds it); save a later step"
             )
+        # [Note: an older save's failure does not cost this save] Making room can finalize an
+        # older save that failed; its error is raised only once this save is queued, so a
+        # caller that counts failures and trains on still gets this step saved.
+        older_failure: SaveFailedError | None = None
         while len(self._pending) >= self.config.max_inflight:
-            self._final.run(blocking=True)
+            try:
+                self._final.run(blocking=True)
+            except SaveFailedError as err:  # the failed request is retired: room was made
+                older_failure = err
         request = self._prepare(step, state, metrics, started)
         self._pending.append(request)
         self._pipeline.submit(request)
         request.stall_s += time.monotonic() - started
         if self.config.async_mode is AsyncMode.SYNC:
             self._final.run(blocking=True)
+        if older_failure is not None:
+            raise older_failure
 
     def _prepare(
         self, step: int, state: Any, metrics: dict[str, Any], started: float

@@ -89,3 +89,23 @@ def test_persistent_writer_persists_and_memory_is_flat(tmp_path: pathlib.Path) -
     assert len(pids) == 1
     assert trainer[-1] < trainer[1] * 1.05, trainer
     assert writer[-1] < writer[1] * 1.05, writer
+
+
+def test_an_older_failed_save_does_not_cost_the_save_that_found_it(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # max_inflight=1: save(4) must first finalize step 2, whose writer failed. The failure is
+    # reported by save(4), and step 4 is still saved: the daemon's loop counts the failure and
+    # goes on, and a checkpoint skipped for an older save's sake would be lost for nothing.
+    monkeypatch.setenv(FAULT_ENV, "raise@2")
+    with CheckpointManager(str(tmp_path), CheckpointConfig(), run_id="r") as mgr:
+        mgr.save(2, {"t": torch.ones(2)})
+        with pytest.raises(SaveFailedError, match="injected") as failed:
+            mgr.save(4, {"t": torch.full((2,), 4.0)})
+        assert failed.value.step == 2
+        mgr.wait_until_finished()
+        assert mgr.stats().last_committed_step == 4
+        result = mgr.restore()
+        assert result is not None
+        assert result.step == 4
+        assert torch.equal(result.state["t"], torch.full((2,), 4.0))
