@@ -195,6 +195,7 @@ def run_training(
     """
     from ckpt_manager import CheckpointManager, RankLocal
     from sharding import (
+        DeferredInit,
         FullyShardedDataParallel,
         MixedPrecisionPolicy,
         ShardingConfig,
@@ -215,14 +216,18 @@ def run_training(
         reduce_dtype=getattr(torch, tc.reduce_dtype.value),
         output_dtype=torch.float32,  # the job's loss sees fp32 logits
     )
+    # A meta-device model is materialized by the engine, unit by unit, on `device`.
+    on_meta = any(p.is_meta for p in job.model.parameters())
     model = FullyShardedDataParallel(
-        job.model.to(device),
+        job.model if on_meta else job.model.to(device),
         ShardingConfig(
             strategy=Strategy(tc.strategy.value),
             unit_modules=job.unit_modules,
             max_inflight_reductions=tc.max_inflight_reductions,
             mixed_precision=precision,
+            deferred_init=DeferredInit(seed=tc.seed, init_fn=job.init_fn),
         ),
+        device=device,
         observer=telemetry,
     )
     optimizer = make_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay)

@@ -112,10 +112,16 @@ def sample(weights: dict[str, torch.Tensor]) -> str:
 
 
 def build(ctx: JobContext) -> JobSpec:
-    """The default job: `MODEL` on `corpus()`, with `sample()` at the end."""
-    model = GPT(MODEL)
+    """The default job: `MODEL` on `corpus()`, with `sample()` at the end.
+
+    The model is built on the meta device: the engine materializes and initializes it unit
+    by unit (`GPT.init_weights`, seeded from `--seed`), so no rank holds it whole first.
+    """
+    with torch.device("meta"):
+        model = GPT(MODEL)
     return JobSpec(
         model=model,
+        init_fn=model.init_weights,
         train_data=ByteCorpus(corpus(), MODEL.seq_len),
         loss_fn=lm_loss,
         unit_modules=(Block,),

@@ -105,6 +105,26 @@ class GPT(nn.Module):
             if name.endswith(("attn.proj.weight", "out.weight")):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.num_layers))
 
+    def init_weights(self, module: nn.Module) -> None:
+        """Initialize `module`'s own parameters in place, with this model's scheme.
+
+        Linear and embedding weights ~ N(0, 0.02) (the residual projections `attn.proj`
+        and `out` ~ N(0, 0.02 / sqrt(2 * num_layers))), biases 0, other modules (the
+        LayerNorms) their `reset_parameters()`. The `init_fn` of deferred init for a GPT
+        built on the meta device (`sharding.DeferredInit(init_fn=gpt.init_weights)`); the
+        constructor draws the same distributions from the global generator.
+        """
+        blocks: list[Block] = list(self.blocks)  # type: ignore[arg-type]
+        residual = any(module is b.attn.proj or module is b.out for b in blocks)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02 / math.sqrt(2 * self.cfg.num_layers) if residual else 0.02
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            bias = getattr(module, "bias", None)
+            if bias is not None:
+                nn.init.zeros_(bias)
+        elif callable(reset := getattr(module, "reset_parameters", None)):
+            reset()
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):

@@ -87,12 +87,15 @@ Module plan:
 * `_state_dict.py`: `ShardedTensor`, the flat form's piece helpers (resharding on load), the
   model's sharded / full state dicts (`_optimizer` imports it, never the reverse).
 * `_stats.py`: `ShardingStats`, `ShardingStatsSnapshot`, `CollectiveObserver`.
+* `_materialize.py`: `DeferredInit`, `MetaMaterializer`: a model built on the `meta` device
+  is materialized, initialized (seeded per module name) and copied in one unit at a time.
 * `_wrapper.py`: `FullyShardedDataParallel`, the public entry point.
 * `errors.py`: the error tree.
 """
 
 from sharding._config import BufferSync, NoSyncMode, ShardingConfig, Strategy
 from sharding._groups import no_decay_groups
+from sharding._materialize import DeferredInit
 from sharding._optimizer import DistributedOptimizer
 from sharding._precision import DynamicLossScale, MixedPrecisionPolicy
 from sharding._state_dict import ShardedTensor
@@ -108,6 +111,7 @@ __all__ = [
     "BufferSync",
     "CollectiveObserver",
     "CollectiveTotals",
+    "DeferredInit",
     "DistributedOptimizer",
     "DynamicLossScale",
     "FullyShardedDataParallel",

@@ -23,6 +23,24 @@ from sharding._param import Gate, ManagedParameter, engine_access
 __all__ = ["FlatBucket"]
 
 
+def _flat_range(
+    layout: BucketLayout,
+    sources: list[torch.Tensor],
+    start: int,
+    end: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Elements `[start, end)` of the flat fp32 bucket of `sources` (zeros in the gaps)."""
+    out = torch.zeros(end - start, dtype=torch.float32, device=device)
+    with torch.no_grad():
+        for slot, src in zip(layout.slots, sources, strict=True):
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi:
+                piece = src.reshape(-1)[lo - slot.offset : hi - slot.offset]
+                out[lo - start : hi - start].copy_(piece)
+    return out
+
+
 class FlatBucket:
     """Runtime buffers of one `BucketLayout` on this rank."""
 
@@ -36,6 +54,7 @@ class FlatBucket:
         *,
         unit_name: str = "",
         reduce_dtype: torch.dtype = torch.float32,
+        broadcast: bool = True,
     ) -> None:
         """Copy `sources` (one tensor per slot) in, take rank 0's values, then shard.
 
@@ -47,6 +66,9 @@ class FlatBucket:
             sources: current values of the parameters, in slot order.
             unit_name: the owning unit's name (error messages).
             reduce_dtype: dtype the gradients are communicated in.
+            broadcast: take rank 0's values. False when `sources` are the same on every
+                rank already (deferred init): then under ZeRO-3 only this rank's shard is
+                copied and the whole bucket is never allocated.
         """
         self.layout = layout
         self.strategy = strategy
@@ -56,27 +78,32 @@ class FlatBucket:
         self.start, self.end = layout.shard_range(comm.rank)
         device = comm.device
         n = layout.padded_numel
-        full32 = torch.zeros(n, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for slot, src in zip(layout.slots, sources, strict=True):
-                full32[slot.offset : slot.offset + slot.numel].copy_(src.reshape(-1))
-        # Every rank starts from rank 0's weights, as DDP does.
-        comm.broadcast_(full32)
         same = compute_dtype == torch.float32
-        self.full_param = full32 if same else full32.to(compute_dtype)
         self.main_weight: torch.Tensor
         """fp32 weights the optimizer updates: this rank's shard, or whole under NO_SHARD."""
-        if not strategy.shards_optimizer:
-            self.main_weight = full32
-        elif same and not strategy.shards_params:
-            self.main_weight = full32[self.start : self.end]
-        else:
-            self.main_weight = full32[self.start : self.end].clone()
         self.param_shard: torch.Tensor | None = None
-        if strategy.shards_params:
-            self.param_shard = (
-                self.main_weight if same else self.full_param[self.start : self.end].clone()
-            )
+        if strategy.shards_params and not broadcast:
+            # Deferred init (`_materialize.py`): the whole bucket never exists on this rank.
+            self.main_weight = _flat_range(layout, sources, self.start, self.end, device)
+            self.param_shard = self.main_weight if same else self.main_weight.to(compute_dtype)
+            # Storage comes with the first gather (`free_full` below releases this one).
+            self.full_param = torch.empty(n, dtype=compute_dtype, device=device)
+        else:
+            full32 = _flat_range(layout, sources, 0, n, device)
+            if broadcast:
+                # Every rank starts from rank 0's weights, as DDP does.
+                comm.broadcast_(full32)
+            self.full_param = full32 if same else full32.to(compute_dtype)
+            if not strategy.shards_optimizer:
+                self.main_weight = full32
+            elif same and not strategy.shards_params:
+                self.main_weight = full32[self.start : self.end]
+            else:
+                self.main_weight = full32[self.start : self.end].clone()
+            if strategy.shards_params:
+                self.param_shard = (
+                    self.main_weight if same else self.full_param[self.start : self.end].clone()
+                )
         self.params: list[ManagedParameter] = [
             ManagedParameter(
                 self.full_param[s.offset : s.offset + s.numel].view(s.shape),

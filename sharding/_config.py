@@ -8,6 +8,7 @@ import enum
 import torch
 from torch import nn
 
+from sharding._materialize import DeferredInit
 from sharding._precision import MixedPrecisionPolicy
 
 __all__ = ["BufferSync", "NoSyncMode", "ShardingConfig", "Strategy"]
@@ -117,6 +118,9 @@ class ShardingConfig:
     no_sync_mode: NoSyncMode = NoSyncMode.REDUCE_SCATTER
     """Whether `no_sync()` reduce-scatters each micro-batch or accumulates whole fp32
     gradients locally under the grads-sharded strategies (memory cost: see `NoSyncMode`)."""
+    deferred_init: DeferredInit = dataclasses.field(default_factory=DeferredInit)
+    """Seed and init function of a model built on the `meta` device, which the wrapper
+    materializes one unit at a time (see `DeferredInit`); unused for a materialized model."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, Strategy):
@@ -173,6 +177,11 @@ class ShardingConfig:
                 f"ShardingConfig.no_sync_mode must be a sharding.NoSyncMode, got "
                 f"{self.no_sync_mode!r}; use e.g. NoSyncMode.ACCUMULATE_UNSHARDED or "
                 f"NoSyncMode('{NoSyncMode.REDUCE_SCATTER.value}')"
+            )
+        if not isinstance(self.deferred_init, DeferredInit):
+            raise ValueError(
+                f"ShardingConfig.deferred_init must be a sharding.DeferredInit, got "
+                f"{self.deferred_init!r}; use e.g. DeferredInit(seed=0)"
             )
         if self.max_inflight_reductions < 1:
             raise ValueError(

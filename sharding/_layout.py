@@ -8,6 +8,13 @@ bucket reaches `bucket_size_bytes`. Inside a bucket each parameter starts on a 6
 boundary (the alignment of a standalone tensor, so kernels see the same addresses and give
 bitwise the same results as on unwrapped parameters) and the bucket is padded so that every
 rank owns one contiguous, equally long, aligned shard.
+
+[Note: parameters tied across units] A parameter that modules of two units hold (e.g. one
+projection shared by every block) belongs to neither: it lives in the root unit, the common
+ancestor of any two units (units are outermost instances, so a module containing two of
+them is in no unit). The root unit is gathered for the whole forward and backward, so the
+parameter is usable inside every unit's forward; autograd sums its gradients from every
+use into one `.grad`, which the root unit reduces at the end of backward, once.
 """
 
 from __future__ import annotations
@@ -16,8 +23,6 @@ import dataclasses
 
 import torch
 from torch import nn
-
-from sharding.errors import SharedParameterError
 
 __all__ = ["BucketLayout", "ParamSlot", "UnitLayout", "build_layout", "detect_unit_classes"]
 
@@ -145,8 +150,8 @@ def build_layout(
         `(units, buckets, unit_modules)`; `unit_modules[i]` is unit i's module (`None` for the
         root unit, which is last).
 
-    Raises:
-        SharedParameterError: a parameter is reachable from two units (or a unit and the root).
+    A parameter reachable from two units (or a unit and the root) lives in the root unit:
+    [Note: parameters tied across units].
     """
     unit_names: list[str] = []
     unit_mods: list[nn.Module] = []
@@ -170,12 +175,8 @@ def build_layout(
         )
         key = id(param)
         if key in owner and owner[key] != unit:
-            where = [unit_names[u] if u < root else "<root>" for u in (owner[key], unit)]
-            raise SharedParameterError(
-                f"parameter {full_name!r} (also {names[key][0]!r}) is used by two FSDP units "
-                f"{where[0]!r} and {where[1]!r}; untie it, or choose unit_modules so that one "
-                "unit contains every module that uses it"
-            )
+            # Tied across units: [Note: parameters tied across units].
+            owner[key] = root
         if key not in owner:
             owner[key], names[key], params[key] = unit, [], param
             order.append(key)

@@ -17,6 +17,7 @@ from sharding._config import ShardingConfig
 from sharding._engine import Engine
 from sharding._hooks import TrainingState
 from sharding._layout import build_layout, detect_unit_classes
+from sharding._materialize import MetaMaterializer, is_meta_module
 from sharding._module_buffers import ModuleBuffers
 from sharding._optimizer import DistributedOptimizer
 from sharding._param import engine_access
@@ -39,9 +40,11 @@ from sharding.errors import DeviceMismatchError, ShardingError
 __all__ = ["FullyShardedDataParallel"]
 
 
-def _resolve_device(module: nn.Module, device: torch.device | str | None) -> torch.device:
+def _resolve_device(
+    module: nn.Module, device: torch.device | str | None, *, deferred: bool
+) -> torch.device:
     if device is None:
-        first = next(iter(module.parameters()), None)
+        first = None if deferred else next(iter(module.parameters()), None)
         resolved = first.device if first is not None else torch.device("cpu")
     else:
         resolved = torch.device(device)
@@ -96,22 +99,30 @@ class FullyShardedDataParallel(nn.Module):
         """Wrap `module` (collective: every rank of the group calls it).
 
         Args:
-            module: the model, already on `device`; rank 0's weights are broadcast.
+            module: the model, already on `device`; rank 0's weights are broadcast. Or a
+                model built on the `meta` device: then every rank materializes and
+                initializes it one unit at a time, keeping only its shards
+                (`ShardingConfig.deferred_init`, [Note: deferred init] in
+                `sharding/_materialize.py`).
             config: sharding configuration (defaults to ZeRO-3 with detected units).
             process_group: data-parallel group (default group when None; world size 1 when
                 `torch.distributed` is not initialised).
-            device: compute device; defaults to the device of the module's parameters.
+            device: compute device; defaults to the device of the module's parameters (the
+                CPU for a meta-device model).
             observer: receives one call per completed collective.
 
         Raises:
             DeviceMismatchError: a parameter or buffer is on another device.
-            SharedParameterError: a parameter is used by two units.
+            DeferredInitError: only part of the model is on `meta`, or its initialization
+                leaves a parameter or buffer unwritten.
             MixedPrecisionError: the policy would recast a parameter the user kept in a dtype.
         """
         super().__init__()
         self.config = config or ShardingConfig()
-        self.device = _resolve_device(module, device)
-        _check_device(module, self.device)
+        deferred = is_meta_module(module)
+        self.device = _resolve_device(module, device, deferred=deferred)
+        if not deferred:
+            _check_device(module, self.device)
         self.module = module
         self.stats = ShardingStats()
         """Engine counters; `stats.snapshot()` returns a `ShardingStatsSnapshot`."""
@@ -132,23 +143,38 @@ class FullyShardedDataParallel(nn.Module):
             param_dtypes=param_dtypes,
         )
         current = dict(module.named_parameters(remove_duplicate=False))
-        buckets = [
-            FlatBucket(
-                layout,
-                self.config.strategy,
-                self._comm,
-                layout.compute_dtype,
-                [current[slot.names[0]].detach() for slot in layout.slots],
-                unit_name=units[layout.unit].name or "(root)",
-                reduce_dtype=self.precision.reduce_dtype,
-            )
-            for layout in layouts
-        ]
-        for bucket in buckets:
-            for slot, param in zip(bucket.layout.slots, bucket.params, strict=True):
-                for name in slot.names:
-                    owner, _, attr = name.rpartition(".")
-                    module.get_submodule(owner)._parameters[attr] = param
+        owned = [[s.names[0] for b in unit.buckets for s in layouts[b].slots] for unit in units]
+        materializer = (
+            MetaMaterializer(module, units, owned, self.device, self.config.deferred_init)
+            if deferred
+            else None
+        )
+        buckets: list[FlatBucket] = []
+        # Unit by unit, so that a meta model exists in full for one unit at a time only.
+        for unit in units:
+            sources = current if materializer is None else materializer.unit_sources(unit.index)
+            for layout in (layouts[b] for b in unit.buckets):
+                bucket = FlatBucket(
+                    layout,
+                    self.config.strategy,
+                    self._comm,
+                    layout.compute_dtype,
+                    [sources[slot.names[0]].detach() for slot in layout.slots],
+                    unit_name=unit.name or "(root)",
+                    reduce_dtype=self.precision.reduce_dtype,
+                    broadcast=materializer is None,
+                )
+                assert bucket.layout.index == len(buckets)
+                for slot, param in zip(layout.slots, bucket.params, strict=True):
+                    for name in slot.names:
+                        owner, _, attr = name.rpartition(".")
+                        module.get_submodule(owner)._parameters[attr] = param
+                buckets.append(bucket)
+            if materializer is not None:
+                del sources
+                materializer.release(unit.index)
+        if materializer is not None:
+            materializer.finish()
         self._module_buffers = ModuleBuffers(
             module, buffer_dtypes, self._comm, self.config.buffer_sync
         )

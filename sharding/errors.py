@@ -3,8 +3,8 @@
 ```
 ShardingError (RuntimeError)                    base of everything the engine raises itself
 ├── DeviceMismatchError (+ ValueError)          a module tensor is not on the engine's device
-├── SharedParameterError (+ ValueError)         one parameter belongs to two FSDP units
 ├── MixedPrecisionError (+ ValueError)          the policy would recast a dtype the user chose
+├── DeferredInitError (+ ValueError)            a meta-device model cannot be materialized
 ├── UnwrappedModuleError                        the inner module ran outside the wrapper
 ├── ParameterNotGatheredError                   a ZeRO-3 parameter was used while sharded
 ├── GradientsInEngineError                      `.grad` of a managed parameter was touched
@@ -17,12 +17,12 @@ Configuration mistakes raise plain `ValueError` from `ShardingConfig.__post_init
 from __future__ import annotations
 
 __all__ = [
+    "DeferredInitError",
     "DeviceMismatchError",
     "GradientsInEngineError",
     "MixedPrecisionError",
     "ParameterNotGatheredError",
     "ShardingError",
-    "SharedParameterError",
     "StateDictLayoutError",
     "UnwrappedModuleError",
 ]
@@ -36,15 +36,19 @@ class DeviceMismatchError(ShardingError, ValueError):
     """A parameter or buffer of the wrapped module is not on the engine's device."""
 
 
-class SharedParameterError(ShardingError, ValueError):
-    """A parameter is used by two FSDP units, so no single unit can own its shard."""
-
-
 class MixedPrecisionError(ShardingError, ValueError):
     """The mixed-precision policy would silently recast parameters the user kept in a dtype.
 
     The message names the module; keep it with `MixedPrecisionPolicy.fp32_modules`, choose
     `param_dtype` to match, or convert the module before wrapping.
+    """
+
+
+class DeferredInitError(ShardingError, ValueError):
+    """A model built on the meta device cannot be materialized and initialized as asked.
+
+    E.g. only part of it is on `meta`, or a parameter or buffer is left unwritten by
+    `reset_parameters()` / `DeferredInit.init_fn` (the message names it).
     """
 
 

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-from daemon.gpt import Block, GPTConfig, lm_loss
+from daemon.gpt import Block, lm_loss
 from sharding import FullyShardedDataParallel, ShardedTensor, ShardingConfig, Strategy
 from sharding.errors import (
+    DeferredInitError,
     DeviceMismatchError,
     GradientsInEngineError,
     ShardingError,
-    SharedParameterError,
     StateDictLayoutError,
     UnwrappedModuleError,
 )
@@ -29,14 +28,6 @@ def _wrapped(strategy: Strategy = Strategy.OPTIM_GRADS_PARAMS) -> FullyShardedDa
 def test_module_on_another_device_is_rejected() -> None:
     with pytest.raises(DeviceMismatchError, match=r"module\.to\('meta'\)"):
         FullyShardedDataParallel(make_model(Setup(strategy=Strategy.NO_SHARD)), device="meta")
-
-
-def test_parameter_shared_by_two_units_is_rejected() -> None:
-    cfg = GPTConfig(d_model=16, num_heads=2, seq_len=8, num_layers=2)
-    model = nn.Sequential(Block(cfg), Block(cfg))
-    model[1].fc = model[0].fc
-    with pytest.raises(SharedParameterError, match=r"'0' and '1'"):
-        FullyShardedDataParallel(model, ShardingConfig(unit_modules=(Block,)))
 
 
 @pytest.mark.parametrize("strategy", list(Strategy), ids=[s.value for s in Strategy])
@@ -84,7 +75,7 @@ def test_state_dict_saved_with_another_layout_is_rejected() -> None:
 
 
 def test_errors_share_one_base() -> None:
-    for cls in (DeviceMismatchError, SharedParameterError, StateDictLayoutError):
+    for cls in (DeviceMismatchError, DeferredInitError, StateDictLayoutError):
         assert issubclass(cls, ShardingError)
         assert issubclass(cls, ValueError)
     assert issubclass(UnwrappedModuleError, ShardingError)

@@ -11,6 +11,7 @@ def test_all_is_pinned_and_documented() -> None:
         "BufferSync",
         "CollectiveObserver",
         "CollectiveTotals",
+        "DeferredInit",
         "DistributedOptimizer",
         "DynamicLossScale",
         "FullyShardedDataParallel",
