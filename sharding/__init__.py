@@ -12,7 +12,9 @@ wrapper, train as with DDP:
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=3e-4)
     loss_fn(model(x), y).backward(); optimizer.clip_grad_norm_(1.0); optimizer.step()
 
-Semantics worth knowing: every rank starts from rank 0's weights; gradients are averaged
+Semantics worth knowing: every rank starts from rank 0's weights (a model built on the
+`meta` device is instead materialized and initialized by every rank one unit at a time,
+seeded per module name: `DeferredInit`, [Note: deferred init]); gradients are averaged
 over ranks (in `reduce_dtype`, fp32 by default) into fp32 main gradients; a parameter that
 gets no gradient in a step counts as a zero gradient (the optimizer still steps it, e.g.
 weight decay applies); activation checkpointing works with both `torch.utils.checkpoint`
