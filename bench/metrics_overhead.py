@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from daemon.data import ShardedLoader
     from daemon.default_job import build
     from daemon.job import JobContext
-    from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
+    from sharding import DeferredInit, FullyShardedDataParallel, ShardingConfig, Strategy
 
     torch.set_num_threads(args.threads)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -77,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     observer = _Switch()
     model = FullyShardedDataParallel(
         job.model,
-        ShardingConfig(strategy=Strategy(args.strategy), unit_modules=job.unit_modules),
+        ShardingConfig(
+            strategy=Strategy(args.strategy),
+            unit_modules=job.unit_modules,
+            deferred_init=DeferredInit(seed=0, init_fn=job.init_fn),
+        ),
         observer=observer,
     )
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=1e-3)

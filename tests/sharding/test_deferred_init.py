@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from daemon.gpt import GPT, lm_loss
+from daemon.gpt import GPT, Block, lm_loss
 from sharding import DeferredInit, FullyShardedDataParallel, ShardingConfig, Strategy
 from sharding.errors import DeferredInitError
 from tests.sharding._deferred_init_ranks import (
@@ -236,3 +236,31 @@ def test_deferred_init_config_is_validated() -> None:
         DeferredInit(init_fn=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="DeferredInit"):
         ShardingConfig(deferred_init=3)  # type: ignore[arg-type]
+
+
+def test_materialized_model_with_parameters_tied_across_units_trains_as_unsharded() -> None:
+    """The eager path of the same layout: ZeRO-3 at world size 1 against the plain model."""
+    torch.manual_seed(0)
+    model = SharedFcModel()
+    ref = SharedFcModel()
+    ref.load_state_dict(model.state_dict())
+    wrapped = FullyShardedDataParallel(model, ShardingConfig(unit_modules=(Block,)))
+    assert "blocks.0.fc.weight" not in {
+        s.names[0] for b in wrapped._engine.unit_buckets[0] for s in b.layout.slots
+    }, "a parameter tied across units lives in the root unit"
+    opt = wrapped.make_optimizer(torch.optim.AdamW, lr=LR, weight_decay=WD)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    for step in range(3):
+        x, y = global_batch(step, 0, 1, 2)
+        got = lm_loss(wrapped(x), y)
+        got.backward()
+        opt.step()
+        opt.zero_grad()
+        want = lm_loss(ref(x), y)
+        want.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-5)
+    full = wrapped.full_state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-5)
