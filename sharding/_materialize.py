@@ -105,22 +105,18 @@ def is_meta_module(module: nn.Module) -> bool:
     return bool(meta)
 
 
-def _seeded(device: torch.device, seed: int) -> contextlib.AbstractContextManager[None]:
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int) -> Iterator[None]:
     """Seed torch's default generators of `device` (and the CPU's), restoring them after."""
     cuda = device.type == "cuda"
-    index = device.index if device.index is not None else 0
-
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
-        # Not `torch.manual_seed`: it would also queue a lazy seed for CUDA devices that are
-        # not initialised yet, overriding the user's seed when they are.
-        with torch.random.fork_rng(devices=[index] if cuda else []):
-            torch.default_generator.manual_seed(seed)
-            if cuda:
-                torch.cuda.default_generators[index].manual_seed(seed)
-            yield
-
-    return scope()
+    index = device.index if device.index is not None else torch.cuda.current_device() if cuda else 0
+    # Not `torch.manual_seed`: it would also queue a lazy seed for CUDA devices that are not
+    # initialised yet, overriding the user's seed when they are.
+    with torch.random.fork_rng(devices=[index] if cuda else []):
+        torch.default_generator.manual_seed(seed)
+        if cuda:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        yield
 
 
 def _unit_modules(module: nn.Module, units: list[UnitLayout]) -> list[list[tuple[str, nn.Module]]]:
@@ -161,12 +157,13 @@ class MetaMaterializer:
                 "a meta-device model needs a real device to be materialized on; pass "
                 "device='cpu' or device='cuda' to FullyShardedDataParallel"
             )
-        self._module = module
         self._device = device
         self._init = init
         self._owned = owned
         self._modules = _unit_modules(module, units)
-        # Every (module, attribute) holding each parameter / buffer, by the meta tensor's id.
+        # Every (module, attribute) holding each parameter / buffer, by the meta tensor's id
+        # (`_metas` keeps those tensors alive, so no id is reused while this object lives).
+        self._metas = [*module.parameters(), *module.buffers()]
         self._param_sites: dict[int, list[tuple[nn.Module, str]]] = {}
         self._param_first: dict[str, int] = {}
         for name, p in module.named_parameters(remove_duplicate=False):

@@ -198,6 +198,11 @@ def test_meta_model_with_real_parameters_is_refused() -> None:
         FullyShardedDataParallel(model)
 
 
+def test_meta_model_needs_a_real_device() -> None:
+    with pytest.raises(DeferredInitError, match=r"device='cpu'"):
+        FullyShardedDataParallel(meta_gpt(SMALL), device="meta")
+
+
 class _Unwritten(nn.Module):
     """A module whose buffer no init writes (no `reset_parameters`)."""
 
