@@ -88,6 +88,7 @@ def wrap_meta(
     seed: int = SEED,
     init: bool = True,
     group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
 ) -> FullyShardedDataParallel:
     """Wrap a meta model with Block units; GPTs get `GPT.init_weights` unless `init` is off."""
     init_fn = model.init_weights if init and isinstance(model, GPT) else None
@@ -99,6 +100,7 @@ def wrap_meta(
             deferred_init=DeferredInit(seed=seed, init_fn=init_fn),
         ),
         process_group=group,
+        device=device,
     )
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sharding import Strategy
+from tests.sharding._deferred_init_ranks import SMALL, digests, meta_gpt, wrap_meta
 from tests.sharding._helpers import (
     Setup,
     engine_mixed_precision,
@@ -32,3 +33,16 @@ def test_cuda_bf16_parity_world_size_one(strategy: Strategy) -> None:
     for name, value in ref_weights.items():
         torch.testing.assert_close(weights[name].to(value.device), value, rtol=1e-3, atol=1e-4)
     assert losses[-1] < losses[0]
+
+
+def test_cuda_deferred_init_is_seeded_and_leaves_the_rng_alone() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.manual_seed(5)
+    before = torch.cuda.get_rng_state(device)
+    models = [
+        wrap_meta(meta_gpt(SMALL), Strategy.OPTIM_GRADS_PARAMS, device=device) for _ in range(2)
+    ]
+    assert torch.equal(torch.cuda.get_rng_state(device), before)
+    assert all(b.main_weight.device == device for b in models[0]._engine.buckets)
+    first, second = (digests(m.full_state_dict()) for m in models)
+    assert first == second
