@@ -1,7 +1,8 @@
 """Deferred init: a model built on the meta device is materialized unit by unit at wrap.
 
 See [Note: deferred init] in `sharding/_materialize.py`. World size 1 runs in-process; one
-2-rank and one 4-rank launch (`_deferred_init_ranks.py`) do the multi-rank checks: the
+4-rank launch (`_deferred_init_ranks.py`; its two pairs of ranks give world size 2) does the
+multi-rank checks: the
 peak resident memory of a ZeRO-3 wrap at 4 ranks, the full weights bitwise equal at world
 sizes 1, 2 and 4 under every strategy, and training from them equal to a single-process
 run (the parity tolerance of test_parity.py); the shared-fc model also checks parameters
