@@ -34,6 +34,11 @@ Outside forward, ZeRO-3 parameters have no memory (torch calls on them raise; us
 that unit is gathered (another unit's raise too). No parameter has a `.grad` (it raises;
 the engine's optimizer clips and steps).
 
+Hybrid sharding (HSDP, [Note: hybrid layout] in `_mesh.py`): `ShardingConfig(shard_group_size=S)`
+shards across groups of S consecutive ranks and replicates across the groups; collectives
+over the weights stay inside a group, each reduced gradient shard is all-reduced across the
+groups, and checkpoints hold each shard once (replica 0's pieces; the others' are empty).
+
 Mixed precision (design; details in the note in `_precision.py`): a frozen
 `MixedPrecisionPolicy` after FSDP2's and Megatron's, given as
 `ShardingConfig(mixed_precision=...)` (`ShardingConfig.param_dtype` stays as its shorthand):
@@ -66,6 +71,7 @@ Module plan:
   After a ZeRO-1/2 step it keeps its weight all-gather pending until `wait_weights()`.
 * `_module_buffers.py`: `ModuleBuffers`: the module's buffers, cast per policy, broadcast
   per `BufferSync`, exported in their original dtypes.
+* `_mesh.py`: `HybridGroups`: the replicate x shard process groups of hybrid sharding.
 * `_comm.py`: `Communicator`: async flat collectives (CUDA: on NCCL's own streams, all-gathers
   on a second group), `PendingCollective.wait()` timed (CUDA: by events); local fallbacks at
   world size 1.
@@ -73,7 +79,7 @@ Module plan:
   forward / reverse order bounded by `communication_unit_bytes`, hit/miss and gathered-bytes
   accounting; opens a unit's gates once its gather is waited on.
 * `_reduce.py`: `ReducePipeline`: reduce-scatter / all-reduce per bucket in `reduce_dtype`,
-  into fp32 main grads, bounded queue.
+  into fp32 main grads, bounded queue; the replica all-reduce of hybrid sharding.
 * `_hooks.py`: `TrainingState`, the post-backward identity function, pre-backward hooks,
   the end-of-backward callback.
 * `_engine.py`: `Engine`: the state machine IDLE -> FORWARD -> BACKWARD -> IDLE driving both

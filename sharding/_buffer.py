@@ -76,6 +76,9 @@ class FlatBucket:
         self.compute_dtype = compute_dtype
         self.reduce_dtype = reduce_dtype
         self.start, self.end = layout.shard_range(comm.rank)
+        self.saves_pieces = comm.replica_rank == 0
+        """Whether this rank's pieces go into state dicts: replica 0 of a hybrid layout
+        saves each shard, the other replicas save empty pieces (see `_state_dict.py`)."""
         device = comm.device
         n = layout.padded_numel
         same = compute_dtype == torch.float32

@@ -1,5 +1,8 @@
 """Collectives over the data-parallel group, issued asynchronously, waited on with accounting.
 
+Under hybrid sharding ([Note: hybrid layout] in `_mesh.py`) the flat collectives run on the
+shard group and a reduced gradient shard is all-reduced over the replica group.
+
 [Note: streams and lifetimes] On CUDA a collective is issued from the current (compute)
 stream with `async_op=True`: NCCL runs it on its process group's own stream, which first waits
 for the compute issued so far, so it overlaps the compute that follows; `PendingCollective.wait()`
@@ -39,6 +42,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from sharding._mesh import HybridGroups
 from sharding._stats import CollectiveObserver, ShardingStats
 
 __all__ = ["Communicator", "PendingCollective"]
@@ -148,23 +152,53 @@ class Communicator:
         device: torch.device,
         stats: ShardingStats,
         observer: CollectiveObserver | None,
+        *,
+        hybrid: HybridGroups | None = None,
     ) -> None:
-        self.group = group
+        """Communicate over `group`, or over `hybrid`'s shard and replica groups.
+
+        Args:
+            group: the data-parallel group (`None`: the default group).
+            device: where the collectives' tensors live.
+            stats: counters to update.
+            observer: receives one call per completed collective.
+            hybrid: the replicate x shard groups ([Note: hybrid layout] in `_mesh.py`);
+                `group` must then be the default group.
+        """
+        self.dp_group = group
+        """The whole data-parallel group (broadcasts of initial weights and buffers)."""
+        self.group = hybrid.shard if hybrid is not None else group
+        """The shard group: all-gathers, reduce-scatters, norms (the data-parallel group
+        unless hybrid)."""
+        self.replica_group = hybrid.replicate if hybrid is not None else None
+        """The group holding the same shard in every shard group (`None` unless hybrid)."""
         self.device = device
         self._stats = stats
         self._observer = observer
         if dist.is_available() and dist.is_initialized():
-            self.rank = dist.get_rank(group)
-            self.world_size = dist.get_world_size(group)
+            self.rank = dist.get_rank(self.group)
+            self.world_size = dist.get_world_size(self.group)
+            self.dp_rank = dist.get_rank(group)
+            self.dp_world_size = dist.get_world_size(group)
             self.distributed = True
         else:
             self.rank, self.world_size, self.distributed = 0, 1, False
+            self.dp_rank, self.dp_world_size = 0, 1
+        self.replica_rank = 0
+        """Index of this rank's shard group (0 unless hybrid); replica 0 saves checkpoints."""
+        self.num_replicas = 1
+        """Number of shard groups holding a copy of the training state."""
+        if hybrid is not None:
+            self.replica_rank = dist.get_rank(hybrid.replicate)
+            self.num_replicas = hybrid.num_replicas
         self._on_cuda = device.type == "cuda"
         self._stream_waits: collections.deque[_StreamWait] = collections.deque()
-        self.gather_group = group
+        self.gather_group = self.group
         """The group all-gathers run on: a second NCCL group on CUDA (see
         [Note: streams and lifetimes]), else `group`."""
-        if self._on_cuda and self.distributed and self._spans_world(group):
+        if hybrid is not None:
+            self.gather_group = hybrid.shard_gather or hybrid.shard
+        elif self._on_cuda and self.distributed and self._spans_world(group):
             self.gather_group = dist.new_group(backend=dist.get_backend(group))
 
     @property
@@ -247,14 +281,37 @@ class Communicator:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
         return PendingCollective(self, "all_reduce", work, num_bytes, (tensor,))
 
+    def all_reduce_replicas(self, tensor: torch.Tensor) -> PendingCollective:
+        """Sum a reduced shard in place over the replica group (hybrid; counted as all_reduce).
+
+        Without replicas nothing is sent and the returned collective is already done.
+        """
+        num_bytes = tensor.numel() * tensor.element_size()
+        if self.replica_group is None or self.num_replicas == 1:
+            return PendingCollective(self, "all_reduce", None, num_bytes, ())
+        self.flush_timings()
+        work = dist.all_reduce(tensor, group=self.replica_group, async_op=True)
+        return PendingCollective(self, "all_reduce", work, num_bytes, (tensor,))
+
+    def broadcast_replicas_(self, tensor: torch.Tensor) -> None:
+        """Overwrite `tensor` with replica 0's copy (hybrid; blocking, not counted)."""
+        if self.replica_group is not None and self.num_replicas > 1:
+            src = dist.get_global_rank(self.replica_group, 0)
+            dist.broadcast(tensor, src=src, group=self.replica_group)
+
     def broadcast_(self, tensor: torch.Tensor, src_rank: int = 0) -> None:
-        """Overwrite `tensor` with group rank `src_rank`'s copy (blocking, not counted)."""
+        """Overwrite `tensor` with data-parallel rank `src_rank`'s copy (blocking, not counted).
+
+        Spans the whole data-parallel group, every shard group included.
+        """
         if self.distributed:
-            src = dist.get_global_rank(self.group, src_rank) if self.group is not None else src_rank
-            dist.broadcast(tensor, src=src, group=self.group)
+            group = self.dp_group
+            src = dist.get_global_rank(group, src_rank) if group is not None else src_rank
+            dist.broadcast(tensor, src=src, group=group)
 
     def sum_scalar(self, value: torch.Tensor) -> torch.Tensor:
-        """Blocking all-reduce of a small tensor (not counted: control traffic)."""
+        """Blocking all-reduce of a small tensor over the shard group (not counted: control
+        traffic; replicas of a shard hold the same values, so one shard group sees all)."""
         if self.distributed:
             dist.all_reduce(value, group=self.group)
         return value

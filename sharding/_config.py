@@ -121,6 +121,10 @@ class ShardingConfig:
     deferred_init: DeferredInit = dataclasses.field(default_factory=DeferredInit)
     """Seed and init function of a model built on the `meta` device, which the wrapper
     materializes one unit at a time (see `DeferredInit`); unused for a materialized model."""
+    shard_group_size: int | None = None
+    """Hybrid sharding (HSDP): shard across groups of this many consecutive ranks and
+    replicate across the groups (`None`: one group, the whole world). Must divide the world
+    size; needs a sharded strategy and the default process group (see `sharding/_mesh.py`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.strategy, Strategy):
@@ -183,6 +187,25 @@ class ShardingConfig:
                 f"ShardingConfig.deferred_init must be a sharding.DeferredInit, got "
                 f"{self.deferred_init!r}; use e.g. DeferredInit(seed=0)"
             )
+        if self.shard_group_size is not None:
+            if isinstance(self.shard_group_size, bool) or not isinstance(
+                self.shard_group_size, int
+            ):
+                raise ValueError(
+                    "ShardingConfig.shard_group_size must be an int or None (shard over the "
+                    f"whole world), got {self.shard_group_size!r}"
+                )
+            if self.shard_group_size < 1:
+                raise ValueError(
+                    "ShardingConfig.shard_group_size must be at least 1 (e.g. the ranks per "
+                    f"node) or None (the whole world), got {self.shard_group_size}"
+                )
+            if not self.strategy.shards_optimizer:
+                raise ValueError(
+                    "ShardingConfig.shard_group_size needs a sharded strategy: NO_SHARD "
+                    "replicates everything already; leave shard_group_size None or use "
+                    "Strategy.OPTIM_GRADS_PARAMS (hybrid ZeRO-3)"
+                )
         if self.max_inflight_reductions < 1:
             raise ValueError(
                 "ShardingConfig.max_inflight_reductions must be at least 1, "

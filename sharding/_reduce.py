@@ -22,6 +22,12 @@ a power-of-two world size the division is exact, so the result equals DDP's bit 
 
 At most `max_inflight` reductions are in flight: the oldest is waited on (and finished)
 before another is issued. `drain()` at the end of backward waits for the rest.
+
+Hybrid sharding ([Note: hybrid layout] in `_mesh.py`): gradients are pre-divided by the whole
+data-parallel world, reduce-scattered inside the shard group, and once a reduce-scatter is
+waited on, its output shard is all-reduced over the replica group; that all-reduce takes the
+reduce-scatter's place at the back of the queue (it counts against `max_inflight` like any
+reduction) and the bucket's finishing copy or add runs after it.
 """
 
 from __future__ import annotations
@@ -49,18 +55,21 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 class _Inflight:
-    __slots__ = ("finish", "keep", "pending")
+    __slots__ = ("finish", "keep", "pending", "replicate")
 
     def __init__(
         self,
         pending: PendingCollective,
         finish: Callable[[], None] | None,
         keep: tuple[torch.Tensor, ...],
+        replicate: torch.Tensor | None,
     ) -> None:
         self.pending = pending
         self.finish = finish
         # Tensors the collective reads or writes live until it has been waited on.
         self.keep = keep
+        # The reduce-scatter's output, still to be all-reduced over the replica group.
+        self.replicate = replicate
 
 
 class ReducePipeline:
@@ -79,7 +88,9 @@ class ReducePipeline:
         self._stats = stats
         self.max_inflight = max_inflight
         self._queue: collections.deque[_Inflight] = collections.deque()
-        self._scale = 1.0 / comm.world_size
+        # Pre-divided by every data-parallel rank: the replica all-reduce sums the rest.
+        self._scale = 1.0 / comm.dp_world_size
+        self._replicas = comm.num_replicas > 1
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -88,6 +99,10 @@ class ReducePipeline:
         entry = self._queue.popleft()
         entry.pending.wait()
         self._stats.reduce_waited()
+        if entry.replicate is not None:
+            pending = self._comm.all_reduce_replicas(entry.replicate)
+            self._push(pending, entry.finish, (*entry.keep, entry.replicate))
+            return
         if entry.finish is not None:
             entry.finish()
 
@@ -100,8 +115,13 @@ class ReducePipeline:
         pending: PendingCollective,
         finish: Callable[[], None] | None,
         keep: tuple[torch.Tensor, ...],
+        *,
+        scattered: torch.Tensor | None = None,
     ) -> None:
-        self._queue.append(_Inflight(pending, finish, keep))
+        """Queue one reduction; `scattered`: its output shard, all-reduced over replicas
+        once it is done (hybrid only)."""
+        replicate = scattered if self._replicas else None
+        self._queue.append(_Inflight(pending, finish, keep, replicate))
         self._stats.reduce_issued()
 
     def reduce(
@@ -124,17 +144,19 @@ class ReducePipeline:
             if bucket.grad_is_zero:
                 shard = bucket.new_grad_shard()
                 if shard.dtype == full.dtype:
-                    self._push(self._comm.reduce_scatter(shard, full), None, (full,))
+                    pending = self._comm.reduce_scatter(shard, full)
+                    self._push(pending, None, (full,), scattered=shard)
                     return
                 low = bucket.reduce_out()
                 pending = self._comm.reduce_scatter(low, full)
-                self._push(pending, functools.partial(_copy, shard, low), (full, low))
+                copy_back = functools.partial(_copy, shard, low)
+                self._push(pending, copy_back, (full, low), scattered=low)
                 return
             main = bucket.main_grad
             assert main is not None
             out = bucket.reduce_out()
             pending = self._comm.reduce_scatter(out, full)
-            self._push(pending, functools.partial(_add, main, out), (full, out))
+            self._push(pending, functools.partial(_add, main, out), (full, out), scattered=out)
             return
         if not last_microbatch:
             bucket.accumulate_local(grads, scale=None)
@@ -158,7 +180,8 @@ class ReducePipeline:
         if bucket.grad_is_zero:
             shard = bucket.new_grad_shard()
             if wire is main:
-                self._push(self._comm.reduce_scatter(shard, main), consumed, ())
+                pending = self._comm.reduce_scatter(shard, main)
+                self._push(pending, consumed, (), scattered=shard)
                 return
             low = bucket.reduce_out()
 
@@ -166,7 +189,8 @@ class ReducePipeline:
                 shard.copy_(low)
                 bucket.local_is_zero = True
 
-            self._push(self._comm.reduce_scatter(low, wire), first, (low, wire))
+            pending = self._comm.reduce_scatter(low, wire)
+            self._push(pending, first, (low, wire), scattered=low)
             return
         reduced = bucket.reduced_grad
         assert reduced is not None
@@ -176,7 +200,7 @@ class ReducePipeline:
             reduced.add_(out)
             bucket.local_is_zero = True
 
-        self._push(self._comm.reduce_scatter(out, wire), finish, (out, wire))
+        self._push(self._comm.reduce_scatter(out, wire), finish, (out, wire), scattered=out)
 
     def drain(self) -> None:
         """Wait for and finish every reduction in flight."""

@@ -56,11 +56,14 @@ class ShardedTensor:
 
 
 def piece_bounds(bucket: FlatBucket, slot: ParamSlot) -> tuple[int, int]:
-    """Bucket range of `slot` that this rank owns (empty, at the slot's start, if none).
+    """Bucket range of `slot` this rank saves and loads (empty, at the slot's start, if none).
 
     An empty piece is placed inside the parameter so its `flat_range` is `(0, 0)`: a range
-    past the parameter's end would describe a position the tensor does not have.
+    past the parameter's end would describe a position the tensor does not have. Under
+    hybrid sharding only replica 0 has pieces ([Note: replicated state is saved once]).
     """
+    if not bucket.saves_pieces:
+        return slot.offset, slot.offset
     lo = max(slot.offset, bucket.start)
     hi = min(slot.offset + slot.numel, bucket.end)
     return (lo, hi) if lo < hi else (slot.offset, slot.offset)
@@ -75,13 +78,20 @@ def local_of(bucket: FlatBucket, flat: torch.Tensor, lo: int, hi: int) -> torch.
 
 
 def complete_replicated(bucket: FlatBucket, flat: torch.Tensor) -> None:
-    """Fill the ranges other ranks own in a tensor every rank holds whole.
+    """Fill the ranges this rank holds but did not load (collective).
 
     [Note: replicated state is saved once] `no_shard` keeps whole main weights and optimizer
     state on every rank, but each rank saves (and so loads) only the range it owns, so a
     checkpoint holds every element once. After loading its own range, a rank gathers the
     others' from its peers; every rank calls this for the same buckets in the same order.
+    Hybrid sharding ([Note: hybrid layout] in `_mesh.py`) holds each shard once per shard
+    group: replica 0 saves it, the other replicas save empty pieces (`flat_range` `(0, 0)`,
+    so the checkpoint holds what one shard group holds), and on load they take replica 0's
+    shard by a broadcast over the replica group.
     """
+    if bucket.comm.num_replicas > 1:
+        bucket.comm.broadcast_replicas_(flat)
+        return
     whole = flat.numel() == bucket.layout.padded_numel
     if not whole or (bucket.start == 0 and bucket.end == flat.numel()):
         return

@@ -18,6 +18,7 @@ from sharding._engine import Engine
 from sharding._hooks import TrainingState
 from sharding._layout import build_layout, detect_unit_classes
 from sharding._materialize import MetaMaterializer, is_meta_module
+from sharding._mesh import HybridGroups, build_hybrid_groups
 from sharding._module_buffers import ModuleBuffers
 from sharding._optimizer import DistributedOptimizer
 from sharding._param import engine_access
@@ -52,6 +53,25 @@ def _resolve_device(
     if resolved.type == "cuda" and index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return resolved
+
+
+def _hybrid_groups(
+    config: ShardingConfig, process_group: dist.ProcessGroup | None, device: torch.device
+) -> HybridGroups | None:
+    """The replicate x shard groups `config.shard_group_size` asks for (`None`: plain)."""
+    size = config.shard_group_size
+    if size is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size()
+    if process_group is not None and dist.get_world_size(process_group) != world:
+        raise ValueError(
+            "ShardingConfig.shard_group_size needs the default process group (hybrid groups "
+            "are built from the whole world); pass process_group=None"
+        )
+    if size == world:
+        return None
+    # Raises ValueError when `size` does not divide the world.
+    return build_hybrid_groups(size, gather_group=device.type == "cuda")
 
 
 def _check_device(module: nn.Module, device: torch.device) -> None:
@@ -106,12 +126,15 @@ class FullyShardedDataParallel(nn.Module):
                 `sharding/_materialize.py`).
             config: sharding configuration (defaults to ZeRO-3 with detected units).
             process_group: data-parallel group (default group when None; world size 1 when
-                `torch.distributed` is not initialised).
+                `torch.distributed` is not initialised); hybrid sharding
+                (`config.shard_group_size`) needs the default group.
             device: compute device; defaults to the device of the module's parameters (the
                 CPU for a meta-device model).
             observer: receives one call per completed collective.
 
         Raises:
+            ValueError: `config.shard_group_size` does not divide the world size, or comes
+                with a `process_group` smaller than the world.
             DeviceMismatchError: a parameter or buffer is on another device.
             DeferredInitError: only part of the model is on `meta`, or its initialization
                 leaves a parameter or buffer unwritten.
@@ -126,7 +149,13 @@ class FullyShardedDataParallel(nn.Module):
         self.module = module
         self.stats = ShardingStats()
         """Engine counters; `stats.snapshot()` returns a `ShardingStatsSnapshot`."""
-        self._comm = Communicator(process_group, self.device, self.stats, observer)
+        self._comm = Communicator(
+            process_group,
+            self.device,
+            self.stats,
+            observer,
+            hybrid=_hybrid_groups(self.config, process_group, self.device),
+        )
         self.precision = self.config.precision
         """The effective `MixedPrecisionPolicy`."""
         param_dtypes, buffer_dtypes = compute_dtypes(module, self.precision)
@@ -244,13 +273,23 @@ class FullyShardedDataParallel(nn.Module):
 
     @property
     def world_size(self) -> int:
-        """Number of data-parallel ranks."""
-        return self._comm.world_size
+        """Number of data-parallel ranks (every shard group's together under hybrid sharding)."""
+        return self._comm.dp_world_size
 
     @property
     def rank(self) -> int:
         """This process's data-parallel rank."""
-        return self._comm.rank
+        return self._comm.dp_rank
+
+    @property
+    def shard_group_size(self) -> int:
+        """Ranks the training state is sharded across (`world_size` unless hybrid)."""
+        return self._comm.world_size
+
+    @property
+    def num_replicas(self) -> int:
+        """Copies of the sharded training state, one per shard group (1 unless hybrid)."""
+        return self._comm.num_replicas
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module (gathering weights as the strategy requires)."""
@@ -413,7 +452,7 @@ class FullyShardedDataParallel(nn.Module):
             self._engine.buckets,
             self._state_names,
             self._module_buffers.exported(),
-            self._comm.rank,
+            self._comm.dp_rank,
         )
 
     @functools.cached_property

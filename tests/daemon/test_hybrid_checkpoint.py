@@ -1,0 +1,69 @@
+"""Checkpoints of hybrid (HSDP) runs: each shard written once, restored onto any layout.
+
+The daemon composes `sharding` and `ckpt_manager`; so does this test: HSDP 2x2 saves ->
+ZeRO-3 on 4 ranks restores and saves -> no_shard on 1 (this process) restores and saves ->
+HSDP 2x2 restores, and must hold bitwise the weights and optimizer state it saved.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.daemon._hybrid_ckpt_ranks import (
+    STEP,
+    hybrid_restores,
+    hybrid_then_zero3,
+    no_shard_single,
+)
+from tests.sharding._helpers import single_thread
+from tests.support.dist import run_on_ranks
+
+
+def _manifest(root: str) -> dict[str, Any]:
+    manifest: dict[str, Any] = json.loads(
+        (Path(root) / f"step-{STEP:012d}" / "manifest.json").read_text()
+    )
+    return manifest
+
+
+def _tensor_bytes_by_file(root: str) -> dict[str, int]:
+    """Bytes of tensor data each rank's file holds (from the manifest's pieces)."""
+    out: dict[str, int] = {}
+    for record in _manifest(root)["tensors"].values():
+        for piece in record["pieces"]:
+            out[piece["file"]] = out.get(piece["file"], 0) + piece["nbytes"]
+    return out
+
+
+@pytest.mark.slow
+def test_hybrid_checkpoint_round_trip_through_zero3_and_no_shard(tmp_path: Path) -> None:
+    roots = {name: str(tmp_path / name) for name in ("hybrid", "zero3", "no_shard")}
+    saved = run_on_ranks(hybrid_then_zero3, 4, roots, timeout_s=300)
+    with single_thread():
+        no_shard_single(roots)
+    back = run_on_ranks(hybrid_restores, 4, roots, timeout_s=300)
+
+    for rank in range(4):
+        for a, b in zip(saved[rank]["weights"], back[rank]["weights"], strict=True):
+            assert torch.equal(a, b), rank
+        for a, b in zip(saved[rank]["optimizer"], back[rank]["optimizer"], strict=True):
+            assert a is not None
+            assert b is not None
+            assert a.keys() == b.keys()
+            for key in a:
+                assert torch.equal(a[key], b[key]), (rank, key)
+    # The replicas (ranks 2, 3) of the shards of ranks 0, 1 wrote no tensor data: the
+    # checkpoint holds every element once, as ZeRO-3 on 4 and no_shard on 1 write it.
+    hybrid = _tensor_bytes_by_file(roots["hybrid"])
+    assert hybrid["rank-00002.bin"] == hybrid["rank-00003.bin"] == 0
+    assert hybrid["rank-00000.bin"] > 0
+    assert hybrid["rank-00001.bin"] > 0
+    total = sum(hybrid.values())
+    assert total == sum(_tensor_bytes_by_file(roots["zero3"]).values())
+    assert total == sum(_tensor_bytes_by_file(roots["no_shard"]).values())
+    assert _manifest(roots["hybrid"])["world_size"] == 4

@@ -1,0 +1,78 @@
+"""Rank functions of the hybrid-sharding (HSDP) tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from daemon.gpt import Block, lm_loss
+from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
+from tests.sharding._helpers import Setup, batch, make_model
+
+STEPS = 20
+"""Steps of the ZeRO-3 parity runs."""
+SHORT_STEPS = 3
+"""Steps of the ZeRO-1/2 hybrid runs and of the 2-rank ZeRO-3 byte-count run."""
+COUNTED = (1, SHORT_STEPS)
+"""Collective totals are compared over steps `[1, 3)`: after the first step, before the
+final state-dict gathers."""
+
+
+def _train(
+    config: ShardingConfig,
+    rank: int,
+    world: int,
+    steps: int,
+    process_group: dist.ProcessGroup | None = None,
+) -> dict[str, Any]:
+    setup = Setup(strategy=config.strategy, num_layers=2)
+    model = FullyShardedDataParallel(make_model(setup), config, process_group=process_group)
+    opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+    losses = []
+    totals: dict[int, dict[str, tuple[int, int]]] = {}
+    for step in range(steps):
+        if step in COUNTED:
+            snap = model.stats.snapshot()
+            totals[step] = {op: (t.count, t.num_bytes) for op, t in snap.collectives.items()}
+        x, y = batch(step, 0, rank, 2)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world)
+    if steps == COUNTED[1]:
+        snap = model.stats.snapshot()
+        totals[steps] = {op: (t.count, t.num_bytes) for op, t in snap.collectives.items()}
+    a, b = totals.get(COUNTED[0], {}), totals.get(COUNTED[1], {})
+    return {
+        "losses": losses,
+        "collectives": {op: (b[op][0] - a[op][0], b[op][1] - a[op][1]) for op in b},
+        "main_weights": [b.main_weight.clone() for b in model._engine.buckets],
+        "trained_buckets": sum(b.trains for b in model._engine.buckets),
+        "shape": (model.world_size, model.shard_group_size, model.num_replicas),
+        "full": model.full_state_dict(),
+    }
+
+
+def hybrid_and_zero3(rank: int, world: int) -> dict[str, Any]:
+    """On 4 ranks: HSDP 2x2 and ZeRO-3 on 4 (ZeRO-3), HSDP ZeRO-1/2 (short), and ZeRO-3 on
+    each pair of ranks (what a 2-rank ZeRO-3 run communicates per rank, short)."""
+    units = (Block,)
+    zero3 = Strategy.OPTIM_GRADS_PARAMS
+    hybrid = ShardingConfig(unit_modules=units, shard_group_size=2)
+    out = {
+        "hybrid": _train(hybrid, rank, world, STEPS),
+        "zero3": _train(ShardingConfig(unit_modules=units), rank, world, STEPS),
+    }
+    for strategy in (Strategy.OPTIM, Strategy.OPTIM_GRADS):
+        config = ShardingConfig(strategy=strategy, unit_modules=units, shard_group_size=2)
+        out[strategy.value] = _train(config, rank, world, SHORT_STEPS)
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    config = ShardingConfig(strategy=zero3, unit_modules=units)
+    out["pair"] = _train(config, rank, world, SHORT_STEPS, process_group=pairs[rank // 2])
+    return out
