@@ -221,7 +221,9 @@ def run_training(
     model = FullyShardedDataParallel(
         job.model if on_meta else job.model.to(device),
         ShardingConfig(
-            strategy=Strategy(tc.strategy.value),
+            strategy=Strategy(tc.strategy.engine_strategy),
+            # [Note: hybrid by default across nodes] in `daemon/config.py`.
+            shard_group_size=cfg.shard_group_size_at(world),
             unit_modules=job.unit_modules,
             max_inflight_reductions=tc.max_inflight_reductions,
             mixed_precision=precision,
@@ -293,6 +295,7 @@ def run_training(
             start_step=step,
             max_steps=tc.max_steps,
             world_size=world,
+            shard_group_size=model.shard_group_size,
             micro_batches=micro_batches,
         )
         # A stop requested before the first step (e.g. during a restart of the group while the

@@ -32,7 +32,7 @@ __all__ = [
 
 
 class Strategy(enum.StrEnum):
-    """Sharding strategy names (the values of `sharding.Strategy`)."""
+    """Sharding strategy names: the values of `sharding.Strategy`, and `hybrid`."""
 
     NO_SHARD = "no_shard"
     """Replicated weights, all-reduced gradients (DDP)."""
@@ -41,7 +41,16 @@ class Strategy(enum.StrEnum):
     OPTIM_GRADS = "optim_grads"
     """Sharded optimizer state and gradients (ZeRO-2)."""
     OPTIM_GRADS_PARAMS = "optim_grads_params"
-    """Everything sharded (ZeRO-3)."""
+    """Everything sharded (ZeRO-3); on more than one node sharded within each node and
+    replicated across nodes unless `shard_group_size` says otherwise."""
+    HYBRID = "hybrid"
+    """ZeRO-3 sharded within groups of `shard_group_size` ranks (default: the node's ranks),
+    replicated across the groups (HSDP), at any node count."""
+
+    @property
+    def engine_strategy(self) -> str:
+        """The `sharding.Strategy` value this name runs (`hybrid` is ZeRO-3)."""
+        return Strategy.OPTIM_GRADS_PARAMS.value if self is Strategy.HYBRID else self.value
 
 
 class Precision(enum.StrEnum):
@@ -179,7 +188,8 @@ class TrainSettings:
     max_steps: int = 300
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
     strategy: Strategy = Strategy.OPTIM_GRADS_PARAMS
-    """Sharding strategy."""
+    """Sharding strategy: `no_shard`, `optim`, `optim_grads`, `optim_grads_params` (ZeRO-3)
+    or `hybrid` (ZeRO-3 sharded within each node, replicated across nodes)."""
     param_dtype: Precision = Precision.FLOAT32
     """Compute dtype of the model (`float32` or `bfloat16`; float inputs are cast to it, the
     logits handed to the loss are fp32, main weights and optimizer state stay fp32)."""
@@ -212,9 +222,21 @@ class TrainSettings:
     max_inflight_reductions: int = 2
     """Gradient reductions in flight per rank before backward waits for the oldest (the
     sharding engine's bound; its queue depth per step is exported against it)."""
+    shard_group_size: int = 0
+    """Ranks one copy of the sharded state spans (hybrid sharding: replicated across the
+    groups); 0 picks `nproc_per_node` for `hybrid`, and for `optim_grads_params` on more than
+    one node of several ranks, else the whole world. Must divide the world size; not with
+    `no_shard`."""
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "micro_batches", "lr", "threads_per_rank")
+        _non_negative(self, "shard_group_size")
+        if self.shard_group_size and self.strategy is Strategy.NO_SHARD:
+            raise ValueError(
+                f"shard_group_size={self.shard_group_size} with strategy=no_shard: no_shard "
+                "replicates everything; use strategy=hybrid (or optim_grads_params) or "
+                "shard_group_size=0"
+            )
         if self.max_inflight_reductions < 1:
             raise ValueError(
                 f"max_inflight_reductions={self.max_inflight_reductions}: use 1 or more "
@@ -304,6 +326,15 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         lc, micro = self.launch, self.train.micro_batches
+        size = self.train.shard_group_size
+        worlds = [n * lc.nproc_per_node for n in range(lc.min_nodes, lc.max_nodes + 1)]
+        if size and any(world % size for world in worlds):
+            bad = next(world for world in worlds if world % size)
+            raise ValueError(
+                f"shard_group_size={size} does not divide the world size {bad} (nnodes="
+                f"{lc.nnodes!r} x nproc_per_node={lc.nproc_per_node}); use a divisor of "
+                "nproc_per_node, or 0 (one node's ranks)"
+            )
         if not lc.elastic:
             return
         # [Note: an elastic job keeps its global batch] see `micro_batches_at`.
@@ -344,6 +375,32 @@ class DaemonConfig:
                 f"{lc.nproc_per_node}"
             )
         return per_step // world_size
+
+    def shard_group_size_at(self, world_size: int) -> int | None:
+        """`sharding.ShardingConfig.shard_group_size` at `world_size` ranks (None: no replicas).
+
+        [Note: hybrid by default across nodes] ZeRO-3 over the whole world makes every
+        all-gather and reduce-scatter cross every node; sharding within a node and
+        all-reducing each gradient shard across nodes keeps the per-unit collectives on the
+        node's fast links and sends one shard-sized all-reduce per bucket between nodes
+        (`sharding/_mesh.py`). So `optim_grads_params` on several nodes and `hybrid` shard
+        within `nproc_per_node` ranks unless `shard_group_size` is set (the whole world: set
+        it to the world size). With one rank per node that would hold the whole model on
+        every rank, so `optim_grads_params` then keeps sharding over the whole world
+        (`hybrid` does as told).
+        """
+        tc = self.train
+        if tc.strategy is Strategy.NO_SHARD:
+            return None
+        size = tc.shard_group_size
+        if size == 0:
+            per_node = self.launch.nproc_per_node
+            multi_node = world_size > per_node
+            within_node = tc.strategy is Strategy.HYBRID or (
+                tc.strategy is Strategy.OPTIM_GRADS_PARAMS and multi_node and per_node > 1
+            )
+            size = per_node if within_node else world_size
+        return None if size >= world_size else size
 
     @property
     def run_id(self) -> str:

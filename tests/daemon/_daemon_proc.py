@@ -244,11 +244,17 @@ class Gate:
         _gated_job.open_marker(self.directory, generation).touch()
 
 
-def committed_steps(root: Path) -> list[int]:
-    """Committed steps under a checkpoint root, via `ckptctl list --json`."""
+def ckptctl_list(root: Path) -> list[dict[str, Any]]:
+    """The committed steps' rows of `ckptctl list --json` under a checkpoint root, by step."""
     out = subprocess.run(
         [str(CKPTCTL), "list", str(root), "--json"], capture_output=True, text=True, check=True
     )
     rows = json.loads(out.stdout)
     rows = rows.get("steps", rows) if isinstance(rows, dict) else rows
-    return sorted(int(r["step"]) for r in rows if r.get("state", "committed") == "committed")
+    committed = [r for r in rows if r.get("state", "committed") == "committed"]
+    return sorted(committed, key=lambda r: int(r["step"]))
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Committed steps under a checkpoint root, via `ckptctl list --json`."""
+    return [int(r["step"]) for r in ckptctl_list(root)]

@@ -129,7 +129,9 @@ def test_enum_values_match_the_engines() -> None:
     import ckpt_manager._config
     import sharding
 
-    assert {s.value for s in Strategy} == {s.value for s in sharding.Strategy}
+    # `hybrid` is the daemon's name for ZeRO-3 sharded within a node.
+    assert {s.engine_strategy for s in Strategy} == {s.value for s in sharding.Strategy}
+    assert {s.value for s in Strategy} - {s.value for s in sharding.Strategy} == {"hybrid"}
     assert {m.value for m in AsyncMode} == {m.value for m in ckpt_manager._config.AsyncMode}
     for precision in Precision:  # each names a dtype the engine's policy accepts
         dtype = getattr(torch, precision.value)
@@ -174,3 +176,35 @@ def test_an_elastic_job_keeps_its_global_batch_at_every_node_count() -> None:
         load_config({**wide, "micro_batches": "1"}, env={})
     assert "multiple of 3" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_zero3_shards_within_the_node_on_several_nodes_unless_told_otherwise() -> None:
+    two = {"nnodes": "2", "rdzv_endpoint": "n0:29400", "nproc_per_node": "4"}
+    # [Note: hybrid by default across nodes]: 2 nodes x 4 ranks -> 2 replicas of 4 shards.
+    assert load_config(two, env={}).shard_group_size_at(8) == 4
+    assert load_config({**two, "shard_group_size": "8"}, env={}).shard_group_size_at(8) is None
+    assert load_config({**two, "shard_group_size": "2"}, env={}).shard_group_size_at(8) == 2
+    for strategy in ("optim", "optim_grads", "no_shard"):
+        cfg = load_config({**two, "strategy": strategy}, env={})
+        assert cfg.shard_group_size_at(8) is None, strategy
+    one = {"nproc_per_node": "4"}
+    assert load_config(one, env={}).shard_group_size_at(4) is None
+    hybrid = load_config({**one, "strategy": "hybrid"}, env={})
+    assert hybrid.shard_group_size_at(4) is None  # one node: the node is the whole world
+    assert hybrid.train.strategy.engine_strategy == "optim_grads_params"
+    elastic = {"nnodes": "1:2", "rdzv_endpoint": "n0:29400", "nproc_per_node": "2"}
+    assert [load_config(elastic, env={}).shard_group_size_at(w) for w in (2, 4)] == [None, 2]
+    # One rank per node: sharding within the node would hold the whole model on every rank.
+    single = {"nnodes": "2", "rdzv_endpoint": "n0:29400", "nproc_per_node": "1"}
+    assert load_config(single, env={}).shard_group_size_at(2) is None
+    assert load_config({**single, "strategy": "hybrid"}, env={}).shard_group_size_at(2) == 1
+
+
+def test_shard_group_size_must_divide_every_world_and_needs_a_sharded_strategy() -> None:
+    elastic = {"nnodes": "1:2", "rdzv_endpoint": "n0:29400", "nproc_per_node": "2"}
+    with pytest.raises(ConfigError, match=r"shard_group_size=4 does not divide the world size 2"):
+        load_config({**elastic, "shard_group_size": "4"}, env={})
+    with pytest.raises(ConfigError, match=r"no_shard replicates everything; use strategy=hybrid"):
+        load_config({"strategy": "no_shard", "shard_group_size": "2"}, env={})
+    with pytest.raises(ConfigError, match="shard_group_size"):
+        load_config({"shard_group_size": "-1"}, env={})

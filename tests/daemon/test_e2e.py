@@ -29,6 +29,7 @@ from tests.daemon._daemon_proc import (
     GATED_JOB,
     DaemonProc,
     Gate,
+    ckptctl_list,
     committed_steps,
     session_pids,
     wait_for,
@@ -259,12 +260,17 @@ def test_killed_worker_restarts_group_and_daemon_death_leaves_nothing(
 
 
 def _two_held_nodes(
-    tmp_path: Path, procs: list[DaemonProc], root: Path, after_steps: int, *args: str
+    tmp_path: Path,
+    procs: list[DaemonProc],
+    root: Path,
+    after_steps: int,
+    *args: str,
+    nproc: int = 1,
 ) -> tuple[list[DaemonProc], Gate]:
-    """Two single-rank daemons of one 30-step job, both ranks held after `after_steps`."""
+    """Two daemons of `nproc` ranks each, one 30-step job, all ranks held after `after_steps`."""
     endpoint = f"127.0.0.1:{free_port()}"
     common = [
-        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+        "--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-endpoint", endpoint,
         "--max-steps", "30", "--ckpt-uri", str(root), "--batch-size", str(_BATCH_SIZE),
         "--rdzv-timeout-s", "120", *args, *GATED_JOB,
     ]  # fmt: skip
@@ -273,7 +279,7 @@ def _two_held_nodes(
         DaemonProc(tmp_path, [*common, "--node-rank", str(k)], gate.env, f"node{k}") for k in (0, 1)
     ]
     procs.extend(nodes)
-    gate.wait_until_held(2, *nodes, timeout_s=120)
+    gate.wait_until_held(2 * nproc, *nodes, timeout_s=120)
     return nodes, gate
 
 
@@ -281,20 +287,23 @@ def test_two_daemons_train_one_job_and_each_serves_metrics(
     tmp_path: Path, procs: list[DaemonProc]
 ) -> None:
     root = tmp_path / "ckpt"
-    # Both ranks are held after step 5 while the test reads each daemon's metrics.
-    nodes, gate = _two_held_nodes(
-        tmp_path, procs, root, 5, "--strategy", "optim_grads_params", "--ckpt-every", "5"
-    )
+    # Every rank is held after step 5 while the test reads each daemon's metrics. The default
+    # strategy (ZeRO-3) on two nodes shards within each node and replicates across the nodes.
+    nodes, gate = _two_held_nodes(tmp_path, procs, root, 5, "--ckpt-every", "5", nproc=2)
     for node in nodes:
         # The supervisor takes these from the ranks' snapshots on its next tick (0.25 s).
-        wait_for(lambda n=node: n.max_value("trainingd_daemon_world_size") == 2, 30, "world")
-        assert node.max_value("trainingd_daemon_local_ranks") == 1
+        wait_for(lambda n=node: n.max_value("trainingd_daemon_world_size") == 4, 30, "world")
+        assert node.max_value("trainingd_daemon_local_ranks") == 2
     beats = "trainingd_rank_heartbeat_timestamp_seconds"
     ranks = {labels["rank"] for node in nodes for labels, _ in node.scrape()[beats]}
-    assert ranks == {"0", "1"}
+    assert ranks == {"0", "1", "2", "3"}
     gate.open()
     assert [node.wait(150) for node in nodes] == [0, 0], nodes[0].logs() + nodes[1].logs()
-    assert committed_steps(root)[-1] == 30
+    layouts = {(e["world_size"], e["shard_group_size"]) for n in nodes for e in n.find("training")}
+    assert layouts == {(4, 2)}, "hybrid default: sharded within each node of 2 ranks"
+    rows = ckptctl_list(root)
+    assert rows[-1]["step"] == 30
+    assert {row["world_size"] for row in rows} == {4}
 
 
 def test_a_stopped_node_exits_143_and_its_peer_asks_for_a_restart(
