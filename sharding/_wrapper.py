@@ -60,7 +60,14 @@ def _hybrid_groups(
 ) -> HybridGroups | None:
     """The replicate x shard groups `config.shard_group_size` asks for (`None`: plain)."""
     size = config.shard_group_size
-    if size is None or not (dist.is_available() and dist.is_initialized()):
+    if size is None:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        if size != 1:
+            raise ValueError(
+                f"ShardingConfig.shard_group_size={size} does not divide the world size 1 "
+                "(torch.distributed is not initialised); use None or 1"
+            )
         return None
     world = dist.get_world_size()
     if process_group is not None and dist.get_world_size(process_group) != world:

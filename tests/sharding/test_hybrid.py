@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from sharding import ShardingConfig, Strategy
+from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
+from tests.sharding._helpers import Setup, make_model
 from tests.sharding._hybrid_ranks import STEPS, hybrid_and_zero3
 from tests.support.dist import run_on_ranks
 
@@ -56,6 +57,13 @@ def test_replicas_of_a_shard_hold_identical_main_weights(results: list[dict[str,
 
 
 @pytest.mark.slow
+def test_sharded_state_dicts_round_trip_on_every_replica(results: list[dict[str, Any]]) -> None:
+    for rank in results:
+        for key in ("hybrid", Strategy.OPTIM.value, Strategy.OPTIM_GRADS.value):
+            assert rank[key]["round_trip"], key
+
+
+@pytest.mark.slow
 def test_hybrid_communicates_like_two_rank_zero3_plus_one_replica_all_reduce(
     results: list[dict[str, Any]],
 ) -> None:
@@ -69,6 +77,25 @@ def test_hybrid_communicates_like_two_rank_zero3_plus_one_replica_all_reduce(
         assert count == 2 * rank["hybrid"]["trained_buckets"]
         assert hybrid["all_reduce"] == (count, num_bytes // 2)
         assert pair["all_reduce"] == (0, 0)
+
+
+@pytest.mark.slow
+def test_a_group_size_that_does_not_fit_the_world_is_refused(
+    results: list[dict[str, Any]],
+) -> None:
+    for rank in results:
+        indivisible, subgroup = rank["errors"]
+        assert "shard_group_size=3 does not divide the world size 4" in indivisible
+        assert "use a divisor of it" in indivisible
+        assert "needs the default process group" in subgroup
+
+
+def test_shard_group_size_without_a_process_group_must_be_one() -> None:
+    model = make_model(Setup(strategy=Strategy.OPTIM_GRADS_PARAMS, num_layers=1))
+    with pytest.raises(ValueError, match="does not divide the world size 1"):
+        FullyShardedDataParallel(model, ShardingConfig(shard_group_size=2))
+    wrapped = FullyShardedDataParallel(model, ShardingConfig(shard_group_size=1))
+    assert (wrapped.world_size, wrapped.shard_group_size, wrapped.num_replicas) == (1, 1, 1)
 
 
 def test_shard_group_size_is_validated() -> None:
