@@ -2,11 +2,15 @@
 
 HSDP 2x2 saves -> ZeRO-3 on 4 restores and saves -> no_shard on 1 restores and saves ->
 HSDP 2x2 restores: weights and optimizer state must come back bitwise. Each stage builds its
-model from another seed, so only the checkpoint can carry the values.
+model from another seed, so only the checkpoint can carry the values. One launch of 4 ranks
+runs the 4-rank stages; the test process runs the world-size-1 stage in between (the ranks
+wait for its checkpoint to be committed).
 """
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,8 +70,21 @@ def _restore_and_save(model: Any, opt: Any, rank: int, src: str, dst: str) -> No
         manager.wait_until_finished()
 
 
-def hybrid_then_zero3(rank: int, world: int, roots: dict[str, str]) -> dict[str, Any]:
-    """4 ranks: train HSDP 2x2 and save it; a ZeRO-3 model on 4 restores it and saves."""
+def committed(root: str) -> bool:
+    """Whether `STEP` is committed under `root` (its manifest, written last, exists)."""
+    return (Path(root) / f"step-{STEP:012d}" / "manifest.json").exists()
+
+
+def no_shard_single(roots: dict[str, str]) -> None:
+    """World size 1 (no process group): no_shard restores the ZeRO-3 checkpoint and saves."""
+    model, opt = _wrap(Strategy.NO_SHARD, seed=2)
+    _restore_and_save(model, opt, 0, roots["zero3"], roots["no_shard"])
+
+
+def round_trip(rank: int, world: int, roots: dict[str, str], wait_s: float) -> dict[str, Any]:
+    """4 ranks: HSDP 2x2 trains and saves; ZeRO-3 on 4 restores it and saves; then, once the
+    test process (world size 1, `no_shard_single`) has saved the no_shard checkpoint, HSDP
+    2x2 restores that. Returns this rank's engine state as saved and as restored."""
     model, opt = _wrap(Strategy.OPTIM_GRADS_PARAMS, seed=0, shard_group_size=2)
     for step in range(STEP):
         _step(model, opt, step, rank)
@@ -77,17 +94,11 @@ def hybrid_then_zero3(rank: int, world: int, roots: dict[str, str]) -> dict[str,
     saved = engine_state(model, opt)
     zero3, zero3_opt = _wrap(Strategy.OPTIM_GRADS_PARAMS, seed=1)
     _restore_and_save(zero3, zero3_opt, rank, roots["hybrid"], roots["zero3"])
-    return saved
-
-
-def no_shard_single(roots: dict[str, str]) -> None:
-    """World size 1 (no process group): no_shard restores the ZeRO-3 checkpoint and saves."""
-    model, opt = _wrap(Strategy.NO_SHARD, seed=2)
-    _restore_and_save(model, opt, 0, roots["zero3"], roots["no_shard"])
-
-
-def hybrid_restores(rank: int, world: int, roots: dict[str, str]) -> dict[str, Any]:
-    """4 ranks: HSDP 2x2 restores the no_shard checkpoint."""
+    deadline = time.monotonic() + wait_s
+    while not committed(roots["no_shard"]):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no no_shard checkpoint under {roots['no_shard']} in {wait_s} s")
+        time.sleep(0.1)
     model, opt = _wrap(Strategy.OPTIM_GRADS_PARAMS, seed=3, shard_group_size=2)
     _step(model, opt, 0, rank, zero=True)
     with _manager(roots["no_shard"]) as manager:
@@ -95,14 +106,4 @@ def hybrid_restores(rank: int, world: int, roots: dict[str, str]) -> dict[str, A
     assert restored is not None
     model.load_sharded_state_dict(restored.state["model"])
     opt.load_sharded_state_dict(restored.state["optimizer"])
-    return engine_state(model, opt)
-
-
-def zero3_pair_saves(rank: int, world: int, root: str) -> None:
-    """2 ranks: plain ZeRO-3 of the same model saves (the bytes a hybrid save must match)."""
-    model, opt = _wrap(Strategy.OPTIM_GRADS_PARAMS, seed=0)
-    for step in range(STEP):
-        _step(model, opt, step, rank)
-    with _manager(root) as manager:
-        manager.save(STEP, _state(model, opt))
-        manager.wait_until_finished()
+    return {"saved": saved, "back": engine_state(model, opt)}

@@ -8,20 +8,20 @@ HSDP 2x2 restores, and must hold bitwise the weights and optimizer state it save
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from tests.daemon._hybrid_ckpt_ranks import (
-    STEP,
-    hybrid_restores,
-    hybrid_then_zero3,
-    no_shard_single,
-)
+from tests.daemon._hybrid_ckpt_ranks import STEP, committed, no_shard_single, round_trip
 from tests.sharding._helpers import single_thread
 from tests.support.dist import run_on_ranks
+
+_WAIT_S = 240.0
+"""Bound of each wait of one side for the other's checkpoint."""
 
 
 def _manifest(root: str) -> dict[str, Any]:
@@ -43,15 +43,38 @@ def _tensor_bytes_by_file(root: str) -> dict[str, int]:
 @pytest.mark.slow
 def test_hybrid_checkpoint_round_trip_through_zero3_and_no_shard(tmp_path: Path) -> None:
     roots = {name: str(tmp_path / name) for name in ("hybrid", "zero3", "no_shard")}
-    saved = run_on_ranks(hybrid_then_zero3, 4, roots, timeout_s=300)
-    with single_thread():
-        no_shard_single(roots)
-    back = run_on_ranks(hybrid_restores, 4, roots, timeout_s=300)
+    failures: list[BaseException] = []
+    ranks_done = threading.Event()
 
-    for rank in range(4):
-        for a, b in zip(saved[rank]["weights"], back[rank]["weights"], strict=True):
+    def world_size_one() -> None:
+        # The no_shard-on-1 stage, while the ranks wait for its checkpoint.
+        try:
+            deadline = time.monotonic() + _WAIT_S
+            while not committed(roots["zero3"]):
+                if ranks_done.wait(0.1):
+                    return  # the ranks failed before they saved it: their error is reported
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the ranks never committed the ZeRO-3 checkpoint")
+            with single_thread():
+                no_shard_single(roots)
+        except BaseException as err:  # re-raised by the test below
+            failures.append(err)
+
+    stage = threading.Thread(target=world_size_one, daemon=True)
+    stage.start()
+    try:
+        results = run_on_ranks(round_trip, 4, roots, _WAIT_S, timeout_s=_WAIT_S + 60)
+    finally:
+        ranks_done.set()
+        stage.join(timeout=_WAIT_S)
+    if failures:
+        raise failures[0]
+
+    for rank, result in enumerate(results):
+        saved, back = result["saved"], result["back"]
+        for a, b in zip(saved["weights"], back["weights"], strict=True):
             assert torch.equal(a, b), rank
-        for a, b in zip(saved[rank]["optimizer"], back[rank]["optimizer"], strict=True):
+        for a, b in zip(saved["optimizer"], back["optimizer"], strict=True):
             assert a is not None
             assert b is not None
             assert a.keys() == b.keys()
