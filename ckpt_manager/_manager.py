@@ -42,6 +42,7 @@ from ckpt_manager._save.pipeline import LocalPipeline
 from ckpt_manager._save.request import Limits, SaveRequest
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.catalog import committed_steps, drop_dead_attempts
+from ckpt_manager._store.dtensor import unwrap_dtensors, wrap_dtensors
 from ckpt_manager._store.format import plan_layout
 from ckpt_manager._store.lease import Lease
 from ckpt_manager._store.manifest import shard_file_name
@@ -204,7 +205,8 @@ class CheckpointManager:
 
         Args:
             step: training step (greater than every committed step).
-            state: nested dicts/lists of tensors, ShardedTensorLike, RankLocal, JSON values.
+            state: nested dicts/lists of tensors, ShardedTensorLike, DTensor (each rank its
+                local shard, replicas once), RankLocal, JSON values.
             metrics: JSON values stored in the manifest (used by `KeepBest`).
 
         Raises:
@@ -389,7 +391,8 @@ class CheckpointManager:
         Args:
             step: the step; None restores the newest committed step whose files verify,
                 skipping (with a warning) corrupt ones.
-            into: optional template: its tensors / sharded tensors are filled in place
+            into: optional template: its tensors / sharded tensors / DTensors (their local
+                shards) are filled in place
                 (resharded from the saved offsets at any world size) and its structure
                 is returned.
             on_progress: called on this thread after every read from storage (each checksum
@@ -412,12 +415,13 @@ class CheckpointManager:
                 self._storage,
                 self._coord,
                 step,
-                into,
+                wrap_dtensors(into) if into is not None else None,
                 verify_checksums=self.config.verify_checksums,
                 on_choose=self._choose_for_restore,
                 on_progress=on_progress,
             )
             if result is not None:
+                result = RestoreResult(result.step, unwrap_dtensors(result.state))
                 self._restored_from = result.step  # before `_restoring` is cleared: no gap
         finally:
             self._restoring = None

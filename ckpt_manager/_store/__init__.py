@@ -1,8 +1,8 @@
 """The storage layer: bytes, names and formats on a checkpoint root.
 
 It imports none of its sibling sub-packages (`_save`, `_load`, `_retention`, `ctl`): both paths
-and the CLI build on it, never the other way round. Only `format.py` and `tree.py` need
-torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
+and the CLI build on it, never the other way round. Only `format.py`, `tree.py` and `dtensor.py`
+need torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
 
     storage.py      Storage: every URL/path operation (fsspec), atomic + exclusive writes,
                     conditional writes (read_with_version / write_if),
@@ -21,6 +21,8 @@ torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
     format.py       shard file format: magic + JSON header + aligned raw tensor bytes.
     dtypes.py       dtype names and item sizes without torch (manifest validation).
     tree.py         state <-> JSON skeleton + tensor leaves (replicated, sharded, rank-local).
+    dtensor.py      DTensor leaves as box pieces (replicas write once); restore templates
+                    with DTensors wrapped and unwrapped around the load.
     catalog.py      listing steps, manifest reading, file verification, start-up removal of
                     dead attempts; remove_uncommitted_step, the one guarded removal of an
                     uncommitted step folder (never one that holds a manifest).

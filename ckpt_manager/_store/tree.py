@@ -6,7 +6,7 @@ Skeleton nodes are small JSON lists, so a manifest is plain JSON and restore nev
     ["d", [[key, node], ...]] dict (keys are str or int, order kept)
     ["l", [node, ...]]        list          ["t", [node, ...]]  tuple
     ["T", key]                a plain tensor (replicated; inside a RankLocal: this rank's)
-    ["S", key]                a ShardedTensorLike
+    ["S", key]                a ShardedTensorLike or a DTensor (its box piece: `dtensor.py`)
     ["R", index]              a RankLocal subtree, stored per rank under `index`
 
 Tensor keys are the `/`-joined path of the leaf; two leaves mapping to the same key (a dict
@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ckpt_manager._store.dtensor import dtensor_piece, is_dtensor
 from ckpt_manager._types import RankLocal
 
 __all__ = [
@@ -194,6 +195,12 @@ class _Flattener:
             self.rank_local.append(None)
             self.rank_local[index] = self.visit(value.value, [*path], True)
             return ["R", index]
+        if isinstance(value, torch.Tensor) and is_dtensor(value):
+            if in_rank_local:
+                raise TypeError(f"state leaf {key!r}: a DTensor inside RankLocal")
+            piece = dtensor_piece(value, key, for_write=True)
+            self.leaves.append(_sharded_leaf(piece, self._claim(key)))
+            return ["S", key]
         if isinstance(value, torch.Tensor):
             _check_tensor(value, key)
             kind = LeafKind.RANK_LOCAL if in_rank_local else LeafKind.REPLICATED

@@ -37,6 +37,7 @@ SUBPACKAGES = {"_store", "_retention", "_load", "_save", "ctl"}
 # Modules of `_store` and `ctl` that make tensors and so may import torch when imported.
 # Everything else there stays torch-free, so `ckptctl list/show/verify` start fast.
 TORCH_ALLOWED = {
+    "ckpt_manager._store.dtensor",
     "ckpt_manager._store.format",
     "ckpt_manager._store.tree",
     "ckpt_manager.ctl.export",

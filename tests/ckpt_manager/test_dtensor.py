@@ -1,0 +1,133 @@
+"""DTensor leaves: an FSDP2 (`fully_shard`) model and AdamW saved on 2 ranks restore bitwise on 3.
+
+Also: replicas along a replicated mesh dimension write once, and a 2-D mesh restores at
+another world size. Real gloo ranks, spawned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
+from tests.ckpt_manager.conftest import Reports
+from tests.support.dist import run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+_CFG = CheckpointConfig(async_mode=AsyncMode.SYNC)
+_EXTRA = torch.arange(30, dtype=torch.float64).reshape(5, 6)
+
+
+def fsdp2_model(world: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A tiny two-layer model under `fully_shard` (7 and 3 rows: uneven shards) + AdamW."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.Linear(7, 3))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _full(tree: Any) -> Any:
+    """Every DTensor gathered to its full tensor (collective), for comparison."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        return tree.full_tensor()
+    if isinstance(tree, dict):
+        return {k: _full(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_full(v) for v in tree)
+    return tree
+
+
+def _extras(world: int, fill: torch.Tensor) -> dict[str, Any]:
+    """DTensors on other layouts: replicated, a dim-1 shard, and a (replicate, shard) 2-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    mesh_2d = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    return {
+        "replicated": distribute_tensor(fill.clone(), mesh, [Replicate()]),
+        "cols": distribute_tensor(fill.clone(), mesh, [Shard(1)]),
+        "hsdp": distribute_tensor(fill.clone(), mesh_2d, [Replicate(), Shard(0)]),
+    }
+
+
+def save_fsdp2(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Train one step, save model + optimizer + extras (step 1), then replicas only (step 2)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, opt = fsdp2_model(world, seed=0)
+    torch.manual_seed(100)
+    model(torch.randn(4, 4)).pow(2).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    extras = _extras(world, _EXTRA)
+    reports = Reports()
+    with CheckpointManager(root, _CFG, run_id="fsdp2", observer=reports) as mgr:
+        mgr.save(1, {"model": msd, "optimizer": osd, "extras": extras})
+        mgr.save(2, {"replicated": extras["replicated"], "hsdp": extras["hsdp"]})
+    return {
+        "full": _full({"model": msd, "optimizer": osd, "extras": extras}),
+        "bytes": {r.step: r.num_bytes for r in reports.reports},
+    }
+
+
+def restore_fsdp2(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Fresh model (other seed) on `world` ranks; restore step 1 into its DTensor templates."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt = fsdp2_model(world, seed=1)
+    msd, osd = get_state_dict(model, opt)  # initialises AdamW's state: a full template
+    extras = _extras(world, torch.zeros_like(_EXTRA))
+    template = {"model": msd, "optimizer": osd, "extras": extras}
+    with CheckpointManager(root, _CFG, run_id="fsdp2") as mgr:
+        result = mgr.restore(step=1, into=template)
+    assert result is not None
+    state = result.state
+    assert state["extras"]["cols"] is template["extras"]["cols"]  # filled in place
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    after_load = get_state_dict(model, opt)
+    return {"restored": _full(state), "loaded": _full({"model": after_load[0]})}
+
+
+def _assert_bitwise(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype, path
+        assert a.shape == b.shape, path
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_bitwise(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_bitwise(x, y, f"{path}/{i}")
+    else:
+        assert a == b, path
+
+
+def test_fsdp2_state_saved_on_2_ranks_restores_bitwise_on_3(tmp_path: Any) -> None:
+    root = str(tmp_path / "ckpt")
+    saved = run_on_ranks(save_fsdp2, 2, root, timeout_s=240)
+    full = saved[0]["full"]
+    assert torch.equal(full["extras"]["hsdp"], _EXTRA)
+    # Replicas write once: at step 2 (replicated DTensors only) rank 1 writes empty pieces
+    # (a header), rank 0 the data of both tensors.
+    data_bytes = 2 * _EXTRA.numel() * _EXTRA.element_size()
+    assert saved[0]["bytes"][2] - saved[1]["bytes"][2] >= data_bytes
+    restored = run_on_ranks(restore_fsdp2, 3, root, timeout_s=240)
+    for out in restored:
+        _assert_bitwise(full, out["restored"])
+        _assert_bitwise(full["model"], out["loaded"]["model"])
