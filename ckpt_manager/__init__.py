@@ -9,6 +9,8 @@ Package layout (one line per sub-package; each sub-package's docstring lists its
     ckpt_manager/
       __init__.py errors.py _config.py _types.py _manager.py   public API + composition root
       _coord.py     Coordinator: the dedicated gloo group every cross-rank agreement uses
+      dcp.py        Reader: a torch.distributed.checkpoint StorageReader over our committed
+                    steps (public module, imported explicitly: it needs torch DCP)
       _save/        save path: request state machine, staging, writer process, finalize, commit
       _load/        load path: restore one step, collective recover with fallback, reshard
       _store/       storage layer: fsspec I/O, S3 options, manifest, shard format, catalog,

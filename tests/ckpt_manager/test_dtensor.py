@@ -1,7 +1,8 @@
 """DTensor leaves: an FSDP2 (`fully_shard`) model and AdamW saved on 2 ranks restore bitwise on 3.
 
-Also: replicas along a replicated mesh dimension write once, and a 2-D mesh restores at
-another world size. Real gloo ranks, spawned.
+Also: replicas along a replicated mesh dimension write once, a 2-D mesh restores at another
+world size, and torch DCP's `dcp.load` with our `Reader` loads the same step into the 3-rank
+DTensor state bitwise. Real gloo ranks, spawned.
 """
 
 from __future__ import annotations
@@ -97,7 +98,22 @@ def restore_fsdp2(rank: int, world: int, root: str) -> dict[str, Any]:
     assert state["extras"]["cols"] is template["extras"]["cols"]  # filled in place
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     after_load = get_state_dict(model, opt)
-    return {"restored": _full(state), "loaded": _full({"model": after_load[0]})}
+
+    # The same step through torch DCP's own load, with our StorageReader.
+    import torch.distributed.checkpoint as dcp
+
+    from ckpt_manager.dcp import Reader
+
+    dcp_model, dcp_opt = fsdp2_model(world, seed=2)
+    dcp_msd, dcp_osd = get_state_dict(dcp_model, dcp_opt)
+    dcp_extras = _extras(world, torch.zeros_like(_EXTRA))
+    by_dcp = {"model": dcp_msd, "optimizer": dcp_osd, "extras": dcp_extras}
+    dcp.load(by_dcp, storage_reader=Reader(root, step=1))
+    return {
+        "restored": _full(state),
+        "loaded": _full({"model": after_load[0]}),
+        "dcp": _full(by_dcp),
+    }
 
 
 def _assert_bitwise(a: Any, b: Any, path: str = "") -> None:
@@ -131,3 +147,4 @@ def test_fsdp2_state_saved_on_2_ranks_restores_bitwise_on_3(tmp_path: Any) -> No
     for out in restored:
         _assert_bitwise(full, out["restored"])
         _assert_bitwise(full["model"], out["loaded"]["model"])
+        _assert_bitwise(full, out["dcp"])

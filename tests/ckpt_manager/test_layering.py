@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "_types": set(),
     "_coord": {"errors"},
     "_config": {"_retention"},
+    "dcp": _ROOT_BASICS | {"_store", "_load"},
     "_manager": _ROOT_BASICS | {"_store", "_load", "_save", "_retention", "_coord", "_config"},
     "__init__": _ROOT_BASICS | {"_retention", "_config", "_manager", "_store"},
 }
