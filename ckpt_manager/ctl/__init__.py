@@ -15,6 +15,8 @@ well under a second.
     render.py       human output: sizes, times, ages, tables, a TTY progress bar.
     restore.py      `restore`: verify, then consolidate or reshard.
     export.py       consolidated torch / safetensors files.
+    export_sharded.py  Hugging Face sharded safetensors + index (`--max-shard-size`).
+    export_dcp.py   a torch DCP checkpoint directory (`--format dcp`).
     reshard.py      a new checkpoint for another world size.
     stream.py       a stored tensor as bounded chunks of row-major bytes.
     sink.py         where a produced file goes: local disk or any fsspec URL.

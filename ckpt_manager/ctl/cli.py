@@ -72,6 +72,9 @@ examples:
   ckptctl restore /data/ckpt/run-7 latest --only model --to model.pt
       python -c "import torch; m.load_state_dict(torch.load('model.pt', weights_only=True))"
   ckptctl restore s3://bucket/runs/7 1000 --format safetensors --only model --to model.safetensors
+  ckptctl restore s3://bucket/runs/7 1000 --format safetensors --only model \\
+      --max-shard-size 2GB --to hf-model/      (sharded, with model.safetensors.index.json)
+  ckptctl restore /data/ckpt/run-7 latest --format dcp --to dcp-ckpt/   (for dcp.load)
   ckptctl restore /data/ckpt/run-7 latest --to s3://bucket/export/full.pt
   ckptctl restore s3://bucket/runs/7 1000 --world-size 3 --to /data/ckpt/run-8
       (then CheckpointManager('/data/ckpt/run-8').restore(into=...) on 3 ranks)
@@ -210,9 +213,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--format",
-        choices=("torch", "safetensors"),
+        choices=("torch", "safetensors", "dcp"),
         default=None,
-        help="one consolidated file (default torch unless --world-size)",
+        help="one consolidated file (default torch unless --world-size); dcp: a torch DCP "
+        "checkpoint directory",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        default=None,
+        help="with --format safetensors: Hugging Face sharded files of at most SIZE (e.g. "
+        "2GB, 500MB) plus model.safetensors.index.json in the directory --to",
     )
     p.add_argument(
         "--world-size",
@@ -408,6 +419,7 @@ def _restore(args: argparse.Namespace) -> int:
         step=args.step,
         to=args.to,
         format=args.format,
+        max_shard_size=args.max_shard_size,
         world_size=args.world_size,
         only=tuple(args.only),
         overwrite=args.force,

@@ -34,7 +34,16 @@ from ckpt_manager.ctl.render import Progress
 from ckpt_manager.ctl.stream import TensorSource, stream_range, tensor_bytes
 from ckpt_manager.errors import CorruptCheckpointError
 
-__all__ = ["Selection", "export_safetensors", "export_torch", "select"]
+__all__ = [
+    "Selection",
+    "Streamer",
+    "export_safetensors",
+    "export_torch",
+    "safetensors_metadata",
+    "safetensors_sources",
+    "select",
+    "write_safetensors_file",
+]
 
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -125,7 +134,9 @@ def tensors_of(tree: Any, prefix: str = "") -> list[tuple[str, str]]:
     return out
 
 
-class _Streamer:
+class Streamer:
+    """Streams whole tensors of a step into an open file, chunk by chunk."""
+
     def __init__(self, storage: Storage, m: Manifest, chunk_bytes: int, progress: Progress):
         self.storage = storage
         self.m = m
@@ -169,42 +180,66 @@ def export_safetensors(
     Raises:
         UsageError: a dtype safetensors cannot hold.
     """
-    names = tensors_of(sel.tree)
-    header: dict[str, Any] = {}
-    cursor = 0
-    sources = []
-    for name, key in names:
+    sources = safetensors_sources(m, sel)
+    streamer = Streamer(storage, m, chunk_bytes, progress)
+    write_safetensors_file(streamer, sources, path, safetensors_metadata(m, sel))
+    return len(sources)
+
+
+def safetensors_sources(m: Manifest, sel: Selection) -> list[tuple[str, TensorSource]]:
+    """`(name, source)` of every tensor of the selection, in tree order.
+
+    Raises:
+        UsageError: a dtype safetensors cannot hold.
+    """
+    out = []
+    for name, key in tensors_of(sel.tree):
         src = TensorSource.of_manifest(m, key)
-        code = _SAFETENSORS_DTYPES.get(src.dtype)
-        if code is None:
+        if src.dtype not in _SAFETENSORS_DTYPES:
             raise UsageError(
                 f"tensor {name!r} has dtype {src.dtype}, which safetensors cannot hold; "
                 "use --format torch"
             )
-        header[name] = {
-            "dtype": code,
-            "shape": list(src.global_shape),
-            "data_offsets": [cursor, cursor + src.nbytes],
-        }
-        cursor += src.nbytes
-        sources.append(src)
-    header["__metadata__"] = {
+        out.append((name, src))
+    return out
+
+
+def safetensors_metadata(m: Manifest, sel: Selection) -> dict[str, str]:
+    """The `__metadata__` of our safetensors files: step, run id and the plain values."""
+    return {
         "format": "pt",
         "trainingd.step": str(m.step),
         "trainingd.run_id": m.run_id,
         "trainingd.values": json.dumps(_values_only(sel.tree)),
     }
+
+
+def write_safetensors_file(
+    streamer: Streamer,
+    sources: Sequence[tuple[str, TensorSource]],
+    path: str,
+    metadata: dict[str, str],
+) -> None:
+    """One safetensors file of `sources` at local `path`, streamed, fsynced."""
+    header: dict[str, Any] = {}
+    cursor = 0
+    for name, src in sources:
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[src.dtype],
+            "shape": list(src.global_shape),
+            "data_offsets": [cursor, cursor + src.nbytes],
+        }
+        cursor += src.nbytes
+    header["__metadata__"] = metadata
     body = json.dumps(header, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)  # the data section starts 8-byte aligned
-    streamer = _Streamer(storage, m, chunk_bytes, progress)
     with open(path, "wb") as out:
         out.write(struct.pack("<Q", len(body)))
         out.write(body)
-        for src in sources:
+        for _, src in sources:
             streamer.write_tensor(src, out)
         out.flush()
         os.fsync(out.fileno())
-    return len(sources)
 
 
 def _values_only(node: Any) -> Any:
@@ -262,7 +297,7 @@ def export_torch(
         raise CorruptCheckpointError(
             f"{path}: torch.save wrote {len(records)} storages for {len(sources)} tensors"
         )
-    streamer = _Streamer(storage, m, chunk_bytes, progress)
+    streamer = Streamer(storage, m, chunk_bytes, progress)
     with open(path, "r+b") as out:
         for key, src in enumerate(sources):
             offset, size = records[key]

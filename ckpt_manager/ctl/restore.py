@@ -1,4 +1,8 @@
-"""`ckptctl restore`: verify a step, then consolidate it (torch / safetensors) or reshard it.
+"""`ckptctl restore`: verify a step, then consolidate it (torch / safetensors / DCP) or reshard it.
+
+Consolidated outputs: one torch or safetensors file (`ctl/export.py`), Hugging Face sharded
+safetensors with their index (`--max-shard-size`, `ctl/export_sharded.py`) or a torch DCP
+directory (`--format dcp`, `ctl/export_dcp.py`); the last two are local directories.
 
 The step's files are verified first (sizes and checksums, like the manager's restore), so a
 damaged checkpoint fails before anything is written. Output goes to local disk or S3 in
@@ -10,13 +14,25 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+import shutil
 import sys
 from collections.abc import Iterator
 
 from ckpt_manager._store.catalog import verify_files
+from ckpt_manager._store.manifest import Manifest
+from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import StorageFlags, open_root, resolve_step
 from ckpt_manager.ctl.errors import UsageError
-from ckpt_manager.ctl.export import export_safetensors, export_torch, select, selected_bytes
+from ckpt_manager.ctl.export import (
+    Selection,
+    export_safetensors,
+    export_torch,
+    select,
+    selected_bytes,
+)
+from ckpt_manager.ctl.export_dcp import export_dcp
+from ckpt_manager.ctl.export_sharded import INDEX_NAME, export_sharded_safetensors, parse_size
 from ckpt_manager.ctl.render import Progress, format_bytes
 from ckpt_manager.ctl.reshard import plan_reshard, write_resharded
 from ckpt_manager.ctl.sink import OutputFile
@@ -35,6 +51,8 @@ class OutputFormat(enum.StrEnum):
     """One safetensors file of the full tensors."""
     CHECKPOINT = "checkpoint"
     """A checkpoint root with the step resharded into `world_size` rank files."""
+    DCP = "dcp"
+    """A torch DCP checkpoint directory (`FileSystemWriter` layout)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -48,7 +66,10 @@ class RestoreRequest:
     to: str
     """Output file, or checkpoint root for `--world-size`."""
     format: str | None = None
-    """`torch`, `safetensors` or None (torch, or checkpoint with `world_size`)."""
+    """`torch`, `safetensors`, `dcp` or None (torch, or checkpoint with `world_size`)."""
+    max_shard_size: str | None = None
+    """With `safetensors`: write Hugging Face sharded files of at most this size (`2GB`)
+    plus their index into the directory `to`, instead of one file."""
     world_size: int | None = None
     """Reshard for this many ranks."""
     only: tuple[str, ...] = ()
@@ -68,6 +89,16 @@ class RestoreRequest:
                 raise UsageError("--world-size writes rank files; drop --format")
             if self.only:
                 raise UsageError("--only applies to --format torch|safetensors, not --world-size")
+        if self.max_shard_size is not None:
+            if self.format != OutputFormat.SAFETENSORS:
+                raise UsageError("--max-shard-size applies to --format safetensors only")
+            parse_size(self.max_shard_size)
+        local_dir = self.format == OutputFormat.DCP or self.max_shard_size is not None
+        if local_dir and "://" in self.to and not self.to.startswith("file://"):
+            raise UsageError(
+                f"--to {self.to}: this format writes a directory on local disk; write it "
+                "locally and copy it"
+            )
         if self.chunk_bytes < _MIB:
             raise UsageError("--buffer-mib must be at least 1")
         if not self.to:
@@ -126,8 +157,11 @@ def run_restore(req: RestoreRequest, flags: StorageFlags) -> Iterator[str]:
             "data positions do not belong in a consolidated state dict)",
             file=sys.stderr,
         )
-    output = OutputFile(req.to, flags, overwrite=req.overwrite)
     total = selected_bytes(manifest, sel)
+    if kind is OutputFormat.DCP or req.max_shard_size is not None:
+        yield _export_directory(req, source, manifest, sel, total)
+        return
+    output = OutputFile(req.to, flags, overwrite=req.overwrite)
     progress = Progress(total, 1)
     try:
         with output.writing() as local:
@@ -141,3 +175,38 @@ def run_restore(req: RestoreRequest, flags: StorageFlags) -> Iterator[str]:
     yield (
         f"step {step}: wrote {count} tensors ({format_bytes(total)}) as {kind.value} to {req.to}"
     )
+
+
+def _export_directory(
+    req: RestoreRequest, source: Storage, manifest: Manifest, sel: Selection, total: int
+) -> str:
+    """DCP or sharded safetensors: a local directory, empty unless `--force`."""
+    directory = req.to.removeprefix("file://")
+    if os.path.isfile(directory):
+        raise UsageError(f"--to {directory}: is a file; this format writes a directory")
+    if os.path.isdir(directory) and os.listdir(directory):
+        if not req.overwrite:
+            raise UsageError(f"--to {directory}: directory is not empty (use --force)")
+        shutil.rmtree(directory)
+    progress = Progress(total, 1)
+    try:
+        if req.output_format is OutputFormat.DCP:
+            count = export_dcp(source, manifest, sel, directory, progress=progress)
+            what = "a DCP checkpoint"
+        else:
+            assert req.max_shard_size is not None
+            count, num_files = export_sharded_safetensors(
+                source,
+                manifest,
+                sel,
+                directory,
+                max_shard_bytes=parse_size(req.max_shard_size),
+                chunk_bytes=req.chunk_bytes,
+                progress=progress,
+            )
+            what = f"{num_files} safetensors shards + {INDEX_NAME}"
+        progress.advance(num_files=1)
+    finally:
+        progress.close()
+    size = format_bytes(total)
+    return f"step {manifest.step}: wrote {count} tensors ({size}) as {what} to {directory}"

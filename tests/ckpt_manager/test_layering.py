@@ -42,6 +42,8 @@ TORCH_ALLOWED = {
     "ckpt_manager._store.format",
     "ckpt_manager._store.tree",
     "ckpt_manager.ctl.export",
+    "ckpt_manager.ctl.export_dcp",
+    "ckpt_manager.ctl.export_sharded",
     "ckpt_manager.ctl.reshard",
     "ckpt_manager.ctl.restore",
     "ckpt_manager.ctl.stream",
