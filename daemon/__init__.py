@@ -30,6 +30,9 @@ Module plan:
     worker.py        rank entry point (elastic agent or plain torchrun).
     _loop.py         the training loop: data -> forward/backward -> step -> metrics -> ckpt.
     job.py           the job seam: `JobSpec`, `JobContext`, `Dataset`, `load_job`.
+    _init_from.py    `--init-from` / `JobSpec.init_from`: Hugging Face safetensors (sharded with
+                     an index, or one file) checked against the model, then each rank reads
+                     only its shards' byte ranges before step 0.
     data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
     default_job.py   the embedded default job: byte-level GPT on a generated corpus, and the
                      sample of text it writes at the end of a completed run.

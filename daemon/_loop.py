@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from daemon._control import RankControl
+from daemon._init_from import InitSource, check_source, load_into, storage_options_for
 from daemon._save_failures import SaveFailurePolicy
 from daemon._telemetry import NullTelemetry, RankTelemetry
 from daemon._throughput import gpu_memory, mfu_ratio, peak_flops
@@ -175,6 +176,15 @@ def _materialize_optimizer_state(
     optimizer.zero_grad()
 
 
+def _init_source(cfg: DaemonConfig, job: JobSpec) -> InitSource | None:
+    """The checked `--init-from` / `JobSpec.init_from` source, or None (see `_init_from.py`)."""
+    uri = cfg.train.init_from or job.init_from
+    if not uri:
+        return None
+    options = storage_options_for(uri, cfg.checkpoint.s3_endpoint_url)
+    return check_source(job.model, uri, job.init_key_map, options)
+
+
 def run_training(
     cfg: DaemonConfig,
     job: JobSpec,
@@ -211,6 +221,7 @@ def run_training(
     on_cuda = device.type == "cuda"
 
     # --- build: sharded model, optimizer, schedule, loader, checkpoint manager ------------------
+    init = _init_source(cfg, job)  # checked against the unsharded model, before any training
     precision = MixedPrecisionPolicy(
         param_dtype=getattr(torch, tc.param_dtype.value),
         reduce_dtype=getattr(torch, tc.reduce_dtype.value),
@@ -281,6 +292,9 @@ def run_training(
                 _set_rng_state(rng, device)
             log.info("restored", ckpt_step=step, seconds=round(time.perf_counter() - t0, 3))
             telemetry.observe("trainingd_ckpt_restore_seconds", time.perf_counter() - t0)
+        elif init is not None:
+            init_bytes = load_into(model, init)
+            log.info("initialized_from", uri=init.source.uri, num_bytes=init_bytes)
         start_step, saved_step, last_loss, stopped = step, step, None, False
         num_tokens = 0
         failures = SaveFailurePolicy(manager, cfg.checkpoint.max_consecutive_save_failures)

@@ -7,7 +7,8 @@ and writable (a probe file is written and removed; for S3 the endpoint must acce
 connection within a few seconds and the bucket must exist), no other live process holds the
 root's lease (the one line names its host, pid, run id and last refresh; see
 `ckpt_manager.check_root_lease`), the per-run directory is writable, the configured device
-exists (`--device cuda` on a node without CUDA, or more ranks than GPUs).
+exists (`--device cuda` on a node without CUDA, or more ranks than GPUs), and `--init-from`
+weights fit the job's model (names, shapes, dtypes: `daemon/_init_from.py`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,38 @@ def _check_lease(cfg: DaemonConfig) -> None:
         raise StartupCheckError(f"ckpt_uri={uri!r}: cannot read its lease: {err}") from None
 
 
+def _check_init_from(cfg: DaemonConfig) -> None:
+    """`--init-from` against the job's model, from the safetensors headers only.
+
+    The job is built once here, its tensors on the meta device (no memory), so a mismatch
+    ends the run with exit 2 before any rank starts (falls back to the CPU for a job whose
+    construction cannot run on meta tensors).
+    """
+    import torch
+
+    from daemon._init_from import check_source, storage_options_for
+    from daemon.errors import JobError
+    from daemon.job import JobContext, load_job
+
+    uri = cfg.train.init_from
+    context = JobContext(rank=0, world_size=cfg.launch.nproc_per_node, seed=cfg.train.seed)
+    try:
+        build = load_job(cfg.train.job)
+        try:
+            with torch.device("meta"):
+                job = build(context)
+        except Exception:  # any job code may refuse meta tensors: build it for real
+            job = build(context)
+        check_source(
+            job.model,
+            uri,
+            job.init_key_map,
+            storage_options_for(uri, cfg.checkpoint.s3_endpoint_url),
+        )
+    except JobError as err:
+        raise StartupCheckError(str(err)) from None
+
+
 def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
     """Run every start-up check.
 
@@ -125,6 +158,8 @@ def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
     if problem is not None:
         raise StartupCheckError(problem)
     _check_job(cfg)
+    if cfg.train.init_from:
+        _check_init_from(cfg)
     uri = cfg.checkpoint.ckpt_uri
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
     if scheme == "file":

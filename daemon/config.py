@@ -185,6 +185,10 @@ class TrainSettings:
 
     job: str = "daemon.default_job:build"
     """`module:callable` returning a `daemon.JobSpec` (model, datasets, loss)."""
+    init_from: str = ""
+    """Safetensors weights to start from before step 0 when no checkpoint exists: a
+    directory with `model.safetensors.index.json` or `model.safetensors`, or one file; path
+    or `s3://`; overrides the job's `init_from`; empty: none."""
     max_steps: int = 300
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
     strategy: Strategy = Strategy.OPTIM_GRADS_PARAMS

@@ -1,8 +1,13 @@
-"""DTensor leaves: an FSDP2 (`fully_shard`) model and AdamW saved on 2 ranks restore bitwise on 3.
+"""FSDP2 interop: DTensor state saved through our manager, restored by FSDP2, DCP and ZeRO-3.
 
-Also: replicas along a replicated mesh dimension write once, a 2-D mesh restores at another
-world size, and torch DCP's `dcp.load` with our `Reader` loads the same step into the 3-rank
-DTensor state bitwise. Real gloo ranks, spawned.
+An FSDP2 (`fully_shard`) model and AdamW saved on 2 ranks restore bitwise on 3 ranks into
+FSDP2 DTensor templates (and through torch DCP's `dcp.load` with our `Reader`), and on the 2
+saving ranks into our engine's ZeRO-3 (`sharded_state_dict()` flat pieces, same parameter
+names, same AdamW state keys). Also: replicas along a replicated mesh dimension write once,
+and a 2-D mesh restores at another world size.
+
+It lives in tests/daemon because it composes both engines (`sharding` and `ckpt_manager` never
+import each other), and one spawn of the saving ranks serves both restores. Real gloo ranks.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
+from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
 from tests.ckpt_manager.conftest import Reports
 from tests.support.dist import run_on_ranks
 
@@ -77,10 +83,58 @@ def save_fsdp2(rank: int, world: int, root: str) -> dict[str, Any]:
     with CheckpointManager(root, _CFG, run_id="fsdp2", observer=reports) as mgr:
         mgr.save(1, {"model": msd, "optimizer": osd, "extras": extras})
         mgr.save(2, {"replicated": extras["replicated"], "hsdp": extras["hsdp"]})
+    _restore_into_zero3(root, msd, osd)
     return {
         "full": _full({"model": msd, "optimizer": osd, "extras": extras}),
         "bytes": {r.step: r.num_bytes for r in reports.reports},
     }
+
+
+def _restore_into_zero3(root: str, msd: dict[str, Any], osd: dict[str, Any]) -> None:
+    """Restore step 1 into a fresh ZeRO-3 engine on these ranks; compare with FSDP2's state."""
+    rank = torch.distributed.get_rank()
+    full_model = {k: v.full_tensor() for k, v in msd.items()}
+    full_state = {
+        name: {k: v.full_tensor() if k != "step" else v for k, v in per.items()}
+        for name, per in osd["state"].items()
+    }
+    torch.manual_seed(1)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.Linear(7, 3))
+    engine = FullyShardedDataParallel(
+        module,
+        ShardingConfig(
+            strategy=Strategy.OPTIM_GRADS_PARAMS,
+            unit_modules=(torch.nn.Linear,),
+            param_dtype=torch.float32,
+        ),
+    )
+    zero3_opt = engine.make_optimizer(torch.optim.AdamW, lr=1e-2)
+    engine(torch.randn(2, 4)).sum().backward()  # AdamW state exists: a full template
+    zero3_opt.step()
+    zero3_opt.zero_grad()
+    ours = zero3_opt.sharded_state_dict()
+    template = {"model": engine.sharded_state_dict(), "optimizer": {"state": ours["state"]}}
+    with CheckpointManager(root, _CFG, run_id="zero3") as mgr:
+        result = mgr.restore(step=1, into=template)
+    assert result is not None
+    engine.load_sharded_state_dict(result.state["model"])
+    zero3_opt.load_sharded_state_dict(
+        {"state": result.state["optimizer"]["state"], "param_groups": ours["param_groups"]}
+    )
+
+    full = engine.full_state_dict()
+    if rank == 0:
+        assert full.keys() == full_model.keys()
+        for name, value in full_model.items():
+            assert torch.equal(full[name], value), name
+    for name, per in zero3_opt.sharded_state_dict()["state"].items():
+        for key, piece in per.items():
+            expected = full_state[name][key]
+            if key == "step":
+                assert torch.equal(piece, expected), (name, key)
+                continue
+            start, end = piece.flat_range
+            assert torch.equal(piece.local, expected.reshape(-1)[start:end]), (name, key)
 
 
 def restore_fsdp2(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -134,7 +188,7 @@ def _assert_bitwise(a: Any, b: Any, path: str = "") -> None:
         assert a == b, path
 
 
-def test_fsdp2_state_saved_on_2_ranks_restores_bitwise_on_3(tmp_path: Any) -> None:
+def test_fsdp2_state_saved_on_2_ranks_restores_bitwise_on_3_and_into_zero3(tmp_path: Any) -> None:
     root = str(tmp_path / "ckpt")
     saved = run_on_ranks(save_fsdp2, 2, root, timeout_s=240)
     full = saved[0]["full"]
