@@ -81,7 +81,8 @@ def dtensor_piece(value: Any, key: str, *, for_write: bool) -> DTensorPiece:
     for placement in placements:
         if type(placement) is not Shard and not isinstance(placement, Replicate):
             raise ValueError(
-                f"state leaf {key!r}: DTensor placement {placement} cannot be saved; only "
+                f"state leaf {key!r}: DTensor placement {type(placement).__name__} "
+                f"({placement}) cannot be saved; only "
                 "Shard(dim) and Replicate() are (call .redistribute() to a Shard/Replicate "
                 "layout, or .full_tensor(), first)"
             )

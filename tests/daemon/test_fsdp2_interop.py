@@ -72,6 +72,7 @@ def _extras(world: int, fill: torch.Tensor) -> dict[str, Any]:
 def save_fsdp2(rank: int, world: int, root: str) -> dict[str, Any]:
     """Train one step, save model + optimizer + extras (step 1), then replicas only (step 2)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor, Partial
 
     model, opt = fsdp2_model(world, seed=0)
     torch.manual_seed(100)
@@ -83,6 +84,10 @@ def save_fsdp2(rank: int, world: int, root: str) -> dict[str, Any]:
     with CheckpointManager(root, _CFG, run_id="fsdp2", observer=reports) as mgr:
         mgr.save(1, {"model": msd, "optimizer": osd, "extras": extras})
         mgr.save(2, {"replicated": extras["replicated"], "hsdp": extras["hsdp"]})
+        mesh = extras["replicated"].device_mesh
+        partial = DTensor.from_local(torch.ones(2), mesh, [Partial()])
+        with pytest.raises(ValueError, match=r"'pending': DTensor placement Partial"):
+            mgr.save(3, {"pending": partial})  # a pending reduction is not a saved value
     _restore_into_zero3(root, msd, osd)
     return {
         "full": _full({"model": msd, "optimizer": osd, "extras": extras}),

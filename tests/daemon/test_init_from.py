@@ -24,6 +24,7 @@ from ckpt_manager.ctl.cli import main as ckptctl
 from daemon._init_from import SafetensorsSource, mismatch
 from daemon.data import ShardedLoader
 from daemon.default_job import MODEL, ByteCorpus, corpus
+from daemon.errors import JobError
 from daemon.gpt import GPT, lm_loss
 from tests.daemon._daemon_proc import DaemonProc
 
@@ -128,3 +129,61 @@ def test_a_renamed_key_exits_2_naming_it(
     assert f"missing {old!r}" in lines[0]
     assert f"unexpected {new!r}" in lines[0]
     assert not d.find("daemon_started")  # refused before any rank started
+
+
+class _Tied(torch.nn.Module):
+    """An embedding tied to the head, plus a buffer: names the file may give once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(5, 3)
+        self.head = torch.nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.ones(3, dtype=torch.float64))
+
+
+def test_names_through_the_key_map_tied_names_and_the_first_differences(
+    tmp_path: pathlib.Path,
+) -> None:
+    model = _Tied()
+    single = tmp_path / "one.safetensors"
+    named = {"model.emb.weight": torch.randn(5, 3), "model.scale": torch.ones(3).double()}
+    save_file(named, single)
+    source = SafetensorsSource(str(single))
+
+    def drop_prefix(name: str) -> str:
+        return name.removeprefix("model.")
+
+    assert mismatch(model, source, drop_prefix) is None  # head.weight is tied to emb.weight
+    problem = mismatch(model, source, None)
+    assert problem is not None
+    assert problem.startswith(f"init_from={str(single)!r} does not fit the model: missing ")
+    assert "unexpected 'model.emb.weight'" in problem
+
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    tensors = {"emb.weight": torch.randn(5, 4), "scale": torch.ones(3)}
+    tensors.update({f"extra.{i}": torch.zeros(1) for i in range(6)})
+    save_file(tensors, wrong / "model.safetensors")  # a directory with one model.safetensors
+    problem = mismatch(model, SafetensorsSource(str(wrong)), None)
+    assert problem is not None
+    assert "'emb.weight' has shape (5, 4) in the file, (5, 3) in the model" in problem
+    assert "'scale' is torch.float32 in the file, torch.float64 in the model" in problem
+    # 9 differences (the tied head.weight is named too, 6 unexpected): the first 5 named.
+    assert problem.endswith("(and 4 more)")
+    assert "\n" not in problem
+
+
+@pytest.mark.s3
+def test_a_source_on_s3_is_read_in_byte_ranges(s3: Any, tmp_path: pathlib.Path) -> None:
+    local = tmp_path / "m.safetensors"
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    save_file({"w": weight}, local)
+    fs = s3.filesystem()
+    uri = f"{s3.uri}/hf/model.safetensors"
+    fs.put(str(local), uri.removeprefix("s3://"))
+    source = SafetensorsSource(f"{s3.uri}/hf", s3.storage_options)
+    assert source.entries["w"].shape == (3, 4)
+    assert torch.equal(source.read("w", 5, 9), weight.reshape(-1)[5:9])
+    with pytest.raises(JobError, match="no such file or directory"):
+        SafetensorsSource(f"{s3.uri}/missing", s3.storage_options)
