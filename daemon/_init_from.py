@@ -198,10 +198,18 @@ def _renamed(source: SafetensorsSource, key_map: Callable[[str], str] | None) ->
 
 
 def mismatch(
-    module: nn.Module, source: SafetensorsSource, key_map: Callable[[str], str] | None
+    model: nn.Module | Mapping[str, _Expected],
+    source: SafetensorsSource,
+    key_map: Callable[[str], str] | None,
 ) -> str | None:
-    """One line naming the first differences between the model and the source, or None."""
-    expected = expected_tensors(module)
+    """One line naming the first differences between the model and the source, or None.
+
+    Args:
+        model: the unsharded module, or its `expected_tensors()` taken earlier.
+        source: the safetensors source.
+        key_map: the job's `init_key_map`, or None.
+    """
+    expected = expected_tensors(model) if isinstance(model, nn.Module) else model
     names = _renamed(source, key_map)
     problems: list[str] = []
     for name, want in expected.items():
@@ -245,21 +253,22 @@ def storage_options_for(uri: str, s3_endpoint_url: str) -> dict[str, Any]:
 
 
 def check_source(
-    module: nn.Module,
+    model: nn.Module | Mapping[str, _Expected],
     uri: str,
     key_map: Callable[[str], str] | None,
     storage_options: Mapping[str, Any] | None = None,
 ) -> InitSource:
-    """Open the source and check it against the (unsharded) module.
+    """Open the source and check it against the unsharded module (or its `expected_tensors`).
 
     Raises:
         JobError: the source cannot be read or does not fit (one line, first differences).
     """
+    expected = expected_tensors(model) if isinstance(model, nn.Module) else dict(model)
     source = SafetensorsSource(uri, storage_options)
-    problem = mismatch(module, source, key_map)
+    problem = mismatch(expected, source, key_map)
     if problem is not None:
         raise JobError(problem)
-    return InitSource(source, key_map, expected_tensors(module))
+    return InitSource(source, key_map, expected)
 
 
 def load_into(model: Any, init: InitSource) -> int:

@@ -51,7 +51,13 @@ import torch
 import torch.distributed as dist
 
 from daemon._control import RankControl
-from daemon._init_from import InitSource, check_source, load_into, storage_options_for
+from daemon._init_from import (
+    InitSource,
+    check_source,
+    expected_tensors,
+    load_into,
+    storage_options_for,
+)
 from daemon._save_failures import SaveFailurePolicy
 from daemon._telemetry import NullTelemetry, RankTelemetry
 from daemon._throughput import gpu_memory, mfu_ratio, peak_flops
@@ -176,13 +182,13 @@ def _materialize_optimizer_state(
     optimizer.zero_grad()
 
 
-def _init_source(cfg: DaemonConfig, job: JobSpec) -> InitSource | None:
+def _init_source(cfg: DaemonConfig, job: JobSpec, expected: dict[str, Any]) -> InitSource | None:
     """The checked `--init-from` / `JobSpec.init_from` source, or None (see `_init_from.py`)."""
     uri = cfg.train.init_from or job.init_from
     if not uri:
         return None
     options = storage_options_for(uri, cfg.checkpoint.s3_endpoint_url)
-    return check_source(job.model, uri, job.init_key_map, options)
+    return check_source(expected, uri, job.init_key_map, options)
 
 
 def run_training(
@@ -221,7 +227,8 @@ def run_training(
     on_cuda = device.type == "cuda"
 
     # --- build: sharded model, optimizer, schedule, loader, checkpoint manager ------------------
-    init = _init_source(cfg, job)  # checked against the unsharded model, before any training
+    # `--init-from` weights are checked against the unsharded model's tensors, taken here.
+    init_expected = expected_tensors(job.model) if cfg.train.init_from or job.init_from else {}
     precision = MixedPrecisionPolicy(
         param_dtype=getattr(torch, tc.param_dtype.value),
         reduce_dtype=getattr(torch, tc.reduce_dtype.value),
@@ -292,7 +299,7 @@ def run_training(
                 _set_rng_state(rng, device)
             log.info("restored", ckpt_step=step, seconds=round(time.perf_counter() - t0, 3))
             telemetry.observe("trainingd_ckpt_restore_seconds", time.perf_counter() - t0)
-        elif init is not None:
+        elif (init := _init_source(cfg, job, init_expected)) is not None:
             init_bytes = load_into(model, init)
             log.info("initialized_from", uri=init.source.uri, num_bytes=init_bytes)
         start_step, saved_step, last_loss, stopped = step, step, None, False

@@ -116,6 +116,16 @@ def _check_lease(cfg: DaemonConfig) -> None:
         raise StartupCheckError(f"ckpt_uri={uri!r}: cannot read its lease: {err}") from None
 
 
+def _resuming(cfg: DaemonConfig) -> bool:
+    """Whether the root holds a committed step (a resumed run ignores `--init-from`)."""
+    from ckpt_manager import latest_committed_step
+
+    try:
+        return latest_committed_step(cfg.checkpoint.ckpt_uri, s3_storage_options(cfg)) is not None
+    except CheckpointError:
+        return False  # an unreadable root is reported by the storage checks below
+
+
 def _check_init_from(cfg: DaemonConfig) -> None:
     """`--init-from` against the job's model, from the safetensors headers only.
 
@@ -158,7 +168,7 @@ def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
     if problem is not None:
         raise StartupCheckError(problem)
     _check_job(cfg)
-    if cfg.train.init_from:
+    if cfg.train.init_from and not _resuming(cfg):
         _check_init_from(cfg)
     uri = cfg.checkpoint.ckpt_uri
     scheme = uri.split("://", 1)[0] if "://" in uri else "file"
