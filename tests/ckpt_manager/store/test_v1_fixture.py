@@ -43,7 +43,8 @@ def test_ckptctl_lists_shows_and_verifies_it(
     assert [(r["step"], r["state"], r["world_size"]) for r in rows] == [(STEP, "committed", 2)]
     assert main(["show", str(root), str(STEP)]) == 0
     shown = capsys.readouterr().out
-    assert "flat" in shown and "loss" in shown
+    assert "flat" in shown
+    assert "loss" in shown
     assert main(["verify", str(root), str(STEP)]) == 0
 
 
