@@ -111,11 +111,10 @@ def strategy_of(m: Manifest) -> str:
     if isinstance(named, str) and named:
         return named
     kinds = set()
-    for rec in m.tensors.values():
+    for key, rec in m.tensors.items():
         if rec["kind"] == "replicated":
             continue
-        flat = any(p.flat_range is not None for p in rec["pieces"])
-        kinds.add("sharded-flat" if flat else "sharded-box")
+        kinds.add("sharded-flat" if m.form_of(key) == "flat" else "sharded-box")
     if not kinds:
         return "replicated"
     return kinds.pop() if len(kinds) == 1 else "mixed"

@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from ckpt_manager import (
     StepNotFoundError,
 )
 from ckpt_manager._save import finalize
-from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._store.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from ckpt_manager._store.storage import Storage
 
 CKPTCTL = str(pathlib.Path(sys.executable).with_name("ckptctl"))
@@ -65,7 +66,7 @@ def test_a_commit_that_finds_another_launchs_manifest_keeps_its_step(
     # root, see store/test_lease.py; this is the exclusive write's own defence: the other
     # attempt commits on a root of its own and its step folder is copied in from outside.)
     root, other = str(tmp_path / "root"), str(tmp_path / "other")
-    real = finalize.commit_manifest
+    real = finalize.commit_step
 
     def second_launch_first(storage: Storage, **kw: Any) -> Any:
         subprocess.run(
@@ -78,12 +79,16 @@ def test_a_commit_that_finds_another_launchs_manifest_keeps_its_step(
     cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
     with CheckpointManager(root, cfg, run_id="job") as mgr:
         mgr.save(1, {"t": torch.zeros(4)})
-        monkeypatch.setattr(finalize, "commit_manifest", second_launch_first)
+        monkeypatch.setattr(finalize, "commit_step", second_launch_first)
         with pytest.raises(SaveFailedError) as info:
             mgr.save(2, {"t": torch.ones(4)})
         monkeypatch.undo()
     folder = tmp_path / "root" / step_dir(2)
-    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST_NAME, shard_file_name(0)]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        MANIFEST_NAME,
+        shard_file_name(0),
+        index_file_name(0),
+    ]
     manifest = json.loads((folder / MANIFEST_NAME).read_bytes())
     assert manifest["metrics"] == {"by": "second"}
     assert isinstance(info.value.__cause__, CommitConflictError)
@@ -134,3 +139,39 @@ def test_b_retried_identical_manifest_write_is_a_commit_on_local_disk(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     commit_with_lost_reply(str(tmp_path / "root"), {}, monkeypatch)
+
+
+def test_the_commit_runs_off_the_training_thread(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The manifest PUT is held until released: maybe_finalize keeps returning meanwhile,
+    # and the PUT ran on the coordinator's commit thread, not on the calling thread.
+    entered, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+    real = Storage.write
+
+    def write(self: Storage, name: str, data: Any, **kw: Any) -> None:
+        if name.endswith(MANIFEST_NAME):
+            threads.append(threading.current_thread().name)
+            entered.set()
+            release.wait(60)
+        real(self, name, data, **kw)
+
+    monkeypatch.setattr(Storage, "write", write)
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT)
+    with CheckpointManager(str(tmp_path), cfg, run_id="off-thread") as mgr:
+        mgr.save(4, {"t": torch.arange(8.0)})
+        while not entered.is_set():
+            mgr.maybe_finalize()
+            entered.wait(0.01)
+        for _ in range(3):  # the commit is held: each call is one poll, and returns
+            mgr.maybe_finalize()
+        assert mgr.stats().inflight == 1
+        assert mgr.all_steps() == []
+        release.set()
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [4]
+        stats = mgr.stats()
+    assert threads == ["ckpt-commit"]
+    assert stats.last_committed_step == 4
+    assert len(stats.recent_finalize_call_s) >= 4
