@@ -16,12 +16,13 @@ from typing import Any, NamedTuple
 import torch
 
 from ckpt_manager._load.reshard import Region, fill_region
-from ckpt_manager._load.restore import read_piece
+from ckpt_manager._load.restore import read_bytes, read_piece
 from ckpt_manager._store.catalog import committed_steps, read_manifest, verify_files
 from ckpt_manager._store.format import dtype_from_name
-from ckpt_manager._store.manifest import Piece
+from ckpt_manager._store.manifest import Piece, index_file_name, step_dir
+from ckpt_manager._store.rank_index import RankIndex, check_rank_index, piece_of
 from ckpt_manager._store.storage import Storage
-from ckpt_manager.errors import CheckpointError, StepNotFoundError
+from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 
 __all__ = ["StepRegions", "TensorInfo"]
 
@@ -68,6 +69,7 @@ class StepRegions:
         self._verify = verify_checksums
         self._on_read = on_read
         self._verified: set[str] = set()
+        self._indexes: dict[int, RankIndex] = {}
         self._lock = threading.Lock()  # readers may fill from several threads
 
     @property
@@ -105,7 +107,7 @@ class StepRegions:
                 f"step {self.step}: tensor {key!r} fills a CPU {info.dtype} target, got "
                 f"{target.device.type} {target.dtype}"
             )
-        pieces: list[Piece] = list(self._manifest.tensors[key]["pieces"])
+        pieces = self._pieces(key)
         region = Region(info.global_shape, offset=offset, shape=tuple(target.shape))
 
         def read(piece: Piece, start: int, end: int) -> torch.Tensor:
@@ -120,6 +122,32 @@ class StepRegions:
         out = torch.empty(info.global_shape, dtype=info.dtype)
         self.fill(key, out, (0,) * len(info.global_shape))
         return out
+
+    def _pieces(self, key: str) -> list[Piece]:
+        """The stored pieces of tensor `key`: from the manifest (format 1), or from the
+        indexes of the ranks that hold it (format 2; each index read once, checked against
+        the manifest)."""
+        rec = self._manifest.tensors[key]
+        if self._manifest.complete:
+            return list(rec["pieces"])
+        return [piece_of(self._index(int(rank)), key) for rank in rec["ranks"]]
+
+    def _index(self, rank: int) -> RankIndex:
+        with self._lock:
+            found = self._indexes.get(rank)
+        if found is not None:
+            return found
+        name = index_file_name(rank)
+        entry = self._manifest.files.get(name)
+        if entry is None:
+            raise CorruptCheckpointError(f"step {self.step}: no index of rank {rank}")
+        data = read_bytes(
+            self.storage, f"{step_dir(self.step)}/{name}", 0, entry.size, self._on_read
+        )
+        found = check_rank_index(self._manifest, rank, data)
+        with self._lock:
+            self._indexes[rank] = found
+        return found
 
     def _check_file(self, name: str) -> None:
         with self._lock:
