@@ -6,11 +6,13 @@ persistent writer process, then finalized across ranks (agreement, then one mani
     request.py      SaveRequest: one save on one rank; its explicit SaveState machine
                     STAGING -> WRITING -> OK | FAILED, guarded transitions, one lock.
     pipeline.py     LocalPipeline: one rank's staging buffers, staging thread and writer.
-    staging.py      Slab (memfd shared memory reused across saves), copy_into_slab,
+    staging.py      Slab (memfd shared memory reused across saves), copy_into_slab (copies
+                    and checksums chunk by chunk),
                     BackgroundThread (the staging thread).
     device_copy.py  CUDA snapshots: DeviceFence (events), copy_to_pinned_slab on a dedicated
                     copy stream into a page-locked slab, fenced on the compute stream.
-    writer.py       the writer process (no torch): request loop, write_shard, fault hooks.
+    writer.py       the writer process (no torch): request loop, write_shard (straight from
+                    the slab, no checksum pass), fault hooks.
     writer_proc.py  WriterProcess: trainer-side handle (start, submit, poll, stop, kill).
     finalize.py     Finalizer: saves in flight; agree, commit or fail across ranks, report.
     commit.py       per-rank contributions and reports, the coordinator's top manifest

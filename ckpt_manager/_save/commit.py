@@ -9,7 +9,8 @@ These functions need no process group: `bench/ckpt_scale.py` drives them for N s
 
 Format 1 (`ckptctl reshard` only): a contribution is a plain dict::
 
-    {"rank": r, "file": name | None, "size": int, "crc32": int, "tree": skeleton | None,
+    {"rank": r, "file": name | None, "size": int, "crc32": int,
+     "checksum_algorithm": str (absent: crc32), "tree": skeleton | None,
      "metrics": {...} | None, "tensors": {key: {"dtype", "global_shape", "kind", "piece"}},
      "rank_local": {"trees": [...], "tensors": {key: {"dtype", "piece"}}}}
 
@@ -30,6 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ckpt_manager._store.checksum import SAVE_ALGORITHM, parse_algorithm
 from ckpt_manager._store.format import FileLayout, dtype_name
 from ckpt_manager._store.manifest import (
     FORMAT_VERSION,
@@ -112,7 +114,9 @@ def prepare_rank(
     pending = RankIndex.build(
         step=step,
         rank=rank,
-        file=None if file_name is None else IndexedFile(name=file_name, size=0, crc32=0),
+        file=None
+        if file_name is None
+        else IndexedFile(name=file_name, size=0, crc32=0, checksum_algorithm=SAVE_ALGORITHM.value),
         records=records,
         rank_local_trees=flat.rank_local_trees,
     )
@@ -141,7 +145,10 @@ def rank_report(contribution: Mapping[str, Any]) -> RankReport:
         file=None
         if name is None
         else IndexedFile(
-            name=name, size=int(contribution["size"]), crc32=int(contribution["crc32"])
+            name=name,
+            size=int(contribution["size"]),
+            crc32=int(contribution["crc32"]),
+            checksum_algorithm=parse_algorithm(contribution.get("checksum_algorithm")).value,
         ),
         tensors=contribution["tensors"],
         tree=contribution["tree"],
@@ -171,7 +178,11 @@ def build_top_manifest(
         if report.rank != rank:
             raise ValueError(f"report {rank} is rank {report.rank}'s: reports go in rank order")
         if report.file is not None:
-            files[report.file.name] = FileEntry(report.file.size, report.file.crc32)
+            files[report.file.name] = FileEntry(
+                report.file.size,
+                report.file.crc32,
+                parse_algorithm(report.file.checksum_algorithm),
+            )
         files[index_file_name(rank)] = report.index_file
         if report.tree is not None:
             tree, metrics = report.tree, report.metrics or {}
@@ -292,7 +303,9 @@ def merge_manifest(
     tensors: dict[str, dict[str, Any]] = {}
     for c in contributions:
         if c["file"] is not None:
-            files[c["file"]] = FileEntry(int(c["size"]), int(c["crc32"]))
+            files[c["file"]] = FileEntry(
+                int(c["size"]), int(c["crc32"]), parse_algorithm(c.get("checksum_algorithm"))
+            )
         for key, rec in c["tensors"].items():
             merged = tensors.setdefault(
                 key,

@@ -22,6 +22,7 @@ from ckpt_manager._save.request import SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread, Slab, copy_into_slab
 from ckpt_manager._save.writer import write_shard_retrying
 from ckpt_manager._save.writer_proc import WriterProcess
+from ckpt_manager._store.checksum import SAVE_ALGORITHM, checksum
 from ckpt_manager._store.manifest import step_dir
 from ckpt_manager._store.rank_index import write_finished_index
 from ckpt_manager._store.storage import Storage
@@ -155,9 +156,18 @@ class LocalPipeline:
             t0 = time.monotonic()
             fence = request.device_fence
             if fence is None:
-                copy_into_slab(slab, request.layout, request.tensors, on_progress)
+                # [Note: the checksum rides on the staging copy] in staging.py
+                request.checksum = copy_into_slab(
+                    slab, request.layout, request.tensors, on_progress, algorithm=SAVE_ALGORITHM
+                )
             else:  # [Note: CUDA staging] in device_copy.py
                 copy_to_pinned_slab(slab, request.layout, request.tensors, fence, on_progress)
+                # The bytes arrived by DMA: one pass over the pinned slab, on this thread.
+                view = slab.view(request.layout.total_bytes)
+                try:
+                    request.checksum = checksum(SAVE_ALGORITHM, view)
+                finally:
+                    view.release()
             request.staging_s += time.monotonic() - t0
             return True
         except Exception as err:
@@ -182,7 +192,16 @@ class LocalPipeline:
                 request.fail(f"writer process {writer.pid} unreachable: {err}")
                 raise
 
-        if not self._copy(request, slab, progress):
+        if self._copy(request, slab, progress):
+            try:
+                writer.send_progress(
+                    request.request_id,
+                    request.layout.total_bytes,
+                    checksum=_staged_checksum(request),
+                )
+            except OSError as err:
+                request.fail(f"writer process {writer.pid} unreachable: {err}")
+        else:
             with contextlib.suppress(OSError):  # the writer's own failure is reported too
                 writer.send_progress(request.request_id, 0, error=request.error)
                 request.abort_sent = True
@@ -235,6 +254,8 @@ class LocalPipeline:
             "streamed": streamed,
             "retry_for_s": self._retry_for_s(),
             "index_json": request.contribution["index_json"],
+            # Streamed: the copy has not run yet; the checksum follows its last byte count.
+            "checksum": None if streamed else _staged_checksum(request),
         }
 
     def _retry_for_s(self) -> float:
@@ -247,7 +268,7 @@ class LocalPipeline:
         assert request.slab is not None
         view = request.slab.view(request.layout.total_bytes)
         try:
-            size, crc, index = write_shard_retrying(
+            size, index = write_shard_retrying(
                 self._storage,
                 name,
                 view,
@@ -258,11 +279,18 @@ class LocalPipeline:
                     "ckpt_write_retrying", ckpt_step=request.step, error=str(err), retry_in_s=delay
                 ),
                 index_json=request.contribution["index_json"],
+                checksum=_staged_checksum(request),
             )
             assert index is not None
-            request.finish_ok(size=size, crc32=crc, index=(index.size, index.crc32))
+            request.finish_ok(size=size, index=(index.size, index.crc32))
         except CheckpointError as err:
             request.fail(f"write failed: {err}")
         finally:
             view.release()
             request.write_s = time.monotonic() - t0
+
+
+def _staged_checksum(request: SaveRequest) -> int:
+    """The checksum the staging copy computed (it runs before any write that needs it)."""
+    assert request.checksum is not None, "the staging copy sets the checksum"
+    return request.checksum

@@ -37,6 +37,7 @@ from ckpt_manager._coord import Status
 from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.staging import Slab
 from ckpt_manager._save.writer_proc import WriterProcess
+from ckpt_manager._store.checksum import SAVE_ALGORITHM, ChecksumAlgorithm
 from ckpt_manager._store.format import FileLayout
 
 __all__ = ["InvalidTransitionError", "Limits", "SaveRequest", "SaveState"]
@@ -123,6 +124,9 @@ class SaveRequest:
     """Snapshot copy time."""
     write_s: float = 0.0
     """Writer time."""
+    checksum: int | None = None
+    """The staged file's checksum by `checksum.SAVE_ALGORITHM`, computed by the staging copy
+    (set before `handed_off`; None until then)."""
     answered: bool = False
     """The writer has answered this request (it no longer touches its buffer)."""
     abort_sent: bool = False
@@ -169,20 +173,27 @@ class SaveRequest:
         self,
         *,
         size: int | None = None,
-        crc32: int | None = None,
         index: tuple[int, int] | None = None,
     ) -> bool:
-        """WRITING -> OK: the file is durable (`size`/`crc32` recorded) or there was none,
-        and so is the rank's index object (`index`: its size and CRC-32, recorded).
+        """WRITING -> OK: the file is durable (`size` and the staged checksum recorded) or
+        there was none (`size` None), and so is the rank's index object (`index`: its size
+        and CRC-32, recorded).
 
         Returns False (and records nothing) if the save had already failed.
         """
+        if size is not None and self.checksum is None:
+            # The staging thread sets it before handing off; a reply taken earlier (an
+            # abort path) cannot vouch for the bytes.
+            self.fail("the file was written before its snapshot copy reported a checksum")
+            return False
         with self._lock:
             if not self._move(SaveState.OK):
                 return False
-            if size is not None and crc32 is not None:
+            if size is not None and self.checksum is not None:
                 self.contribution["size"] = size
-                self.contribution["crc32"] = crc32
+                self.contribution["crc32"] = self.checksum
+                if SAVE_ALGORITHM is not ChecksumAlgorithm.CRC32:
+                    self.contribution["checksum_algorithm"] = SAVE_ALGORITHM.value
             if index is not None:
                 self.contribution["index_size"], self.contribution["index_crc32"] = index
             return True
@@ -261,7 +272,6 @@ class SaveRequest:
             index = reply.get("index")
             self.finish_ok(
                 size=int(reply["size"]),
-                crc32=int(reply["crc32"]),
                 index=None if index is None else (int(index[0]), int(index[1])),
             )
         else:

@@ -1,7 +1,8 @@
 """Staging: shared-memory buffers for snapshots and the thread that fills them.
 
 A `Slab` is one anonymous shared-memory file (`memfd`) mapped in the trainer and, through
-fd passing, in the writer: the trainer copies tensors into it, the writer writes it out. Slabs
+fd passing, in the writer: the trainer copies tensors into it (checksumming each chunk as
+it lands: [Note: the checksum rides on the staging copy]), the writer writes it out. Slabs
 are allocated once per in-flight slot and reused across saves while the state fits, so the
 steady state allocates nothing. A memfd has no name, so nothing leaks if a process is killed.
 For a CUDA snapshot a slab is page-locked once (`pin`), so the device-to-host copy lands in it
@@ -23,9 +24,10 @@ from collections.abc import Callable, Sequence
 import structlog
 import torch
 
+from ckpt_manager._store.checksum import SAVE_ALGORITHM, ChecksumAlgorithm, checksum
 from ckpt_manager._store.format import FileLayout, TensorSlot
 
-__all__ = ["BackgroundThread", "Slab", "copy_into_slab", "copy_into_slot"]
+__all__ = ["FUSED_CHUNK_BYTES", "BackgroundThread", "Slab", "copy_into_slab", "copy_into_slot"]
 
 _MIN_CAPACITY = 1 << 16
 _log = structlog.get_logger("ckpt_manager.staging")
@@ -108,8 +110,16 @@ def copy_into_slab(
     tensors: Sequence[torch.Tensor],
     on_progress: Callable[[int], None] | None = None,
     progress_bytes: int = 32 << 20,
-) -> None:
-    """Copy the header and every tensor into the slab at its planned offset.
+    *,
+    algorithm: ChecksumAlgorithm = SAVE_ALGORITHM,
+) -> int:
+    """Copy the header and every tensor into the slab at its planned offset; returns the
+    checksum (by `algorithm`) of the file's `layout.total_bytes`.
+
+    [Note: the checksum rides on the staging copy] Each tensor is copied in chunks of
+    `FUSED_CHUNK_BYTES` and each chunk is checksummed right after its copy, while it is
+    still in cache: the checksum then costs its arithmetic only, not a second pass over the
+    state through memory (in the writer process, as before). The writer only writes.
 
     `on_progress(n)` is called whenever the first `n` bytes of the file are final, at least
     `progress_bytes` apart, and last with `layout.total_bytes` (a streamed write follows it).
@@ -119,18 +129,55 @@ def copy_into_slab(
         raise RuntimeError(f"staging buffer {slab.slab_id} is closed")
     header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
     reported = 0
-    with torch.no_grad():
-        buf[: len(layout.header)].copy_(header)
-        for slot, tensor in zip(layout.slots, tensors, strict=True):
-            if slot.nbytes == 0:
-                continue
-            copy_into_slot(buf, slot, tensor)
-            end = slot.offset + slot.nbytes
-            if on_progress is not None and end - reported >= progress_bytes:
-                on_progress(end)
-                reported = end
+    view = slab.view(layout.total_bytes)
+    try:
+        with torch.no_grad():
+            buf[: len(layout.header)].copy_(header)
+            value = checksum(algorithm, view[: len(layout.header)])
+            done = len(layout.header)  # bytes of the file checksummed so far
+            for slot, tensor in zip(layout.slots, tensors, strict=True):
+                if slot.nbytes == 0:
+                    continue
+                # Alignment padding: whatever the slab holds there is what the file holds.
+                value = checksum(algorithm, view[done : slot.offset], value)
+                value = _copy_checksummed(buf, view, slot, tensor, algorithm, value)
+                done = end = slot.offset + slot.nbytes
+                if on_progress is not None and end - reported >= progress_bytes:
+                    on_progress(end)
+                    reported = end
+            value = checksum(algorithm, view[done:], value)
+    finally:
+        view.release()
     if on_progress is not None and reported < layout.total_bytes:
         on_progress(layout.total_bytes)
+    return value
+
+
+FUSED_CHUNK_BYTES = 1 << 20
+"""Copy-then-checksum granularity: well inside L2, big enough that per-call overhead is noise
+(1-4 MiB measured within 2 % of each other; 256 KiB 6 % slower)."""
+
+
+def _copy_checksummed(
+    buf: torch.Tensor,
+    view: memoryview,
+    slot: TensorSlot,
+    tensor: torch.Tensor,
+    algorithm: ChecksumAlgorithm,
+    value: int,
+) -> int:
+    """Copy one tensor into its slot, checksumming it chunk by chunk behind the copy."""
+    src = tensor.detach()
+    if src.dtype != slot.dtype or not src.is_contiguous():
+        # A conversion or gather: copied whole by the typed kernel, then checksummed.
+        copy_into_slot(buf, slot, tensor)
+        return checksum(algorithm, view[slot.offset : slot.offset + slot.nbytes], value)
+    src_bytes = src.reshape(-1).view(torch.uint8)
+    for start in range(0, slot.nbytes, FUSED_CHUNK_BYTES):
+        stop = min(slot.nbytes, start + FUSED_CHUNK_BYTES)
+        buf[slot.offset + start : slot.offset + stop].copy_(src_bytes[start:stop])
+        value = checksum(algorithm, view[slot.offset + start : slot.offset + stop], value)
+    return value
 
 
 class BackgroundThread:

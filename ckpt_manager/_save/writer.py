@@ -1,5 +1,8 @@
 """The writer process: writes shard files from shared staging memory, one request at a time.
 
+It writes straight from the mapped slab (no copy) and computes no checksum: the trainer's
+staging copy did ([Note: the checksum rides on the staging copy] in `staging.py`).
+
 Started by `writer_proc.WriterProcess` as `python -m ckpt_manager._save.writer --fd N` (a fresh
 interpreter, like multiprocessing's spawn, but usable in daemonic rank processes). It never
 imports torch: it only moves bytes, so it starts fast and stays small.
@@ -9,13 +12,16 @@ Protocol over a private Unix socket (`multiprocessing.connection.Connection`)::
     trainer -> writer  {"op": "slab", "slab_id", "size"} + the memfd (SCM_RIGHTS)
                        {"op": "write", "request_id", "step", "name", "slab_id", "nbytes",
                         "root_uri", "storage_options", "chunk_bytes", "concurrency",
-                        "streamed", "retry_for_s", "index_json"}  (index_json: the rank's
-                        pending index object, written after the file)
-                       {"op": "staged", "request_id", "upto" | "error"}  (streamed writes:
-                        the first `upto` bytes of the slab are final; sent while copying)
+                        "streamed", "retry_for_s", "index_json", "checksum"}
+                        (index_json: the rank's pending index object, written after the
+                        file with its size and `checksum`, the staging copy's; None when
+                        streamed: then it comes with the copy's last `staged` message)
+                       {"op": "staged", "request_id", "upto" | "error" [, "checksum"]}
+                        (streamed writes: the first `upto` bytes of the slab are final;
+                        sent while copying)
                        {"op": "stop"}                         sentinel: exit 0
     writer -> trainer  {"op": "ready", "pid"}
-                       {"op": "done", "request_id", "ok", "size", "crc32", "index": [size, crc32],
+                       {"op": "done", "request_id", "ok", "size", "index": [size, crc32],
                         "write_s", "error"}
 
 A failed write is answered (`ok: false`) and the loop keeps serving. The writer exits when the
@@ -36,9 +42,7 @@ import collections
 import json
 import mmap
 import os
-import queue
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing import reduction
@@ -46,7 +50,6 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from ckpt_manager._store.backend_errors import is_transient
-from ckpt_manager._store.checksum import crc32
 from ckpt_manager._store.manifest import FileEntry
 from ckpt_manager._store.rank_index import write_finished_index
 from ckpt_manager._store.storage import Storage
@@ -54,7 +57,6 @@ from ckpt_manager._store.storage import Storage
 __all__ = ["FAULT_ENV", "main", "write_shard", "write_shard_retrying"]
 
 FAULT_ENV = "CKPT_MANAGER_WRITER_FAULT"
-_PARALLEL_CRC_BYTES = 8 << 20
 _MAX_RETRY_DELAY_S = 30.0
 _T = TypeVar("_T")
 
@@ -69,11 +71,13 @@ def write_shard_retrying(
     retry_for_s: float,
     on_retry: Callable[[BaseException, float], None] | None = None,
     index_json: str | None = None,
-) -> tuple[int, int, FileEntry | None]:
+    checksum: int = 0,
+) -> tuple[int, FileEntry | None]:
     """`write_shard` to an object store, retried while the store is only unreachable; then
-    the rank's index object (`index_json`: `rank_index.write_finished_index`), retried the
-    same way within the same `retry_for_s`. Returns the shard's size and CRC-32 and the
-    index's entry (None without `index_json`).
+    the rank's index object (`index_json`: `rank_index.write_finished_index`, recording the
+    shard's size and its staged `checksum`), retried the same way within the same
+    `retry_for_s`. Returns the shard's size and the index's entry (None without
+    `index_json`).
 
     [Note: a store outage is waited out, not failed] botocore's own retries give up within
     seconds, so without this a restart of the object store or a network blip fails every
@@ -87,18 +91,21 @@ def write_shard_retrying(
         on_retry: called with the error and the delay before each retry (for logging).
     """
     deadline = time.monotonic() + retry_for_s
-    size, crc = _retrying(
+    size = _retrying(
         storage,
         deadline,
         on_retry,
         lambda: write_shard(storage, name, data, chunk_bytes=chunk_bytes, concurrency=concurrency),
     )
     if index_json is None:
-        return size, crc, None
+        return size, None
     index = _retrying(
-        storage, deadline, on_retry, lambda: write_finished_index(storage, index_json, size, crc)
+        storage,
+        deadline,
+        on_retry,
+        lambda: write_finished_index(storage, index_json, size, checksum),
     )
-    return size, crc, index
+    return size, index
 
 
 def _retrying(
@@ -132,50 +139,16 @@ def write_shard(
     chunk_bytes: int,
     concurrency: int,
     staged: Iterable[int] | None = None,
-) -> tuple[int, int]:
-    """Checksum and atomically write one shard file; returns `(size, crc32)`.
+) -> int:
+    """Atomically write one shard file straight from `data` (the slab); returns its size.
 
-    The checksum runs on a second thread while the bytes are written (the CRC and file writes
-    both release the GIL). With `staged` (the snapshot is still being copied into `data`;
-    see `Storage.write`), both follow the staged byte counts: each part is checksummed and
-    written as soon as it is final.
+    The checksum is not computed here: the trainer's staging copy computed it while the
+    bytes were in cache ([Note: the checksum rides on the staging copy] in `staging.py`).
+    With `staged` (the snapshot is still being copied into `data`; see `Storage.write`), each
+    part is written as soon as it is final.
     """
-    if staged is None and len(data) < _PARALLEL_CRC_BYTES:
-        crc = crc32(data)
-        storage.write(name, data, chunk_bytes=chunk_bytes, concurrency=concurrency)
-        return len(data), crc
-    marks: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-    box: list[int] = []
-
-    def checksum() -> None:
-        value = start = 0
-        while (end := marks.get()) is not None:
-            value = crc32(data[start:end], value)
-            start = end
-        if start == len(data):
-            box.append(value)
-
-    def forwarded(counts: Iterable[int]) -> Iterator[int]:
-        for count in counts:
-            marks.put(count)
-            yield count
-
-    crc_thread = threading.Thread(target=checksum, name="crc32")
-    crc_thread.start()
-    try:
-        storage.write(
-            name,
-            data,
-            chunk_bytes=chunk_bytes,
-            concurrency=concurrency,
-            staged=forwarded(staged if staged is not None else (len(data),)),
-        )
-    finally:
-        marks.put(None)
-        crc_thread.join()
-    if not box:
-        raise RuntimeError(f"checksum of {name} did not cover the whole file")
-    return len(data), box[0]
+    storage.write(name, data, chunk_bytes=chunk_bytes, concurrency=concurrency, staged=staged)
+    return len(data)
 
 
 def _apply_fault(
@@ -211,6 +184,8 @@ class _Server:
         self.storages: dict[str, Storage] = {}
         self.fault = os.environ.get(FAULT_ENV, "")
         self.backlog: collections.deque[dict[str, Any]] = collections.deque()
+        self.checksums: dict[int, int] = {}
+        """Staged checksums of streamed writes, by request id (see `staged_checksum`)."""
 
     def storage(self, root_uri: str, options: dict[str, Any]) -> Storage:
         key = json.dumps([root_uri, options], sort_keys=True, default=str)
@@ -251,27 +226,30 @@ class _Server:
                 # manifest stays small] in `_store/manifest.py`).
                 if msg.get("streamed"):  # local disk: nothing transient to wait out
                     staged = self.staged_counts(msg)
-                    size, crc = write_shard(storage, msg["name"], view, staged=staged, **sizes)
-                    index = write_finished_index(storage, msg["index_json"], size, crc)
+                    size = write_shard(storage, msg["name"], view, staged=staged, **sizes)
+                    index = write_finished_index(
+                        storage, msg["index_json"], size, self.staged_checksum(msg)
+                    )
                 else:
-                    size, crc, written = write_shard_retrying(
+                    size, written = write_shard_retrying(
                         storage,
                         msg["name"],
                         view,
                         retry_for_s=float(msg.get("retry_for_s", 0.0)),
                         on_retry=lambda err, _delay: retries.append(f"{type(err).__name__}: {err}"),
                         index_json=msg["index_json"],
+                        checksum=int(msg["checksum"]),
                         **sizes,
                     )
                     assert written is not None
                     index = written
             finally:
                 view.release()
-            reply.update(ok=True, size=size, crc32=crc, index=[index.size, index.crc32], error=None)
+            reply.update(ok=True, size=size, index=[index.size, index.crc32], error=None)
             if retries:
                 reply.update(retries=len(retries), retried_error=retries[-1])
         except Exception as err:
-            reply.update(ok=False, size=0, crc32=0, error=f"{type(err).__name__}: {err}")
+            reply.update(ok=False, size=0, error=f"{type(err).__name__}: {err}")
         reply["write_s"] = time.monotonic() - started
         return reply
 
@@ -297,9 +275,27 @@ class _Server:
             if got.get("error"):
                 raise RuntimeError(f"snapshot copy failed in the trainer: {got['error']}")
             count = int(got["upto"])
+            if "checksum" in got:  # the copy's last word, after every byte was staged
+                self.checksums[request_id] = int(got["checksum"])
+                yield count
+                return
             yield count
             if count >= total:
                 return
+
+    def staged_checksum(self, msg: dict[str, Any]) -> int:
+        """The staged file's checksum for a streamed write: the trainer sends it once its
+        copy (which computes it) is done, possibly after the last byte count was taken.
+
+        Raises:
+            RuntimeError: the trainer reports that the snapshot copy failed.
+            EOFError: the trainer is gone.
+        """
+        request_id = msg["request_id"]
+        while request_id not in self.checksums:
+            for _ in self.staged_counts(msg):
+                pass
+        return self.checksums.pop(request_id)
 
     def next_message(self, parent_pid: int) -> dict[str, Any] | None:
         """The next request (backlog first); None once the trainer is gone."""

@@ -81,9 +81,16 @@ class WriterProcess:
                 self._slabs_sent.add(slab.slab_id)
             self._conn.send(request)
 
-    def send_progress(self, request_id: int, upto: int, error: str | None = None) -> None:
+    def send_progress(
+        self,
+        request_id: int,
+        upto: int,
+        error: str | None = None,
+        checksum: int | None = None,
+    ) -> None:
         """Tell the writer of a streamed write that the first `upto` bytes are final (or
-        that the copy failed with `error`).
+        that the copy failed with `error`); the copy's last message carries the staged
+        file's `checksum`, which the writer records in the rank's index.
 
         Raises:
             OSError: the writer is gone (broken pipe).
@@ -91,6 +98,8 @@ class WriterProcess:
         msg: dict[str, Any] = {"op": "staged", "request_id": request_id, "upto": upto}
         if error is not None:
             msg["error"] = error
+        if checksum is not None:
+            msg["checksum"] = checksum
         with self._send_lock:
             self._conn.send(msg)
 

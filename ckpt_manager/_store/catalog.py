@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from ckpt_manager._store.checksum import crc32
+from ckpt_manager._store.checksum import checksum
 from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from ckpt_manager._store.pins import is_pinned
 from ckpt_manager._store.storage import Storage
@@ -250,7 +250,7 @@ def verify_files(
     check_crc: bool,
     on_read: Callable[[int], None] | None = None,
 ) -> None:
-    """Check that files exist with the manifest's size (and crc32).
+    """Check that files exist with the manifest's size (and checksum, by its algorithm).
 
     `on_read(num_bytes)` is called after each chunk read for the checksum (a restore reports
     its progress through it).
@@ -275,13 +275,13 @@ def verify_files(
         crc = 0
         for start in range(0, size, _READ_CHUNK):
             chunk = storage.read(path, start, min(size, start + _READ_CHUNK))
-            crc = crc32(chunk, crc)
+            crc = checksum(entry.algorithm, chunk, crc)
             if on_read is not None:
                 on_read(len(chunk))
         if crc != entry.crc32:
             raise CorruptCheckpointError(
                 f"step {manifest.step}: file {name} checksum {crc:#010x} != manifest "
-                f"{entry.crc32:#010x} (corrupted bytes)"
+                f"{entry.crc32:#010x} ({entry.algorithm.value}; corrupted bytes)"
             )
 
 

@@ -40,7 +40,7 @@ reshard`)::
     {"format": "trainingd-checkpoint", "format_version": 1, "step": N, "world_size": W,
      "run_id": str, "created_unix_s": float, "committed_unix_s": float,
      "versions": {"trainingd": str, "torch": str, "python": str}, "metrics": {...},
-     "files": {name: {"size": int, "crc32": int}},
+     "files": {name: {"size": int, "crc32": int, "checksum_algorithm": "crc32c"}},
      "tree": skeleton (see `_store/tree.py`),
      "tensors": {key: {"dtype": str, "global_shape": [...], "kind": "replicated"|"sharded",
                        "pieces": [piece, ...]}},
@@ -48,6 +48,10 @@ reshard`)::
     piece = {"file": name, "offset": int, "nbytes": int, "shape": [...],
              "global_offset": [...] | null, "flat_range": [start, end] | null}
     ... and last, "manifest_crc32": int (see below)
+
+A file record's `crc32` holds its checksum by `checksum_algorithm` (`_store/checksum.py`);
+records without that field (every manifest before it existed) are CRC-32, and the field is
+only written for other algorithms, so CRC-32 records serialise as they always did.
 
 Parsing validates everything a reader will touch, so a manifest that parses never makes a
 reader fetch bytes outside a piece or allocate more than the step's files hold:
@@ -86,7 +90,7 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ckpt_manager._store.checksum import crc32
+from ckpt_manager._store.checksum import ChecksumAlgorithm, crc32, parse_algorithm
 from ckpt_manager._store.dtypes import item_size
 from ckpt_manager._store.storage import validate_relative_name
 from ckpt_manager.errors import CorruptCheckpointError
@@ -167,7 +171,16 @@ class FileEntry:
     size: int
     """Bytes."""
     crc32: int
-    """zlib crc32 of the whole file."""
+    """Checksum of the whole file by `algorithm` (the JSON key predates other algorithms)."""
+    algorithm: ChecksumAlgorithm = ChecksumAlgorithm.CRC32
+    """How `crc32` was computed; CRC-32 for records that name no algorithm."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as the manifest stores it (no algorithm field for CRC-32)."""
+        out: dict[str, Any] = {"size": self.size, "crc32": self.crc32}
+        if self.algorithm is not ChecksumAlgorithm.CRC32:
+            out["checksum_algorithm"] = self.algorithm.value
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +287,7 @@ class Manifest:
             "committed_unix_s": self.committed_unix_s,
             "versions": dict(self.versions),
             "metrics": dict(self.metrics),
-            "files": {n: {"size": f.size, "crc32": f.crc32} for n, f in self.files.items()},
+            "files": {n: f.to_json() for n, f in self.files.items()},
             "tree": self.tree,
             "tensors": {k: tensor_json(v) for k, v in self.tensors.items()},
             "rank_local": [
@@ -607,7 +620,11 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
     if expected_step is not None and step != expected_step:
         raise ValueError(f"manifest says step {step}, folder says {expected_step}")
     files = {
-        _file_name(n): FileEntry(_int(f["size"], "size"), _int(f["crc32"], "crc32"))
+        _file_name(n): FileEntry(
+            _int(f["size"], "size"),
+            _int(f["crc32"], "crc32"),
+            parse_algorithm(f.get("checksum_algorithm")),
+        )
         for n, f in dict(doc["files"]).items()
     }
     if version == FORMAT_VERSION:

@@ -20,7 +20,8 @@ included (a rank-local tensor is this rank's whole tensor, so it is always neede
 saved rank writes an index, even one without a shard file (its RankLocal plain values).
 
 `checksum_algorithm` names the algorithm of the shard file's checksum (stored under
-`crc32`); "crc32" (zlib's) is what this code writes and what an index without the field means.
+`crc32`): new saves write "crc32c" (the staging copy's, `_store/checksum.py`); an index
+without the field means "crc32" (zlib's).
 
 Torch-free: the writer process builds and writes indexes, `ckptctl` reads them.
 """
@@ -32,7 +33,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ckpt_manager._store.checksum import crc32
+from ckpt_manager._store.checksum import crc32, parse_algorithm
 from ckpt_manager._store.dtypes import item_size
 from ckpt_manager._store.manifest import (
     FileEntry,
@@ -215,7 +216,8 @@ def _parse(doc: Any, step: int, rank: int) -> RankIndex:
             crc32=int(f["crc32"]),
             checksum_algorithm=str(f.get("checksum_algorithm", DEFAULT_CHECKSUM_ALGORITHM)),
         )
-        files[file.name] = FileEntry(file.size, file.crc32)
+        algorithm = parse_algorithm(file.checksum_algorithm)
+        files[file.name] = FileEntry(file.size, file.crc32, algorithm)
 
     def entries(raw: Any, what: str) -> dict[str, tuple[str, Piece]]:
         out = {}
@@ -354,7 +356,11 @@ def check_rank_index(manifest: Manifest, rank: int, data: bytes | bytearray) -> 
     index = RankIndex.from_json(data, step=manifest.step, rank=rank)
     if index.file is not None:
         shard = manifest.files.get(index.file.name)
-        if shard is None or (shard.size, shard.crc32) != (index.file.size, index.file.crc32):
+        if shard is None or (shard.size, shard.crc32, shard.algorithm.value) != (
+            index.file.size,
+            index.file.crc32,
+            index.file.checksum_algorithm,
+        ):
             raise CorruptCheckpointError(
                 f"step {manifest.step}: {name} describes {index.file.name} differently from "
                 "the manifest"

@@ -34,11 +34,22 @@ def test_the_happy_path_records_size_and_checksum() -> None:
     assert req.start_writing()
     assert req.state is SaveState.WRITING
     assert req.dispatched is not None
-    assert req.finish_ok(size=123, crc32=456)
+    req.checksum = 456  # the staging copy's, set before the hand-off
+    assert req.finish_ok(size=123)
     assert req.state is SaveState.OK
-    assert req.contribution == {"size": 123, "crc32": 456}
+    assert req.contribution == {"size": 123, "crc32": 456, "checksum_algorithm": "crc32c"}
     assert req.local_status(_LIMITS) == Status.OK
     assert req.error is None
+
+
+def test_a_written_file_without_a_staged_checksum_fails_the_save() -> None:
+    req = _request()
+    assert req.start_writing()
+    assert not req.finish_ok(size=123)
+    assert req.state is SaveState.FAILED
+    assert req.error is not None
+    assert "checksum" in req.error
+    assert req.contribution == {}
 
 
 def test_a_failed_save_ignores_late_news_and_keeps_its_first_cause() -> None:
@@ -48,7 +59,8 @@ def test_a_failed_save_ignores_late_news_and_keeps_its_first_cause() -> None:
     assert req.state is SaveState.FAILED
     assert req.error == "disk full"
     assert not req.start_writing()  # the staging job must not dispatch it
-    assert not req.finish_ok(size=1, crc32=2)  # a writer answering after the cancel
+    req.checksum = 2
+    assert not req.finish_ok(size=1)  # a writer answering after the cancel
     assert req.contribution == {}
     assert req.local_status(_LIMITS) == Status.FAILED
 

@@ -1,0 +1,69 @@
+"""The staging copy checksums what it copies: the value covers the file's every byte (header,
+alignment padding, tensors copied in chunks, converted or strided ones) and progress is
+still reported in order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ckpt_manager._save import staging
+from ckpt_manager._save.staging import Slab, copy_into_slab
+from ckpt_manager._store.checksum import ChecksumAlgorithm, checksum
+from ckpt_manager._store.format import plan_layout
+
+
+def test_the_returned_checksum_is_that_of_the_staged_file_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Small chunks so that a tensor spans several (the fused loop's chunk boundaries).
+    monkeypatch.setattr(staging, "FUSED_CHUNK_BYTES", 4096)
+    big = torch.randn(10_001)  # 40 004 bytes: ten chunks and a tail, then padding
+    strided = torch.arange(60, dtype=torch.float32).view(6, 10).t()  # not contiguous
+    halves = torch.randn(33, dtype=torch.float64)  # stored as float32: converted
+    layout = plan_layout(
+        [
+            ("big", torch.float32, (10_001,)),
+            ("strided", torch.float32, (10, 6)),
+            ("halves", torch.float32, (33,)),
+            ("empty", torch.float32, (0,)),
+        ]
+    )
+    slab = Slab(1, layout.total_bytes)
+    try:
+        # Stale bytes where the padding is: the file holds them, so the checksum must too.
+        assert slab.tensor is not None
+        slab.tensor.fill_(0xAB)
+        progress: list[int] = []
+        for algorithm in ChecksumAlgorithm:
+            progress.clear()
+            value = copy_into_slab(
+                slab,
+                layout,
+                [big, strided, halves, torch.empty(0)],
+                progress.append,
+                progress_bytes=1,
+                algorithm=algorithm,
+            )
+            view = slab.view(layout.total_bytes)
+            try:
+                assert value == checksum(algorithm, view)
+                header = bytes(view[: len(layout.header)])
+            finally:
+                view.release()
+            assert header == layout.header
+            assert progress == sorted(progress)
+            assert progress[-1] == layout.total_bytes
+        by_key = {slot.key: slot for slot in layout.slots}
+        stored = slab.tensor
+        slot = by_key["strided"]
+        got = stored[slot.offset : slot.offset + slot.nbytes].view(torch.float32).view(10, 6)
+        assert torch.equal(got, strided)
+        slot = by_key["halves"]
+        got = stored[slot.offset : slot.offset + slot.nbytes].view(torch.float32)
+        assert torch.equal(got, halves.float())
+        slot = by_key["big"]
+        assert torch.equal(stored[slot.offset : slot.offset + slot.nbytes].view(torch.float32), big)
+        del got, stored
+    finally:
+        slab.close()
