@@ -179,10 +179,13 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
 
 def verdict_lines(report: Mapping[str, Any]) -> list[str]:
     """`key: value (target op x) meets|MISSES` for each of `report["targets"]` (`{key: (op,
-    x)}`, op `<=` or `>=`), then `skipped NAME: why` for each of `report["skipped"]`."""
+    x)}`, op `<=` or `>=`; a `{"median", "min", "max"}` value is judged by its median), then
+    `skipped NAME: why` for each of `report["skipped"]`."""
     lines = []
     for key, (op, target) in report["targets"].items():
         value = report.get(key)
+        if isinstance(value, Mapping):  # {"median", "min", "max"}: the median is judged
+            value = value.get("median")
         if value is None:
             lines.append(f"{key}: n/a (target {op} {target})")
             continue
@@ -198,6 +201,8 @@ def diagnostic_lines(report: Mapping[str, Any], keys: Iterable[str]) -> list[str
     lines = []
     for key in keys:
         value = report.get(key)
+        if isinstance(value, Mapping):
+            value = value.get("median")
         lines.append(f"{key}: {'n/a' if value is None else f'{value:.3f}'} (no target)")
     return lines
 
