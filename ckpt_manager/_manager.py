@@ -5,9 +5,10 @@ Save pipeline of one step (every rank, same steps)::
     save()            [trainer]   wait for a free slot (stall), flatten, plan the file,
                                   hand the snapshot job to the staging thread, return
     staging thread                copy tensors into shared memory (overlaps forward/backward),
-                                  then send the write request to the writer process
+                                  checksumming each chunk as it lands (CRC-32C), then
+                                  send the write request to the writer process
     before_optimizer_step()       fence: wait for the copy (stall) before tensors change
-    writer process                crc32 + atomic write of the shard file, answer "done"
+    writer process                atomic write of the shard file from the slab, answer "done"
     maybe_finalize()  [trainer]   MAX-agree on the oldest request; all OK -> gather
                                   contributions, coordinator writes manifest.json
                                   exclusively, broadcast outcome; any FAILED -> every rank
