@@ -181,12 +181,15 @@ class SaveRequest:
 
         Returns False (and records nothing) if the save had already failed.
         """
-        if size is not None and self.checksum is None:
-            # The staging thread sets it before handing off; a reply taken earlier (an
-            # abort path) cannot vouch for the bytes.
-            self.fail("the file was written before its snapshot copy reported a checksum")
-            return False
         with self._lock:
+            if size is not None and self.checksum is None:
+                # The staging thread sets it before handing off; a reply taken earlier (an
+                # abort path) cannot vouch for the bytes. A save already failed (or
+                # cancelled, its cause still to come) keeps its state and cause.
+                if self._state is not SaveState.FAILED:
+                    self._move(SaveState.FAILED)
+                    self._error = "file written before its snapshot copy reported a checksum"
+                return False
             if not self._move(SaveState.OK):
                 return False
             if size is not None and self.checksum is not None:

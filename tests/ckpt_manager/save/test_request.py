@@ -52,6 +52,16 @@ def test_a_written_file_without_a_staged_checksum_fails_the_save() -> None:
     assert req.contribution == {}
 
 
+def test_a_cancelled_save_answered_before_its_checksum_keeps_no_local_cause() -> None:
+    req = _request()
+    assert req.start_writing()
+    req.cancel()  # the finalizer's abort path: the agreed cause is recorded later
+    assert not req.finish_ok(size=123)  # the writer's answer, taken while aborting
+    assert req.state is SaveState.FAILED
+    assert req.error is None
+    assert req.contribution == {}
+
+
 def test_a_failed_save_ignores_late_news_and_keeps_its_first_cause() -> None:
     req = _request()
     req.fail("disk full")
