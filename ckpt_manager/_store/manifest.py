@@ -14,7 +14,8 @@ Manifest format version 2 (what the save path writes), all names relative to the
     {"format": "trainingd-checkpoint", "format_version": 2, "step": N, "world_size": W,
      "run_id": str, "created_unix_s": float, "committed_unix_s": float,
      "versions": {...}, "metrics": {...},
-     "files": {name: {"size": int, "crc32": int}},    shard files and every rank's index
+     "files": {name: {"size": int, "crc32": int [, "checksum_algorithm": "crc32c"]}},
+                                                      shard files and every rank's index
      "tree": skeleton,
      "tensors": {key: {"dtype": str, "global_shape": [...], "kind": "replicated"|"sharded",
                        "form": "whole"|"flat"|"box", "ranks": [[first, end], ...]}}}
@@ -317,7 +318,7 @@ class Manifest:
             "committed_unix_s": self.committed_unix_s,
             "versions": dict(self.versions),
             "metrics": dict(self.metrics),
-            "files": {n: {"size": f.size, "crc32": f.crc32} for n, f in self.files.items()},
+            "files": {n: f.to_json() for n, f in self.files.items()},
             "tree": self.tree,
             "tensors": {
                 k: {

@@ -27,6 +27,7 @@ from ckpt_manager._save.commit import (
 )
 from ckpt_manager._save.writer import write_shard
 from ckpt_manager._store.catalog import read_manifest, verify_files
+from ckpt_manager._store.checksum import SAVE_ALGORITHM, checksum
 from ckpt_manager._store.format import plan_layout
 from ckpt_manager._store.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from ckpt_manager._store.rank_index import complete_manifest, write_finished_index
@@ -90,7 +91,8 @@ def save_rank(storage: Storage, rank: int) -> Any:
         for slot, leaf in zip(layout.slots, leaves, strict=True):
             raw = leaf.tensor.contiguous().view(torch.uint8).numpy().tobytes()
             data[slot.offset : slot.offset + slot.nbytes] = raw
-        size, crc = write_shard(
+        crc = checksum(SAVE_ALGORITHM, memoryview(data))  # the staging copy's, in a save
+        size = write_shard(
             storage,
             f"{step_dir(STEP)}/{name}",
             memoryview(data),
@@ -98,7 +100,13 @@ def save_rank(storage: Storage, rank: int) -> Any:
             concurrency=1,
         )
     index = write_finished_index(storage, contribution["index_json"], size, crc)
-    contribution.update(size=size, crc32=crc, index_size=index.size, index_crc32=index.crc32)
+    contribution.update(
+        size=size,
+        crc32=crc,
+        checksum_algorithm=SAVE_ALGORITHM.value,
+        index_size=index.size,
+        index_crc32=index.crc32,
+    )
     return rank_report(contribution)
 
 

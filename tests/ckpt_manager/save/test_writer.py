@@ -163,7 +163,8 @@ def test_a_transient_failure_of_the_index_write_is_waited_out(
 
     monkeypatch.setattr(Storage, "write", write)
     retried: list[str] = []
-    size, crc, entry = write_shard_retrying(
+    staged_crc = 0x1234ABCD  # the staging copy's checksum, recorded as given
+    size, entry = write_shard_retrying(
         storage,
         f"{step_dir(1)}/{shard_file_name(0)}",
         memoryview(b"x" * 100),
@@ -172,6 +173,7 @@ def test_a_transient_failure_of_the_index_write_is_waited_out(
         retry_for_s=30.0,
         on_retry=lambda err, _delay: retried.append(str(err)),
         index_json=index.to_json().decode(),
+        checksum=staged_crc,
     )
     assert writes == [shard_file_name(0), index_file_name(0), index_file_name(0)]
     assert retried == ["connection reset by peer"]
@@ -180,6 +182,6 @@ def test_a_transient_failure_of_the_index_write_is_waited_out(
     assert json.loads(stored)["file"] == {
         "name": shard_file_name(0),
         "size": size,
-        "crc32": crc,
+        "crc32": staged_crc,
         "checksum_algorithm": "crc32",
     }

@@ -20,7 +20,14 @@ from ckpt_manager._store.checksum import (
     checksum,
     parse_algorithm,
 )
-from ckpt_manager._store.manifest import CHECKSUM_FIELD, MANIFEST_NAME, FileEntry, step_dir
+from ckpt_manager._store.manifest import (
+    CHECKSUM_FIELD,
+    MANIFEST_NAME,
+    FileEntry,
+    index_file_name,
+    shard_file_name,
+    step_dir,
+)
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CorruptCheckpointError
 
@@ -59,7 +66,8 @@ def test_a_save_records_the_save_algorithm_and_its_value_matches_the_file(
 ) -> None:
     storage = _save(tmp_path)
     manifest = read_manifest(storage, 3)
-    [(name, entry)] = manifest.files.items()
+    name = shard_file_name(0)
+    entry = manifest.files[name]
     data = (tmp_path / step_dir(3) / name).read_bytes()
     assert entry.algorithm is SAVE_ALGORITHM is ChecksumAlgorithm.CRC32C
     assert entry.crc32 == checksum(ChecksumAlgorithm.CRC32C, data)
@@ -76,11 +84,18 @@ def test_a_checkpoint_with_crc32_records_still_verifies_and_restores(
     storage = _save(tmp_path)
     folder = tmp_path / step_dir(3)
     doc = json.loads((folder / MANIFEST_NAME).read_bytes())
-    # Rewrite it as a manifest from before the algorithm field: zlib CRC-32 values, no
-    # algorithm, and no manifest checksum (older still).
-    for name, record in doc["files"].items():
-        record["crc32"] = zlib.crc32((folder / name).read_bytes())
-        del record["checksum_algorithm"]
+    # Rewrite it as a step from before the algorithm field: zlib CRC-32 values and no
+    # algorithm in the rank's index and the manifest, and no manifest checksum (older still).
+    shard, index = shard_file_name(0), index_file_name(0)
+    shard_crc = zlib.crc32((folder / shard).read_bytes())
+    index_doc = json.loads((folder / index).read_bytes())
+    index_doc["file"]["crc32"] = shard_crc
+    del index_doc["file"]["checksum_algorithm"]
+    index_bytes = json.dumps(index_doc).encode()
+    (folder / index).write_bytes(index_bytes)
+    doc["files"][shard] = {"size": doc["files"][shard]["size"], "crc32": shard_crc}
+    doc["files"][index] = {"size": len(index_bytes), "crc32": zlib.crc32(index_bytes)}
+    assert not any("checksum_algorithm" in record for record in doc["files"].values())
     del doc[CHECKSUM_FIELD]
     (folder / MANIFEST_NAME).write_text(json.dumps(doc))
     manifest = read_manifest(storage, 3)
