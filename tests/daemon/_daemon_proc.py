@@ -258,3 +258,15 @@ def ckptctl_list(root: Path) -> list[dict[str, Any]]:
 def committed_steps(root: Path) -> list[int]:
     """Committed steps under a checkpoint root, via `ckptctl list --json`."""
     return [int(r["step"]) for r in ckptctl_list(root)]
+
+
+def ckptctl_restore(root: Path, step: int, out: Path, *extra: str) -> None:
+    """`ckptctl restore ROOT STEP --to OUT [extra]`, run in this process.
+
+    The same entry point as the console script, without a second interpreter importing torch
+    (the restore path needs it); `tests/ckpt_manager/ctl` covers the script itself.
+    """
+    from ckpt_manager.ctl.cli import main
+
+    code = main(["restore", str(root), str(step), "--to", str(out), *extra])
+    assert code == 0, f"ckptctl restore {root} {step} exited {code}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -25,11 +24,11 @@ import pytest
 import torch
 
 from tests.daemon._daemon_proc import (
-    CKPTCTL,
     GATED_JOB,
     DaemonProc,
     Gate,
     ckptctl_list,
+    ckptctl_restore,
     committed_steps,
     session_pids,
     wait_for,
@@ -106,11 +105,7 @@ def notify_socket(tmp_path: Path) -> Iterator[tuple[list[str], str]]:
 
 
 def _restore_all(root: Path, step: int, out: Path) -> dict[str, torch.Tensor]:
-    subprocess.run(
-        [CKPTCTL, "restore", str(root), str(step), "--to", str(out)],
-        check=True,
-        capture_output=True,
-    )
+    ckptctl_restore(root, step, out)
     state = torch.load(out, weights_only=True)
     flat: dict[str, torch.Tensor] = {}
 

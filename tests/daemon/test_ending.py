@@ -10,7 +10,6 @@ SIGTERM prints "stopped at step N (checkpoint committed)"; a second run on a roo
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -20,10 +19,10 @@ import torch
 from daemon.default_job import MODEL, sample
 from daemon.gpt import GPT
 from tests.daemon._daemon_proc import (
-    CKPTCTL,
     GATED_JOB,
     DaemonProc,
     Gate,
+    ckptctl_restore,
     committed_steps,
     wait_for,
 )
@@ -37,38 +36,6 @@ _SMALL = ["--nproc-per-node", "1", "--batch-size", str(_BATCH_SIZE), "--warmup-s
 
 def _stdout(d: DaemonProc) -> str:
     return d.stdout_path.read_text()
-
-
-def test_finished_run_summarises_and_a_second_run_is_already_complete(
-    tmp_path: Path, procs: list[DaemonProc]
-) -> None:
-    root = tmp_path / "ckpt"
-    args = [*_SMALL, "--max-steps", "2", "--ckpt-uri", str(root)]
-    first = DaemonProc(tmp_path, args, name="first")
-    procs.append(first)
-    assert first.wait(120) == 0, first.logs()
-    out = _stdout(first)
-    assert "finished at step 2 of 2: 2 steps in " in out, out
-    assert "final loss " in out
-    assert " tokens/s" in out
-    assert f"checkpoints in {root}; list them with `" in out
-    assert f"ckptctl list {root}`" in out
-    assert "/metrics" not in out  # the metrics server is gone by then
-    assert "trainingd: sample of the trained model:\n    The daemon " in out
-
-    started = time.monotonic()
-    second = DaemonProc(tmp_path, args, name="second")
-    procs.append(second)
-    assert second.wait(60) == 0, second.logs()
-    elapsed_s = time.monotonic() - started
-    assert _stdout(second).splitlines() == [
-        f"trainingd: already at step 2 of 2 in {root}; "
-        "pass --max-steps N to train further, or a new --ckpt-uri"
-    ], f"{second.logs()} ({elapsed_s:.1f} s)"
-    # Nothing was started: no metrics server, no rank.
-    assert not second.find("daemon_started"), second.logs()
-    assert not second.find("training"), second.logs()
-    assert committed_steps(root) == [2]
 
 
 def test_sigterm_says_stopped_at_step_with_its_checkpoint_committed(
@@ -98,15 +65,24 @@ def _printed_sample(out: str) -> list[str]:
     return [line.removeprefix("    ") for line in lines[start:]]
 
 
-def test_the_sample_is_written_by_the_trained_weights_gathered_from_zero3_shards(
+def test_a_finished_zero3_run_summarises_samples_and_a_second_run_is_already_complete(
     tmp_path: Path, procs: list[DaemonProc]
 ) -> None:
+    # One finished run serves the summary, the sample and the second run's one-line answer.
     root = tmp_path / "ckpt"
     args = ["--nproc-per-node", "2", "--batch-size", str(_BATCH_SIZE), "--warmup-steps", "1"]
     args += ["--strategy", "optim_grads_params", "--max-steps", "3", "--ckpt-uri", str(root)]
-    d = DaemonProc(tmp_path, [*args, "--log-every-s", "1"])
+    d = DaemonProc(tmp_path, [*args, "--log-every-s", "1"], name="first")
     procs.append(d)
     assert d.wait(180) == 0, d.logs()
+    out = _stdout(d)
+    assert "finished at step 3 of 3: 3 steps in " in out, out
+    assert "final loss " in out
+    assert " tokens/s" in out
+    assert f"checkpoints in {root}; list them with `" in out
+    assert f"ckptctl list {root}`" in out
+    assert "/metrics" not in out  # the metrics server is gone by then
+    assert "trainingd: sample of the trained model:\n    The daemon " in out
     # Off a terminal (JSON logs): progress events, with the status line's fields.
     progress = d.find("progress")
     assert len(progress) >= 2, d.logs()
@@ -114,16 +90,27 @@ def test_the_sample_is_written_by_the_trained_weights_gathered_from_zero3_shards
     keys = {"step", "loss", "tokens_per_s", "eta_s", "last_committed_step", "restarts", "phase"}
     assert keys <= set(progress[-1]), progress[-1]
     assert any(e["step"] for e in progress), progress
-    printed = _printed_sample(_stdout(d))
+    printed = _printed_sample(out)
     assert d.find("sample_generated")[0]["rank"] == 0
+
+    # A second run on the same root (same flags, so the same run id) starts nothing.
+    started = time.monotonic()
+    second = DaemonProc(tmp_path, [*args, "--log-every-s", "1"], name="second")
+    procs.append(second)
+    assert second.wait(60) == 0, second.logs()
+    elapsed_s = time.monotonic() - started
+    assert _stdout(second).splitlines() == [
+        f"trainingd: already at step 3 of 3 in {root}; "
+        "pass --max-steps N to train further, or a new --ckpt-uri"
+    ], f"{second.logs()} ({elapsed_s:.1f} s)"
+    # Nothing was started: no metrics server, no rank.
+    assert not second.find("daemon_started"), second.logs()
+    assert not second.find("training"), second.logs()
+    assert committed_steps(root) == [3]
+
     # The weights of the committed final step, consolidated by ckptctl, write the same text.
     exported = tmp_path / "model.pt"
-    subprocess.run(
-        [str(CKPTCTL), "restore", str(root), "3", "--only", "model", "--to", str(exported)],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
+    ckptctl_restore(root, 3, exported, "--only", "model")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in a rank: 200 tiny forwards crawl with threads fighting
     try:
