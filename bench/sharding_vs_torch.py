@@ -146,7 +146,7 @@ def _wrap(
             torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay),
             None,
         )
-    from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
+    from sharding import DeferredInit, FullyShardedDataParallel, ShardingConfig, Strategy
 
     try:
         strategy = Strategy(name)
@@ -156,6 +156,7 @@ def _wrap(
         strategy=strategy,
         unit_modules=(Block,),
         param_dtype=torch.bfloat16 if bf16 else torch.float32,
+        deferred_init=DeferredInit(seed=spec["seed"], init_fn=module.init_weights),
     )
     model = FullyShardedDataParallel(module, config)
     optimizer = model.make_optimizer(torch.optim.AdamW, lr=lr, weight_decay=weight_decay)
@@ -207,7 +208,10 @@ def _rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
     _common.stdout_to_stderr()
     cfg = _common.tied_gpt_config(spec)
     torch.manual_seed(spec["seed"])
-    spec = {**spec, "meta_init": spec["meta_init"] and spec["name"] == "fsdp2"}
+    # Meta-device init for the sharded runs (FSDP2's recipe; our deferred init, which
+    # materializes one unit at a time); DDP and the local floor need the whole model anyway.
+    sharded = spec["name"] not in ("ddp", "local")
+    spec = {**spec, "meta_init": spec["meta_init"] and sharded}
     with torch.device("meta" if spec["meta_init"] else "cpu"):
         module = GPT(cfg)
     num_params = sum(p.numel() for p in module.parameters())
