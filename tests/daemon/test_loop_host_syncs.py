@@ -52,44 +52,55 @@ def _count_syncs(counts: collections.Counter[str]) -> None:
         setattr(torch.Tensor, name, counted)
 
 
-def _syncs_per_step(rank: int, world_size: int, ckpt_uri: str, micro_batches: int) -> list[Any]:
+def _syncs_per_step(
+    rank: int, world_size: int, ckpt_root: str, micro_batch_counts: list[int]
+) -> list[list[Any]]:
+    """Per micro-batch count: the sync counts of each whole-step window of a 6-step run.
+
+    The runs share one rank process (one torch import) and one wrapping of the Tensor
+    methods; each run marks its own steps, so its windows hold only its own reads.
+    """
     from daemon._config_load import load_config
     from daemon._control import RankControl
     from daemon._loop import run_training
     from daemon.default_job import build
     from daemon.job import JobContext
 
-    cfg = load_config(
-        {
-            "ckpt_uri": ckpt_uri,
-            "max_steps": "6",
-            "batch_size": "2",
-            "micro_batches": str(micro_batches),
-            "ckpt_every": "0",
-            "async_mode": "sync",
-            "device": "cpu",
-        },
-        env={},
-    )
-    torch.manual_seed(0)
-    # No sample hook: generating text reads logits on the host by design, after training.
-    spec = build(JobContext(rank=rank, world_size=world_size, seed=0))
-    job = dataclasses.replace(spec, sample=None)
     counts: collections.Counter[str] = collections.Counter()
-    telemetry = _StepMarks(counts)
     _count_syncs(counts)
-    run_training(cfg, job, telemetry=telemetry, control=RankControl(None, graceful_signals=False))
-    # A window from one step's end to the next holds one whole step (no save: ckpt_every=0 and
-    # the final save comes after the last mark); the first step also builds lazy state.
-    marks = telemetry.marks
-    return [dict(marks[i + 1] - marks[i]) for i in range(1, len(marks) - 1)]
+    windows = []
+    for micro_batches in micro_batch_counts:
+        cfg = load_config(
+            {
+                "ckpt_uri": f"{ckpt_root}/micro-{micro_batches}",
+                "max_steps": "6",
+                "batch_size": "2",
+                "micro_batches": str(micro_batches),
+                "ckpt_every": "0",
+                "async_mode": "sync",
+                "device": "cpu",
+            },
+            env={},
+        )
+        torch.manual_seed(0)
+        # No sample hook: generating text reads logits on the host by design, after training.
+        spec = build(JobContext(rank=rank, world_size=world_size, seed=0))
+        job = dataclasses.replace(spec, sample=None)
+        telemetry = _StepMarks(counts)
+        control = RankControl(None, graceful_signals=False)
+        run_training(cfg, job, telemetry=telemetry, control=control)
+        # A window from one step's end to the next holds one whole step (no save:
+        # ckpt_every=0 and the final save comes after the last mark); the first step also
+        # builds lazy state.
+        marks = telemetry.marks
+        windows.append([dict(marks[i + 1] - marks[i]) for i in range(1, len(marks) - 1)])
+    return windows
 
 
 def test_the_loop_reads_the_device_once_per_step_at_any_micro_batch_count(
     tmp_path: Path,
 ) -> None:
-    one = run_on_ranks(_syncs_per_step, 1, str(tmp_path / "a"), 1, timeout_s=300)[0]
-    four = run_on_ranks(_syncs_per_step, 1, str(tmp_path / "b"), 4, timeout_s=300)[0]
+    [(one, four)] = run_on_ranks(_syncs_per_step, 1, str(tmp_path), [1, 4], timeout_s=300)
     assert len(one) == len(four) == 4
     # Nothing anywhere (loop, engine, checkpoint manager) reads a tensor per micro-batch ...
     assert one == four, (one, four)

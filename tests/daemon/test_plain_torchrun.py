@@ -49,16 +49,14 @@ def _torchrun_worker(tmp_path: Path, nproc: int, *extra: str) -> subprocess.Comp
     )
 
 
-def test_worker_trains_and_checkpoints_under_torchrun_without_a_run_dir(tmp_path: Path) -> None:
-    out = _torchrun_worker(tmp_path, 1)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert committed_steps(tmp_path / "ckpt") == [2, 4]
-    assert not (tmp_path / "ranks").exists()  # no snapshot files anywhere
-
-
-def test_worker_trains_in_bf16_with_bf16_gradient_reduction(tmp_path: Path) -> None:
+def test_worker_trains_in_bf16_and_checkpoints_under_torchrun_without_a_run_dir(
+    tmp_path: Path,
+) -> None:
+    # One 2-rank torchrun covers both: the plain-torchrun path (no run directory, no snapshot
+    # files) and bf16 training with bf16 gradient reduction.
     out = _torchrun_worker(
         tmp_path, 2, "--param-dtype", "bfloat16", "--reduce-dtype", "bfloat16", "--lr", "0.001"
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert committed_steps(tmp_path / "ckpt") == [2, 4]
+    assert not (tmp_path / "ranks").exists()  # no snapshot files anywhere
