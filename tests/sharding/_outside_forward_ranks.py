@@ -144,3 +144,17 @@ def run_case(rank: int, world: int, strategy: Strategy, case: str) -> tuple[Any,
     except Exception as err:
         return ("raised", type(err).__name__, str(err))
     return ("value", got, want)
+
+
+def run_cases(rank: int, world: int, pairs: list[tuple[Strategy, str]]) -> list[tuple[Any, ...]]:
+    """`run_case` for each (strategy, case) in order, in this one process group.
+
+    Each case builds its own model, so one case's outcome cannot change another's; a crash
+    ends only these rank processes (every case then fails with the rank's exit code).
+    """
+    outcomes = []
+    for strategy, case in pairs:
+        outcomes.append(run_case(rank, world, strategy, case))
+        # Both ranks finish a case before either starts the next.
+        dist.barrier()
+    return outcomes
