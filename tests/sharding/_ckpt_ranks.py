@@ -63,6 +63,13 @@ def save_after_training(rank: int, world: int, strategy: Strategy) -> dict[str, 
     }
 
 
+def save_after_training_each(
+    rank: int, world: int, strategies: list[Strategy]
+) -> dict[Strategy, dict[str, Any]]:
+    """`save_after_training` per strategy, one after another in this process group."""
+    return {strategy: save_after_training(rank, world, strategy) for strategy in strategies}
+
+
 def load_and_continue(
     rank: int, world: int, strategy: Strategy, merged: dict[str, Any]
 ) -> dict[str, Any]:

@@ -10,14 +10,26 @@ import torch
 
 from sharding import ShardedTensor, Strategy
 from sharding._state_dict import ALIASES_KEY
-from tests.sharding._ckpt_ranks import load_and_continue, save_after_training
+from tests.sharding._ckpt_ranks import load_and_continue, save_after_training_each
 from tests.sharding._helpers import Setup, make_model, merge_ranks
 from tests.support.dist import run_on_ranks
 
+WHOLE_ON_EVERY_RANK = [Strategy.NO_SHARD, Strategy.OPTIM]
+
 
 @pytest.fixture(scope="module")
-def two_rank_save() -> list[dict[str, Any]]:
-    return run_on_ranks(save_after_training, 2, Strategy.OPTIM_GRADS_PARAMS, timeout_s=120)
+def two_rank_saves() -> dict[Strategy, list[dict[str, Any]]]:
+    """Per strategy, every rank's `save_after_training`: one 2-rank run for all three."""
+    strategies = [Strategy.OPTIM_GRADS_PARAMS, *WHOLE_ON_EVERY_RANK]
+    per_rank = run_on_ranks(save_after_training_each, 2, strategies, timeout_s=240)
+    return {strategy: [rank[strategy] for rank in per_rank] for strategy in strategies}
+
+
+@pytest.fixture(scope="module")
+def two_rank_save(
+    two_rank_saves: dict[Strategy, list[dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    return two_rank_saves[Strategy.OPTIM_GRADS_PARAMS]
 
 
 @pytest.mark.slow
@@ -27,11 +39,13 @@ def test_sharded_state_dict_round_trips(two_rank_save: list[dict[str, Any]]) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [Strategy.NO_SHARD, Strategy.OPTIM])
-def test_round_trip_restores_state_every_rank_holds_whole(strategy: Strategy) -> None:
+@pytest.mark.parametrize("strategy", WHOLE_ON_EVERY_RANK)
+def test_round_trip_restores_state_every_rank_holds_whole(
+    two_rank_saves: dict[Strategy, list[dict[str, Any]]], strategy: Strategy
+) -> None:
     # no_shard (and optim's model weights) are whole on every rank but saved once per element;
     # loading must complete the ranges other ranks saved (see [Note: replicated state ...]).
-    for rank_result in run_on_ranks(save_after_training, 2, strategy, timeout_s=120):
+    for rank_result in two_rank_saves[strategy]:
         assert rank_result["again"] == rank_result["after"]
 
 
