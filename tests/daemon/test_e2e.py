@@ -166,6 +166,11 @@ def test_trains_scrapes_notifies_and_stops_cleanly_on_sigterm(
     stop_step = int(stops[0]["step"])
     assert stop_step < int(_ENDLESS)
     assert committed_steps(root)[-1] == stop_step  # the final checkpoint, at the stop step
+    # How it ended, as the operator reads it on stdout: stopped, not finished; no sample.
+    out = d.stdout_path.read_text()
+    assert f"stopped at step {stop_step} (checkpoint committed) on SIGTERM: " in out, out
+    assert "finished" not in out
+    assert "sample" not in out  # only a run that reached max_steps shows one
     ready = messages.index("READY=1")
     assert "WATCHDOG=1" in messages[ready + 1 :]
     assert "STOPPING=1" in messages[ready + 1 :]
