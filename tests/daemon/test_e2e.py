@@ -225,7 +225,8 @@ def test_killed_worker_restarts_group_and_daemon_death_leaves_nothing(
     tmp_path: Path, procs: list[DaemonProc]
 ) -> None:
     root = tmp_path / "ckpt"
-    args = [*_FAST, *GATED_JOB, "--strategy", "no_shard", "--max-steps", "40"]
+    # 12 steps: the restarted group trains on past the held step 8 and commits the last.
+    args = [*_FAST, *GATED_JOB, "--strategy", "no_shard", "--max-steps", "12"]
     # The first incarnation is held after step 8 until its rank is killed, so the run cannot
     # end first. Step 4 is committed by then: with one save in flight at most (the default),
     # scheduling step 8's save finalized step 4's. The restarted group is not held.
@@ -241,7 +242,7 @@ def test_killed_worker_restarts_group_and_daemon_death_leaves_nothing(
     assert restored, d.logs()
     assert int(restored[0]["ckpt_step"]) >= 4
     assert {int(e["restart"]) for e in restored} == {1}
-    assert committed_steps(root)[-1] == 40
+    assert committed_steps(root)[-1] == 12
     assert session_pids(d.pid) == []
 
     # Now the daemon itself dies, its ranks held after a save: ranks and writers must follow
@@ -267,11 +268,11 @@ def _two_held_nodes(
     *args: str,
     nproc: int = 1,
 ) -> tuple[list[DaemonProc], Gate]:
-    """Two daemons of `nproc` ranks each, one 30-step job, all ranks held after `after_steps`."""
+    """Two daemons of `nproc` ranks each, one 10-step job, all ranks held after `after_steps`."""
     endpoint = f"127.0.0.1:{free_port()}"
     common = [
         "--nnodes", "2", "--nproc-per-node", str(nproc), "--rdzv-endpoint", endpoint,
-        "--max-steps", "30", "--ckpt-uri", str(root), "--batch-size", str(_BATCH_SIZE),
+        "--max-steps", "10", "--ckpt-uri", str(root), "--batch-size", str(_BATCH_SIZE),
         "--rdzv-timeout-s", "120", *args, *GATED_JOB,
     ]  # fmt: skip
     gate = Gate(tmp_path / "gate", after_steps=after_steps, batch_size=_BATCH_SIZE)
@@ -302,7 +303,7 @@ def test_two_daemons_train_one_job_and_each_serves_metrics(
     layouts = {(e["world_size"], e["shard_group_size"]) for n in nodes for e in n.find("training")}
     assert layouts == {(4, 2)}, "hybrid default: sharded within each node of 2 ranks"
     rows = ckptctl_list(root)
-    assert rows[-1]["step"] == 30
+    assert rows[-1]["step"] == 10
     assert {row["world_size"] for row in rows} == {4}
 
 
