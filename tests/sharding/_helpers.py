@@ -254,6 +254,16 @@ def train_many(rank: int, world: int, setups: list[Setup]) -> list[dict[str, Any
     return [train_sharded(rank, world, s) for s in setups]
 
 
+def train_many_and_ddp(
+    rank: int, world: int, setups: list[Setup], ddp_strategies: list[Strategy]
+) -> dict[str, Any]:
+    """`train_many`, then `ddp_and_engine_losses`, in one process group (one spawn for both)."""
+    return {
+        "runs": train_many(rank, world, setups),
+        "ddp": ddp_and_engine_losses(rank, world, ddp_strategies),
+    }
+
+
 def snapshot(tree: Any) -> Any:
     """Deep copy of a state dict whose tensors may be views of live buffers."""
     if isinstance(tree, dict):

@@ -16,9 +16,9 @@ import torch
 from sharding import NoSyncMode, Strategy
 from tests.sharding._helpers import (
     Setup,
-    ddp_and_engine_losses,
     rel_err,
     train_many,
+    train_many_and_ddp,
     train_reference,
 )
 from tests.support.dist import run_on_ranks
@@ -71,15 +71,28 @@ def _assert_parity(setup: Setup, world: int, got: dict[str, Any]) -> None:
         torch.testing.assert_close(got["weights"][key], value, rtol=1e-5, atol=1e-5, msg=key)
 
 
+DDP_STRATEGIES = [Strategy.NO_SHARD, Strategy.OPTIM_GRADS_PARAMS]
+
+
 @pytest.fixture(scope="module")
-def two_rank_runs() -> list[dict[str, Any]]:
-    return run_on_ranks(train_many, 2, [*PLAIN, *HARD, BF16, *GROUPS], timeout_s=300)
+def two_rank_results() -> list[dict[str, Any]]:
+    """Per rank: the runs of PLAIN, HARD, BF16, GROUPS, then NO_SYNC (`runs`), and the DDP
+    comparison (`ddp`): one 2-rank spawn for all."""
+    setups = [*PLAIN, *HARD, BF16, *GROUPS, *NO_SYNC]
+    # The three runs it replaces had 300 s, 300 s and 180 s; pytest's own limit is 600 s.
+    return run_on_ranks(train_many_and_ddp, 2, setups, DDP_STRATEGIES, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(two_rank_results: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Per rank, the `train_many` runs of `two_rank_results`."""
+    return [rank["runs"] for rank in two_rank_results]
 
 
 @pytest.mark.slow
-def test_bitwise_equal_to_ddp_on_two_ranks() -> None:
-    strategies = [Strategy.NO_SHARD, Strategy.OPTIM_GRADS_PARAMS]
-    for rank_result in run_on_ranks(ddp_and_engine_losses, 2, strategies, timeout_s=180):
+def test_bitwise_equal_to_ddp_on_two_ranks(two_rank_results: list[dict[str, Any]]) -> None:
+    strategies = DDP_STRATEGIES
+    for rank_result in (rank["ddp"] for rank in two_rank_results):
         assert len(rank_result["ddp"]) == 12
         for strategy in strategies:
             assert rank_result[strategy.value] == rank_result["ddp"], strategy
@@ -87,27 +100,30 @@ def test_bitwise_equal_to_ddp_on_two_ranks() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(ALL)), ids=[s.value for s in ALL])
-def test_two_rank_parity_plain(two_rank_runs: list[dict[str, Any]], index: int) -> None:
+def test_two_rank_parity_plain(two_rank_runs: list[list[dict[str, Any]]], index: int) -> None:
     _assert_parity(PLAIN[index], 2, two_rank_runs[0][index])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(ALL)), ids=[s.value for s in ALL])
 def test_two_rank_parity_accumulation_clipping_unused_checkpointing(
-    two_rank_runs: list[dict[str, Any]], index: int
+    two_rank_runs: list[list[dict[str, Any]]], index: int
 ) -> None:
     _assert_parity(HARD[index], 2, two_rank_runs[0][len(PLAIN) + index])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(ALL)), ids=[s.value for s in ALL])
-def test_two_rank_parity_two_param_groups(two_rank_runs: list[dict[str, Any]], index: int) -> None:
+def test_two_rank_parity_two_param_groups(
+    two_rank_runs: list[list[dict[str, Any]]], index: int
+) -> None:
     _assert_parity(GROUPS[index], 2, two_rank_runs[0][len(PLAIN) + len(HARD) + 1 + index])
 
 
 @pytest.fixture(scope="module")
-def no_sync_runs() -> list[dict[str, Any]]:
-    return run_on_ranks(train_many, 2, NO_SYNC, timeout_s=300)
+def no_sync_runs(two_rank_runs: list[list[dict[str, Any]]]) -> list[list[dict[str, Any]]]:
+    """Per rank, the NO_SYNC runs (the tail of `two_rank_runs`)."""
+    return [runs[-len(NO_SYNC) :] for runs in two_rank_runs]
 
 
 @pytest.mark.slow
@@ -117,7 +133,7 @@ def no_sync_runs() -> list[dict[str, Any]]:
     ids=[f"{s.strategy.value}-{s.no_sync_mode.value}" for s in NO_SYNC],
 )
 def test_two_rank_parity_reentrant_checkpointing_no_sync_modes(
-    no_sync_runs: list[dict[str, Any]], index: int
+    no_sync_runs: list[list[dict[str, Any]]], index: int
 ) -> None:
     setup, got = NO_SYNC[index], no_sync_runs[0][index]
     _assert_parity(setup, 2, got)
@@ -135,7 +151,7 @@ def test_three_rank_parity_two_param_groups_every_strategy() -> None:
 
 
 @pytest.mark.slow
-def test_bf16_compute_trains(two_rank_runs: list[dict[str, Any]]) -> None:
+def test_bf16_compute_trains(two_rank_runs: list[list[dict[str, Any]]]) -> None:
     losses = two_rank_runs[0][len(PLAIN) + len(HARD)]["losses"]
     assert losses[-1] < losses[0] - 0.5, losses
     ref = train_reference(BF16, 2)["losses"]
