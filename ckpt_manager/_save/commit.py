@@ -25,6 +25,7 @@ import torch
 
 from ckpt_manager._store.format import FileLayout, dtype_name
 from ckpt_manager._store.manifest import MANIFEST_NAME, FileEntry, Manifest, Piece, step_dir
+from ckpt_manager._store.root_catalog import record_commit
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._store.tree import Flattened, LeafKind, TensorLeaf
 from ckpt_manager.errors import (
@@ -247,6 +248,7 @@ def commit_manifest(
             storage.write(f"{folder}/{MANIFEST_NAME}", data, exclusive=True)
         except ObjectExistsError:
             return _resolve_existing(storage, step, ours=(bytes(data), committed))
+        record_commit(storage, manifest, manifest_bytes=len(data))  # the root catalog (an index)
         return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=committed)
     except LeaseLostError as err:
         return CommitOutcome(CommitResult.FENCED, cause=f"LeaseLostError: {err}", conflict=err)
