@@ -68,7 +68,11 @@ class RequestCounter:
 def _counted(counter: RequestCounter, name: str, method: Callable[..., Any]) -> Any:
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        result = method(*args, **kwargs)
+        try:
+            result = method(*args, **kwargs)
+        except BaseException:
+            counter.calls[name] += 1  # a failed request (a missing object) is a request too
+            raise
         if name == "read_many":
             counter.calls[name] += len(result)
             counter.read_bytes += sum(len(r) for r in result if isinstance(r, bytes))
