@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import pathlib
 import threading
@@ -25,6 +26,7 @@ from ckpt_manager._store.root_catalog import (
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.list import collect_rows
 from ckpt_manager.ctl.retention import RetentionFlags
+from ckpt_manager.errors import StorageError
 from tests.support.request_count import count_requests
 from tests.support.s3 import S3Target
 
@@ -232,3 +234,21 @@ def test_list_of_50_steps_on_s3_takes_a_constant_number_of_requests(s3: S3Target
     assert counted.http["PutObject"] == 0
     doc = json.loads(storage.read(CATALOG_NAME))
     assert [e["step"] for e in doc["entries"]] == list(range(1, 51))
+
+
+def test_a_root_the_reader_cannot_write_still_lists(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    storage = Storage(str(tmp_path))
+    _seed(storage, range(1, 4))
+
+    def denied(*_: Any, **__: Any) -> str:
+        raise StorageError(errno.EACCES, "write _CATALOG.json: access denied")
+
+    monkeypatch.setattr(storage, "write_if", denied)
+    listing = list_steps(storage)
+    assert [e.step for e in listing.committed] == [1, 2, 3]
+    assert listing.repair_error == (
+        "could not rewrite the catalog: [Errno 13] write _CATALOG.json: access denied"
+    )
+    assert not storage.exists(CATALOG_NAME)
