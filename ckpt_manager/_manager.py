@@ -35,7 +35,7 @@ from ckpt_manager._coord import Coordinator, Status
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._retention.deleter import Deleter
 from ckpt_manager._retention.record import record_retention
-from ckpt_manager._save.commit import build_contribution, leaves_to_write
+from ckpt_manager._save.commit import leaves_to_write, piece_records, prepare_rank
 from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.finalize import Finalizer
 from ckpt_manager._save.pipeline import LocalPipeline
@@ -271,7 +271,14 @@ class CheckpointManager:
             slot=slot,
             layout=layout,
             file_name=file_name,
-            contribution=build_contribution(self.rank, flat, leaves, layout, file_name, metrics),
+            contribution=prepare_rank(
+                step=step,
+                rank=self.rank,
+                flat=flat,
+                records=piece_records(leaves, layout, file_name),
+                file_name=file_name,
+                metrics=metrics,
+            ),
             writer=writer,
         )
         request.tensors = [x.tensor for x in leaves]

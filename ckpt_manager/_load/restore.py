@@ -2,6 +2,11 @@
 
 Loading never unpickles: manifests are JSON, tensors are raw bytes at manifest offsets.
 Listing and verifying steps lives in `_catalog` (torch-free).
+
+A format-2 step is loaded from its top manifest plus only the index objects of the ranks
+holding the tensors the rank builds, and its own (for its RankLocal state); each index is
+read once, checked against the manifest's size and CRC-32 ([Note: the top manifest stays
+small] in `_store/manifest.py`).
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ import torch
 
 from ckpt_manager._load.reshard import Region, fill_region
 from ckpt_manager._store.format import dtype_from_name
-from ckpt_manager._store.manifest import Manifest, Piece, step_dir
+from ckpt_manager._store.manifest import Manifest, Piece, index_file_name, step_dir
+from ckpt_manager._store.rank_index import RankIndex, check_rank_index, piece_of
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._store.tree import is_sharded, placement_of
 from ckpt_manager._types import ALIASES_KEY, RankLocal
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError
 
-__all__ = ["load_state", "read_piece"]
+__all__ = ["load_state", "read_bytes", "read_piece"]
 
 _READ_CHUNK = 64 << 20
 """Largest single read: a huge piece arrives in parts, so a restore can report progress."""
@@ -56,7 +62,21 @@ def read_piece(
         return torch.empty(0, dtype=dtype)
     lo = piece.offset + start * dtype.itemsize
     hi = piece.offset + end * dtype.itemsize
-    name = f"{step_dir(step)}/{piece.file}"
+    data = read_bytes(storage, f"{step_dir(step)}/{piece.file}", lo, hi, on_read)
+    if len(data) != hi - lo:
+        raise CorruptCheckpointError(f"step {step}: {piece.file} is short")
+    return torch.frombuffer(data, dtype=dtype)
+
+
+def read_bytes(
+    storage: Storage,
+    name: str,
+    lo: int,
+    hi: int,
+    on_read: Callable[[int], None] | None = None,
+) -> bytearray:
+    """Bytes `[lo, hi)` of an object in reads of at most 64 MiB, each reported to `on_read`;
+    shorter than asked when the object ends early."""
     data = bytearray()
     for part in range(lo, hi, _READ_CHUNK):
         chunk = storage.read(name, part, min(hi, part + _READ_CHUNK))
@@ -65,9 +85,7 @@ def read_piece(
             on_read(len(chunk))
         if len(chunk) != min(hi, part + _READ_CHUNK) - part:
             break
-    if len(data) != hi - lo:
-        raise CorruptCheckpointError(f"step {step}: {piece.file} is short")
-    return torch.frombuffer(data, dtype=dtype)
+    return data
 
 
 class _Loader:
@@ -82,15 +100,55 @@ class _Loader:
         self.m = manifest
         self.rank = rank
         self.on_read = on_read
+        self._indexes: dict[int, RankIndex] = {}
 
     def read(self, piece: Piece, dtype: torch.dtype, start: int, end: int) -> torch.Tensor:
         return read_piece(self.storage, self.m.step, piece, dtype, start, end, self.on_read)
 
-    def _record(self, key: str) -> tuple[torch.dtype, list[Piece], tuple[int, ...]]:
+    def index(self, rank: int) -> RankIndex:
+        """A rank's index object (format 2), read on first use."""
+        found = self._indexes.get(rank)
+        if found is None:
+            name = index_file_name(rank)
+            if name not in self.m.files:
+                raise CorruptCheckpointError(f"step {self.m.step}: no index of rank {rank}")
+            data = read_bytes(
+                self.storage,
+                f"{step_dir(self.m.step)}/{name}",
+                0,
+                self.m.files[name].size,
+                self.on_read,
+            )
+            found = self._indexes[rank] = check_rank_index(self.m, rank, data)
+        return found
+
+    def _spec(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
         rec = self.m.tensors.get(key)
         if rec is None:
             raise CorruptCheckpointError(f"step {self.m.step}: tree names unknown tensor {key!r}")
-        return dtype_from_name(rec["dtype"]), list(rec["pieces"]), tuple(rec["global_shape"])
+        return dtype_from_name(rec["dtype"]), tuple(rec["global_shape"])
+
+    def _pieces(self, key: str) -> list[Piece]:
+        """The stored pieces of a tensor (format 2: reads its holders' indexes)."""
+        rec = self.m.tensors[key]
+        if self.m.complete:
+            return list(rec["pieces"])
+        return [piece_of(self.index(r), key) for r in rec["ranks"]]
+
+    def rank_local(self) -> dict[str, Any] | None:
+        """This rank's saved RankLocal state (`{"trees", "tensors"}`), None if it was not
+        a saved rank."""
+        if self.m.complete:
+            if self.rank >= len(self.m.rank_local):
+                return None
+            return dict(self.m.rank_local[self.rank])
+        if self.rank >= self.m.world_size:
+            return None
+        own = self.index(self.rank)
+        return {
+            "trees": list(own.rank_local_trees),
+            "tensors": {k: {"dtype": d, "piece": p} for k, (d, p) in own.rank_local.items()},
+        }
 
     def _local_record(self, key: str, rl: dict[str, Any]) -> tuple[torch.dtype, Piece]:
         rec = rl["tensors"].get(key)
@@ -103,9 +161,10 @@ class _Loader:
         if rl is not None:
             dtype, piece = self._local_record(key, rl)
             return self.read(piece, dtype, 0, self._numel(piece.shape)).reshape(piece.shape)
-        dtype, pieces, shape = self._record(key)
+        dtype, shape = self._spec(key)
         out = torch.empty(shape, dtype=dtype)
-        self.fill(out, Region(shape, offset=(0,) * len(shape), shape=shape), key, dtype, pieces)
+        region = Region(shape, offset=(0,) * len(shape), shape=shape)
+        self.fill(out, region, key, dtype, self._pieces(key))
         return out
 
     @staticmethod
@@ -140,10 +199,10 @@ class _Loader:
         if tag in ("T", "S"):
             return self.whole(node, rl)
         if tag == "R":
-            if self.rank >= len(self.m.rank_local):
+            mine = self.rank_local()
+            if mine is None:
                 return None
-            mine = self.m.rank_local[self.rank]
-            return self.build(mine["trees"][body], dict(mine))
+            return self.build(mine["trees"][body], mine)
         raise CorruptCheckpointError(f"step {self.m.step}: unknown tree node {tag!r}")
 
     def into(self, node: Any, template: Any, path: str, rl: dict[str, Any] | None = None) -> Any:
@@ -151,10 +210,10 @@ class _Loader:
         if isinstance(template, RankLocal):
             if tag != "R":
                 raise self._mismatch(path, "RankLocal", tag)
-            if self.rank >= len(self.m.rank_local):
+            mine = self.rank_local()
+            if mine is None:
                 return template.value
-            mine = self.m.rank_local[self.rank]
-            return self.into(mine["trees"][node[1]], template.value, path, dict(mine))
+            return self.into(mine["trees"][node[1]], template.value, path, mine)
         if isinstance(template, torch.Tensor):
             if tag not in ("T", "S"):
                 raise self._mismatch(path, "tensor", tag)
@@ -196,7 +255,7 @@ class _Loader:
         return self.build(node, rl)
 
     def _into_sharded(self, key: str, template: Any, path: str) -> None:
-        dtype, pieces, shape = self._record(key)
+        dtype, shape = self._spec(key)
         if tuple(int(d) for d in template.global_shape) != shape:
             raise CheckpointError(
                 f"step {self.m.step}: {path!r} was saved with global shape {shape}, the "
@@ -211,6 +270,9 @@ class _Loader:
             region = Region(shape, flat_range=where.flat_range)
         else:
             region = Region(shape, offset=where.global_offset, shape=tuple(local.shape))
+        if region.numel == 0:
+            return  # nothing of it is this rank's: no index of its holders is read
+        pieces = self._pieces(key)
         if local.dtype == dtype and local.device.type == "cpu":
             with torch.no_grad():
                 self.fill(local, region, key, dtype, pieces)

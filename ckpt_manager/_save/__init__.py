@@ -13,5 +13,7 @@ persistent writer process, then finalized across ranks (agreement, then one mani
     writer.py       the writer process (no torch): request loop, write_shard, fault hooks.
     writer_proc.py  WriterProcess: trainer-side handle (start, submit, poll, stop, kill).
     finalize.py     Finalizer: saves in flight; agree, commit or fail across ranks, report.
-    commit.py       per-rank contributions, their merge into a manifest, the exclusive commit.
+    commit.py       per-rank contributions and reports, the coordinator's top manifest
+                    (format 2, from the reports alone) and its exclusive commit; format 1's
+                    merge for `ckptctl reshard`.
 """

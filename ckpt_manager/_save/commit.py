@@ -1,6 +1,13 @@
-"""What each rank contributes to a step, and how the coordinator merges it into a manifest.
+"""What each rank contributes to a step, and how the coordinator commits it.
 
-A contribution is a plain dict (gathered over the checkpoint group)::
+Format 2 (the save path): each rank's `SaveRequest.contribution` (built by `prepare_rank`)
+holds its pending index object and the report it will send; once its writer has written the
+shard file and the index (`_store/rank_index.py`), `rank_report` turns it into a
+`RankReport`, the coordinator gathers those and `commit_step` builds the top manifest from
+them alone (`build_top_manifest`: no HEAD, no read of any index) and writes it exclusively.
+These functions need no process group: `bench/ckpt_scale.py` drives them for N simulated ranks.
+
+Format 1 (`ckptctl reshard` only): a contribution is a plain dict::
 
     {"rank": r, "file": name | None, "size": int, "crc32": int, "tree": skeleton | None,
      "metrics": {...} | None, "tensors": {key: {"dtype", "global_shape", "kind", "piece"}},
@@ -24,7 +31,16 @@ from typing import Any, NamedTuple
 import torch
 
 from ckpt_manager._store.format import FileLayout, dtype_name
-from ckpt_manager._store.manifest import MANIFEST_NAME, FileEntry, Manifest, Piece, step_dir
+from ckpt_manager._store.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    Piece,
+    index_file_name,
+    step_dir,
+)
+from ckpt_manager._store.rank_index import IndexedFile, PieceRecord, RankIndex, RankReport
 from ckpt_manager._store.root_catalog import record_commit
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._store.tree import Flattened, LeafKind, TensorLeaf
@@ -39,9 +55,14 @@ __all__ = [
     "CommitOutcome",
     "CommitResult",
     "build_contribution",
+    "build_top_manifest",
     "commit_manifest",
+    "commit_step",
     "leaves_to_write",
     "merge_manifest",
+    "piece_records",
+    "prepare_rank",
+    "rank_report",
     "versions",
 ]
 
@@ -49,6 +70,146 @@ __all__ = [
 def leaves_to_write(flat: Flattened, rank: int) -> list[TensorLeaf]:
     """The leaves this rank writes: sharded and rank-local always, replicated on rank 0."""
     return [leaf for leaf in flat.leaves if leaf.kind is not LeafKind.REPLICATED or rank == 0]
+
+
+def piece_records(
+    leaves: Sequence[TensorLeaf], layout: FileLayout, file_name: str | None
+) -> list[PieceRecord]:
+    """One record per leaf this rank writes: its piece in the rank's shard file."""
+    records = []
+    for leaf, slot in zip(leaves, layout.slots, strict=True):
+        assert file_name is not None
+        piece = Piece(
+            file_name, slot.offset, slot.nbytes, slot.shape, leaf.global_offset, leaf.flat_range
+        )
+        records.append(
+            PieceRecord(
+                leaf.key,
+                str(leaf.kind),
+                dtype_name(leaf.tensor.dtype),
+                tuple(leaf.global_shape),
+                piece,
+            )
+        )
+    return records
+
+
+def prepare_rank(
+    *,
+    step: int,
+    rank: int,
+    flat: Flattened,
+    records: Sequence[PieceRecord],
+    file_name: str | None,
+    metrics: Mapping[str, Any],
+) -> dict[str, Any]:
+    """This rank's contribution to a format-2 save, before anything is written.
+
+    Holds the pending index (`index_json`: its shard size and checksum still 0, filled in by
+    `rank_index.write_finished_index` once the file is written) and the parts of the report
+    known now; `size`/`crc32` and `index_size`/`index_crc32` are recorded by
+    `SaveRequest.finish_ok`. Rank 0 sends the tree and metrics.
+    """
+    pending = RankIndex.build(
+        step=step,
+        rank=rank,
+        file=None if file_name is None else IndexedFile(name=file_name, size=0, crc32=0),
+        records=records,
+        rank_local_trees=flat.rank_local_trees,
+    )
+    tree = flat.tree if rank == 0 else None
+    draft = RankReport.of(pending, FileEntry(0, 0), records, tree=tree)
+    return {
+        "rank": rank,
+        "file": file_name,
+        "size": 0,
+        "crc32": 0,
+        "index_size": 0,
+        "index_crc32": 0,
+        "index_json": pending.to_json().decode(),
+        "tensors": draft.tensors,
+        "tree": tree,
+        "metrics": dict(metrics) if rank == 0 else None,
+    }
+
+
+def rank_report(contribution: Mapping[str, Any]) -> RankReport:
+    """The report a rank sends the coordinator once its files are written."""
+    name = contribution["file"]
+    return RankReport(
+        rank=int(contribution["rank"]),
+        index_file=FileEntry(int(contribution["index_size"]), int(contribution["index_crc32"])),
+        file=None
+        if name is None
+        else IndexedFile(
+            name=name, size=int(contribution["size"]), crc32=int(contribution["crc32"])
+        ),
+        tensors=contribution["tensors"],
+        tree=contribution["tree"],
+        metrics=contribution["metrics"],
+    )
+
+
+def build_top_manifest(
+    *,
+    step: int,
+    run_id: str,
+    created_unix_s: float,
+    committed_unix_s: float,
+    reports: Sequence[RankReport],
+) -> Manifest:
+    """The coordinator's merge of every rank's report (indexed by rank) into the top manifest.
+
+    Raises:
+        ValueError: reports out of rank order, or ranks disagree on a tensor's dtype or
+            global shape.
+    """
+    files: dict[str, FileEntry] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    tree: Any = None
+    metrics: Mapping[str, Any] = {}
+    for rank, report in enumerate(reports):
+        if report.rank != rank:
+            raise ValueError(f"report {rank} is rank {report.rank}'s: reports go in rank order")
+        if report.file is not None:
+            files[report.file.name] = FileEntry(report.file.size, report.file.crc32)
+        files[index_file_name(rank)] = report.index_file
+        if report.tree is not None:
+            tree, metrics = report.tree, report.metrics or {}
+        for key, (dtype, shape, kind, form, held) in report.tensors.items():
+            rec = tensors.get(key)
+            if rec is None:
+                rec = tensors[key] = {
+                    "dtype": dtype,
+                    "global_shape": list(shape),
+                    "kind": kind,
+                    "form": form,
+                    "ranks": [],
+                }
+            elif (rec["dtype"], rec["global_shape"]) != (dtype, list(shape)):
+                raise ValueError(
+                    f"tensor {key!r}: rank {rank} saved {dtype} {list(shape)}, another rank "
+                    f"{rec['dtype']} {rec['global_shape']}"
+                )
+            if held:
+                if not rec["ranks"]:
+                    rec["form"] = form  # an empty piece's form says nothing
+                rec["ranks"].append(rank)
+    return Manifest(
+        step=step,
+        world_size=len(reports),
+        run_id=run_id,
+        created_unix_s=created_unix_s,
+        committed_unix_s=committed_unix_s,
+        versions=versions(),
+        metrics=dict(metrics),
+        files=files,
+        tree=tree,
+        tensors=tensors,
+        rank_local=(),
+        format_version=FORMAT_VERSION,
+        complete=False,
+    )
 
 
 def build_contribution(
@@ -248,6 +409,58 @@ def commit_manifest(
             storage.write(f"{folder}/{MANIFEST_NAME}", data, exclusive=True)
         except ObjectExistsError:
             return _resolve_existing(storage, step, ours=(bytes(data), committed))
+        record_commit(storage, manifest, manifest_bytes=len(data))  # the root catalog (an index)
+        return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=committed)
+    except LeaseLostError as err:
+        return CommitOutcome(CommitResult.FENCED, cause=f"LeaseLostError: {err}", conflict=err)
+    except (CheckpointError, ValueError) as err:
+        return CommitOutcome(CommitResult.FAILED, cause=f"{type(err).__name__}: {err}")
+
+
+def commit_step(
+    storage: Storage,
+    *,
+    step: int,
+    run_id: str,
+    created_unix_s: float,
+    reports: Sequence[RankReport],
+    fence: Callable[[], None] | None = None,
+) -> CommitOutcome:
+    """Coordinator: build the format-2 top manifest from the reports, write it exclusively.
+
+    Sizes and checksums come from the writers' reports: no HEAD of any file (at 1024 ranks
+    the sequential HEADs of format 1 were most of the commit). A shard replaced under us by
+    another attempt cannot pass unnoticed anyway: that attempt's commit holds the manifest,
+    which the exclusive write finds ([Note: an existing manifest is read back]), and
+    restore checks every index against the manifest's size and CRC-32. `fence` (the lease's
+    `confirm`) runs before the build and right before the write ([Note: fencing] in
+    `_store/lease.py`).
+
+    Returns:
+        The outcome; never raises for storage problems, so it can be broadcast to every rank.
+    """
+    folder = step_dir(step)
+    try:
+        if fence is not None:
+            fence()
+        committed = time.time()
+        manifest = build_top_manifest(
+            step=step,
+            run_id=run_id,
+            created_unix_s=created_unix_s,
+            committed_unix_s=committed,
+            reports=reports,
+        )
+        data = manifest.to_json()
+        if fence is not None:
+            fence()
+        try:
+            storage.write(f"{folder}/{MANIFEST_NAME}", data, exclusive=True)
+        except ObjectExistsError:
+            return _resolve_existing(storage, step, ours=(bytes(data), committed))
+        # [Note: the manifest was just PUT] The step is committed from here on: the one
+        # place a save becomes durable (what follows it, e.g. an index of the root, may fail
+        # without un-committing the step).
         record_commit(storage, manifest, manifest_bytes=len(data))  # the root catalog (an index)
         return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=committed)
     except LeaseLostError as err:

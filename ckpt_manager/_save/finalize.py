@@ -20,7 +20,7 @@ from typing import Any
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Agreement, Coordinator, Status
-from ckpt_manager._save.commit import CommitOutcome, CommitResult, commit_manifest
+from ckpt_manager._save.commit import CommitOutcome, CommitResult, commit_step, rank_report
 from ckpt_manager._save.request import Limits, SaveRequest
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.catalog import remove_uncommitted_step
@@ -192,15 +192,15 @@ class Finalizer:
             return False
 
     def _commit(self, request: SaveRequest, t0: float) -> None:
-        gathered = self._coord.gather(request.contribution)
+        gathered = self._coord.gather(rank_report(request.contribution))
         outcome = CommitOutcome(CommitResult.COMMITTED)
         if gathered is not None:
-            outcome = commit_manifest(
+            outcome = commit_step(
                 self._storage,
                 step=request.step,
                 run_id=self._run_id,
                 created_unix_s=request.created_unix_s,
-                contributions=gathered,
+                reports=gathered,
                 fence=self._fence,
             )
         outcome = self._coord.broadcast(outcome)

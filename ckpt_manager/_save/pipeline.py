@@ -23,6 +23,7 @@ from ckpt_manager._save.staging import BackgroundThread, Slab, copy_into_slab
 from ckpt_manager._save.writer import write_shard_retrying
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.manifest import step_dir
+from ckpt_manager._store.rank_index import write_finished_index
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CheckpointError
 
@@ -192,7 +193,16 @@ class LocalPipeline:
         if not request.start_writing():
             return  # the save failed meanwhile (here or on another rank): nothing to write
         if request.file_name is None:
-            request.finish_ok()
+            # No shard file, but an index (the rank's RankLocal plain values): one small
+            # write on this staging thread, never on the training thread.
+            try:
+                entry = write_finished_index(
+                    self._storage, request.contribution["index_json"], 0, 0
+                )
+            except CheckpointError as err:
+                request.fail(f"write failed: {err}")
+                return
+            request.finish_ok(index=(entry.size, entry.crc32))
             return
         name = f"{step_dir(request.step)}/{request.file_name}"
         if self._config.async_mode is AsyncMode.SYNC:
@@ -224,6 +234,7 @@ class LocalPipeline:
             "concurrency": self._config.upload_concurrency,
             "streamed": streamed,
             "retry_for_s": self._retry_for_s(),
+            "index_json": request.contribution["index_json"],
         }
 
     def _retry_for_s(self) -> float:
@@ -247,7 +258,10 @@ class LocalPipeline:
                     "ckpt_write_retrying", ckpt_step=request.step, error=str(err), retry_in_s=delay
                 ),
             )
-            request.finish_ok(size=size, crc32=crc)
+            entry = write_finished_index(
+                self._storage, request.contribution["index_json"], size, crc
+            )
+            request.finish_ok(size=size, crc32=crc, index=(entry.size, entry.crc32))
         except CheckpointError as err:
             request.fail(f"write failed: {err}")
         finally:

@@ -165,8 +165,15 @@ class SaveRequest:
             self.dispatched = time.monotonic()
             return True
 
-    def finish_ok(self, *, size: int | None = None, crc32: int | None = None) -> bool:
-        """WRITING -> OK: the file is durable (`size`/`crc32` recorded) or there was none.
+    def finish_ok(
+        self,
+        *,
+        size: int | None = None,
+        crc32: int | None = None,
+        index: tuple[int, int] | None = None,
+    ) -> bool:
+        """WRITING -> OK: the file is durable (`size`/`crc32` recorded) or there was none,
+        and so is the rank's index object (`index`: its size and CRC-32, recorded).
 
         Returns False (and records nothing) if the save had already failed.
         """
@@ -176,6 +183,8 @@ class SaveRequest:
             if size is not None and crc32 is not None:
                 self.contribution["size"] = size
                 self.contribution["crc32"] = crc32
+            if index is not None:
+                self.contribution["index_size"], self.contribution["index_crc32"] = index
             return True
 
     def fail(self, cause: str) -> None:
@@ -249,7 +258,12 @@ class SaveRequest:
                 last_error=reply.get("retried_error"),
             )
         if reply.get("ok"):
-            self.finish_ok(size=int(reply["size"]), crc32=int(reply["crc32"]))
+            index = reply.get("index")
+            self.finish_ok(
+                size=int(reply["size"]),
+                crc32=int(reply["crc32"]),
+                index=None if index is None else (int(index[0]), int(index[1])),
+            )
         else:
             self.fail(f"writer failed: {reply.get('error')}")
         return True

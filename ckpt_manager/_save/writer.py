@@ -9,12 +9,14 @@ Protocol over a private Unix socket (`multiprocessing.connection.Connection`)::
     trainer -> writer  {"op": "slab", "slab_id", "size"} + the memfd (SCM_RIGHTS)
                        {"op": "write", "request_id", "step", "name", "slab_id", "nbytes",
                         "root_uri", "storage_options", "chunk_bytes", "concurrency",
-                        "streamed"}
+                        "streamed", "retry_for_s", "index_json"}  (index_json: the rank's
+                        pending index object, written after the file)
                        {"op": "staged", "request_id", "upto" | "error"}  (streamed writes:
                         the first `upto` bytes of the slab are final; sent while copying)
                        {"op": "stop"}                         sentinel: exit 0
     writer -> trainer  {"op": "ready", "pid"}
-                       {"op": "done", "request_id", "ok", "size", "crc32", "write_s", "error"}
+                       {"op": "done", "request_id", "ok", "size", "crc32", "index": [size, crc32],
+                        "write_s", "error"}
 
 A failed write is answered (`ok: false`) and the loop keeps serving. The writer exits when the
 socket closes or its parent is gone, so it never outlives the trainer.
@@ -45,6 +47,7 @@ from typing import Any
 
 from ckpt_manager._store.backend_errors import is_transient
 from ckpt_manager._store.checksum import crc32
+from ckpt_manager._store.rank_index import write_finished_index
 from ckpt_manager._store.storage import Storage
 
 __all__ = ["FAULT_ENV", "main", "write_shard", "write_shard_retrying"]
@@ -231,7 +234,11 @@ class _Server:
                     )
             finally:
                 view.release()
-            reply.update(ok=True, size=size, crc32=crc, error=None)
+            # The index last: it records the shard's size and checksum, and the trainer
+            # reports its own size and CRC-32 to the coordinator ([Note: the top manifest
+            # stays small] in `_store/manifest.py`).
+            index = write_finished_index(storage, msg["index_json"], size, crc)
+            reply.update(ok=True, size=size, crc32=crc, index=[index.size, index.crc32], error=None)
             if retries:
                 reply.update(retries=len(retries), retried_error=retries[-1])
         except Exception as err:

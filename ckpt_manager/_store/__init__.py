@@ -16,8 +16,12 @@ torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
     direct_write.py large local writes with O_DIRECT from page-aligned slabs, buffered tail
                     and fallback.
     checksum.py     zlib-compatible CRC-32 through ISA-L (`isal`), zlib as the fallback.
-    manifest.py     layout names (step-<N:012d>, rank-<r:05d>.bin, manifest.json, _pins/),
-                    Manifest schema with validation.
+    manifest.py     layout names (step-<N:012d>, rank-<r:05d>.bin, rank-<r:05d>.index.json,
+                    manifest.json, _pins/), Manifest schema with validation: format 2's small
+                    top manifest and format 1's inline pieces.
+    rank_index.py   per-rank index objects (format 2): build, write, read and check against
+                    the top manifest; RankReport (what a rank tells the coordinator);
+                    complete_manifest (every index merged in, for tools).
     format.py       shard file format: magic + JSON header + aligned raw tensor bytes.
     dtypes.py       dtype names and item sizes without torch (manifest validation).
     tree.py         state <-> JSON skeleton + tensor leaves (replicated, sharded, rank-local).

@@ -5,9 +5,37 @@ Layout under the root::
     _LEASE.json                  the run holding the root (see `_store/lease.py`)
     _pins/step-<N:012d>          pinned steps (empty objects; `ckptctl pin` writes them too)
     step-<N:012d>/rank-<r:05d>.bin   one shard file per rank that has tensors to write
+    step-<N:012d>/rank-<r:05d>.index.json  one index object per rank (format version 2, see
+                                 `_store/rank_index.py`): its pieces, offsets, checksums
     step-<N:012d>/manifest.json  written last, exclusively, by the coordinator = the commit
 
-Manifest (format version 1), all names relative to the step folder::
+Manifest format version 2 (what the save path writes), all names relative to the step folder::
+
+    {"format": "trainingd-checkpoint", "format_version": 2, "step": N, "world_size": W,
+     "run_id": str, "created_unix_s": float, "committed_unix_s": float,
+     "versions": {...}, "metrics": {...},
+     "files": {name: {"size": int, "crc32": int}},    shard files and every rank's index
+     "tree": skeleton,
+     "tensors": {key: {"dtype": str, "global_shape": [...], "kind": "replicated"|"sharded",
+                       "form": "whole"|"flat"|"box", "ranks": [[first, end], ...]}}}
+    ... and last, "manifest_crc32": int
+
+[Note: the top manifest stays small] Format 1 recorded every piece of every rank, empty
+ones included (about 108 bytes each): 232 MiB at 1024 ranks x 2200 tensors, parsed by every
+restoring rank. Format 2 keeps the pieces in the ranks' index objects and records per tensor
+only the ranks holding non-empty pieces of it, as half-open runs of rank numbers (ZeRO-style
+flat sharding puts a tensor on one or two consecutive ranks; a replicated tensor is on rank 0
+alone), so the manifest grows with ranks + tensors, not their product. A restoring rank reads
+the indexes of the ranks holding the tensors it needs, plus its own (its RankLocal state);
+`rank_index.complete_manifest` reads all of them for tools that need every piece. `form` says
+how the non-empty pieces place themselves (`ckptctl list` shows the strategy from it). Every
+rank writes an index (W of them, each listed in `files` with its size and CRC-32, checked on
+read), so verifying a step checks the indexes like any other file. A parsed format-2 manifest
+is a summary (`Manifest.complete` is False: tensor records carry `ranks`, not `pieces`, and
+`rank_local` is empty) until `rank_index` fills it in.
+
+Manifest format version 1 (written before issue #18; still read, and written by `ckptctl
+reshard`)::
 
     {"format": "trainingd-checkpoint", "format_version": 1, "step": N, "world_size": W,
      "run_id": str, "created_unix_s": float, "committed_unix_s": float,
@@ -55,7 +83,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ckpt_manager._store.checksum import crc32
@@ -67,19 +95,30 @@ __all__ = [
     "CHECKSUM_FIELD",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "FORMAT_VERSION_PIECES",
     "MANIFEST_NAME",
     "PIECE_ALIGN_BYTES",
     "PINS_DIR",
     "FileEntry",
     "Manifest",
     "Piece",
+    "check_no_overlap",
+    "check_tensor_place",
+    "index_file_name",
+    "parse_piece",
     "parse_step_dir",
+    "rank_runs",
     "shard_file_name",
     "step_dir",
 ]
 
 FORMAT_NAME = "trainingd-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""What the save path writes: a top manifest plus per-rank index objects."""
+FORMAT_VERSION_PIECES = 1
+"""Every piece in the manifest itself (read, and written by `ckptctl reshard`)."""
+TENSOR_FORMS = ("whole", "flat", "box")
+"""How a tensor's non-empty pieces place themselves (format 2's `form`)."""
 MANIFEST_NAME = "manifest.json"
 PINS_DIR = "_pins"
 CHECKSUM_FIELD = "manifest_crc32"
@@ -103,6 +142,22 @@ def parse_step_dir(name: str) -> int | None:
 def shard_file_name(rank: int) -> str:
     """Shard file name of a rank: `rank-00003.bin`."""
     return f"rank-{rank:05d}.bin"
+
+
+def index_file_name(rank: int) -> str:
+    """Index object name of a rank (format version 2): `rank-00003.index.json`."""
+    return f"rank-{rank:05d}.index.json"
+
+
+def rank_runs(ranks: Iterable[int]) -> list[list[int]]:
+    """Sorted distinct ranks as half-open runs: `[0, 1, 2, 7]` -> `[[0, 3], [7, 8]]`."""
+    runs: list[list[int]] = []
+    for r in sorted(set(ranks)):
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +224,31 @@ class Manifest:
     tensors: Mapping[str, Mapping[str, Any]]
     """Replicated and sharded tensors: dtype, global shape, kind, pieces (`Piece`)."""
     rank_local: tuple[Mapping[str, Any], ...]
-    """Per saved rank: RankLocal skeletons and tensors (`{"dtype", "piece"}`)."""
+    """Per saved rank: RankLocal skeletons and tensors (`{"dtype", "piece"}`); empty in a
+    format-2 summary."""
+    format_version: int = FORMAT_VERSION_PIECES
+    """1: every piece in the manifest; 2: a top manifest over per-rank index objects."""
+    complete: bool = True
+    """Whether `tensors` carry their `pieces` and `rank_local` is filled in (False for a
+    format-2 manifest as read: [Note: the top manifest stays small])."""
+
+    def holders(self, key: str) -> tuple[int, ...]:
+        """Ranks holding non-empty pieces of a tensor (a format-2 summary only).
+
+        Raises:
+            KeyError: no such tensor.
+        """
+        return tuple(self.tensors[key]["ranks"])
+
+    def form_of(self, key: str) -> str:
+        """How a tensor's non-empty pieces place themselves: "whole", "flat" or "box"."""
+        rec = self.tensors[key]
+        if "form" in rec:
+            return str(rec["form"])
+        stored = [p for p in rec["pieces"] if p.nbytes]
+        if any(p.flat_range is not None for p in stored):
+            return "flat"
+        return "box" if any(p.global_offset is not None for p in stored) else "whole"
 
     @property
     def num_bytes(self) -> int:
@@ -177,14 +256,17 @@ class Manifest:
         return sum(f.size for f in self.files.values())
 
     def to_json(self) -> bytes:
-        """Serialise (UTF-8 JSON)."""
+        """Serialise (UTF-8 JSON) in its format: format 2 as the top manifest only (a
+        completed one too: its pieces stay in the index objects), format 1 with every piece."""
+        if self.format_version == FORMAT_VERSION:
+            return self._top_json()
 
         def tensor_json(rec: Mapping[str, Any]) -> dict[str, Any]:
             return {**rec, "pieces": [p.to_json() for p in rec["pieces"]]}
 
         doc = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": FORMAT_VERSION_PIECES,
             "step": self.step,
             "world_size": self.world_size,
             "run_id": self.run_id,
@@ -208,6 +290,33 @@ class Manifest:
         }
         # Compact: `ckptctl list` reads one manifest per step, and a manifest grows with
         # ranks x tensors; indentation made them 2.3x larger and 25% slower to parse.
+        body = _canonical(doc)
+        return body[:-1] + _checksum_suffix(crc32(body))
+
+    def _top_json(self) -> bytes:
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "step": self.step,
+            "world_size": self.world_size,
+            "run_id": self.run_id,
+            "created_unix_s": self.created_unix_s,
+            "committed_unix_s": self.committed_unix_s,
+            "versions": dict(self.versions),
+            "metrics": dict(self.metrics),
+            "files": {n: {"size": f.size, "crc32": f.crc32} for n, f in self.files.items()},
+            "tree": self.tree,
+            "tensors": {
+                k: {
+                    "dtype": v["dtype"],
+                    "global_shape": list(v["global_shape"]),
+                    "kind": v["kind"],
+                    "form": v["form"],
+                    "ranks": rank_runs(v["ranks"]),
+                }
+                for k, v in self.tensors.items()
+            },
+        }
         body = _canonical(doc)
         return body[:-1] + _checksum_suffix(crc32(body))
 
@@ -292,10 +401,15 @@ def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _piece(doc: Any, files: Mapping[str, FileEntry], itemsize: int, what: str) -> Piece:
+def parse_piece(doc: Any, files: Mapping[str, FileEntry], itemsize: int, what: str) -> Piece:
+    """Parse one piece record and check its extent in its file (see the module docstring).
+
+    Raises:
+        ValueError: the piece is malformed, names an unlisted file or lies outside it.
+    """
     # Runs once per tensor per rank (16k times for `ckptctl list` of 300 steps): checks are
     # inlined and messages built only on failure. A name listed in `files` was validated
-    # when `files` was parsed. Overlaps between pieces are `_check_no_overlap`'s.
+    # when `files` was parsed. Overlaps between pieces are `check_no_overlap`'s.
     if not isinstance(doc, dict):
         raise ValueError(f"{what}: piece must be an object")
     name = doc["file"]
@@ -374,12 +488,113 @@ def _describe(extent: _Extent) -> str:
     return f"rank-local tensor {key!r} of rank {-1 - index}"
 
 
-def _check_no_overlap(extents: list[_Extent]) -> None:
-    """No two non-empty pieces share a byte of the same file."""
+def check_no_overlap(extents: list[_Extent]) -> None:
+    """No two non-empty pieces share a byte of the same file.
+
+    Args:
+        extents: `(file, first byte, end byte, tensor key, piece index)` per non-empty piece.
+
+    Raises:
+        ValueError: two extents overlap.
+    """
     extents.sort()
     for a, b in itertools.pairwise(extents):
         if a[0] == b[0] and b[1] < a[2]:
             raise ValueError(f"{_describe(a)} and {_describe(b)} overlap in file {a[0]!r}")
+
+
+def _check_global_shape(what: str, dtype: str, shape: tuple[int, ...], stored_bytes: int) -> int:
+    """Elements of a tensor; its bytes must fit in the step's files (restore allocates it)."""
+    numel = math.prod(shape)
+    if numel * item_size(dtype) > stored_bytes:
+        raise ValueError(
+            f"{what}: global shape {shape} needs {numel * item_size(dtype)} bytes, more "
+            f"than the {stored_bytes} bytes of the step's files"
+        )
+    return numel
+
+
+def _ranks(value: Any, world_size: int, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ValueError(f"{what}: ranks must be a list of [first, end] runs")
+    out: list[int] = []
+    for run in value:
+        if not (isinstance(run, list) and len(run) == 2 and all(_is_count(r) for r in run)):
+            raise ValueError(f"{what}: rank run {run!r} must be [first, end]")
+        first, end = run
+        if not (first < end <= world_size) or (out and first <= out[-1]):
+            raise ValueError(
+                f"{what}: rank run {run!r} is empty, unsorted or outside world size {world_size}"
+            )
+        out.extend(range(first, end))
+    return tuple(out)
+
+
+def _parse_top(doc: Mapping[str, Any], step: int, files: dict[str, FileEntry]) -> Manifest:
+    """Format 2: the summary; pieces stay in the index objects ([Note: the top manifest
+    stays small])."""
+    world_size = _int(doc["world_size"], "world_size", 1)
+    for rank in range(world_size):
+        if index_file_name(rank) not in files:
+            raise ValueError(f"the index of rank {rank} is not listed in files")
+    stored_bytes = sum(f.size for f in files.values())
+    tensors: dict[str, dict[str, Any]] = {}
+    for key, rec in dict(doc["tensors"]).items():
+        what = f"tensor {key!r}"
+        dtype = str(rec["dtype"])
+        if rec["kind"] not in ("replicated", "sharded"):
+            raise ValueError(f"{what}: unknown kind {rec['kind']!r}")
+        if rec["form"] not in TENSOR_FORMS:
+            raise ValueError(f"{what}: unknown form {rec['form']!r}")
+        shape = _shape(rec["global_shape"], f"{what} global_shape")
+        _check_global_shape(what, dtype, shape, stored_bytes)
+        tensors[key] = {
+            "dtype": dtype,
+            "global_shape": list(shape),
+            "kind": rec["kind"],
+            "form": rec["form"],
+            "ranks": _ranks(rec["ranks"], world_size, what),
+        }
+    metrics = doc.get("metrics") or {}
+    if not isinstance(metrics, dict):
+        raise ValueError("metrics must be an object")
+    return Manifest(
+        step=step,
+        world_size=world_size,
+        run_id=str(doc["run_id"]),
+        created_unix_s=float(doc["created_unix_s"]),
+        committed_unix_s=float(doc["committed_unix_s"]),
+        versions={str(k): str(v) for k, v in dict(doc.get("versions") or {}).items()},
+        metrics=metrics,
+        files=files,
+        tree=doc["tree"],
+        tensors=tensors,
+        rank_local=(),
+        format_version=FORMAT_VERSION,
+        complete=False,
+    )
+
+
+def check_tensor_place(manifest: Manifest, key: str, dtype: str, piece: Piece, what: str) -> None:
+    """A non-empty piece from an index fits its tensor as the top manifest records it.
+
+    Raises:
+        CorruptCheckpointError: unknown tensor, another dtype, or a place outside the whole.
+    """
+    rec = manifest.tensors.get(key)
+    try:
+        if rec is None:
+            raise ValueError("the manifest has no such tensor")
+        if rec["dtype"] != dtype:
+            raise ValueError(f"dtype {dtype} differs from the manifest's {rec['dtype']}")
+        global_shape = tuple(rec["global_shape"])
+        flat = piece.flat_range
+        if flat is None:
+            _check_box(piece, global_shape, what)
+        elif flat[1] > math.prod(global_shape):
+            raise ValueError(f"flat_range {list(flat)} lies outside global shape {global_shape}")
+    except ValueError as err:
+        raise CorruptCheckpointError(f"step {manifest.step}: {what}: {err}") from err
 
 
 def _parse(doc: Any, expected_step: int | None) -> Manifest:
@@ -395,6 +610,8 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
         _file_name(n): FileEntry(_int(f["size"], "size"), _int(f["crc32"], "crc32"))
         for n, f in dict(doc["files"]).items()
     }
+    if version == FORMAT_VERSION:
+        return _parse_top(doc, step, files)
     stored_bytes = sum(f.size for f in files.values())
     extents: list[_Extent] = []
     tensors: dict[str, dict[str, Any]] = {}
@@ -413,7 +630,7 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
             )
         pieces = []
         for i, p in enumerate(rec["pieces"]):
-            piece = _piece(p, files, itemsize, what)
+            piece = parse_piece(p, files, itemsize, what)
             if piece.nbytes:  # empty pieces may claim any place
                 flat = piece.flat_range
                 if flat is None:
@@ -436,13 +653,13 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
         rl_tensors = {}
         for key, rec in dict(rl["tensors"]).items():
             what = f"rank-local tensor {key!r} of rank {rank}"
-            piece = _piece(rec["piece"], files, item_size(rec["dtype"]), what)
+            piece = parse_piece(rec["piece"], files, item_size(rec["dtype"]), what)
             if piece.nbytes:
                 end = piece.offset + piece.nbytes
                 extents.append((piece.file, piece.offset, end, key, -1 - rank))
             rl_tensors[key] = {"dtype": rec["dtype"], "piece": piece}
         rank_local.append({"trees": list(rl["trees"]), "tensors": rl_tensors})
-    _check_no_overlap(extents)
+    check_no_overlap(extents)
     metrics = doc.get("metrics") or {}
     if not isinstance(metrics, dict):
         raise ValueError("metrics must be an object")

@@ -139,11 +139,10 @@ def manifest_strategy(manifest: Manifest) -> str:
     if isinstance(named, str) and named:
         return named
     kinds = set()
-    for rec in manifest.tensors.values():
+    for key, rec in manifest.tensors.items():
         if rec["kind"] == "replicated":
             continue
-        flat = any(p.flat_range is not None for p in rec["pieces"])
-        kinds.add("sharded-flat" if flat else "sharded-box")
+        kinds.add("sharded-flat" if manifest.form_of(key) == "flat" else "sharded-box")
     if not kinds:
         return "replicated"
     return kinds.pop() if len(kinds) == 1 else "mixed"

@@ -16,6 +16,7 @@ from typing import Any
 from ckpt_manager._store.catalog import list_step_dirs, read_manifest
 from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, step_dir
 from ckpt_manager._store.options import S3Options
+from ckpt_manager._store.rank_index import complete_manifest
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.errors import UsageError
 from ckpt_manager.errors import CheckpointError, StepNotFoundError, StorageError
@@ -131,6 +132,8 @@ def nearest_steps(steps: Sequence[int], step: int, count: int = 3) -> list[int]:
 def resolve_step(storage: Storage, spec: str | int | None) -> tuple[int, Manifest]:
     """Resolve `latest` (or None) / a step number to a committed step and its manifest.
 
+    The manifest is complete: a format-2 step's rank indexes are read and merged in.
+
     Raises:
         UsageError: `spec` is neither `latest` nor a non-negative integer.
         StepNotFoundError: no committed step there; the message lists the nearest ones.
@@ -140,7 +143,7 @@ def resolve_step(storage: Storage, spec: str | int | None) -> tuple[int, Manifes
         committed = committed_of(storage, list_step_dirs(storage))
         if not committed:
             raise StepNotFoundError(f"{storage.root_uri}: no committed step")
-        return committed[-1], read_manifest(storage, committed[-1])
+        return committed[-1], complete_manifest(storage, read_manifest(storage, committed[-1]))
     try:
         step = int(spec)
     except ValueError:
@@ -148,7 +151,7 @@ def resolve_step(storage: Storage, spec: str | int | None) -> tuple[int, Manifes
     if step < 0:
         raise UsageError(f"step {step}: steps are >= 0")
     try:
-        return step, read_manifest(storage, step)
+        return step, complete_manifest(storage, read_manifest(storage, step))
     except StepNotFoundError as err:
         steps = list_step_dirs(storage)
         state = " (its folder exists but it is not committed)" if step in steps else ""

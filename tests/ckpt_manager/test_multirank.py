@@ -23,7 +23,10 @@ from ckpt_manager import (
     SaveFailedError,
 )
 from ckpt_manager._save.writer import FAULT_ENV
-from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
+from ckpt_manager._store.catalog import read_manifest
+from ckpt_manager._store.manifest import FORMAT_VERSION, MANIFEST_NAME, step_dir
+from ckpt_manager._store.rank_index import complete_manifest
+from ckpt_manager._store.storage import Storage
 from tests.ckpt_manager.conftest import Shard
 from tests.support.dist import _child, free_port, run_on_ranks
 
@@ -158,11 +161,16 @@ def test_every_mode_at_2_and_3_ranks_and_resharding(
     out = run_on_ranks(_modes_then_reshard, 3, str(three), saved_at_2, timeout_s=240)
     assert out == [[*(m.value for m in AsyncMode), "resharded"]] * 3
     for root, world in ((two, 2), (three, 3)):
-        manifest = json.loads((root / "persistent" / step_dir(2) / MANIFEST_NAME).read_text())
+        storage = Storage(str(root / "persistent"))
+        manifest = json.loads(storage.read(f"{step_dir(2)}/{MANIFEST_NAME}"))
+        assert manifest["format_version"] == FORMAT_VERSION
         assert manifest["world_size"] == world
-        assert len(manifest["tensors"]["model/flat"]["pieces"]) == world
-        assert len(manifest["tensors"]["model/replicated"]["pieces"]) == 1
-        assert len(manifest["rank_local"]) == world
+        assert manifest["tensors"]["model/flat"]["ranks"] == [[0, world]]
+        assert manifest["tensors"]["model/replicated"]["ranks"] == [[0, 1]]
+        full = complete_manifest(storage, read_manifest(storage, 2))
+        assert len(full.tensors["model/flat"]["pieces"]) == world
+        assert len(full.tensors["model/replicated"]["pieces"]) == 1
+        assert len(full.rank_local) == world
     # One process, no template: sharded tensors come back whole (what ckptctl restore does).
     with CheckpointManager(saved_at_2, CheckpointConfig(async_mode=AsyncMode.SYNC)) as mgr:
         result = mgr.restore()

@@ -19,7 +19,7 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
 from ckpt_manager._store.lease import LEASE_NAME
-from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._store.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.cli import main
 from tests.ckpt_manager.ctl._zero3_run import Run, copy_root, zero3_run
@@ -100,9 +100,8 @@ def test_list_json_has_stable_keys_states_and_reasons(
     assert four["world_size"] == 2
     assert four["strategy"] == "sharded-flat"
     assert four["metrics"]["tokens"] == 256
-    assert four["bytes"] == sum(
-        root.storage.size(f"{step_dir(4)}/{n}") for n in ("rank-00000.bin", "rank-00001.bin")
-    )
+    stored = [shard_file_name(r) for r in (0, 1)] + [index_file_name(r) for r in (0, 1)]
+    assert four["bytes"] == sum(root.storage.size(f"{step_dir(4)}/{n}") for n in stored)
     assert "latest" in four["retained_by"]
     assert "last-2" in four["retained_by"]
     assert rows[3]["retained_by"][:1] == ["last-2"]
@@ -156,7 +155,7 @@ def test_show_human_and_json(root: Root, capsys: pytest.CaptureFixture[str]) -> 
 def test_verify_lists_bad_files_and_exits_1(root: Root, capsys: pytest.CaptureFixture[str]) -> None:
     good = ctl(root, capsys, "verify")
     assert good.rc == 0, good.out
-    assert good.out.startswith("step 4: ok (2 files")
+    assert good.out.startswith("step 4: ok (4 files")  # 2 shard files, 2 rank indexes
     bad = ctl(root, capsys, "verify", "3")
     assert bad.rc == 1
     assert "step 3: CORRUPT, 1 bad:" in bad.out
@@ -170,20 +169,19 @@ def test_verify_lists_bad_files_and_exits_1(root: Root, capsys: pytest.CaptureFi
 def test_verify_reports_a_manifest_whose_content_changed(
     root: Root, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Bit rot in a piece's offset: every shard file is intact, the manifest points elsewhere.
+    # Bit rot in a tensor's holder ranks: every file is intact, the manifest points elsewhere.
     manifest = f"{step_dir(2)}/{MANIFEST_NAME}"
     data = root.storage.read(manifest)
-    match = re.search(rb'"offset":(\d+)', data)
+    match = re.search(rb'"ranks":\[\[0,(\d+)', data)
     assert match is not None
     at = match.end(1) - 1
-    digit = int(data[at : at + 1])
-    root.storage.write(manifest, data[:at] + str(digit ^ 1).encode() + data[at + 1 :])
+    root.storage.write(manifest, data[:at] + b"3" + data[at + 1 :])
     bad = ctl(root, capsys, "verify", "2")  # the step's manifest is read to resolve it
     assert bad.rc == 1
     assert len(bad.err.strip().splitlines()) == 1
     assert "invalid manifest of step 2: manifest checksum" in bad.err
     assert "does not match its content" in bad.err
-    assert "not 64-byte aligned" in bad.err  # what the extent checks find, too
+    assert "outside world size 2" in bad.err  # what the field checks find, too
     every = ctl(root, capsys, "verify", "--all", "--json")
     assert every.rc == 1
     checks = {c["step"]: c for c in json.loads(every.out)}

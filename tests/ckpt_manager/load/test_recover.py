@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -12,8 +14,12 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, CorruptCheckpointError
-from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._store.catalog import read_manifest
+from ckpt_manager._store.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
+from ckpt_manager._store.storage import Storage
 from tests.ckpt_manager.conftest import Shard
+from tests.ckpt_manager.fixtures.make_v1_checkpoint import HERE as V1_CHECKPOINT
+from tests.ckpt_manager.fixtures.make_v1_checkpoint import STEP as V1_STEP
 
 
 def _flip_byte(path: pathlib.Path, offset: int) -> None:
@@ -76,9 +82,6 @@ def test_manifest_naming_parent_path_is_rejected(
 
     def outside(doc: dict[str, Any]) -> None:
         doc["files"]["../x"] = doc["files"].pop(shard_file_name(0))
-        for rec in doc["tensors"].values():
-            for piece in rec["pieces"]:
-                piece["file"] = "../x"
 
     _edit_manifest(tmp_path, 2, outside)
     step, reason = _restore_latest(tmp_path, log_events)
@@ -144,25 +147,47 @@ def _flip_digit_after(path: pathlib.Path, field: bytes) -> None:
 def test_flipped_digit_in_a_piece_falls_back(
     tmp_path: pathlib.Path, log_events: list[dict[str, Any]], field: bytes
 ) -> None:
+    # Pieces live in the rank's index object; the manifest records its size and CRC-32.
     _flat_steps(tmp_path)
-    manifest = tmp_path / step_dir(2) / MANIFEST_NAME
-    _flip_digit_after(manifest, field)
+    _flip_digit_after(tmp_path / step_dir(2) / index_file_name(0), field)
     step, reason = _restore_flat(tmp_path, log_events)
     assert step == 1
-    assert "step 2: manifest checksum" in reason
+    assert "step 2" in reason
+    assert index_file_name(0) in reason
 
 
-def test_flipped_digit_of_an_unsigned_manifest_falls_back(
+def test_flipped_digit_behind_a_matching_index_checksum_falls_back(
+    tmp_path: pathlib.Path, log_events: list[dict[str, Any]]
+) -> None:
+    # An index damaged and the manifest (unsigned) edited to match it: the index's own
+    # extent checks still catch it.
+    _flat_steps(tmp_path)
+    index = tmp_path / step_dir(2) / index_file_name(0)
+    _flip_digit_after(index, b'"flat_range":')
+    data = index.read_bytes()
+
+    def matching(doc: dict[str, Any]) -> None:
+        _unsigned(doc)
+        doc["files"][index_file_name(0)] = {"size": len(data), "crc32": zlib.crc32(data)}
+
+    _edit_manifest(tmp_path, 2, matching)
+    step, reason = _restore_flat(tmp_path, log_events)
+    assert step == 1
+    assert "invalid index of rank 0 at step 2" in reason
+    assert "holds 67 elements" in reason
+
+
+def test_flipped_digit_of_an_unsigned_format_1_manifest_falls_back(
     tmp_path: pathlib.Path, log_events: list[dict[str, Any]]
 ) -> None:
     # Without the checksum (a manifest from before it) the extent checks still catch it.
-    _flat_steps(tmp_path)
-    _edit_manifest(tmp_path, 2, _unsigned)
-    _flip_digit_after(tmp_path / step_dir(2) / MANIFEST_NAME, b'"flat_range":')
-    step, reason = _restore_flat(tmp_path, log_events)
-    assert step == 1
-    assert "invalid manifest of step 2" in reason
-    assert "holds 67 elements" in reason
+    root = tmp_path / "ckpt"
+    shutil.copytree(V1_CHECKPOINT, root)
+    manifest = root / step_dir(V1_STEP) / MANIFEST_NAME
+    _edit_manifest(root, V1_STEP, _unsigned)
+    _flip_digit_after(manifest, b'"flat_range": [0, ')  # rank 0's piece [0, 6] -> [0, 3]
+    with pytest.raises(CorruptCheckpointError, match="holds 3 elements"):
+        read_manifest(Storage(str(root)), V1_STEP)
 
 
 def test_changed_manifest_checksum_falls_back(

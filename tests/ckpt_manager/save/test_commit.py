@@ -20,7 +20,7 @@ from ckpt_manager import (
     StepNotFoundError,
 )
 from ckpt_manager._save import finalize
-from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._store.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from ckpt_manager._store.storage import Storage
 
 CKPTCTL = str(pathlib.Path(sys.executable).with_name("ckptctl"))
@@ -65,7 +65,7 @@ def test_a_commit_that_finds_another_launchs_manifest_keeps_its_step(
     # root, see store/test_lease.py; this is the exclusive write's own defence: the other
     # attempt commits on a root of its own and its step folder is copied in from outside.)
     root, other = str(tmp_path / "root"), str(tmp_path / "other")
-    real = finalize.commit_manifest
+    real = finalize.commit_step
 
     def second_launch_first(storage: Storage, **kw: Any) -> Any:
         subprocess.run(
@@ -78,12 +78,16 @@ def test_a_commit_that_finds_another_launchs_manifest_keeps_its_step(
     cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
     with CheckpointManager(root, cfg, run_id="job") as mgr:
         mgr.save(1, {"t": torch.zeros(4)})
-        monkeypatch.setattr(finalize, "commit_manifest", second_launch_first)
+        monkeypatch.setattr(finalize, "commit_step", second_launch_first)
         with pytest.raises(SaveFailedError) as info:
             mgr.save(2, {"t": torch.ones(4)})
         monkeypatch.undo()
     folder = tmp_path / "root" / step_dir(2)
-    assert sorted(p.name for p in folder.iterdir()) == [MANIFEST_NAME, shard_file_name(0)]
+    assert sorted(p.name for p in folder.iterdir()) == [
+        MANIFEST_NAME,
+        shard_file_name(0),
+        index_file_name(0),
+    ]
     manifest = json.loads((folder / MANIFEST_NAME).read_bytes())
     assert manifest["metrics"] == {"by": "second"}
     assert isinstance(info.value.__cause__, CommitConflictError)

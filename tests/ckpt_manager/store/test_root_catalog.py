@@ -77,7 +77,7 @@ def test_each_commit_adds_what_its_manifest_says(tmp_path: pathlib.Path) -> None
         manifest = read_manifest(storage, step)
         assert entry.committed_unix_s == manifest.committed_unix_s
         assert entry.num_bytes == manifest.num_bytes > 0
-        assert entry.num_files == len(manifest.files) == 1
+        assert entry.num_files == len(manifest.files) == 2  # the shard and its index
         assert entry.world_size == 1
         assert entry.metrics == {"loss": 1.0 / step}
         assert entry.run_id == "cat"
