@@ -5,15 +5,22 @@ No training and no process group: each simulated rank of a ZeRO-style flat-shard
 ranges, so a rank holds a piece of every tensor its range touches and an empty piece of
 every other one) does on a real `Storage` what it does in a save:
 
-* writes its shard file (zeros of the right size: the data path is not measured here);
-* builds its index object: today, its manifest contribution (`_save/commit.py`'s dict, with
-  a `Piece` per tensor) — the time to build it and its pickled size (what the gather moves);
-* the coordinator commits: today `commit_manifest` (a HEAD per shard file in sequence, the
-  merge, the manifest PUT, the root catalog update) — wall time, CPU time, requests, the
-  manifest's bytes. Today the commit runs inside `maybe_finalize` on the coordinator's
-  training thread, so its wall time is that thread's stall (`finalize_p99_ms`);
-* one rank (N/2) restores: reads `manifest.json` and its own pieces (one ranged read of its
-  shard file covering them) — bytes read against its own pieces' bytes;
+* writes its shard file (zeros of the right size, no format header: the data path is not
+  measured here, and restore reads only piece ranges);
+* builds its index object — format 2 (`--format 2`, the default): `PieceRecord`s,
+  `commit.prepare_rank`, the index written by `write_finished_index`, `rank_report`;
+  format 1 (before issue 18): its manifest contribution, a `Piece` per tensor. Measured: the
+  build time per rank, the index's and the report's size (what the gather moves);
+* the coordinator commits — format 2: `commit_step` (the top manifest from the reports, no
+  HEAD); format 1: `commit_manifest` (a HEAD per shard file in sequence, the merge). Both end
+  with the manifest PUT and the root catalog update. Measured: wall time, CPU time,
+  requests, the manifest's bytes. The commit still runs inside `maybe_finalize` on the
+  coordinator's training thread (until it moves off it), so its wall time is that thread's
+  stall (`finalize_p99_ms`: the worst of the series);
+* one rank (N/2) restores — format 2: the real `load_state` into a template of its own
+  shards (top manifest, the indexes of the ranks holding its tensors, its byte ranges);
+  format 1: `manifest.json` whole and one ranged read of its own pieces. Measured: bytes
+  read against its own pieces' bytes;
 * `ckptctl list` over K steps seeded cheaply (tiny manifests plus catalog entries written
   directly): the in-process `collect_rows` + `lease_header` + table, with the catalog and,
   for comparison, without it (every manifest read; this also repairs the catalog).
@@ -23,13 +30,14 @@ request_count.py`): HTTP requests on S3 (each LIST page, each retry), Storage op
 on `memory://` and local disk. Backends: `memory://`, local disk (a temp dir), SeaweedFS
 (`weed mini` on 127.0.0.1, as tests/support/seaweed.py starts it).
 
-Today's manifest holds a record per piece of every rank (about 108 bytes each): at 4096
+A format-1 manifest holds a record per piece of every rank (about 108 bytes each): at 4096
 ranks x 2200 tensors that is ~1 GiB of JSON and ~9M Python objects, beyond this machine's
 memory next to other work; `--max-pieces` skips the N whose N x tensors exceeds it, and says
 so in the output.
 
     .venv/bin/python bench/ckpt_scale.py --quick            # small, memory:// and local
     .venv/bin/python bench/ckpt_scale.py --json             # the issue's figures
+    .venv/bin/python bench/ckpt_scale.py --json --format 1 --ranks 8,64,256,1024  # before
     .venv/bin/python bench/ckpt_scale.py --backends seaweed --ranks 8,64 --list-steps 10000
 """
 
@@ -60,6 +68,10 @@ _DTYPE = "bfloat16"
 _ITEM_BYTES = 2
 _ALIGN = 64
 _PER_LAYER = 11  # tensors of one GPT block below
+FORMATS = {
+    1: "format 1 (before issue 18: one manifest with every piece of every rank)",
+    2: "format 2 (issue 18: per-rank index objects, a small top manifest)",
+}
 
 
 # --- the simulated model -------------------------------------------------------------------
@@ -135,7 +147,8 @@ def rank_shard(tensors: Sequence[TensorSpec], rank: int, world_size: int) -> Ran
 
 
 def _skeleton(tensors: Sequence[TensorSpec]) -> list[Any]:
-    return ["d", [["model", ["d", [[t.key, ["S", t.key]] for t in tensors]]]]]
+    """The state's tree as `_store/tree.py` writes it: {"model": {name: sharded tensor}}."""
+    return ["d", [["model", ["d", [[t.key.split("/", 1)[1], ["S", t.key]] for t in tensors]]]]]
 
 
 # --- today's format --------------------------------------------------------------------------
@@ -170,6 +183,66 @@ def build_contribution(shard: RankShard, file_name: str, tree: Any) -> dict[str,
         "tensors": tensors,
         "rank_local": {"trees": [], "tensors": {}},
     }
+
+
+# --- format 2 (issue 18: per-rank index objects and a small top manifest) -------------------
+
+
+class _Flat(NamedTuple):
+    """The two fields of `tree.Flattened` that `commit.prepare_rank` reads."""
+
+    tree: Any
+    rank_local_trees: list[Any]
+
+
+def save_rank_v2(storage: Any, step: int, shard: RankShard, tree: Any) -> tuple[Any, float]:
+    """One rank's format-2 save path through the save code's own functions: piece records,
+    `prepare_rank` (builds the index), the shard file, `write_finished_index`,
+    `rank_report`. Returns the report and the seconds spent building the index."""
+    from ckpt_manager._save.commit import prepare_rank, rank_report
+    from ckpt_manager._store.manifest import Piece, shard_file_name, step_dir
+    from ckpt_manager._store.rank_index import PieceRecord, write_finished_index
+
+    name = shard_file_name(shard.rank)
+    started = time.perf_counter()
+    records = [
+        PieceRecord(
+            t.key,
+            "sharded",
+            _DTYPE,
+            t.shape,
+            Piece(name, offset, (end - start) * _ITEM_BYTES, (end - start,), None, (start, end)),
+        )
+        for t, start, end, offset in shard.pieces
+    ]
+    contribution = prepare_rank(
+        step=step,
+        rank=shard.rank,
+        flat=_Flat(tree, []),  # type: ignore[arg-type]
+        records=records,
+        file_name=name,
+        metrics={"loss": 2.5},
+    )
+    build_s = time.perf_counter() - started
+    storage.write(f"{step_dir(step)}/{name}", bytes(shard.file_bytes))
+    index = write_finished_index(storage, contribution["index_json"], shard.file_bytes, 0)
+    contribution.update(
+        size=shard.file_bytes, crc32=0, index_size=index.size, index_crc32=index.crc32
+    )
+    return rank_report(contribution), build_s
+
+
+def restore_template(shard: RankShard) -> dict[str, Any]:
+    """Rank `shard.rank`'s state as a template for `load_state` (zeros, its flat ranges)."""
+    import torch
+
+    from tests.ckpt_manager.conftest import Shard
+
+    model = {}
+    for t, start, end, _ in shard.pieces:
+        local = torch.zeros(end - start, dtype=torch.bfloat16)
+        model[t.key.split("/", 1)[1]] = Shard(local, t.shape, (0,) * len(t.shape), (start, end))
+    return {"model": model}
 
 
 # --- measurement -----------------------------------------------------------------------------
@@ -221,9 +294,11 @@ def _fresh_root(backend: Backend, label: str) -> Any:
 
 
 def measure_save(
-    backend: Backend, world_size: int, tensors: Sequence[TensorSpec]
+    backend: Backend, world_size: int, tensors: Sequence[TensorSpec], version: int
 ) -> dict[str, Any]:
-    """One simulated save and one rank's restore at `world_size` ranks (today's format)."""
+    """One simulated save and one rank's restore at `world_size` ranks in format `version`."""
+    if version == 2:
+        return measure_save_v2(backend, world_size, tensors)
     from ckpt_manager._save.commit import CommitResult, commit_manifest
     from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
     from ckpt_manager._store.root_catalog import CATALOG_NAME
@@ -277,6 +352,92 @@ def measure_save(
         "commit_requests": commit_requests,
         "save_requests": shard_requests + commit_requests,
         **restore,
+    }
+
+
+def measure_save_v2(
+    backend: Backend, world_size: int, tensors: Sequence[TensorSpec]
+) -> dict[str, Any]:
+    """Format 2: each rank writes its index object; the coordinator's `commit_step` builds the
+    top manifest from the reports; one rank restores through the real `load_state`."""
+    from ckpt_manager._save.commit import CommitResult, commit_step
+    from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
+    from ckpt_manager._store.root_catalog import CATALOG_NAME
+    from tests.support.request_count import count_requests
+
+    storage = _fresh_root(backend, f"v2n{world_size}")
+    step = 100
+    tree = _skeleton(tensors)
+    reports = []
+    build_s = 0.0
+    index_bytes = 0
+    with count_requests(storage) as counted:
+        for rank in range(world_size):
+            shard = rank_shard(tensors, rank, world_size)
+            report, took = save_rank_v2(storage, step, shard, tree)
+            reports.append(report)
+            build_s += took
+            index_bytes += report.index_file.size
+        rank_requests = counted.requests
+        sample = reports[:: max(1, world_size // 16)]
+        report_bytes = sum(len(pickle.dumps(r)) for r in sample) / len(sample)
+        gc.collect()
+        counted.reset()
+        wall_started, cpu_started = time.perf_counter(), time.process_time()
+        outcome = commit_step(
+            storage, step=step, run_id="scale", created_unix_s=time.time(), reports=reports
+        )
+        commit_wall_s = time.perf_counter() - wall_started
+        commit_cpu_s = time.process_time() - cpu_started
+        commit_requests = counted.requests
+    if outcome.result is not CommitResult.COMMITTED:
+        raise RuntimeError(f"simulated commit at {world_size} ranks failed: {outcome.cause}")
+    if not storage.exists(CATALOG_NAME):
+        raise RuntimeError("the commit did not write the root catalog")
+    del reports, sample
+    gc.collect()
+    manifest_bytes = storage.size(f"{step_dir(step)}/{MANIFEST_NAME}")
+    restore = measure_restore_v2(storage, step, rank_shard(tensors, world_size // 2, world_size))
+    storage.remove_tree("")
+    return {
+        "backend": backend.name,
+        "ranks": world_size,
+        "tensors": len(tensors),
+        "manifest_bytes": manifest_bytes,
+        "rank_build_ms": round(1000 * build_s / world_size, 3),
+        "rank_index_bytes": round(index_bytes / world_size),
+        "rank_report_bytes": round(report_bytes),
+        "commit_wall_s": round(commit_wall_s, 4),
+        "commit_cpu_s": round(commit_cpu_s, 4),
+        "commit_requests": commit_requests,
+        "save_requests": rank_requests + commit_requests,
+        **restore,
+    }
+
+
+def measure_restore_v2(storage: Any, step: int, shard: RankShard) -> dict[str, Any]:
+    """Rank `shard.rank` restores its template through `load_state` (format 2: the top
+    manifest, the indexes of the ranks holding its tensors, its byte ranges)."""
+    from ckpt_manager._load.restore import load_state
+    from ckpt_manager._store.catalog import read_manifest
+    from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
+    from tests.support.request_count import count_requests
+
+    template = restore_template(shard)
+    manifest_bytes = storage.size(f"{step_dir(step)}/{MANIFEST_NAME}")
+    with count_requests(storage) as counted:
+        started = time.perf_counter()
+        manifest = read_manifest(storage, step)
+        load_state(storage, manifest, shard.rank, template)
+        restore_s = time.perf_counter() - started
+    read = counted.read_bytes
+    return {
+        "restore_s": round(restore_s, 4),
+        "restore_read_bytes": read,
+        "restore_own_bytes": shard.own_bytes,
+        "restore_requests": counted.requests,
+        "restore_read_ratio": round(read / (shard.own_bytes + manifest_bytes), 3),
+        "restore_read_over_own": round(read / shard.own_bytes, 1),
     }
 
 
@@ -407,7 +568,7 @@ def measure_list(backend: Backend, num_steps: int) -> dict[str, Any]:
 # --- report ----------------------------------------------------------------------------------
 
 
-def plot(saves: list[dict[str, Any]], path: Path) -> None:
+def plot(saves: list[dict[str, Any]], path: Path, title: str) -> None:
     """Each cost against N, one line per backend, log-log."""
     import matplotlib
 
@@ -423,17 +584,17 @@ def plot(saves: list[dict[str, Any]], path: Path) -> None:
         ("rank_build_ms", "per-rank index build (ms)"),
     ]
     fig, axes = plt.subplots(2, 3, figsize=(13, 7.5))
-    for ax, (key, title) in zip(axes.flat, panels, strict=True):
+    for ax, (key, panel) in zip(axes.flat, panels, strict=True):
         for name in sorted({r["backend"] for r in saves}):
             rows = [r for r in saves if r["backend"] == name]
             ax.plot([r["ranks"] for r in rows], [r[key] for r in rows], marker="o", label=name)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(title, fontsize=10)
+        ax.set_title(panel, fontsize=10)
         ax.set_xlabel("ranks (N)")
         ax.grid(True, which="both", alpha=0.3)
     axes.flat[0].legend()
-    fig.suptitle(f"checkpoint metadata path, {saves[0]['tensors']} tensors, today's format")
+    fig.suptitle(f"checkpoint metadata path, {saves[0]['tensors']} tensors: {title}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
@@ -484,7 +645,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--max-pieces",
         type=int,
         default=2_300_000,
-        help="skip an N whose N x tensors piece records exceed this (memory; default 2.3M)",
+        help="format 1: skip an N whose N x tensors piece records exceed this (default 2.3M)",
+    )
+    parser.add_argument(
+        "--format",
+        type=int,
+        choices=(1, 2),
+        default=2,
+        help="checkpoint format: 2 (per-rank indexes, the default) or 1 (before issue 18)",
     )
     parser.add_argument("--plot", type=Path, default=DEFAULT_PLOT, help="PNG path ('' : none)")
     parser.add_argument("--quick", action="store_true", help="8 and 64 ranks, 110 tensors, K=200")
@@ -513,21 +681,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         with backends(args.backends.split(","), workdir) as found:
             for backend in found:
                 for n in ranks:
-                    if n * len(tensors) > args.max_pieces:
+                    if args.format == 1 and n * len(tensors) > args.max_pieces:
                         skipped.append(
                             {"backend": backend.name, "ranks": n, "reason": "--max-pieces"}
                         )
                         continue
-                    saves.append(measure_save(backend, n, tensors))
+                    saves.append(measure_save(backend, n, tensors, args.format))
                     print(f"{backend.name} N={n} done", file=sys.stderr, flush=True)
                 lists.append(measure_list(backend, args.list_steps))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.plot and str(args.plot) and saves:
-        plot(saves, args.plot)
+        plot(saves, args.plot, FORMATS[args.format])
     result = {
         **summary(saves, lists),
-        "format": "today (format version 1: one manifest with every piece of every rank)",
+        "format": FORMATS[args.format],
         "targets": {
             "manifest_bytes_1024": 4 * _MIB,
             "commit_cpu_s_1024": 1.0,
