@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
@@ -687,8 +688,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         )
                         continue
                     saves.append(measure_save(backend, n, tensors, args.format))
-                    print(f"{backend.name} N={n} done", file=sys.stderr, flush=True)
+                    # Progress, and each result as it lands (a long run cut short keeps them).
+                    print(json.dumps(saves[-1]), file=sys.stderr, flush=True)
                 lists.append(measure_list(backend, args.list_steps))
+                print(json.dumps(lists[-1]), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.plot and str(args.plot) and saves:
