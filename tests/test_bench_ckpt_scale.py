@@ -21,6 +21,7 @@ KEYS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_quick_json_has_the_issues_keys_and_a_plot(tmp_path: Path) -> None:
     plot = tmp_path / "scale.png"
