@@ -531,6 +531,8 @@ def measure_list(backend: Backend, num_steps: int, *, compare: bool = True) -> d
     storage = _fresh_root(backend, f"list{num_steps}")
     seed_s = seed_steps(storage, num_steps)
 
+    kinds: dict[str, int] = {}
+
     def one_list() -> tuple[float, int, int]:
         with count_requests(storage) as counted:
             started = time.perf_counter()
@@ -543,9 +545,12 @@ def measure_list(backend: Backend, num_steps: int, *, compare: bool = True) -> d
             elapsed = time.perf_counter() - started
         if len(rows) != num_steps:
             raise RuntimeError(f"list found {len(rows)} of {num_steps} steps")
+        kinds.clear()
+        kinds.update(counted.http if counted.is_s3 else counted.calls)
         return elapsed, counted.requests, counted.read_bytes
 
     with_catalog = [one_list() for _ in range(3)]
+    request_kinds = dict(kinds)
     catalog_bytes = storage.size(CATALOG_NAME)
     without: tuple[float | None, int | None, int] = (None, None, 0)
     repaired = None
@@ -562,6 +567,7 @@ def measure_list(backend: Backend, num_steps: int, *, compare: bool = True) -> d
         "seed_s": round(seed_s, 2),
         "list_s": round(best[0], 3),
         "list_requests": best[1],
+        "list_request_kinds": request_kinds,
         "list_read_bytes": best[2],
         "catalog_bytes": catalog_bytes,
         "list_without_catalog_s": None if without[0] is None else round(without[0], 3),
