@@ -21,6 +21,7 @@ the dedicated gloo group line up without extra barriers; every one is bounded by
 
 from __future__ import annotations
 
+import collections
 import json
 import time
 import uuid
@@ -47,7 +48,13 @@ from ckpt_manager._store.lease import Lease
 from ckpt_manager._store.manifest import shard_file_name
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._store.tree import flatten
-from ckpt_manager._types import ManagerStats, RestoreProgress, RestoreResult, SaveObserver
+from ckpt_manager._types import (
+    FINALIZE_CALLS_KEPT,
+    ManagerStats,
+    RestoreProgress,
+    RestoreResult,
+    SaveObserver,
+)
 from ckpt_manager.errors import (
     CheckpointError,
     CheckpointTimeoutError,
@@ -130,6 +137,9 @@ class CheckpointManager:
             fence=self._confirm_lease,
         )
         self._pending = self._final.pending  # the same deque: saves in flight, oldest first
+        self._finalize_calls: collections.deque[float] = collections.deque(
+            maxlen=FINALIZE_CALLS_KEPT
+        )
         self._open_root()
         self._pipeline = LocalPipeline(self.config, self._storage, self.rank, self._log)
 
@@ -320,14 +330,23 @@ class CheckpointManager:
         """Commit finished saves without blocking; call on every rank at every step.
 
         Costs nothing when no save is in flight; otherwise one small all-reduce on the
-        checkpoint group per call.
+        checkpoint group per call (and a gather or a broadcast of a few bytes per rank at
+        the two calls that start and finish a commit; the commit itself runs on the
+        coordinator's commit thread: [Note: the commit runs off the training thread] in
+        `_save/finalize.py`). Each call's time is kept in `stats().recent_finalize_call_s`.
 
         Raises:
             SaveFailedError: a save failed on some rank (raised on every rank).
             CheckpointError: a checkpoint collective failed (a peer died or timed out).
         """
         self._check_open()
-        self._final.run(blocking=False)
+        if not self._pending:
+            return
+        t0 = time.monotonic()
+        try:
+            self._final.run(blocking=False)
+        finally:
+            self._finalize_calls.append(time.monotonic() - t0)
 
     def wait_until_finished(self) -> None:
         """Block until every save in flight is committed or failed (collective).
@@ -370,6 +389,7 @@ class CheckpointManager:
             inflight=len(self._pending),
             last_committed_step=last[0] if last else None,
             last_committed_unix_s=last[1] if last else None,
+            recent_finalize_call_s=tuple(self._finalize_calls),
         )
 
     @property
@@ -456,6 +476,7 @@ class CheckpointManager:
         timeout = self.config.writer_start_timeout_s
         self._pipeline.close(self._pending)
         self._pending.clear()
+        self._final.close(timeout)
         if self._deleter is not None:
             self._deleter.close(timeout)
         if self._lease is not None:

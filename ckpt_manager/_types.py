@@ -10,6 +10,7 @@ import torch
 
 __all__ = [
     "ALIASES_KEY",
+    "FINALIZE_CALLS_KEPT",
     "ManagerStats",
     "RankLocal",
     "RestoreProgress",
@@ -105,6 +106,10 @@ class SaveObserver(Protocol):
         """Called on the training thread when a save commits or fails."""
 
 
+FINALIZE_CALLS_KEPT = 1024
+"""How many recent `maybe_finalize()` call times `ManagerStats` carries."""
+
+
 class ManagerStats(NamedTuple):
     """Point-in-time state of a manager."""
 
@@ -114,6 +119,9 @@ class ManagerStats(NamedTuple):
     """Newest step committed by this manager or found at start."""
     last_committed_unix_s: float | None
     """Commit time of that step (Unix seconds)."""
+    recent_finalize_call_s: tuple[float, ...] = ()
+    """Training-thread time of each of the last `FINALIZE_CALLS_KEPT` `maybe_finalize()`
+    calls that had a save in flight, oldest first (a bench reports their p99)."""
 
 
 class RestoreResult(NamedTuple):

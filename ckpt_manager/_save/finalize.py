@@ -9,29 +9,67 @@ finds another attempt's manifest there (`CommitResult.CONFLICT`), every rank rai
 `SaveFailedError` chained to `CommitConflictError` and the folder stays as it is. Each
 finished request becomes a `SaveReport` for the observer. See [Note: finalize at a step
 boundary] in `_manager.py`: `run()` is only ever called from the training thread.
+
+[Note: the commit runs off the training thread] The coordinator's part of a commit (building
+the top manifest from the gathered reports, the lease checks, the exclusive PUT, reading back
+a manifest found there) takes milliseconds to seconds on an object store, and every rank's
+training thread used to wait for it inside `maybe_finalize`. Now the round that agrees a
+request is written everywhere gathers the reports and hands them to the coordinator's commit
+thread (`CommitJob`), and returns. While the job runs the coordinator reports WRITING in the
+usual agreement all-reduce, so every rank's later `maybe_finalize` costs that one 24-byte
+all-reduce; the round that finds it done broadcasts the outcome and retires the request on
+every rank alike. A blocking finalize polls the same way. Requests still commit in order
+(only the oldest is ever agreed), and every guarantee of the synchronous commit holds: the
+exclusive manifest write is the commit, a failed or conflicting commit raises the same
+`SaveFailedError` on every rank, an uncommitted attempt's folder is removed by the
+coordinator after the outcome is known (never while its commit may still write).
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Agreement, Coordinator, Status
 from ckpt_manager._save.commit import CommitOutcome, CommitResult, commit_step, rank_report
 from ckpt_manager._save.request import Limits, SaveRequest
+from ckpt_manager._save.staging import BackgroundThread
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.catalog import remove_uncommitted_step
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._types import SaveObserver, SaveReport, SaveResult
 from ckpt_manager.errors import CheckpointError, SaveFailedError
 
-__all__ = ["AGREE_POLL_S", "Finalizer"]
+__all__ = ["AGREE_POLL_S", "CommitJob", "Finalizer"]
 
 AGREE_POLL_S = 0.05
 """Interval of agreement rounds while a blocking finalize waits for some rank's write."""
+
+
+class CommitJob:
+    """The coordinator's commit of one request, run on its commit thread."""
+
+    def __init__(self) -> None:
+        """An unfinished job (`done` unset, no outcome yet)."""
+        self.done = threading.Event()
+        """Set when `outcome` is final."""
+        self.outcome = CommitOutcome(CommitResult.FAILED, cause="the commit did not run")
+        """The commit's outcome (FAILED until it ran)."""
+
+    def run(self, storage: Storage, fence: Callable[[], None] | None, **commit: Any) -> None:
+        """Commit (`commit_step` with `commit`'s arguments), record the outcome, set `done`."""
+        try:
+            self.outcome = commit_step(storage, fence=fence, **commit)
+        except Exception as err:  # the outcome reaches every rank; never a silent hang
+            self.outcome = CommitOutcome(
+                CommitResult.FAILED, cause=f"commit crashed: {type(err).__name__}: {err}"
+            )
+        finally:
+            self.done.set()
 
 
 class Finalizer:
@@ -83,6 +121,11 @@ class Finalizer:
         holds the folder): never saved again by this run."""
         self.last_committed: tuple[int, float] | None = None
         """`(step, commit time)` of the newest commit known to this run."""
+        # request id -> (monotonic start, the coordinator's job or None on other ranks) for
+        # the request whose commit has started ([Note: the commit runs off the training
+        # thread]); at most the oldest request is ever in here.
+        self._committing: dict[int, tuple[float, CommitJob | None]] = {}
+        self._commit_thread: BackgroundThread | None = None
 
     def run(self, *, blocking: bool) -> None:
         """Finalize the oldest requests while all ranks agree they are settled.
@@ -115,7 +158,12 @@ class Finalizer:
             try:
                 if agreement.status == Status.FAILED:
                     self._fail(request)
-                self._commit(request, t0)
+                if request.request_id not in self._committing:
+                    self._start_commit(request, t0)
+                    if not blocking:
+                        return  # the next call polls it: one all-reduce
+                    continue
+                self._finish_commit(request)
             except SaveFailedError:
                 raise
             except CheckpointError as err:  # a collective of the commit itself failed
@@ -135,11 +183,22 @@ class Finalizer:
         Ranks leave the loop on the same round's result, so they stay in step.
         """
         while True:
-            status = request.local_status(self._limits)
+            job = self._job_of(request)
+            if job is not None and not job.done.is_set():
+                status = Status.WRITING  # the coordinator's commit is still running
+            else:
+                status = request.local_status(self._limits)
             agreement = self._coord.agree(request.request_id, status)
             if not blocking or not agreement.consistent or agreement.status != Status.WRITING:
                 return agreement
-            request.wait_for_progress(AGREE_POLL_S)
+            if job is not None and not job.done.is_set():
+                job.done.wait(AGREE_POLL_S)
+            else:
+                request.wait_for_progress(AGREE_POLL_S)
+
+    def _job_of(self, request: SaveRequest) -> CommitJob | None:
+        started = self._committing.get(request.request_id)
+        return None if started is None else started[1]
 
     def _stop_local_writer(self, request: SaveRequest) -> None:
         """Kill this rank's writer if it may still touch the request's files or buffer."""
@@ -157,6 +216,11 @@ class Finalizer:
 
     def _abandon(self, request: SaveRequest, cause: str) -> None:
         """Local clean-up when the group cannot agree any more (a peer is gone)."""
+        started = self._committing.pop(request.request_id, None)
+        if started is not None and started[1] is not None:
+            # Its manifest write may still land: wait, so nothing else touches the step
+            # folder meanwhile (a committed folder is kept by every removal path anyway).
+            started[1].done.wait(self._config.finalize_timeout_s)
         request.fail(cause)
         self._stop_local_writer(request)
         self._retire(request, SaveResult.FAILED, 0.0)
@@ -191,18 +255,43 @@ class Finalizer:
             self._log.warning("ckpt_failed_attempt_not_removed", ckpt_step=step, error=str(err))
             return False
 
-    def _commit(self, request: SaveRequest, t0: float) -> None:
+    def _start_commit(self, request: SaveRequest, t0: float) -> None:
+        """Gather the reports; the coordinator queues its commit on the commit thread."""
         gathered = self._coord.gather(rank_report(request.contribution))
-        outcome = CommitOutcome(CommitResult.COMMITTED)
+        job = None
         if gathered is not None:
-            outcome = commit_step(
+            job = CommitJob()
+            if self._commit_thread is None:
+                self._commit_thread = BackgroundThread("ckpt-commit")
+            self._commit_thread.submit(self._commit_job(job, request, gathered))
+        self._committing[request.request_id] = (t0, job)
+
+    def _commit_job(
+        self, job: CommitJob, request: SaveRequest, reports: Sequence[Any]
+    ) -> Callable[[], None]:
+        step, created = request.step, request.created_unix_s
+
+        def run() -> None:
+            job.run(
                 self._storage,
-                step=request.step,
+                self._fence,
+                step=step,
                 run_id=self._run_id,
-                created_unix_s=request.created_unix_s,
-                reports=gathered,
-                fence=self._fence,
+                created_unix_s=created,
+                reports=reports,
             )
+
+        return run
+
+    def close(self, timeout_s: float) -> None:
+        """Stop the commit thread (after the job it runs, if any)."""
+        if self._commit_thread is not None:
+            self._commit_thread.close(timeout_s)
+            self._commit_thread = None
+
+    def _finish_commit(self, request: SaveRequest) -> None:
+        t0, job = self._committing.pop(request.request_id)
+        outcome = job.outcome if job is not None else CommitOutcome(CommitResult.COMMITTED)
         outcome = self._coord.broadcast(outcome)
         if outcome.result is not CommitResult.COMMITTED:
             cause = f"commit failed on the coordinator: {outcome.cause}"

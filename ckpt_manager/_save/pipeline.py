@@ -247,7 +247,7 @@ class LocalPipeline:
         assert request.slab is not None
         view = request.slab.view(request.layout.total_bytes)
         try:
-            size, crc = write_shard_retrying(
+            size, crc, index = write_shard_retrying(
                 self._storage,
                 name,
                 view,
@@ -257,11 +257,10 @@ class LocalPipeline:
                 on_retry=lambda err, delay: self._log.warning(
                     "ckpt_write_retrying", ckpt_step=request.step, error=str(err), retry_in_s=delay
                 ),
+                index_json=request.contribution["index_json"],
             )
-            entry = write_finished_index(
-                self._storage, request.contribution["index_json"], size, crc
-            )
-            request.finish_ok(size=size, crc32=crc, index=(entry.size, entry.crc32))
+            assert index is not None
+            request.finish_ok(size=size, crc32=crc, index=(index.size, index.crc32))
         except CheckpointError as err:
             request.fail(f"write failed: {err}")
         finally:

@@ -43,10 +43,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
 
 from ckpt_manager._store.backend_errors import is_transient
 from ckpt_manager._store.checksum import crc32
+from ckpt_manager._store.manifest import FileEntry
 from ckpt_manager._store.rank_index import write_finished_index
 from ckpt_manager._store.storage import Storage
 
@@ -55,6 +56,7 @@ __all__ = ["FAULT_ENV", "main", "write_shard", "write_shard_retrying"]
 FAULT_ENV = "CKPT_MANAGER_WRITER_FAULT"
 _PARALLEL_CRC_BYTES = 8 << 20
 _MAX_RETRY_DELAY_S = 30.0
+_T = TypeVar("_T")
 
 
 def write_shard_retrying(
@@ -66,8 +68,12 @@ def write_shard_retrying(
     concurrency: int,
     retry_for_s: float,
     on_retry: Callable[[BaseException, float], None] | None = None,
-) -> tuple[int, int]:
-    """`write_shard` to an object store, retried while the store is only unreachable.
+    index_json: str | None = None,
+) -> tuple[int, int, FileEntry | None]:
+    """`write_shard` to an object store, retried while the store is only unreachable; then
+    the rank's index object (`index_json`: `rank_index.write_finished_index`), retried the
+    same way within the same `retry_for_s`. Returns the shard's size and CRC-32 and the
+    index's entry (None without `index_json`).
 
     [Note: a store outage is waited out, not failed] botocore's own retries give up within
     seconds, so without this a restart of the object store or a network blip fails every
@@ -81,12 +87,32 @@ def write_shard_retrying(
         on_retry: called with the error and the delay before each retry (for logging).
     """
     deadline = time.monotonic() + retry_for_s
+    size, crc = _retrying(
+        storage,
+        deadline,
+        on_retry,
+        lambda: write_shard(storage, name, data, chunk_bytes=chunk_bytes, concurrency=concurrency),
+    )
+    if index_json is None:
+        return size, crc, None
+    index = _retrying(
+        storage, deadline, on_retry, lambda: write_finished_index(storage, index_json, size, crc)
+    )
+    return size, crc, index
+
+
+def _retrying(
+    storage: Storage,
+    deadline: float,
+    on_retry: Callable[[BaseException, float], None] | None,
+    action: Callable[[], _T],
+) -> _T:
+    """`action()`, retried on transient object-store errors until `deadline` (see [Note: a
+    store outage is waited out, not failed])."""
     delay = 1.0
     while True:
         try:
-            return write_shard(
-                storage, name, data, chunk_bytes=chunk_bytes, concurrency=concurrency
-            )
+            return action()
         except Exception as err:
             if not storage.is_object_store or not is_transient(err):
                 raise
@@ -220,24 +246,27 @@ class _Server:
                     "chunk_bytes": int(msg["chunk_bytes"]),
                     "concurrency": int(msg["concurrency"]),
                 }
+                # The index last: it records the shard's size and checksum, and the trainer
+                # reports its own size and CRC-32 to the coordinator ([Note: the top
+                # manifest stays small] in `_store/manifest.py`).
                 if msg.get("streamed"):  # local disk: nothing transient to wait out
                     staged = self.staged_counts(msg)
                     size, crc = write_shard(storage, msg["name"], view, staged=staged, **sizes)
+                    index = write_finished_index(storage, msg["index_json"], size, crc)
                 else:
-                    size, crc = write_shard_retrying(
+                    size, crc, written = write_shard_retrying(
                         storage,
                         msg["name"],
                         view,
                         retry_for_s=float(msg.get("retry_for_s", 0.0)),
                         on_retry=lambda err, _delay: retries.append(f"{type(err).__name__}: {err}"),
+                        index_json=msg["index_json"],
                         **sizes,
                     )
+                    assert written is not None
+                    index = written
             finally:
                 view.release()
-            # The index last: it records the shard's size and checksum, and the trainer
-            # reports its own size and CRC-32 to the coordinator ([Note: the top manifest
-            # stays small] in `_store/manifest.py`).
-            index = write_finished_index(storage, msg["index_json"], size, crc)
             reply.update(ok=True, size=size, crc32=crc, index=[index.size, index.crc32], error=None)
             if retries:
                 reply.update(retries=len(retries), retried_error=retries[-1])

@@ -16,7 +16,7 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, SaveFailedError
 from ckpt_manager._save.writer import FAULT_ENV
-from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._store.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from tests.ckpt_manager.save.test_commit import commit_with_lost_reply
 from tests.support.dist import free_port
 from tests.support.proxy import ThrottledProxy
@@ -49,7 +49,11 @@ def test_persistent_writer_multipart_roundtrip(request: pytest.FixtureRequest, s
         assert first.state["n"] == 1
     fs = target.filesystem()
     folder = f"{root.removeprefix('s3://')}/{step_dir(2)}"
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(folder)) == [MANIFEST_NAME, shard_file_name(0)]
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(folder)) == [
+        MANIFEST_NAME,
+        shard_file_name(0),
+        index_file_name(0),
+    ]
 
 
 class _Outage:

@@ -6,6 +6,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import threading
 from typing import Any
 
 import pytest
@@ -138,3 +139,39 @@ def test_b_retried_identical_manifest_write_is_a_commit_on_local_disk(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     commit_with_lost_reply(str(tmp_path / "root"), {}, monkeypatch)
+
+
+def test_the_commit_runs_off_the_training_thread(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The manifest PUT is held until released: maybe_finalize keeps returning meanwhile,
+    # and the PUT ran on the coordinator's commit thread, not on the calling thread.
+    entered, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+    real = Storage.write
+
+    def write(self: Storage, name: str, data: Any, **kw: Any) -> None:
+        if name.endswith(MANIFEST_NAME):
+            threads.append(threading.current_thread().name)
+            entered.set()
+            release.wait(60)
+        real(self, name, data, **kw)
+
+    monkeypatch.setattr(Storage, "write", write)
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT)
+    with CheckpointManager(str(tmp_path), cfg, run_id="off-thread") as mgr:
+        mgr.save(4, {"t": torch.arange(8.0)})
+        while not entered.is_set():
+            mgr.maybe_finalize()
+            entered.wait(0.01)
+        for _ in range(3):  # the commit is held: each call is one poll, and returns
+            mgr.maybe_finalize()
+        assert mgr.stats().inflight == 1
+        assert mgr.all_steps() == []
+        release.set()
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [4]
+        stats = mgr.stats()
+    assert threads == ["ckpt-commit"]
+    assert stats.last_committed_step == 4
+    assert len(stats.recent_finalize_call_s) >= 4

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import signal
 import subprocess
+import zlib
 from typing import Any
 
 import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, SaveFailedError, SaveResult
-from ckpt_manager._save.writer import FAULT_ENV
+from ckpt_manager._save.writer import FAULT_ENV, write_shard_retrying
 from ckpt_manager._store.lease import LEASE_NAME
-from ckpt_manager._store.manifest import shard_file_name, step_dir
+from ckpt_manager._store.manifest import FileEntry, index_file_name, shard_file_name, step_dir
+from ckpt_manager._store.rank_index import IndexedFile, RankIndex
 from ckpt_manager._store.root_catalog import CATALOG_NAME
+from ckpt_manager._store.storage import Storage
 from tests.ckpt_manager._states import wait_until
 from tests.ckpt_manager.conftest import Reports
+from tests.support.s3 import S3Target
 
 
 def test_writer_exception_fails_save_and_next_save_works(
@@ -133,3 +138,50 @@ def test_disk_full_keeps_previous_step(tiny_tmpfs: pathlib.Path) -> None:
         result = mgr.restore()
         assert result is not None
         assert torch.equal(result.state["t"], one)
+
+
+@pytest.mark.s3
+def test_a_transient_failure_of_the_index_write_is_waited_out(
+    s3: S3Target, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The shard landed; the index PUT meets a dropped connection once: it is retried
+    # (without re-uploading the shard) instead of failing the save.
+    storage = Storage(f"{s3.uri}/run-index-retry", dict(s3.storage_options))
+    index = RankIndex.build(
+        step=1,
+        rank=0,
+        file=IndexedFile(name=shard_file_name(0), size=0, crc32=0),
+        records=[],
+        rank_local_trees=[],
+    )
+    real = Storage.write
+    writes: list[str] = []
+
+    def write(self: Storage, name: str, data: Any, **kw: Any) -> None:
+        writes.append(name.rsplit("/", 1)[-1])
+        if name.endswith(index_file_name(0)) and writes.count(index_file_name(0)) == 1:
+            raise ConnectionError("connection reset by peer")
+        real(self, name, data, **kw)
+
+    monkeypatch.setattr(Storage, "write", write)
+    retried: list[str] = []
+    size, crc, entry = write_shard_retrying(
+        storage,
+        f"{step_dir(1)}/{shard_file_name(0)}",
+        memoryview(b"x" * 100),
+        chunk_bytes=1 << 20,
+        concurrency=1,
+        retry_for_s=30.0,
+        on_retry=lambda err, _delay: retried.append(str(err)),
+        index_json=index.to_json().decode(),
+    )
+    assert writes == [shard_file_name(0), index_file_name(0), index_file_name(0)]
+    assert retried == ["connection reset by peer"]
+    stored = storage.read(f"{step_dir(1)}/{index_file_name(0)}")
+    assert entry == FileEntry(len(stored), zlib.crc32(stored))
+    assert json.loads(stored)["file"] == {
+        "name": shard_file_name(0),
+        "size": size,
+        "crc32": crc,
+        "checksum_algorithm": "crc32",
+    }
