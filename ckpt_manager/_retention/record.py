@@ -123,7 +123,8 @@ def read_retention(storage: Storage) -> Labelled | None:
         StorageError: the root cannot be read.
     """
     try:
-        raw = storage.read(RETENTION_NAME)
+        # One GET even when absent (see `lease.read_lease`).
+        raw = storage.read_with_version(RETENTION_NAME)[0]
     except FileNotFoundError:
         return None
     try:

@@ -43,6 +43,7 @@ from ckpt_manager._store.manifest import (
     step_dir,
 )
 from ckpt_manager._store.rank_index import IndexedFile, PieceRecord, RankIndex, RankReport
+from ckpt_manager._store.root_catalog import record_commit
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._store.tree import Flattened, LeafKind, TensorLeaf
 from ckpt_manager.errors import (
@@ -421,6 +422,7 @@ def commit_manifest(
             storage.write(f"{folder}/{MANIFEST_NAME}", data, exclusive=True)
         except ObjectExistsError:
             return _resolve_existing(storage, step, ours=(bytes(data), committed))
+        record_commit(storage, manifest, manifest_bytes=len(data))  # the root catalog (an index)
         return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=committed)
     except LeaseLostError as err:
         return CommitOutcome(CommitResult.FENCED, cause=f"LeaseLostError: {err}", conflict=err)
@@ -472,6 +474,7 @@ def commit_step(
         # [Note: the manifest was just PUT] The step is committed from here on: the one
         # place a save becomes durable (what follows it, e.g. an index of the root, may fail
         # without un-committing the step).
+        record_commit(storage, manifest, manifest_bytes=len(data))  # the root catalog (an index)
         return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=committed)
     except LeaseLostError as err:
         return CommitOutcome(CommitResult.FENCED, cause=f"LeaseLostError: {err}", conflict=err)

@@ -32,6 +32,11 @@ need torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
                     dead attempts; remove_uncommitted_step, the one guarded removal of an
                     uncommitted step folder (never one that holds a manifest).
     pins.py         pinned steps under `_pins/` (shared with ckptctl).
+    root_catalog.py `_CATALOG.json`, the index of committed steps at the root (entries with
+                    size, world size, metrics, pinned), updated by compare-and-swap at each
+                    commit, retention deletion and pin; never trusted over a manifest.
+    listing.py      committed steps from the catalog reconciled with one listing of the step
+                    folders (manifests read only for steps it lacks), and the catalog repair.
     lease.py        Lease on the root: conditional take/refresh/release, takeover only after
                     expiry on our own clock or a provably dead holder, fencing (confirm).
 """

@@ -14,6 +14,7 @@ import structlog
 from ckpt_manager._store.checksum import checksum
 from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from ckpt_manager._store.pins import is_pinned
+from ckpt_manager._store.root_catalog import record_commit, remove_steps
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import (
     CheckpointError,
@@ -299,11 +300,14 @@ def delete_step(storage: Storage, step: int) -> bool:
     appeared in between puts the manifest back before anything else is touched. So whichever
     order the two processes interleave in, a pin that was confirmed keeps its step.
 
+    The step leaves the root catalog before its manifest is removed (and comes back when a
+    pin undoes the deletion).
+
     Returns:
         True if the step is gone; False if a pin kept it.
 
     Raises:
-        StorageError: a delete failed.
+        StorageError: a delete (or the catalog update before it) failed.
     """
     folder = step_dir(step)
     manifest_name = f"{folder}/{MANIFEST_NAME}"
@@ -314,11 +318,26 @@ def delete_step(storage: Storage, step: int) -> bool:
     if manifest is not None:
         if is_pinned(storage, step):
             return False
+        # The catalog forgets the step before its manifest goes (and a failure here stops the
+        # deletion): it never names a step whose manifest is gone ([Note: the catalog is an
+        # index, the manifest the truth] in `root_catalog.py`).
+        remove_steps(storage, {step})
         storage.remove(manifest_name)
         if is_pinned(storage, step):
             storage.write(manifest_name, manifest)
             _log.info("ckpt_delete_undone_for_pin", ckpt_step=step)
+            _recatalog(storage, step, manifest)
             return False
     abort_orphaned_uploads(storage, folder)
     storage.remove_tree(folder)
     return True
+
+
+def _recatalog(storage: Storage, step: int, manifest: bytes) -> None:
+    """Put back the catalog entry of a step whose deletion a pin undid (best effort: a step
+    missing from the catalog is found by the next listing)."""
+    try:
+        parsed = Manifest.from_json(manifest, expected_step=step)
+    except CorruptCheckpointError:
+        return
+    record_commit(storage, parsed, manifest_bytes=len(manifest))

@@ -111,7 +111,9 @@ def _read(storage: Storage) -> tuple[dict[str, Any] | None, str | None, bool]:
 def read_lease(storage: Storage) -> dict[str, Any] | None:
     """The current lease, or None when absent, released or unreadable."""
     try:
-        doc = _parse(storage.read(LEASE_NAME))
+        # One GET even when absent (`Storage.read` of a missing object costs S3 a HEAD and a
+        # LIST through s3fs): `ckptctl list` reads it on every call.
+        doc = _parse(storage.read_with_version(LEASE_NAME)[0])
     except CheckpointError:
         return None
     return None if doc is None or doc.get("released") else doc

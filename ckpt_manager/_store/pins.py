@@ -3,7 +3,9 @@
 A pin is an empty object; pinning is idempotent and never read-modify-write, so two writers
 cannot lose each other's pins. A pin is confirmed only once the step's manifest is seen after
 the pin was written (`pin_committed_step`); deletions check for pins on both sides of removing
-the manifest (see [Note: pins win races] in `catalog.delete_step`).
+the manifest (see [Note: pins win races] in `catalog.delete_step`). Pinning and unpinning a
+committed step also record it in the root catalog's entry (`root_catalog.set_pinned`, best
+effort: the pin objects stay the truth).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import time
 
 from ckpt_manager._store.manifest import MANIFEST_NAME, PINS_DIR, parse_step_dir, step_dir
+from ckpt_manager._store.root_catalog import set_pinned
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import StepNotFoundError
 
@@ -60,8 +63,10 @@ def pin_committed_step(storage: Storage, step: int, *, confirm_s: float = 2.0) -
                 "being pinned); no pin was left"
             )
         time.sleep(_CONFIRM_POLL_S)
+    set_pinned(storage, step, True)  # the root catalog's copy; `_pins/` stays the truth
 
 
 def unpin_step(storage: Storage, step: int) -> None:
     """Remove a pin (a missing pin is fine)."""
     storage.remove(_pin_name(step))
+    set_pinned(storage, step, False)

@@ -498,7 +498,14 @@ class Storage:
         with translated("list", path):
             self._invalidate(path)
             try:
-                entries = self.fs.ls(path, detail=False)
+                if self.protocol in ("s3", "s3a"):
+                    # s3fs's `ls` lists the parent folder when a folder comes back empty (to
+                    # tell a file from a folder): for `_pins/` that is the whole root, ~10
+                    # pages at 10k steps. The folder's own listing is all a caller needs.
+                    found = fsspec.asyn.sync(self.fs.loop, self.fs._lsdir, path, refresh=True)
+                    entries = [str(e["name"]) for e in found]
+                else:
+                    entries = self.fs.ls(path, detail=False)
             except FileNotFoundError:
                 return []
         base = path.rstrip("/")

@@ -1,11 +1,13 @@
-"""`ckptctl list`: one row per step from its manifest alone, plus the root's lease holder.
+"""`ckptctl list`: one row per step from the root catalog, plus the root's lease holder.
 
-[Note: list reads only manifests] One listing of the root, then one GET of `manifest.json`
-per step, issued concurrently in one batch on object stores (latency and per-request client
-CPU, not bandwidth, dominate: 300 steps on S3 are 300 small requests; one asyncio batch costs
-less CPU than a pool of threads each driving its own request). Shard files are not touched
-unless `--verify` asks for it. A missing manifest is an uncommitted step (shown with
-`--all`); one that fails validation is `corrupt`.
+[Note: list reads the catalog, not every manifest] The rows come from the root catalog
+reconciled with one listing of the step folders (`_store/listing.py`, [Note: listing with
+the catalog]): a constant number of requests however many steps the root holds (10k steps on
+S3: the catalog GET, ~10 LIST pages, the pins LIST, a few HEADs). Manifests are read only for
+steps the catalog lacks (then the catalog is repaired) and for the newest steps whose
+manifest size differs from the catalog's record. `--verify` reads every manifest and every
+file (in parallel on object stores) and reports what they say. A folder without a manifest
+is an uncommitted step (shown with `--all`); a manifest that fails validation is `corrupt`.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from typing import Any
 
 from ckpt_manager._retention.policies import StepInfo
 from ckpt_manager._retention.record import read_retention
-from ckpt_manager._store.catalog import list_step_dirs, read_manifest, read_manifests, verify_files
+from ckpt_manager._store.catalog import list_step_dirs, read_manifest, verify_files
 from ckpt_manager._store.lease import holder_is_provably_dead, read_lease
+from ckpt_manager._store.listing import list_steps
 from ckpt_manager._store.manifest import Manifest
 from ckpt_manager._store.pins import pinned_steps
+from ckpt_manager._store.root_catalog import CatalogEntry, entry_from_manifest, manifest_strategy
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import metrics_text, parallel_map
 from ckpt_manager.ctl.render import format_age, format_bytes, format_local_time, iso_local, table
@@ -69,8 +73,8 @@ class StepRow:
     """Training step."""
     state: StepState
     """Committed, uncommitted or corrupt."""
-    manifest: Manifest | None
-    """The manifest when it parsed."""
+    entry: CatalogEntry | None
+    """What the catalog (or the step's manifest, when read) records; None unless committed."""
     pinned: bool
     """Whether a pin protects it."""
     retained_by: tuple[str, ...]
@@ -80,19 +84,19 @@ class StepRow:
 
     def to_json(self, now: float) -> dict[str, Any]:
         """The stable JSON object (keys `JSON_KEYS`)."""
-        m = self.manifest
+        e = self.entry
         doc = {
             "step": self.step,
             "state": self.state.value,
-            "committed_at": iso_local(m.committed_unix_s) if m else None,
-            "committed_unix_s": m.committed_unix_s if m else None,
-            "age_s": round(now - m.committed_unix_s, 3) if m else None,
-            "bytes": m.num_bytes if m else None,
-            "num_files": len(m.files) if m else None,
-            "world_size": m.world_size if m else None,
-            "strategy": strategy_of(m) if m else None,
-            "run_id": m.run_id if m else None,
-            "metrics": dict(m.metrics) if m else {},
+            "committed_at": iso_local(e.committed_unix_s) if e else None,
+            "committed_unix_s": e.committed_unix_s if e else None,
+            "age_s": round(now - e.committed_unix_s, 3) if e else None,
+            "bytes": e.num_bytes if e else None,
+            "num_files": e.num_files if e else None,
+            "world_size": e.world_size if e else None,
+            "strategy": e.strategy if e else None,
+            "run_id": e.run_id if e else None,
+            "metrics": dict(e.metrics) if e else {},
             "pinned": self.pinned,
             "retained_by": list(self.retained_by),
             "error": self.error,
@@ -102,22 +106,12 @@ class StepRow:
 
 
 def strategy_of(m: Manifest) -> str:
-    """How the state was laid out: the `strategy` metric if the run saved one, else inferred.
+    """How the state was laid out (`root_catalog.manifest_strategy`, which the catalog records).
 
     `sharded-flat` (flat ranges, as the sharding engine writes), `sharded-box`, `replicated`
     (every tensor written once by rank 0) or `mixed`.
     """
-    named = m.metrics.get("strategy")
-    if isinstance(named, str) and named:
-        return named
-    kinds = set()
-    for key, rec in m.tensors.items():
-        if rec["kind"] == "replicated":
-            continue
-        kinds.add("sharded-flat" if m.form_of(key) == "flat" else "sharded-box")
-    if not kinds:
-        return "replicated"
-    return kinds.pop() if len(kinds) == 1 else "mixed"
+    return manifest_strategy(m)
 
 
 def _read(storage: Storage, step: int, verify: bool) -> Manifest | CheckpointError | None:
@@ -132,6 +126,26 @@ def _read(storage: Storage, step: int, verify: bool) -> Manifest | CheckpointErr
         return err
 
 
+def _verified(storage: Storage) -> tuple[dict[int, CatalogEntry], list[int], dict[int, str]]:
+    """`--verify`: every manifest read and every file checked (the catalog is not used)."""
+    steps = list_step_dirs(storage)
+    results = parallel_map(lambda s: _read(storage, s, True), steps, storage)
+    entries: dict[int, CatalogEntry] = {}
+    uncommitted: list[int] = []
+    corrupt: dict[int, str] = {}
+    for step, result in zip(steps, results, strict=True):
+        if isinstance(result, Manifest):
+            # The size is not needed here: these entries are only printed.
+            entries[step] = entry_from_manifest(result, manifest_bytes=1)
+        elif result is None:
+            uncommitted.append(step)
+        elif isinstance(result, CheckpointError):
+            corrupt[step] = str(result)
+        else:
+            raise result
+    return entries, uncommitted, corrupt
+
+
 def collect_rows(
     storage: Storage,
     *,
@@ -139,47 +153,35 @@ def collect_rows(
     verify: bool,
     flags: RetentionFlags,
 ) -> list[StepRow]:
-    """Read every step's manifest (in parallel on object stores) and build the rows.
+    """Build the rows from the root catalog (repaired if stale), or from every manifest and
+    file with `verify`.
 
     `retained_by` comes from the retention `flags` when any is given, else from the policy the
     run recorded in the root (none recorded: only `latest` and `pinned`).
 
     Raises:
-        StorageError: the root cannot be listed.
+        StorageError: the root (or its catalog or pins) cannot be read.
     """
-    steps = list_step_dirs(storage)
-    results: list[Manifest | CheckpointError | None]
     if verify:
-        results = parallel_map(lambda s: _read(storage, s, verify), steps, storage)
+        entries, uncommitted, corrupt = _verified(storage)
+        pinned = pinned_steps(storage)
     else:
-        results = [
-            None if isinstance(r, StepNotFoundError) else r for r in read_manifests(storage, steps)
-        ]
-    pinned = pinned_steps(storage)
-    infos = [
-        StepInfo(s, r.committed_unix_s, dict(r.metrics))
-        for s, r in zip(steps, results, strict=True)
-        if isinstance(r, Manifest)
-    ]
+        listing = list_steps(storage)
+        entries = {e.step: e for e in listing.committed}
+        uncommitted, corrupt, pinned = listing.uncommitted, listing.corrupt, listing.pinned
+    infos = [StepInfo(s, e.committed_unix_s, dict(e.metrics)) for s, e in entries.items()]
     # Flags override the policy the run recorded in the root.
     labelled = flags.labelled() if flags.given else (read_retention(storage) or [])
     reasons = retained_by(infos, pinned, labelled)
-    rows = []
-    for step, result in zip(steps, results, strict=True):
-        if isinstance(result, Manifest):
-            state, manifest, error = StepState.COMMITTED, result, None
-        elif result is None:
-            if not include_uncommitted:
-                continue
-            state, manifest, error = StepState.UNCOMMITTED, None, None
-        else:
-            if isinstance(result, Exception) and not isinstance(result, CheckpointError):
-                raise result
-            state, manifest, error = StepState.CORRUPT, None, str(result)
-        rows.append(
-            StepRow(step, state, manifest, step in pinned, tuple(reasons.get(step, ())), error)
-        )
-    return rows
+    rows = [
+        StepRow(s, StepState.COMMITTED, e, s in pinned, tuple(reasons.get(s, ())), None)
+        for s, e in entries.items()
+    ]
+    for s, why in corrupt.items():
+        rows.append(StepRow(s, StepState.CORRUPT, None, s in pinned, (), why))
+    for s in uncommitted if include_uncommitted else ():
+        rows.append(StepRow(s, StepState.UNCOMMITTED, None, s in pinned, (), None))
+    return sorted(rows, key=lambda r: r.step)
 
 
 def lease_header(storage: Storage, now: float) -> str | None:
@@ -217,8 +219,8 @@ def render_rows(rows: Sequence[StepRow], now: float | None = None) -> str:
     ]
     body = []
     for r in rows:
-        m = r.manifest
-        if m is None:
+        e = r.entry
+        if e is None:
             detail = r.error or ""
             body.append([str(r.step), r.state.value, "-", "-", "-", "-", "-", detail, ""])
             continue
@@ -226,12 +228,12 @@ def render_rows(rows: Sequence[StepRow], now: float | None = None) -> str:
             [
                 str(r.step),
                 r.state.value,
-                format_local_time(m.committed_unix_s),
-                format_age(now - m.committed_unix_s),
-                format_bytes(m.num_bytes),
-                str(m.world_size),
-                strategy_of(m),
-                metrics_text(m.metrics),
+                format_local_time(e.committed_unix_s),
+                format_age(now - e.committed_unix_s),
+                format_bytes(e.num_bytes),
+                str(e.world_size),
+                e.strategy,
+                metrics_text(e.metrics),
                 ",".join(r.retained_by),
             ]
         )

@@ -18,6 +18,7 @@ from ckpt_manager._save.writer import FAULT_ENV, write_shard_retrying
 from ckpt_manager._store.lease import LEASE_NAME
 from ckpt_manager._store.manifest import FileEntry, index_file_name, shard_file_name, step_dir
 from ckpt_manager._store.rank_index import IndexedFile, RankIndex
+from ckpt_manager._store.root_catalog import CATALOG_NAME
 from ckpt_manager._store.storage import Storage
 from tests.ckpt_manager._states import wait_until
 from tests.ckpt_manager.conftest import Reports
@@ -132,7 +133,8 @@ def test_disk_full_keeps_previous_step(tiny_tmpfs: pathlib.Path) -> None:
         with pytest.raises(SaveFailedError, match="No space left"):
             mgr.wait_until_finished()
         assert mgr.all_steps() == [1]
-        assert sorted(p.name for p in tiny_tmpfs.iterdir()) == [LEASE_NAME, step_dir(1)]
+        names = sorted(p.name for p in tiny_tmpfs.iterdir())
+        assert names == [CATALOG_NAME, LEASE_NAME, step_dir(1)]
         result = mgr.restore()
         assert result is not None
         assert torch.equal(result.state["t"], one)
