@@ -16,8 +16,7 @@ every other one) does on a real `Storage` what it does in a save:
   with the manifest PUT and the root catalog update. Measured: wall time, CPU time,
   requests, the manifest's bytes. The commit runs on the coordinator's own commit thread
   (format 1 ran it inside `maybe_finalize` on the training thread, where its wall time was
-  the stall); `commit_wall_p99_ms` is the worst of the series. `finalize_p99_ms` (the
-  training thread's poll) needs a real process group and is left null here;
+  the stall); `commit_wall_p99_ms` is the worst of the series;
 * one rank (N/2) restores — format 2: the real `load_state` into a template of its own
   shards (top manifest, the indexes of the ranks holding its tensors, its byte ranges);
   format 1: `manifest.json` whole and one ranged read of its own pieces. Measured: bytes
@@ -25,6 +24,16 @@ every other one) does on a real `Storage` what it does in a save:
 * `ckptctl list` over K steps seeded cheaply (tiny manifests plus catalog entries written
   directly): the in-process `collect_rows` + `lease_header` + table, with the catalog and,
   for comparison, without it (every manifest read; this also repairs the catalog).
+
+The training thread's cost per `maybe_finalize` (`finalize_p99_ms`) needs real ranks: a
+separate run spawns `--finalize-ranks` gloo ranks (2: one per core of this machine) of a
+real `CheckpointManager` on local disk, each holding its flat shard of every one of the
+`--tensors` tensors, and runs a loop of simulated steps (a gradient-sized all-reduce, then
+`maybe_finalize()`), saving every 4 steps. Its p99 is over every rank's calls made while a
+save was in flight (`ManagerStats.recent_finalize_call_s`); `cpu_p99_ms` is the same calls'
+CPU time on the training thread. What one call costs is one small collective poll (plus, on
+the agreeing call, a gather of the rank reports), so it does not grow with N except through
+the collective's own latency.
 
 Requests and bytes are counted through the `Storage` instance (`tests/support/
 request_count.py`): HTTP requests on S3 (each LIST page, each retry), Storage operations
@@ -202,6 +211,7 @@ def save_rank_v2(storage: Any, step: int, shard: RankShard, tree: Any) -> tuple[
     `prepare_rank` (builds the index), the shard file, `write_finished_index`,
     `rank_report`. Returns the report and the seconds spent building the index."""
     from ckpt_manager._save.commit import prepare_rank, rank_report
+    from ckpt_manager._store.checksum import SAVE_ALGORITHM
     from ckpt_manager._store.manifest import Piece, shard_file_name, step_dir
     from ckpt_manager._store.rank_index import PieceRecord, write_finished_index
 
@@ -228,8 +238,14 @@ def save_rank_v2(storage: Any, step: int, shard: RankShard, tree: Any) -> tuple[
     build_s = time.perf_counter() - started
     storage.write(f"{step_dir(step)}/{name}", bytes(shard.file_bytes))
     index = write_finished_index(storage, contribution["index_json"], shard.file_bytes, 0)
+    # A save records the staging copy's checksum by SAVE_ALGORITHM; the zero-filled shard's
+    # value is not what this model measures (nothing here verifies the bytes).
     contribution.update(
-        size=shard.file_bytes, crc32=0, index_size=index.size, index_crc32=index.crc32
+        size=shard.file_bytes,
+        crc32=0,
+        checksum_algorithm=SAVE_ALGORITHM.value,
+        index_size=index.size,
+        index_crc32=index.crc32,
     )
     return rank_report(contribution), build_s
 
@@ -613,6 +629,104 @@ def plot(saves: list[dict[str, Any]], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+# --- the training thread's maybe_finalize, on real ranks -----------------------------------
+
+
+class _FlatShard(NamedTuple):
+    """A ShardedTensorLike in flat form (what the ZeRO engine hands the manager)."""
+
+    local: Any
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    flat_range: tuple[int, int] | None
+
+
+def _finalize_rank(
+    rank: int, world_size: int, spec: dict[str, Any]
+) -> tuple[list[float], list[float], list[float]]:
+    """One rank of the finalize measurement; returns its `maybe_finalize` wall times while a
+    save was in flight, its `save()` times and those calls' thread CPU times (seconds)."""
+    import torch
+    import torch.distributed as dist
+    from _common import stdout_to_stderr
+
+    from ckpt_manager import CheckpointConfig, CheckpointManager
+
+    stdout_to_stderr()  # the manager logs to stdout; the bench's JSON owns it
+    state: dict[str, Any] = {}
+    for i in range(spec["tensors"]):
+        numel = spec["numel"]
+        per = -(-numel // world_size)
+        start, end = min(numel, rank * per), min(numel, (rank + 1) * per)
+        local = torch.full((end - start,), float(i), dtype=torch.bfloat16)
+        state[f"p{i}"] = _FlatShard(local, (numel,), (0,), (start, end))
+    grad = torch.zeros(spec["grad_numel"])
+    root = f"{spec['root']}"
+    with CheckpointManager(root, CheckpointConfig(), run_id="finalize-bench") as mgr:
+        save_s: list[float] = []
+        cpu_s: list[float] = []  # the training thread's CPU time in each counted call
+        for step in range(1, spec["steps"] + 1):
+            if step % spec["save_every"] == 1 % spec["save_every"] and step > 1:
+                started = time.perf_counter()
+                mgr.save(step - 1, {"model": state})  # at the boundary after step - 1
+                save_s.append(time.perf_counter() - started)
+            # The step's gradient sync: it also absorbs the ranks' skew from save(), as the
+            # next step's collectives do in training, so the poll below is timed alone.
+            dist.all_reduce(grad)
+            counted = len(mgr.stats().recent_finalize_call_s)
+            cpu_started = time.thread_time()
+            mgr.maybe_finalize()
+            cpu = time.thread_time() - cpu_started
+            if len(mgr.stats().recent_finalize_call_s) > counted:  # a save was in flight
+                cpu_s.append(cpu)
+        mgr.wait_until_finished()
+        calls = list(mgr.stats().recent_finalize_call_s)
+    return calls, save_s, cpu_s
+
+
+def measure_finalize(
+    world_size: int, num_tensors: int, steps: int, workdir: Path
+) -> dict[str, Any]:
+    """p50/p99/max of the training thread's `maybe_finalize` time on `world_size` real ranks."""
+    from _common import run_ranks
+
+    spec = {
+        "tensors": num_tensors,
+        "numel": 4096,
+        "grad_numel": 1 << 16,
+        "steps": steps,
+        "save_every": 4,
+        "root": str(workdir / "finalize"),
+    }
+    per_rank = run_ranks(_finalize_rank, world_size, spec, timeout_s=900.0)
+    calls = sorted(c * 1000 for finalize_s, _, _ in per_rank for c in finalize_s)
+    saves = sorted(c * 1000 for _, save_s, _ in per_rank for c in save_s)
+    cpu = sorted(c * 1000 for _, _, cpu_s in per_rank for c in cpu_s)
+    if not calls:
+        return {"ranks": world_size, "calls": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+
+    def pct(q: float, values: list[float] = calls) -> float:
+        return round(values[min(len(values) - 1, int(q * len(values)))], 3)
+
+    return {
+        "ranks": world_size,
+        "tensors": num_tensors,
+        "steps": steps,
+        "calls": len(calls),
+        "p50_ms": pct(0.50),
+        "p99_ms": pct(0.99),
+        "max_ms": round(calls[-1], 3),
+        # The same calls' CPU time on the training thread: the wall time above adds the wait
+        # in the poll's all-reduce for peers, which on an oversubscribed machine (every rank's
+        # staging thread and writer process share its cores) is scheduling delay.
+        "cpu_p50_ms": pct(0.50, cpu) if cpu else None,
+        "cpu_p99_ms": pct(0.99, cpu) if cpu else None,
+        # Diagnostic: the training thread's `save()` call itself (flatten + layout).
+        "save_call_p50_ms": round(saves[len(saves) // 2], 1) if saves else None,
+        "save_call_max_ms": round(saves[-1], 1) if saves else None,
+    }
+
+
 def _at(saves: list[dict[str, Any]], ranks: int, key: str, backend: str) -> Any:
     for r in saves:
         if r["ranks"] == ranks and r["backend"] == backend:
@@ -620,7 +734,9 @@ def _at(saves: list[dict[str, Any]], ranks: int, key: str, backend: str) -> Any:
     return None
 
 
-def summary(saves: list[dict[str, Any]], lists: list[dict[str, Any]]) -> dict[str, Any]:
+def summary(
+    saves: list[dict[str, Any]], lists: list[dict[str, Any]], finalize: dict[str, Any] | None
+) -> dict[str, Any]:
     """The issue's keys: N=1024 on the first backend that ran it (else the first backend:
     then the 1024-rank keys are null); list on the largest K."""
     primary = next((r["backend"] for r in saves if r["ranks"] == 1024), None)
@@ -631,12 +747,9 @@ def summary(saves: list[dict[str, Any]], lists: list[dict[str, Any]]) -> dict[st
     return {
         "manifest_bytes_1024": _at(saves, 1024, "manifest_bytes", primary or ""),
         "commit_cpu_s_1024": _at(saves, 1024, "commit_cpu_s", primary or ""),
-        # The simulation has no training thread: since the commit moved onto its own thread
-        # (c8e3471) `maybe_finalize` only polls it, which needs a real process group to
-        # measure. What is measured is the commit's latency (the worst of the series).
-        "finalize_p99_ms": None,
-        "finalize_p99_ms_note": "not measured here (no training thread in the simulation); "
-        "commit_wall_p99_ms is the coordinator's commit latency, off the training thread",
+        # Measured on real gloo ranks (`measure_finalize`): the commit runs on its own
+        # thread, so the training thread pays a poll per call.
+        "finalize_p99_ms": finalize["p99_ms"] if finalize else None,
         "commit_wall_p99_ms": round(max(commit_ms), 1) if commit_ms else None,
         "restore_read_ratio": _at(saves, 1024, "restore_read_ratio", primary or ""),
         "list_10k_s": big["list_s"] if big and big["steps"] >= 10_000 else None,
@@ -677,11 +790,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="skip list without the catalog (10k manifest GETs: minutes on SeaweedFS)",
     )
     parser.add_argument("--plot", type=str, default=str(DEFAULT_PLOT), help="PNG path ('': none)")
+    parser.add_argument(
+        "--finalize-ranks",
+        type=int,
+        default=2,
+        help="real gloo ranks for finalize_p99_ms (default 2, one per core here; 0: skip)",
+    )
+    parser.add_argument(
+        "--finalize-steps", type=int, default=40, help="simulated steps of that run (default 40)"
+    )
     parser.add_argument("--quick", action="store_true", help="8 and 64 ranks, 110 tensors, K=200")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.quick:
         args.ranks, args.tensors, args.list_steps = "8,64", 110, 200
+        args.finalize_ranks, args.finalize_steps = min(args.finalize_ranks, 2), 12
         if args.backends == "memory,local,seaweed":
             args.backends = "memory,local"
     try:
@@ -713,12 +836,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(json.dumps(saves[-1]), file=sys.stderr, flush=True)
                 lists.append(measure_list(backend, args.list_steps, compare=args.compare))
                 print(json.dumps(lists[-1]), file=sys.stderr, flush=True)
+        finalize = None
+        if args.finalize_ranks > 0:
+            finalize = measure_finalize(
+                args.finalize_ranks, args.tensors, args.finalize_steps, workdir
+            )
+            print(json.dumps({"finalize": finalize}), file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.plot and saves:
         plot(saves, Path(args.plot), FORMATS[args.format])
     result = {
-        **summary(saves, lists),
+        **summary(saves, lists, finalize),
+        "finalize": finalize,
         "format": FORMATS[args.format],
         "targets": {
             "manifest_bytes_1024": 4 * _MIB,
