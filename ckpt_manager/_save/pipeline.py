@@ -197,7 +197,11 @@ class LocalPipeline:
             # write on this staging thread, never on the training thread.
             try:
                 entry = write_finished_index(
-                    self._storage, request.contribution["index_json"], 0, 0
+                    self._storage,
+                    request.contribution["index_json"],
+                    0,
+                    0,
+                    spread_prefixes=request.contribution["spread_prefixes"],
                 )
             except CheckpointError as err:
                 request.fail(f"write failed: {err}")
@@ -235,6 +239,7 @@ class LocalPipeline:
             "streamed": streamed,
             "retry_for_s": self._retry_for_s(),
             "index_json": request.contribution["index_json"],
+            "spread_prefixes": request.contribution["spread_prefixes"],
         }
 
     def _retry_for_s(self) -> float:
@@ -258,6 +263,7 @@ class LocalPipeline:
                     "ckpt_write_retrying", ckpt_step=request.step, error=str(err), retry_in_s=delay
                 ),
                 index_json=request.contribution["index_json"],
+                spread_prefixes=request.contribution["spread_prefixes"],
             )
             assert index is not None
             request.finish_ok(size=size, crc32=crc, index=(index.size, index.crc32))

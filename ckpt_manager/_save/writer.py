@@ -9,8 +9,9 @@ Protocol over a private Unix socket (`multiprocessing.connection.Connection`)::
     trainer -> writer  {"op": "slab", "slab_id", "size"} + the memfd (SCM_RIGHTS)
                        {"op": "write", "request_id", "step", "name", "slab_id", "nbytes",
                         "root_uri", "storage_options", "chunk_bytes", "concurrency",
-                        "streamed", "retry_for_s", "index_json"}  (index_json: the rank's
-                        pending index object, written after the file)
+                        "streamed", "retry_for_s", "index_json", "spread_prefixes"}
+                        (index_json: the rank's pending index object, written after the
+                        file, in its sub-prefix when spread_prefixes is non-zero)
                        {"op": "staged", "request_id", "upto" | "error"}  (streamed writes:
                         the first `upto` bytes of the slab are final; sent while copying)
                        {"op": "stop"}                         sentinel: exit 0
@@ -69,6 +70,7 @@ def write_shard_retrying(
     retry_for_s: float,
     on_retry: Callable[[BaseException, float], None] | None = None,
     index_json: str | None = None,
+    spread_prefixes: int = 0,
 ) -> tuple[int, int, FileEntry | None]:
     """`write_shard` to an object store, retried while the store is only unreachable; then
     the rank's index object (`index_json`: `rank_index.write_finished_index`), retried the
@@ -96,7 +98,12 @@ def write_shard_retrying(
     if index_json is None:
         return size, crc, None
     index = _retrying(
-        storage, deadline, on_retry, lambda: write_finished_index(storage, index_json, size, crc)
+        storage,
+        deadline,
+        on_retry,
+        lambda: write_finished_index(
+            storage, index_json, size, crc, spread_prefixes=spread_prefixes
+        ),
     )
     return size, crc, index
 
@@ -242,6 +249,7 @@ class _Server:
                         self.fault, self.rank, int(msg["step"]), storage, msg["name"], view
                     )
                 retries: list[str] = []
+                spread = int(msg.get("spread_prefixes", 0))
                 sizes = {
                     "chunk_bytes": int(msg["chunk_bytes"]),
                     "concurrency": int(msg["concurrency"]),
@@ -252,7 +260,9 @@ class _Server:
                 if msg.get("streamed"):  # local disk: nothing transient to wait out
                     staged = self.staged_counts(msg)
                     size, crc = write_shard(storage, msg["name"], view, staged=staged, **sizes)
-                    index = write_finished_index(storage, msg["index_json"], size, crc)
+                    index = write_finished_index(
+                        storage, msg["index_json"], size, crc, spread_prefixes=spread
+                    )
                 else:
                     size, crc, written = write_shard_retrying(
                         storage,
@@ -261,6 +271,7 @@ class _Server:
                         retry_for_s=float(msg.get("retry_for_s", 0.0)),
                         on_retry=lambda err, _delay: retries.append(f"{type(err).__name__}: {err}"),
                         index_json=msg["index_json"],
+                        spread_prefixes=spread,
                         **sizes,
                     )
                     assert written is not None
