@@ -15,6 +15,7 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
 from ckpt_manager._config import DEFAULT_S3_SPREAD_PREFIXES
+from ckpt_manager._load.regions import StepRegions
 from ckpt_manager._load.restore import load_state
 from ckpt_manager._save.commit import CommitResult, commit_step
 from ckpt_manager._store.catalog import delete_step, read_manifest, verify_files
@@ -88,6 +89,10 @@ def test_a_spread_save_uses_p_prefixes_and_restores_bitwise(spread_step: Storage
     for key, shard in want["params"].items():
         assert torch.equal(got["params"][key].local, shard.local), key
     assert got["rng"]["seed"].item() == rank
+    # The region reader (DCP's load path) finds the holders' indexes in their sub-prefixes.
+    regions = StepRegions(spread_step, STEP)
+    for i in (0, 5, len(SIZES) - 1):
+        assert torch.equal(regions.whole(f"params/p{i}"), _values(i))
 
 
 def test_ckptctl_show_verify_and_deletion_of_a_spread_step(
