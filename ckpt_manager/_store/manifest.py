@@ -57,7 +57,8 @@ reshard`)::
 Parsing validates everything a reader will touch, so a manifest that parses never makes a
 reader fetch bytes outside a piece or allocate more than the step's files hold:
 
-- names: no `..`, no absolute paths, no other prefixes;
+- names: no `..`, no absolute paths, no other prefixes (only a two-hex-digit sub-folder, and
+  only when `spread_prefixes` is recorded);
 - every piece's extent: `nbytes` is what its dtype and shape hold, `offset` is 64-byte aligned
   (`format.plan_layout` places every tensor so), `[offset, offset + nbytes)` lies inside the
   file's recorded size and overlaps no other piece of that file;
