@@ -8,10 +8,16 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckpt_manager._retention.policies import RetentionPolicy
+from ckpt_manager._store.manifest import MAX_SPREAD_PREFIXES
+from ckpt_manager._store.options import S3Options
 
-__all__ = ["AsyncMode", "CheckpointConfig"]
+__all__ = ["DEFAULT_S3_SPREAD_PREFIXES", "AsyncMode", "CheckpointConfig"]
 
 _MIB = 1 << 20
+DEFAULT_S3_SPREAD_PREFIXES = 16
+"""Sub-prefixes per step on `s3://` roots unless configured ([Note: request spreading]):
+16 x 3,500 PUT/s per prefix is 56,000 PUT/s, room for the ~20,000 PUT-class requests of a
+1024-rank save arriving within a second, and only 16 folder levels for tools to show."""
 
 
 class AsyncMode(enum.StrEnum):
@@ -57,6 +63,10 @@ class CheckpointConfig:
     """Parts uploaded in parallel per file on object stores."""
     storage_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     """Extra fsspec options for the root (S3 endpoint, credentials, region ...)."""
+    spread_prefixes: int | None = None
+    """Sub-prefixes each step's rank objects are spread over (0: plain names; at most 256);
+    None: `DEFAULT_S3_SPREAD_PREFIXES` on `s3://` roots, 0 elsewhere ([Note: request
+    spreading] in `_store/manifest.py`)."""
 
     def __post_init__(self) -> None:
         mode: object = self.async_mode
@@ -88,5 +98,18 @@ class CheckpointConfig:
             )
         if self.upload_concurrency < 1:
             raise ValueError(f"upload_concurrency={self.upload_concurrency}: use 1 or more")
+        if self.spread_prefixes is not None and not (
+            0 <= self.spread_prefixes <= MAX_SPREAD_PREFIXES
+        ):
+            raise ValueError(
+                f"spread_prefixes={self.spread_prefixes}: use 0 (plain names) to "
+                f"{MAX_SPREAD_PREFIXES}, or None for the default of the root's store"
+            )
         if self.retention is not None and not callable(getattr(self.retention, "keep", None)):
             raise ValueError("retention must be a RetentionPolicy (an object with keep(steps))")
+
+    def spread_for(self, root_uri: str) -> int:
+        """The sub-prefixes a save under `root_uri` spreads its rank objects over."""
+        if self.spread_prefixes is not None:
+            return self.spread_prefixes
+        return DEFAULT_S3_SPREAD_PREFIXES if S3Options.serves(root_uri) else 0

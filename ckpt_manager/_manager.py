@@ -273,7 +273,8 @@ class CheckpointManager:
         flat = flatten(state)
         leaves = leaves_to_write(flat, self.rank)
         layout = plan_layout([(x.key, x.tensor.dtype, tuple(x.tensor.shape)) for x in leaves])
-        file_name = shard_file_name(self.rank) if leaves else None
+        spread = self.config.spread_for(self._storage.root_uri)
+        file_name = shard_file_name(self.rank, spread) if leaves else None
         slot = next(i for i in range(self.config.max_inflight) if not self._slot_in_use(i))
         writer = self._pipeline.writer_for_next_save()
         request = SaveRequest(
@@ -291,6 +292,7 @@ class CheckpointManager:
                 records=piece_records(leaves, layout, file_name),
                 file_name=file_name,
                 metrics=metrics,
+                spread_prefixes=spread,
             ),
             writer=writer,
         )

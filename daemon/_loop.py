@@ -121,7 +121,7 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def _checkpoint_config(cfg: DaemonConfig) -> Any:
-    from ckpt_manager import AnyOf, AsyncMode, CheckpointConfig, KeepEvery, KeepLast
+    from ckpt_manager import AnyOf, AsyncMode, CheckpointConfig, KeepEvery, KeepLast, S3Options
     from daemon._preflight import s3_storage_options
 
     ck = cfg.checkpoint
@@ -135,7 +135,11 @@ def _checkpoint_config(cfg: DaemonConfig) -> Any:
     )
     options = s3_storage_options(cfg)
     return CheckpointConfig(
-        async_mode=AsyncMode(ck.async_mode.value), retention=retention, storage_options=options
+        async_mode=AsyncMode(ck.async_mode.value),
+        retention=retention,
+        storage_options=options,
+        # Only S3 gains from spreading; None keeps plain names on every other root.
+        spread_prefixes=ck.s3_spread_prefixes if S3Options.serves(ck.ckpt_uri) else None,
     )
 
 

@@ -270,6 +270,10 @@ class CheckpointSettings:
     s3_endpoint_url: str = ""
     """S3 endpoint for `s3://` roots (MinIO, SeaweedFS, moto); empty uses AWS or
     `$AWS_ENDPOINT_URL`. Credentials come from the usual AWS variables."""
+    s3_spread_prefixes: int = 16
+    """Sub-prefixes each step's rank files are spread over on `s3://` roots, so a large
+    save stays under S3's per-prefix request rate (0: plain names; at most 256). Other roots
+    always use plain names."""
     max_consecutive_save_failures: int = 3
     """Failed saves in a row that stop the run; each earlier one is logged, counted and
     alerted on while training goes on. 1 stops the run at the first failed save."""
@@ -282,6 +286,10 @@ class CheckpointSettings:
             raise ValueError(
                 f"max_consecutive_save_failures={self.max_consecutive_save_failures}: use 1 or "
                 "more (1 stops the run at the first failed save)"
+            )
+        if not 0 <= self.s3_spread_prefixes <= 256:
+            raise ValueError(
+                f"s3_spread_prefixes={self.s3_spread_prefixes}: use 0 (plain names) to 256"
             )
         if self.s3_endpoint_url and not self.s3_endpoint_url.startswith(("http://", "https://")):
             raise ValueError(f"s3_endpoint_url={self.s3_endpoint_url!r}: use http(s)://host:port")

@@ -137,7 +137,7 @@ class StepRegions:
             found = self._indexes.get(rank)
         if found is not None:
             return found
-        name = index_file_name(rank)
+        name = index_file_name(rank, self._manifest.spread_prefixes)
         entry = self._manifest.files.get(name)
         if entry is None:
             raise CorruptCheckpointError(f"step {self.step}: no index of rank {rank}")

@@ -109,7 +109,7 @@ class _Loader:
         """A rank's index object (format 2), read on first use."""
         found = self._indexes.get(rank)
         if found is None:
-            name = index_file_name(rank)
+            name = index_file_name(rank, self.m.spread_prefixes)
             if name not in self.m.files:
                 raise CorruptCheckpointError(f"step {self.m.step}: no index of rank {rank}")
             data = read_bytes(

@@ -104,13 +104,15 @@ def prepare_rank(
     records: Sequence[PieceRecord],
     file_name: str | None,
     metrics: Mapping[str, Any],
+    spread_prefixes: int = 0,
 ) -> dict[str, Any]:
     """This rank's contribution to a format-2 save, before anything is written.
 
     Holds the pending index (`index_json`: its shard size and checksum still 0, filled in by
     `rank_index.write_finished_index` once the file is written) and the parts of the report
     known now; `size`/`crc32` and `index_size`/`index_crc32` are recorded by
-    `SaveRequest.finish_ok`. Rank 0 sends the tree and metrics.
+    `SaveRequest.finish_ok`. Rank 0 sends the tree and metrics. `spread_prefixes` places the
+    index in the rank's sub-prefix (`file_name` carries it already).
     """
     pending = RankIndex.build(
         step=step,
@@ -131,6 +133,7 @@ def prepare_rank(
         "index_size": 0,
         "index_crc32": 0,
         "index_json": pending.to_json().decode(),
+        "spread_prefixes": spread_prefixes,
         "tensors": draft.tensors,
         "tree": tree,
         "metrics": dict(metrics) if rank == 0 else None,
@@ -164,8 +167,12 @@ def build_top_manifest(
     created_unix_s: float,
     committed_unix_s: float,
     reports: Sequence[RankReport],
+    spread_prefixes: int = 0,
 ) -> Manifest:
     """The coordinator's merge of every rank's report (indexed by rank) into the top manifest.
+
+    `spread_prefixes` is what every rank wrote under (the same config on each rank); the
+    manifest records it and names the indexes with their sub-prefix.
 
     Raises:
         ValueError: reports out of rank order, or ranks disagree on a tensor's dtype or
@@ -184,7 +191,7 @@ def build_top_manifest(
                 report.file.crc32,
                 parse_algorithm(report.file.checksum_algorithm),
             )
-        files[index_file_name(rank)] = report.index_file
+        files[index_file_name(rank, spread_prefixes)] = report.index_file
         if report.tree is not None:
             tree, metrics = report.tree, report.metrics or {}
         for key, (dtype, shape, kind, form, held) in report.tensors.items():
@@ -220,6 +227,7 @@ def build_top_manifest(
         rank_local=(),
         format_version=FORMAT_VERSION,
         complete=False,
+        spread_prefixes=spread_prefixes,
     )
 
 
@@ -438,6 +446,7 @@ def commit_step(
     created_unix_s: float,
     reports: Sequence[RankReport],
     fence: Callable[[], None] | None = None,
+    spread_prefixes: int = 0,
 ) -> CommitOutcome:
     """Coordinator: build the format-2 top manifest from the reports, write it exclusively.
 
@@ -463,6 +472,7 @@ def commit_step(
             created_unix_s=created_unix_s,
             committed_unix_s=committed,
             reports=reports,
+            spread_prefixes=spread_prefixes,
         )
         data = manifest.to_json()
         if fence is not None:

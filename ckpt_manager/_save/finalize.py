@@ -270,6 +270,8 @@ class Finalizer:
         self, job: CommitJob, request: SaveRequest, reports: Sequence[Any]
     ) -> Callable[[], None]:
         step, created = request.step, request.created_unix_s
+        # Every rank resolves the same config, so the coordinator's spread is everyone's.
+        spread = int(request.contribution.get("spread_prefixes", 0))
 
         def run() -> None:
             job.run(
@@ -279,6 +281,7 @@ class Finalizer:
                 run_id=self._run_id,
                 created_unix_s=created,
                 reports=reports,
+                spread_prefixes=spread,
             )
 
         return run

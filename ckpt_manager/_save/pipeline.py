@@ -216,7 +216,11 @@ class LocalPipeline:
             # write on this staging thread, never on the training thread.
             try:
                 entry = write_finished_index(
-                    self._storage, request.contribution["index_json"], 0, 0
+                    self._storage,
+                    request.contribution["index_json"],
+                    0,
+                    0,
+                    spread_prefixes=request.contribution["spread_prefixes"],
                 )
             except CheckpointError as err:
                 request.fail(f"write failed: {err}")
@@ -256,6 +260,7 @@ class LocalPipeline:
             "index_json": request.contribution["index_json"],
             # Streamed: the copy has not run yet; the checksum follows its last byte count.
             "checksum": None if streamed else _staged_checksum(request),
+            "spread_prefixes": request.contribution["spread_prefixes"],
         }
 
     def _retry_for_s(self) -> float:
@@ -280,6 +285,7 @@ class LocalPipeline:
                 ),
                 index_json=request.contribution["index_json"],
                 checksum=_staged_checksum(request),
+                spread_prefixes=request.contribution["spread_prefixes"],
             )
             assert index is not None
             request.finish_ok(size=size, index=(index.size, index.crc32))

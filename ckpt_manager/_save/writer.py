@@ -12,9 +12,11 @@ Protocol over a private Unix socket (`multiprocessing.connection.Connection`)::
     trainer -> writer  {"op": "slab", "slab_id", "size"} + the memfd (SCM_RIGHTS)
                        {"op": "write", "request_id", "step", "name", "slab_id", "nbytes",
                         "root_uri", "storage_options", "chunk_bytes", "concurrency",
-                        "streamed", "retry_for_s", "index_json", "checksum"}
+                        "streamed", "retry_for_s", "index_json", "checksum",
+                        "spread_prefixes"}
                         (index_json: the rank's pending index object, written after the
-                        file with its size and `checksum`, the staging copy's; None when
+                        file with its size and `checksum`, the staging copy's, in its
+                        sub-prefix when spread_prefixes is non-zero; `checksum` is None when
                         streamed: then it comes with the copy's last `staged` message)
                        {"op": "staged", "request_id", "upto" | "error" [, "checksum"]}
                         (streamed writes: the first `upto` bytes of the slab are final;
@@ -72,6 +74,7 @@ def write_shard_retrying(
     on_retry: Callable[[BaseException, float], None] | None = None,
     index_json: str | None = None,
     checksum: int = 0,
+    spread_prefixes: int = 0,
 ) -> tuple[int, FileEntry | None]:
     """`write_shard` to an object store, retried while the store is only unreachable; then
     the rank's index object (`index_json`: `rank_index.write_finished_index`, recording the
@@ -103,7 +106,9 @@ def write_shard_retrying(
         storage,
         deadline,
         on_retry,
-        lambda: write_finished_index(storage, index_json, size, checksum),
+        lambda: write_finished_index(
+            storage, index_json, size, checksum, spread_prefixes=spread_prefixes
+        ),
     )
     return size, index
 
@@ -217,6 +222,7 @@ class _Server:
                         self.fault, self.rank, int(msg["step"]), storage, msg["name"], view
                     )
                 retries: list[str] = []
+                spread = int(msg.get("spread_prefixes", 0))
                 sizes = {
                     "chunk_bytes": int(msg["chunk_bytes"]),
                     "concurrency": int(msg["concurrency"]),
@@ -228,7 +234,11 @@ class _Server:
                     staged = self.staged_counts(msg)
                     size = write_shard(storage, msg["name"], view, staged=staged, **sizes)
                     index = write_finished_index(
-                        storage, msg["index_json"], size, self.staged_checksum(msg)
+                        storage,
+                        msg["index_json"],
+                        size,
+                        self.staged_checksum(msg),
+                        spread_prefixes=spread,
                     )
                 else:
                     size, written = write_shard_retrying(
@@ -239,6 +249,7 @@ class _Server:
                         on_retry=lambda err, _delay: retries.append(f"{type(err).__name__}: {err}"),
                         index_json=msg["index_json"],
                         checksum=int(msg["checksum"]),
+                        spread_prefixes=spread,
                         **sizes,
                     )
                     assert written is not None

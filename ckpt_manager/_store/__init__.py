@@ -16,8 +16,9 @@ need torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
     direct_write.py large local writes with O_DIRECT from page-aligned slabs, buffered tail
                     and fallback.
     manifest.py     layout names (step-<N:012d>, rank-<r:05d>.bin, rank-<r:05d>.index.json,
-                    manifest.json, _pins/), Manifest schema with validation: format 2's small
-                    top manifest and format 1's inline pieces.
+                    manifest.json, _pins/; spread_prefix for request spreading on S3),
+                    Manifest schema with validation: format 2's small top manifest and
+                    format 1's inline pieces.
     rank_index.py   per-rank index objects (format 2): build, write, read and check against
                     the top manifest; RankReport (what a rank tells the coordinator);
                     complete_manifest (every index merged in, for tools).

@@ -9,6 +9,11 @@ Layout under the root::
                                  `_store/rank_index.py`): its pieces, offsets, checksums
     step-<N:012d>/manifest.json  written last, exclusively, by the coordinator = the commit
 
+With spreading (`CheckpointConfig.spread_prefixes`, the default on S3; [Note: request
+spreading]) a rank's shard file and index sit one level down, in
+`step-<N:012d>/<r % P as 2 hex digits>/`; the manifest stays at the step's top, records
+`"spread_prefixes": P` after `world_size` and names those files with their sub-prefix.
+
 Manifest format version 2 (what the save path writes), all names relative to the step folder::
 
     {"format": "trainingd-checkpoint", "format_version": 2, "step": N, "world_size": W,
@@ -57,7 +62,8 @@ only written for other algorithms, so CRC-32 records serialise as they always di
 Parsing validates everything a reader will touch, so a manifest that parses never makes a
 reader fetch bytes outside a piece or allocate more than the step's files hold:
 
-- names: no `..`, no absolute paths, no other prefixes;
+- names: no `..`, no absolute paths, no other prefixes (only a two-hex-digit sub-folder, and
+  only when `spread_prefixes` is recorded);
 - every piece's extent: `nbytes` is what its dtype and shape hold, `offset` is 64-byte aligned
   (`format.plan_layout` places every tensor so), `[offset, offset + nbytes)` lies inside the
   file's recorded size and overlaps no other piece of that file;
@@ -102,8 +108,10 @@ __all__ = [
     "FORMAT_VERSION",
     "FORMAT_VERSION_PIECES",
     "MANIFEST_NAME",
+    "MAX_SPREAD_PREFIXES",
     "PIECE_ALIGN_BYTES",
     "PINS_DIR",
+    "SPREAD_FIELD",
     "FileEntry",
     "Manifest",
     "Piece",
@@ -114,6 +122,7 @@ __all__ = [
     "parse_step_dir",
     "rank_runs",
     "shard_file_name",
+    "spread_prefix",
     "step_dir",
 ]
 
@@ -130,7 +139,13 @@ CHECKSUM_FIELD = "manifest_crc32"
 """Top-level field holding the manifest's own checksum ([Note: the manifest's own checksum])."""
 PIECE_ALIGN_BYTES = 64
 """Every piece starts at a multiple of this in its file (`format.plan_layout` places them)."""
+SPREAD_FIELD = "spread_prefixes"
+"""Top-level field (format 2, only when non-zero): the sub-prefixes the step's rank objects
+are spread over ([Note: request spreading])."""
+MAX_SPREAD_PREFIXES = 256
+"""Most sub-prefixes a step may spread over (two hex digits name each)."""
 _STEP_RE = re.compile(r"^step-(\d{12})$")
+_SPREAD_DIR_RE = re.compile(r"^[0-9a-f]{2}$")
 
 
 def step_dir(step: int) -> str:
@@ -144,14 +159,37 @@ def parse_step_dir(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def shard_file_name(rank: int) -> str:
-    """Shard file name of a rank: `rank-00003.bin`."""
-    return f"rank-{rank:05d}.bin"
+def spread_prefix(rank: int, spread_prefixes: int) -> str:
+    """The sub-prefix of a rank's objects inside the step folder: `""` without spreading,
+    else two hex digits of `rank % spread_prefixes` and a slash (`"0a/"`).
+
+    [Note: request spreading] S3 sustains about 3,500 PUT-class requests per second per key
+    prefix and splits a busy prefix into partitions over time; a 1024-rank save makes about
+    2,000 to 20,000 PUT-class requests (shards, their multipart parts, indexes) within
+    seconds, all under `step-<N>/`, so it is throttled with SlowDown replies. Spreading puts
+    rank r's shard file and index under `step-<N>/<r % P as 2 hex digits>/`, so a save
+    touches P distinct prefixes and S3 can serve each from its own partition. Consecutive
+    ranks (one node's) land in different prefixes; the names are distinct for every bucket,
+    which is all S3's range partitioning needs (it no longer asks for random prefixes). The
+    step folder stays the unit of commit, listing and deletion: the manifest stays at its
+    top, records `spread_prefixes` and names every file with its sub-prefix, and removal is
+    recursive. Local disk and `memory://` gain nothing from it and use plain names.
+    """
+    if spread_prefixes == 0:
+        return ""
+    return f"{rank % spread_prefixes:02x}/"
 
 
-def index_file_name(rank: int) -> str:
-    """Index object name of a rank (format version 2): `rank-00003.index.json`."""
-    return f"rank-{rank:05d}.index.json"
+def shard_file_name(rank: int, spread_prefixes: int = 0) -> str:
+    """Shard file name of a rank, relative to the step folder: `rank-00003.bin`, or
+    `03/rank-00003.bin` when spread ([Note: request spreading])."""
+    return f"{spread_prefix(rank, spread_prefixes)}rank-{rank:05d}.bin"
+
+
+def index_file_name(rank: int, spread_prefixes: int = 0) -> str:
+    """Index object name of a rank (format version 2), relative to the step folder:
+    `rank-00003.index.json`, or `03/rank-00003.index.json` when spread."""
+    return f"{spread_prefix(rank, spread_prefixes)}rank-{rank:05d}.index.json"
 
 
 def rank_runs(ranks: Iterable[int]) -> list[list[int]]:
@@ -245,6 +283,9 @@ class Manifest:
     complete: bool = True
     """Whether `tensors` carry their `pieces` and `rank_local` is filled in (False for a
     format-2 manifest as read: [Note: the top manifest stays small])."""
+    spread_prefixes: int = 0
+    """Sub-prefixes the rank objects are spread over (0: plain names in the step folder;
+    [Note: request spreading])."""
 
     def holders(self, key: str) -> tuple[int, ...]:
         """Ranks holding non-empty pieces of a tensor (a format-2 summary only).
@@ -283,6 +324,7 @@ class Manifest:
             "format_version": FORMAT_VERSION_PIECES,
             "step": self.step,
             "world_size": self.world_size,
+            **self._spread_json(),
             "run_id": self.run_id,
             "created_unix_s": self.created_unix_s,
             "committed_unix_s": self.committed_unix_s,
@@ -307,12 +349,17 @@ class Manifest:
         body = _canonical(doc)
         return body[:-1] + _checksum_suffix(crc32(body))
 
+    def _spread_json(self) -> dict[str, int]:
+        # Only when spread: a plain step's manifest stays byte for byte what it was.
+        return {SPREAD_FIELD: self.spread_prefixes} if self.spread_prefixes else {}
+
     def _top_json(self) -> bytes:
         doc = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "step": self.step,
             "world_size": self.world_size,
+            **self._spread_json(),
             "run_id": self.run_id,
             "created_unix_s": self.created_unix_s,
             "committed_unix_s": self.committed_unix_s,
@@ -404,11 +451,21 @@ def _shape(value: Any, what: str) -> tuple[int, ...]:
     return tuple(_int(v, what) for v in value)
 
 
-def _file_name(value: Any) -> str:
+def _file_name(value: Any, spread_prefixes: int) -> str:
     name = validate_relative_name(value)
     if "/" in name:
-        raise ValueError(f"file name {name!r} must be inside the step folder")
+        # A spread step's rank objects sit one level down, in a two-hex-digit sub-prefix.
+        head, _, tail = name.partition("/")
+        if not (spread_prefixes and _SPREAD_DIR_RE.match(head) and "/" not in tail):
+            raise ValueError(f"file name {name!r} must be inside the step folder")
     return name
+
+
+def _spread(doc: Mapping[str, Any]) -> int:
+    value = _int(doc.get(SPREAD_FIELD, 0), SPREAD_FIELD)
+    if value > MAX_SPREAD_PREFIXES:
+        raise ValueError(f"{SPREAD_FIELD} {value} is above {MAX_SPREAD_PREFIXES}")
+    return value
 
 
 def _is_count(value: Any) -> bool:
@@ -544,12 +601,14 @@ def _ranks(value: Any, world_size: int, what: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _parse_top(doc: Mapping[str, Any], step: int, files: dict[str, FileEntry]) -> Manifest:
+def _parse_top(
+    doc: Mapping[str, Any], step: int, files: dict[str, FileEntry], spread: int
+) -> Manifest:
     """Format 2: the summary; pieces stay in the index objects ([Note: the top manifest
     stays small])."""
     world_size = _int(doc["world_size"], "world_size", 1)
     for rank in range(world_size):
-        if index_file_name(rank) not in files:
+        if index_file_name(rank, spread) not in files:
             raise ValueError(f"the index of rank {rank} is not listed in files")
     stored_bytes = sum(f.size for f in files.values())
     tensors: dict[str, dict[str, Any]] = {}
@@ -586,6 +645,7 @@ def _parse_top(doc: Mapping[str, Any], step: int, files: dict[str, FileEntry]) -
         rank_local=(),
         format_version=FORMAT_VERSION,
         complete=False,
+        spread_prefixes=spread,
     )
 
 
@@ -620,8 +680,9 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
     step = _int(doc["step"], "step")
     if expected_step is not None and step != expected_step:
         raise ValueError(f"manifest says step {step}, folder says {expected_step}")
+    spread = _spread(doc)
     files = {
-        _file_name(n): FileEntry(
+        _file_name(n, spread): FileEntry(
             _int(f["size"], "size"),
             _int(f["crc32"], "crc32"),
             parse_algorithm(f.get("checksum_algorithm")),
@@ -629,7 +690,7 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
         for n, f in dict(doc["files"]).items()
     }
     if version == FORMAT_VERSION:
-        return _parse_top(doc, step, files)
+        return _parse_top(doc, step, files, spread)
     stored_bytes = sum(f.size for f in files.values())
     extents: list[_Extent] = []
     tensors: dict[str, dict[str, Any]] = {}
@@ -693,4 +754,5 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
         tree=doc["tree"],
         tensors=tensors,
         rank_local=tuple(rank_local),
+        spread_prefixes=spread,
     )

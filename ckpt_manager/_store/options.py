@@ -58,9 +58,14 @@ class S3Options:
         endpoint = endpoint_url or os.environ.get(ENDPOINT_ENV, "") or None
         return cls(endpoint_url=endpoint)
 
+    @staticmethod
+    def serves(uri: str) -> bool:
+        """Whether `uri` is an S3 root (`s3://`, `s3a://`), which these options describe."""
+        return uri_scheme(uri) in S3_SCHEMES
+
     def fsspec_options(self, uri: str) -> dict[str, Any]:
         """fsspec options for `uri`: these S3 settings for `s3://` URIs, nothing for others."""
-        if uri_scheme(uri) not in S3_SCHEMES:
+        if not self.serves(uri):
             return {}
         options: dict[str, Any] = {}
         client: dict[str, Any] = {}

@@ -300,16 +300,21 @@ def _form(piece: Piece) -> str:
     return "box" if piece.global_offset is not None else "whole"
 
 
-def write_rank_index(storage: Storage, index: RankIndex) -> FileEntry:
-    """Write an index object atomically next to its shard file; returns its size and CRC."""
+def write_rank_index(storage: Storage, index: RankIndex, *, spread_prefixes: int = 0) -> FileEntry:
+    """Write an index object atomically next to its shard file (in its sub-prefix when
+    `spread_prefixes`); returns its size and CRC."""
     data = index.to_json()
-    storage.write(f"{step_dir(index.step)}/{index_file_name(index.rank)}", data)
+    name = index_file_name(index.rank, spread_prefixes)
+    storage.write(f"{step_dir(index.step)}/{name}", data)
     return FileEntry(len(data), crc32(data))
 
 
-def write_finished_index(storage: Storage, index_json: str, size: int, crc: int) -> FileEntry:
+def write_finished_index(
+    storage: Storage, index_json: str, size: int, crc: int, *, spread_prefixes: int = 0
+) -> FileEntry:
     """Write a pending index (`RankIndex.to_json` with its shard size and checksum still 0)
-    with the shard file's final `size` and `crc`; returns the index's own size and CRC-32.
+    with the shard file's final `size` and `crc` (in its sub-prefix when `spread_prefixes`);
+    returns the index's own size and CRC-32.
 
     Used by the writer process after the shard file is durable, and by the trainer for a
     rank without a shard file; torch-free and cheap (no piece is re-validated: the trainer
@@ -319,7 +324,8 @@ def write_finished_index(storage: Storage, index_json: str, size: int, crc: int)
     if doc["file"] is not None:
         doc["file"]["size"], doc["file"]["crc32"] = size, crc
     data = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
-    storage.write(f"{step_dir(int(doc['step']))}/{index_file_name(int(doc['rank']))}", data)
+    name = index_file_name(int(doc["rank"]), spread_prefixes)
+    storage.write(f"{step_dir(int(doc['step']))}/{name}", data)
     return FileEntry(len(data), crc32(data))
 
 
@@ -331,7 +337,7 @@ def read_rank_index(storage: Storage, manifest: Manifest, rank: int) -> RankInde
             CRC differ from the manifest's), or invalid.
         StorageError: the read failed.
     """
-    name = index_file_name(rank)
+    name = index_file_name(rank, manifest.spread_prefixes)
     if name not in manifest.files or not 0 <= rank < manifest.world_size:
         raise CorruptCheckpointError(f"step {manifest.step}: no index of rank {rank}")
     return check_rank_index(manifest, rank, storage.read(f"{step_dir(manifest.step)}/{name}"))
@@ -344,7 +350,7 @@ def check_rank_index(manifest: Manifest, rank: int, data: bytes | bytearray) -> 
     Raises:
         CorruptCheckpointError: the index does not match the manifest or is invalid.
     """
-    name = index_file_name(rank)
+    name = index_file_name(rank, manifest.spread_prefixes)
     entry = manifest.files.get(name)
     if entry is None:
         raise CorruptCheckpointError(f"step {manifest.step}: no index of rank {rank}")

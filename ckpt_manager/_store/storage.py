@@ -514,7 +514,7 @@ class Storage:
         return sorted(n for n in out if n)
 
     def modified_unix_s(self, name: str) -> float | None:
-        """Last modification time of an object, or the newest object in a folder."""
+        """Last modification time of an object, or of the newest object anywhere in a folder."""
         path = self.path(name)
         with translated("stat", path):
             self._invalidate(path)
@@ -523,10 +523,15 @@ class Storage:
             except FileNotFoundError:
                 return None
             found = self._time_of(info)
-            if found is not None or info.get("type") != "directory":
+            if info.get("type") != "directory":
                 return found
-            times = [self._time_of(e) for e in self.fs.ls(path, detail=True)]
+            # Recursive: a spread step keeps its files one level down, where neither an
+            # object store's folder (no time of its own) nor a local folder's mtime (set when
+            # a sub-folder is made, not when a file in it is written) sees them.
+            times = [self._time_of(e) for e in self.fs.find(path, detail=True).values()]
             known = [t for t in times if t is not None]
+            if found is not None:
+                known.append(found)
             return max(known) if known else None
 
     @staticmethod

@@ -15,6 +15,7 @@ import s3fs
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, SaveFailedError
+from ckpt_manager._config import DEFAULT_S3_SPREAD_PREFIXES
 from ckpt_manager._save.writer import FAULT_ENV
 from ckpt_manager._store.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from tests.ckpt_manager.save.test_commit import commit_with_lost_reply
@@ -49,11 +50,12 @@ def test_persistent_writer_multipart_roundtrip(request: pytest.FixtureRequest, s
         assert first.state["n"] == 1
     fs = target.filesystem()
     folder = f"{root.removeprefix('s3://')}/{step_dir(2)}"
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(folder)) == [
-        MANIFEST_NAME,
-        shard_file_name(0),
-        index_file_name(0),
-    ]
+    # S3's default spreading: the rank's objects in its sub-prefix, the manifest at the top.
+    spread = DEFAULT_S3_SPREAD_PREFIXES
+    assert sorted(p.removeprefix(f"{folder}/") for p in fs.find(folder)) == sorted(
+        [shard_file_name(0, spread), index_file_name(0, spread), MANIFEST_NAME]
+    )
+    assert index_file_name(0, spread).startswith("00/")
 
 
 class _Outage:
@@ -107,7 +109,7 @@ def _save_step_2_until_its_writer_stalls(mgr: CheckpointManager) -> None:
     mgr.save(1, {"t": torch.full((1000,), 1.0)})
     mgr.wait_until_finished()
     mgr.save(2, {"t": torch.full((1000,), 2.0)})
-    partial = f"{step_dir(2)}/{shard_file_name(0)}.partial"
+    partial = f"{step_dir(2)}/{shard_file_name(0, DEFAULT_S3_SPREAD_PREFIXES)}.partial"
     deadline = time.monotonic() + 20
     while not mgr.storage.exists(partial):
         assert time.monotonic() < deadline, "the writer never started step 2"

@@ -29,3 +29,17 @@ def test_an_environment_endpoint_without_scheme_is_a_startup_error(
     cfg = load_config({"ckpt_uri": "s3://b/run"}, env={})
     with pytest.raises(StartupCheckError, match=r"AWS_ENDPOINT_URL: .*needs a scheme"):
         s3_storage_options(cfg)
+
+
+def test_s3_spread_prefixes_reach_the_manager_on_s3_roots_only() -> None:
+    from ckpt_manager._config import DEFAULT_S3_SPREAD_PREFIXES
+    from daemon._loop import _checkpoint_config
+
+    s3 = _checkpoint_config(load_config({"ckpt_uri": "s3://b/run"}, env={}))
+    assert s3.spread_for("s3://b/run") == DEFAULT_S3_SPREAD_PREFIXES == 16
+    custom = load_config({"ckpt_uri": "s3://b/run", "s3_spread_prefixes": 0}, env={})
+    assert _checkpoint_config(custom).spread_for("s3://b/run") == 0
+    local = load_config({"ckpt_uri": "/data/ckpt", "s3_spread_prefixes": 64}, env={})
+    assert _checkpoint_config(local).spread_for("/data/ckpt") == 0
+    with pytest.raises(ValueError, match="s3_spread_prefixes=300: use 0"):
+        load_config({"ckpt_uri": "s3://b/run", "s3_spread_prefixes": 300}, env={})

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
+from ckpt_manager._config import DEFAULT_S3_SPREAD_PREFIXES
 from ckpt_manager._store.lease import LEASE_NAME
 from ckpt_manager._store.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from ckpt_manager._store.storage import Storage
@@ -33,6 +34,8 @@ class Root(NamedTuple):
     global_args: list[str]
     storage: Storage
     run: Run
+    spread: int
+    """The run's sub-prefixes: S3's default spreading on the S3 copy, none on local disk."""
 
 
 class Result(NamedTuple):
@@ -55,13 +58,14 @@ def root(
     storage = Storage(uri, options)
     manifest = f"{step_dir(1)}/{MANIFEST_NAME}"
     storage.write(manifest, storage.read(manifest)[:100])
-    shard = f"{step_dir(3)}/{shard_file_name(1)}"
+    spread = 0 if local else DEFAULT_S3_SPREAD_PREFIXES
+    shard = f"{step_dir(3)}/{shard_file_name(1, spread)}"
     data = bytearray(storage.read(shard))
     data[-3] ^= 0xFF
     storage.write(shard, bytes(data))
     storage.write(f"{step_dir(5)}/{shard_file_name(0)}", b"partial")
     args = [] if local else ["--endpoint-url", run.bucket.endpoint_url]
-    return Root(uri, args, storage, run)
+    return Root(uri, args, storage, run, spread)
 
 
 def ctl(root: Root, capsys: pytest.CaptureFixture[str], *argv: str) -> Result:
@@ -100,7 +104,8 @@ def test_list_json_has_stable_keys_states_and_reasons(
     assert four["world_size"] == 2
     assert four["strategy"] == "sharded-flat"
     assert four["metrics"]["tokens"] == 256
-    stored = [shard_file_name(r) for r in (0, 1)] + [index_file_name(r) for r in (0, 1)]
+    stored = [shard_file_name(r, root.spread) for r in (0, 1)]
+    stored += [index_file_name(r, root.spread) for r in (0, 1)]
     assert four["bytes"] == sum(root.storage.size(f"{step_dir(4)}/{n}") for n in stored)
     assert "latest" in four["retained_by"]
     assert "last-2" in four["retained_by"]
@@ -159,7 +164,8 @@ def test_verify_lists_bad_files_and_exits_1(root: Root, capsys: pytest.CaptureFi
     bad = ctl(root, capsys, "verify", "3")
     assert bad.rc == 1
     assert "step 3: CORRUPT, 1 bad:" in bad.out
-    assert "rank-00001.bin: file rank-00001.bin checksum" in bad.out
+    name = shard_file_name(1, root.spread)
+    assert f"{name}: file {name} checksum" in bad.out
     every = ctl(root, capsys, "verify", "--all", "--json")
     assert every.rc == 1
     status = {c["step"]: c["status"] for c in json.loads(every.out)}

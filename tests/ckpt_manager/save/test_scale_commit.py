@@ -74,15 +74,21 @@ def rank_state(rank: int, *, zero: bool = False) -> dict[str, Any]:
     }
 
 
-def save_rank(storage: Storage, rank: int) -> Any:
+def save_rank(storage: Storage, rank: int, spread_prefixes: int = 0) -> Any:
     """What one rank's trainer and writer do for a save; returns its report."""
     flat = flatten(rank_state(rank))
     leaves = leaves_to_write(flat, rank)
     layout = plan_layout([(x.key, x.tensor.dtype, tuple(x.tensor.shape)) for x in leaves])
-    name = shard_file_name(rank) if leaves else None
+    name = shard_file_name(rank, spread_prefixes) if leaves else None
     records = piece_records(leaves, layout, name)
     contribution = prepare_rank(
-        step=STEP, rank=rank, flat=flat, records=records, file_name=name, metrics={"loss": 0.25}
+        step=STEP,
+        rank=rank,
+        flat=flat,
+        records=records,
+        file_name=name,
+        metrics={"loss": 0.25},
+        spread_prefixes=spread_prefixes,
     )
     size = crc = 0
     if name is not None:
@@ -99,7 +105,9 @@ def save_rank(storage: Storage, rank: int) -> Any:
             chunk_bytes=1 << 20,
             concurrency=1,
         )
-    index = write_finished_index(storage, contribution["index_json"], size, crc)
+    index = write_finished_index(
+        storage, contribution["index_json"], size, crc, spread_prefixes=spread_prefixes
+    )
     contribution.update(
         size=size,
         crc32=crc,

@@ -22,7 +22,7 @@ import pytest
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, LeaseHeldError
 from ckpt_manager._store.lease import LEASE_NAME, read_lease
-from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
+from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
 from tests.ckpt_manager._states import wait_until
 
 TTL_S = 2.0
@@ -94,6 +94,10 @@ def holder(
     proc = _python(_HOLDER, root, str(flags), str(TTL_S), env=env, start_new_session=True)
     try:
         wait_until(lambda: (flags / "ready").exists() or proc.poll() is not None, 120)
+        # "ready" comes before the writer's stall fault has renamed its partial object into
+        # place; a test comparing the folder before and after must not see that rename.
+        partial = pathlib.Path(root) / step_dir(2) / f"{shard_file_name(0)}.partial"
+        wait_until(lambda: partial.exists() or proc.poll() is not None, 120)
         assert proc.poll() is None, proc.communicate()[0]
         yield root, flags, proc
     finally:
