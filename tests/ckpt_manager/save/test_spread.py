@@ -114,7 +114,8 @@ def test_ckptctl_show_verify_and_deletion_of_a_spread_step(
     # The newest object anywhere below the folder dates it (the deleter's grace period).
     assert spread_step.modified_unix_s(step_dir(STEP)) is not None
     assert delete_step(spread_step, STEP)
-    assert spread_step.list_names() == []
+    # Only the root catalog (an index of the committed steps, now empty) stays.
+    assert spread_step.list_names() == ["_CATALOG.json"]
 
 
 def test_manifest_names_in_sub_folders_need_the_recorded_spread(spread_step: Storage) -> None:
