@@ -50,7 +50,8 @@ def test_quick_json_has_the_issues_keys_and_a_plot(tmp_path: Path) -> None:
         assert save["restore_read_ratio"] <= 2.0
     # Measured on real ranks: every counted call's wall time bounds its CPU time.
     finalize = doc["finalize"]
-    assert finalize["ranks"] == 2 and finalize["calls"] > 0
+    assert finalize["ranks"] == 2
+    assert finalize["calls"] > 0
     assert doc["finalize_p99_ms"] == finalize["p99_ms"] >= finalize["p50_ms"] > 0
     assert 0 < finalize["cpu_p50_ms"] <= finalize["p99_ms"]
     assert doc["commit_wall_p99_ms"] > 0
