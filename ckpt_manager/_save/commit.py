@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import math
 import platform
 import sys
 import time
@@ -70,8 +71,25 @@ __all__ = [
 
 
 def leaves_to_write(flat: Flattened, rank: int) -> list[TensorLeaf]:
-    """The leaves this rank writes: sharded and rank-local always, replicated on rank 0."""
-    return [leaf for leaf in flat.leaves if leaf.kind is not LeafKind.REPLICATED or rank == 0]
+    """The leaves this rank writes: rank-local always, replicated on rank 0, sharded unless
+    the rank's piece is empty.
+
+    An empty piece of a non-empty tensor holds nothing to read back (format 2 lists only
+    non-empty pieces), so a rank whose pieces are all empty — a replica of a hybrid (HSDP)
+    layout, a DTensor replica — writes no shard file at all, and a hybrid checkpoint takes
+    the bytes of one replica's. A zero-element tensor keeps its (empty) pieces so the top
+    manifest still names it.
+    """
+    return [
+        leaf
+        for leaf in flat.leaves
+        if (leaf.kind is not LeafKind.REPLICATED or rank == 0)
+        and not (
+            leaf.kind is LeafKind.SHARDED
+            and leaf.tensor.numel() == 0
+            and math.prod(leaf.global_shape) > 0
+        )
+    ]
 
 
 def piece_records(

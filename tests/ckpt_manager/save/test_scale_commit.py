@@ -198,3 +198,18 @@ def test_one_rank_restore_reads_only_the_indexes_it_needs(
     own = sum(s.local.numel() * 4 for s in want["params"].values()) + 8 + 8
     # Issue #18's target: one rank's restore reads <= 2x its own pieces + the top manifest.
     assert counted.num_bytes() <= 2 * (own + manifest_bytes)
+
+
+def test_a_rank_whose_pieces_are_all_empty_writes_no_shard_file() -> None:
+    # A hybrid (HSDP) replica or a DTensor replica hands over only empty pieces: nothing to
+    # read back, so no file (a hybrid checkpoint holds one replica's bytes). A zero-element
+    # tensor keeps its empty piece, so the manifest still names it.
+    empty = {
+        "w": Shard(torch.empty(0), (8,), (0,), (0, 0)),
+        "nothing": Shard(torch.empty(0), (0,), (0,), (0, 0)),
+        "lr": 0.5,
+    }
+    leaves = leaves_to_write(flatten(empty), rank=1)
+    assert [leaf.global_shape for leaf in leaves] == [(0,)]
+    holder = {"w": Shard(torch.ones(4), (8,), (0,), (0, 4)), "lr": 0.5}
+    assert len(leaves_to_write(flatten(holder), rank=1)) == 1
