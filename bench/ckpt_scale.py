@@ -643,9 +643,10 @@ class _FlatShard(NamedTuple):
 
 def _finalize_rank(
     rank: int, world_size: int, spec: dict[str, Any]
-) -> tuple[list[float], list[float], list[float]]:
+) -> tuple[list[float], list[float], list[float], list[float]]:
     """One rank of the finalize measurement; returns its `maybe_finalize` wall times while a
-    save was in flight, its `save()` times and those calls' thread CPU times (seconds)."""
+    save was in flight, its `save()` times, those calls' thread CPU times and a bare
+    all-reduce's time after each of them (seconds)."""
     import torch
     import torch.distributed as dist
     from _common import stdout_to_stderr
@@ -665,6 +666,8 @@ def _finalize_rank(
     with CheckpointManager(root, CheckpointConfig(), run_id="finalize-bench") as mgr:
         save_s: list[float] = []
         cpu_s: list[float] = []  # the training thread's CPU time in each counted call
+        floor_s: list[float] = []  # a bare all-reduce of the poll's size, right after it
+        probe = torch.zeros(3, dtype=torch.int64)
         for step in range(1, spec["steps"] + 1):
             if step % spec["save_every"] == 1 % spec["save_every"] and step > 1:
                 started = time.perf_counter()
@@ -679,9 +682,14 @@ def _finalize_rank(
             cpu = time.thread_time() - cpu_started
             if len(mgr.stats().recent_finalize_call_s) > counted:  # a save was in flight
                 cpu_s.append(cpu)
+                # The floor under the same load at the same moment: a bare all-reduce of the
+                # poll's size (3 int64), which is what one call's collective costs at least.
+                started = time.perf_counter()
+                dist.all_reduce(probe)
+                floor_s.append(time.perf_counter() - started)
         mgr.wait_until_finished()
         calls = list(mgr.stats().recent_finalize_call_s)
-    return calls, save_s, cpu_s
+    return calls, save_s, cpu_s, floor_s
 
 
 def measure_finalize(
@@ -699,9 +707,10 @@ def measure_finalize(
         "root": str(workdir / "finalize"),
     }
     per_rank = run_ranks(_finalize_rank, world_size, spec, timeout_s=900.0)
-    calls = sorted(c * 1000 for finalize_s, _, _ in per_rank for c in finalize_s)
-    saves = sorted(c * 1000 for _, save_s, _ in per_rank for c in save_s)
-    cpu = sorted(c * 1000 for _, _, cpu_s in per_rank for c in cpu_s)
+    calls = sorted(c * 1000 for result in per_rank for c in result[0])
+    saves = sorted(c * 1000 for result in per_rank for c in result[1])
+    cpu = sorted(c * 1000 for result in per_rank for c in result[2])
+    floor = sorted(c * 1000 for result in per_rank for c in result[3])
     if not calls:
         return {"ranks": world_size, "calls": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
 
@@ -721,6 +730,10 @@ def measure_finalize(
         # staging thread and writer process share its cores) is scheduling delay.
         "cpu_p50_ms": pct(0.50, cpu) if cpu else None,
         "cpu_p99_ms": pct(0.99, cpu) if cpu else None,
+        # This machine's floor for the same wall time: a bare all-reduce of the poll's size
+        # right after each counted call (same ranks, same save in flight, same cores).
+        "allreduce_floor_p50_ms": pct(0.50, floor) if floor else None,
+        "allreduce_floor_p99_ms": pct(0.99, floor) if floor else None,
         # Diagnostic: the training thread's `save()` call itself (flatten + layout).
         "save_call_p50_ms": round(saves[len(saves) // 2], 1) if saves else None,
         "save_call_max_ms": round(saves[-1], 1) if saves else None,
