@@ -441,19 +441,32 @@ def commit_manifest(
             committed_unix_s=committed,
             contributions=contributions,
         )
-        data = manifest.to_json()
-        if fence is not None:
-            fence()
-        try:
-            storage.write(f"{folder}/{MANIFEST_NAME}", data, exclusive=True)
-        except ObjectExistsError:
-            return _resolve_existing(storage, step, ours=(bytes(data), committed))
-        record_commit(storage, manifest, manifest_bytes=len(data))  # the root catalog (an index)
-        return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=committed)
+        return _publish(storage, manifest, committed, fence)
     except LeaseLostError as err:
         return CommitOutcome(CommitResult.FENCED, cause=f"LeaseLostError: {err}", conflict=err)
     except (CheckpointError, ValueError) as err:
         return CommitOutcome(CommitResult.FAILED, cause=f"{type(err).__name__}: {err}")
+
+
+def _publish(
+    storage: Storage, manifest: Manifest, committed: float, fence: Callable[[], None] | None
+) -> CommitOutcome:
+    """The commit's last act, both formats: fence, write the manifest exclusively, index it.
+
+    Raises what the fence and the write raise (the callers turn it into an outcome).
+    """
+    data = manifest.to_json()
+    if fence is not None:
+        fence()
+    try:
+        storage.write(f"{step_dir(manifest.step)}/{MANIFEST_NAME}", data, exclusive=True)
+    except ObjectExistsError:
+        return _resolve_existing(storage, manifest.step, ours=(bytes(data), committed))
+    # [Note: the manifest was just PUT] The step is committed from here on: the one place a
+    # save becomes durable (what follows it, e.g. an index of the root, may fail without
+    # un-committing the step).
+    record_commit(storage, manifest, manifest_bytes=len(data))  # the root catalog (an index)
+    return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=committed)
 
 
 def commit_step(
@@ -479,7 +492,6 @@ def commit_step(
     Returns:
         The outcome; never raises for storage problems, so it can be broadcast to every rank.
     """
-    folder = step_dir(step)
     try:
         if fence is not None:
             fence()
@@ -492,18 +504,7 @@ def commit_step(
             reports=reports,
             spread_prefixes=spread_prefixes,
         )
-        data = manifest.to_json()
-        if fence is not None:
-            fence()
-        try:
-            storage.write(f"{folder}/{MANIFEST_NAME}", data, exclusive=True)
-        except ObjectExistsError:
-            return _resolve_existing(storage, step, ours=(bytes(data), committed))
-        # [Note: the manifest was just PUT] The step is committed from here on: the one
-        # place a save becomes durable (what follows it, e.g. an index of the root, may fail
-        # without un-committing the step).
-        record_commit(storage, manifest, manifest_bytes=len(data))  # the root catalog (an index)
-        return CommitOutcome(CommitResult.COMMITTED, committed_unix_s=committed)
+        return _publish(storage, manifest, committed, fence)
     except LeaseLostError as err:
         return CommitOutcome(CommitResult.FENCED, cause=f"LeaseLostError: {err}", conflict=err)
     except (CheckpointError, ValueError) as err:
