@@ -320,18 +320,7 @@ class Manifest:
             return {**rec, "pieces": [p.to_json() for p in rec["pieces"]]}
 
         doc = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION_PIECES,
-            "step": self.step,
-            "world_size": self.world_size,
-            **self._spread_json(),
-            "run_id": self.run_id,
-            "created_unix_s": self.created_unix_s,
-            "committed_unix_s": self.committed_unix_s,
-            "versions": dict(self.versions),
-            "metrics": dict(self.metrics),
-            "files": {n: f.to_json() for n, f in self.files.items()},
-            "tree": self.tree,
+            **self._summary_json(FORMAT_VERSION_PIECES),
             "tensors": {k: tensor_json(v) for k, v in self.tensors.items()},
             "rank_local": [
                 {
@@ -349,14 +338,11 @@ class Manifest:
         body = _canonical(doc)
         return body[:-1] + _checksum_suffix(crc32(body))
 
-    def _spread_json(self) -> dict[str, int]:
-        # Only when spread: a plain step's manifest stays byte for byte what it was.
-        return {SPREAD_FIELD: self.spread_prefixes} if self.spread_prefixes else {}
-
-    def _top_json(self) -> bytes:
-        doc = {
+    def _summary_json(self, version: int) -> dict[str, Any]:
+        """The fields both formats open with, in their on-storage order (up to the tree)."""
+        return {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": version,
             "step": self.step,
             "world_size": self.world_size,
             **self._spread_json(),
@@ -367,6 +353,15 @@ class Manifest:
             "metrics": dict(self.metrics),
             "files": {n: f.to_json() for n, f in self.files.items()},
             "tree": self.tree,
+        }
+
+    def _spread_json(self) -> dict[str, int]:
+        # Only when spread: a plain step's manifest stays byte for byte what it was.
+        return {SPREAD_FIELD: self.spread_prefixes} if self.spread_prefixes else {}
+
+    def _top_json(self) -> bytes:
+        doc = {
+            **self._summary_json(FORMAT_VERSION),
             "tensors": {
                 k: {
                     "dtype": v["dtype"],
