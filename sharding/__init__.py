@@ -73,13 +73,15 @@ Module plan:
   per `BufferSync`, exported in their original dtypes.
 * `_mesh.py`: `HybridGroups`: the replicate x shard process groups of hybrid sharding.
 * `_comm.py`: `Communicator`: async flat collectives (CUDA: on NCCL's own streams, all-gathers
-  on a second group), `PendingCollective.wait()` timed (CUDA: by events); local fallbacks at
-  world size 1.
+  on a second group; gloo: a reduce-scatter of a scratch input as an in-place all-reduce,
+  without gloo's clone), `PendingCollective.wait()` timed (CUDA: by events); local fallbacks
+  at world size 1.
 * `_allgather.py`: `UnshardPipeline`: SHARDED -> GATHERING -> UNSHARDED per unit, prefetch in
   forward / reverse order bounded by `communication_unit_bytes`, hit/miss and gathered-bytes
   accounting; opens a unit's gates once its gather is waited on.
 * `_reduce.py`: `ReducePipeline`: reduce-scatter / all-reduce per bucket in `reduce_dtype`,
-  into fp32 main grads, bounded queue; the replica all-reduce of hybrid sharding.
+  into fp32 main grads, bounded queue (room made as a unit's backward starts: [Note: reduce
+  memory]); the replica all-reduce of hybrid sharding.
 * `_hooks.py`: `TrainingState`, the post-backward identity function, pre-backward hooks,
   the end-of-backward callback.
 * `_engine.py`: `Engine`: the state machine IDLE -> FORWARD -> BACKWARD -> IDLE driving both

@@ -28,6 +28,16 @@ stream wait measures exactly that stall, read with `elapsed_time` once the GPU h
 second event (polled without blocking at every issue and wait, so a timing is reported at
 the latest with the next collective; `flush_timings(block=True)` settles all of them).
 
+[Note: gloo reduce-scatter] Gloo has no reduce-scatter of its own: `reduce_scatter_tensor`
+clones the whole input, all-reduces the clone and copies this rank's slice out when waited
+on, and the work holds the clone until it is released. With up to `max_inflight_reductions`
+reductions in flight that is one more full-size gradient bucket per reduction (a whole
+unit's gradients, 48 MiB per block of a d_model-1024 GPT). The engine's reduce input is a
+scratch bucket it never reads again (`scratch_input=True`), so on gloo the engine runs the
+same all-reduce in place on it and copies its slice out in `wait()`: the same arithmetic
+and the same bytes on the wire, without the clone. NCCL has a real reduce-scatter and keeps
+it.
+
 Without an initialised process group the engine runs at world size 1: collectives become the
 equivalent local copies, so one code path serves every world size.
 """
@@ -35,6 +45,7 @@ equivalent local copies, so one code path serves every world size.
 from __future__ import annotations
 
 import collections
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -67,6 +78,11 @@ def _set_version(tensor: torch.Tensor, version: int) -> None:
     torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
 
 
+def _copy_slice(output: torch.Tensor, full: torch.Tensor, start: int) -> None:
+    with torch.no_grad():
+        output.copy_(full[start : start + output.numel()])
+
+
 class _StreamWait(NamedTuple):
     """A CUDA stream wait on a collective, timed by two events (see [Note: collective timings])."""
 
@@ -84,6 +100,7 @@ class PendingCollective:
         "_done",
         "_keep_version",
         "_tensors",
+        "_then",
         "_version",
         "_work",
         "num_bytes",
@@ -98,11 +115,14 @@ class PendingCollective:
         num_bytes: int,
         tensors: tuple[torch.Tensor, ...],
         keep_version: torch.Tensor | None = None,
+        then: Callable[[], None] | None = None,
     ) -> None:
         self._comm = comm
         # Referenced until `wait()`: see [Note: streams and lifetimes].
         self._tensors = tensors
         self._work = work
+        # Runs right after the work is done, before anyone reads the output.
+        self._then = then
         self._keep_version = keep_version
         self._version = keep_version._version if keep_version is not None else 0
         self._done = False
@@ -133,9 +153,13 @@ class PendingCollective:
             self._work.wait()
             if self._keep_version is not None:
                 _set_version(self._keep_version, self._version)
+            if self._then is not None:
+                self._then()
         seconds = time.perf_counter() - start
         self._done = True
-        self._tensors = ()
+        # Drop the work too: a gloo work keeps its own temporaries (e.g. the full-size copy
+        # of a reduce-scatter's input) for as long as it is referenced.
+        self._tensors, self._work, self._then = (), None, None
         if started is None:
             self._comm.record(self.op, self.num_bytes, seconds)
         else:
@@ -200,6 +224,11 @@ class Communicator:
             self.gather_group = hybrid.shard_gather or hybrid.shard
         elif self._on_cuda and self.distributed and self._spans_world(group):
             self.gather_group = dist.new_group(backend=dist.get_backend(group))
+        self._in_place_reduce_scatter = (
+            self.distributed and not self._on_cuda and "gloo" in str(dist.get_backend(self.group))
+        )
+        """Whether a reduce-scatter of a scratch input runs as an in-place all-reduce
+        ([Note: gloo reduce-scatter])."""
 
     @property
     def stats(self) -> ShardingStats:
@@ -261,14 +290,31 @@ class Communicator:
             pending._work = _all_gather_flat(output, shard, group=self.gather_group, async_op=True)
         return pending
 
-    def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> PendingCollective:
-        """Sum `full` over ranks and keep this rank's contiguous slice in `output`."""
+    def reduce_scatter(
+        self, output: torch.Tensor, full: torch.Tensor, *, scratch_input: bool = False
+    ) -> PendingCollective:
+        """Sum `full` over ranks and keep this rank's contiguous slice in `output`.
+
+        Args:
+            output: receives this rank's slice of the sum (`full.numel() // world_size`).
+            full: this rank's whole contribution.
+            scratch_input: the caller never reads `full` again, so it may be overwritten:
+                on gloo the sum is then computed in place ([Note: gloo reduce-scatter]).
+        """
         num_bytes = full.numel() * full.element_size()
         with torch.no_grad():
             if not self.distributed:
                 output.copy_(full)
                 return PendingCollective(self, "reduce_scatter", None, num_bytes, ())
             self.flush_timings()
+            if scratch_input and self._in_place_reduce_scatter:
+                # [Note: gloo reduce-scatter]
+                work = dist.all_reduce(full, group=self.group, async_op=True)
+                lo = self.rank * output.numel()
+                then = functools.partial(_copy_slice, output, full, lo)
+                return PendingCollective(
+                    self, "reduce_scatter", work, num_bytes, (output, full), then=then
+                )
             work = _reduce_scatter_flat(output, full, group=self.group, async_op=True)
         return PendingCollective(self, "reduce_scatter", work, num_bytes, (output, full))
 

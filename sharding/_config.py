@@ -114,7 +114,8 @@ class ShardingConfig:
     rank-local: see `BufferSync`."""
     max_inflight_reductions: int = 2
     """Bound of the gradient-reduction queue: before another reduction is issued, the oldest
-    is waited on once this many are in flight."""
+    is waited on once this many are in flight (ZeRO-2/3 already when a unit's backward starts,
+    so that unit's fresh gradients never sit beside a full queue: [Note: reduce memory])."""
     no_sync_mode: NoSyncMode = NoSyncMode.REDUCE_SCATTER
     """Whether `no_sync()` reduce-scatters each micro-batch or accumulates whole fp32
     gradients locally under the grads-sharded strategies (memory cost: see `NoSyncMode`)."""

@@ -15,9 +15,11 @@ IDLE --forward--> FORWARD --first grad at the output--> BACKWARD --end of graph-
 * root pre-backward (once per backward): wait on any deferred weight gather left (a unit
   that did not run forward), queue the end-of-graph callback; ZeRO-3 issues the last
   forward unit ahead.
-* unit pre-backward: unshard with backward (reverse) prefetch.
-* unit post-backward: once every forward call of the unit has run backward, hand its
-  gradients to the reduce pipeline and (ZeRO-3) release its weights.
+* unit pre-backward: make room in the reduce queue for the unit's reductions before its
+  gradients are allocated ([Note: reduce memory] in `_reduce.py`), unshard with backward
+  (reverse) prefetch.
+* unit post-backward: once every forward call of the unit has run backward, (ZeRO-3)
+  release its weights, then hand its gradients to the reduce pipeline.
 * end of graph: finish units that never reported (unused, no differentiable input), then the
   root unit, drain the reduce queue, release everything, back to IDLE.
 
@@ -204,6 +206,12 @@ class Engine:
 
     def unit_pre_backward(self, index: int) -> None:
         """The gradient of unit `index`'s output is complete."""
+        # Room for this unit's reductions before its gradients are allocated: [Note: reduce
+        # memory] in `_reduce.py`.
+        if self.state is TrainingState.BACKWARD:
+            self.reduce.reserve_for(
+                self.unit_buckets[index], last_microbatch=self.is_last_microbatch
+            )
         if self.gather is not None and self.state is TrainingState.BACKWARD:
             self.gather.unshard(index, Phase.BACKWARD)
 
@@ -217,10 +225,12 @@ class Engine:
         if self._done[index]:
             return
         self._done[index] = True
-        for bucket in self.unit_buckets[index]:
-            self.reduce.reduce(bucket, bucket.take_grads(), last_microbatch=self.is_last_microbatch)
+        # Release the gathered weights first: backward no longer needs them, and packing
+        # the gradients allocates a full-size bucket per bucket (one unit fewer alive then).
         if self.gather is not None and index != self.root:
             self.gather.reshard(index)
+        for bucket in self.unit_buckets[index]:
+            self.reduce.reduce(bucket, bucket.take_grads(), last_microbatch=self.is_last_microbatch)
 
     def root_post_backward(self) -> None:
         """End of the backward graph: finish stragglers, drain, release, reset."""

@@ -23,6 +23,16 @@ a power-of-two world size the division is exact, so the result equals DDP's bit 
 At most `max_inflight` reductions are in flight: the oldest is waited on (and finished)
 before another is issued. `drain()` at the end of backward waits for the rest.
 
+[Note: reduce memory] Under the grads-sharded strategies each in-flight reduction holds a
+full-size input bucket (a whole unit's gradients in `reduce_dtype`), and a unit's backward
+allocates a whole unit's parameter gradients on top. So room in the queue is made when a
+unit's backward *starts* (`reserve_for`, from the unit's pre-backward), not only when its
+reductions are issued: while the unit computes, at most `max_inflight` minus its own
+reductions are alive, the same number of reductions still overlaps the backward of the
+next unit, and the peak is one unit's gradient bucket lower. The unit's gathered weights
+are released before its gradients are packed (`Engine._finish_unit`). On gloo a
+reduce-scatter also holds no clone of its input ([Note: gloo reduce-scatter] in `_comm.py`).
+
 Hybrid sharding ([Note: hybrid layout] in `_mesh.py`): gradients are pre-divided by the whole
 data-parallel world, reduce-scattered inside the shard group, and once a reduce-scatter is
 waited on, its output shard is all-reduced over the replica group; that all-reduce takes the
@@ -107,8 +117,23 @@ class ReducePipeline:
             entry.finish()
 
     def _make_room(self) -> None:
-        while len(self._queue) >= self.max_inflight:
+        self.make_room(1)
+
+    def make_room(self, num_new: int) -> None:
+        """Wait for (and finish) the oldest reductions until `num_new` more fit under the
+        bound, or the queue is empty."""
+        while self._queue and len(self._queue) + num_new > self.max_inflight:
             self._pop_oldest()
+
+    def reserve_for(self, buckets: list[FlatBucket], *, last_microbatch: bool) -> None:
+        """Make room, before a unit's backward allocates its gradients, for the reductions
+        that unit will issue ([Note: reduce memory]); grads-sharded strategies only (the
+        others accumulate into persistent buffers)."""
+        if self._hold and not last_microbatch:
+            return
+        num = sum(1 for b in buckets if b.trains and b.strategy.shards_grads)
+        if num:
+            self.make_room(num)
 
     def _push(
         self,
@@ -144,18 +169,18 @@ class ReducePipeline:
             if bucket.grad_is_zero:
                 shard = bucket.new_grad_shard()
                 if shard.dtype == full.dtype:
-                    pending = self._comm.reduce_scatter(shard, full)
+                    pending = self._comm.reduce_scatter(shard, full, scratch_input=True)
                     self._push(pending, None, (full,), scattered=shard)
                     return
                 low = bucket.reduce_out()
-                pending = self._comm.reduce_scatter(low, full)
+                pending = self._comm.reduce_scatter(low, full, scratch_input=True)
                 copy_back = functools.partial(_copy, shard, low)
                 self._push(pending, copy_back, (full, low), scattered=low)
                 return
             main = bucket.main_grad
             assert main is not None
             out = bucket.reduce_out()
-            pending = self._comm.reduce_scatter(out, full)
+            pending = self._comm.reduce_scatter(out, full, scratch_input=True)
             self._push(pending, functools.partial(_add, main, out), (full, out), scattered=out)
             return
         if not last_microbatch:
@@ -189,7 +214,7 @@ class ReducePipeline:
                 shard.copy_(low)
                 bucket.local_is_zero = True
 
-            pending = self._comm.reduce_scatter(low, wire)
+            pending = self._comm.reduce_scatter(low, wire, scratch_input=wire is not main)
             self._push(pending, first, (low, wire), scattered=low)
             return
         reduced = bucket.reduced_grad
@@ -200,7 +225,8 @@ class ReducePipeline:
             reduced.add_(out)
             bucket.local_is_zero = True
 
-        self._push(self._comm.reduce_scatter(out, wire), finish, (out, wire), scattered=out)
+        pending = self._comm.reduce_scatter(out, wire, scratch_input=wire is not main)
+        self._push(pending, finish, (out, wire), scattered=out)
 
     def drain(self) -> None:
         """Wait for and finish every reduction in flight."""
