@@ -6,6 +6,17 @@ deadlock when one side blocks (KempnerForge#104). The group is created once by t
 (a collective: every rank constructs the manager) with the finalize timeout, so every
 collective here fails with an error instead of hanging when a peer is dead or stuck.
 
+[Note: collectives the training thread does not wait for] `max_async` and `gather_bytes_async`
+issue a collective with `async_op=True` and return a `Pending` handle: `ready()` never
+blocks (it asks the work whether it completed), `result()` waits (bounded by the group
+timeout) and raises the same `CheckpointError` a blocking call would. The group timeout still
+holds: gloo completes a work that outlives it with a timeout error (a dead peer's work with a
+connection error, at once), and `ready()` also turns True once the timeout (plus a grace) has
+passed, so a caller that polls learns of it on its next call. A caller that issues async
+collectives must issue every collective of that group in the same order on every rank, so
+the finalizer has a group of its own (the manager makes one `Coordinator` for it, one for
+start-up and restore): a restore's collectives never interleave with a poll in flight.
+
 With no process group (a single process) every call is local and trivial.
 """
 
@@ -13,13 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from typing import Any, NamedTuple
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch
 
 from ckpt_manager.errors import CheckpointError, CheckpointTimeoutError
 
-__all__ = ["Agreement", "Coordinator", "Status"]
+__all__ = ["Coordinator", "Pending", "Status"]
+
+T = TypeVar("T")
+
+_LENGTH_BYTES = 8  # the length prefix of each rank's payload in `gather_bytes_async`
+_DEADLINE_GRACE_S = 1.0  # past the group timeout before `Pending.ready()` gives up on gloo
 
 
 class Status:
@@ -33,13 +51,44 @@ class Status:
     """Failed here; dominates so no rank waits on a failed peer."""
 
 
-class Agreement(NamedTuple):
-    """Result of one agreement round."""
+class Pending(Generic[T]):
+    """A collective issued without waiting ([Note: collectives the training thread does not
+    wait for])."""
 
-    status: int
-    """MAX of the local statuses."""
-    consistent: bool
-    """Every rank named the same request."""
+    def __init__(self, coord: Coordinator, what: str, work: Any, finish: Callable[[], T]) -> None:
+        """Wrap `work` (None: already done locally); `finish` reads its result once complete."""
+        self._coord = coord
+        self._what = what
+        self._work = work
+        self._finish = finish
+        self._deadline = time.monotonic() + coord.timeout_s + _DEADLINE_GRACE_S
+
+    def ready(self) -> bool:
+        """True once `result()` returns (or raises) without waiting; never blocks."""
+        return (
+            self._work is None
+            or bool(self._work.is_completed())
+            or time.monotonic() > self._deadline
+        )
+
+    def result(self) -> T:
+        """The collective's result; waits for it if needed (bounded by the group timeout).
+
+        Raises:
+            CheckpointTimeoutError: it did not complete within the group timeout.
+            CheckpointError: it failed (a peer died).
+        """
+        if self._work is not None:
+            if not self._work.is_completed() and time.monotonic() > self._deadline:
+                raise CheckpointTimeoutError(
+                    f"checkpoint {self._what} on rank {self._coord.rank} did not complete "
+                    f"within {self._coord.timeout_s:.0f} s (a peer is dead or stuck)"
+                )
+            try:
+                self._work.wait()
+            except RuntimeError as err:
+                raise self._coord._guard(self._what, err) from err
+        return self._finish()
 
 
 class Coordinator:
@@ -83,16 +132,60 @@ class Coordinator:
             )
         return CheckpointError(f"checkpoint {what} failed on rank {self.rank}: {text}")
 
-    def agree(self, request_id: int, status: int) -> Agreement:
-        """MAX-reduce `[status, id, -id]`: the worst status, and whether all ids match."""
+    def max_async(self, values: Sequence[int]) -> Pending[list[int]]:
+        """Issue an element-wise MAX all-reduce of int64 `values`; read it later.
+
+        Raises:
+            CheckpointError: the collective could not be issued (the group is broken).
+        """
         if self._group is None:
-            return Agreement(status, True)
-        t = torch.tensor([status, request_id, -request_id], dtype=torch.int64)
+            local = list(values)
+            return Pending(self, "poll", None, lambda: local)
+        t = torch.tensor(list(values), dtype=torch.int64)
         try:
-            self._dist.all_reduce(t, op=self._dist.ReduceOp.MAX, group=self._group)
+            work = self._dist.all_reduce(
+                t, op=self._dist.ReduceOp.MAX, group=self._group, async_op=True
+            )
         except RuntimeError as err:
-            raise self._guard("agreement", err) from err
-        return Agreement(int(t[0]), int(t[1]) == -int(t[2]) == request_id)
+            raise self._guard("poll", err) from err
+        return Pending(self, "poll", work, t.tolist)
+
+    def gather_bytes_async(self, payload: bytes, size: int) -> Pending[list[bytes] | None]:
+        """Issue a gather of every rank's `payload` (each at most `size` bytes, which every
+        rank passes alike) to the coordinator; read it later: the payloads by rank on the
+        coordinator, None elsewhere.
+
+        Raises:
+            ValueError: `payload` is longer than `size`.
+            CheckpointError: the collective could not be issued (the group is broken).
+        """
+        if len(payload) > size:
+            raise ValueError(f"payload of {len(payload)} bytes exceeds the agreed {size}")
+        if self._group is None:
+            return Pending(self, "gather", None, lambda: [payload])
+        # Fixed-size buffers (gloo gathers equal sizes): a length prefix, the payload, zeros.
+        framed = len(payload).to_bytes(_LENGTH_BYTES, "little") + payload
+        buf = torch.zeros(size + _LENGTH_BYTES, dtype=torch.uint8)
+        buf[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
+        outs = (
+            [torch.empty_like(buf) for _ in range(self.world_size)] if self.is_coordinator else None
+        )
+        try:
+            work = self._dist.gather(buf, outs, dst=0, group=self._group, async_op=True)
+        except RuntimeError as err:
+            raise self._guard("gather", err) from err
+
+        def unframe() -> list[bytes] | None:
+            if outs is None:
+                return None
+            got = []
+            for out in outs:
+                raw = out.numpy().tobytes()
+                n = int.from_bytes(raw[:_LENGTH_BYTES], "little")
+                got.append(raw[_LENGTH_BYTES : _LENGTH_BYTES + n])
+            return got
+
+        return Pending(self, "gather", work, unframe)
 
     def max_flag(self, flag: int) -> int:
         """MAX of an integer over ranks."""

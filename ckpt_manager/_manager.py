@@ -9,10 +9,12 @@ Save pipeline of one step (every rank, same steps)::
                                   send the write request to the writer process
     before_optimizer_step()       fence: wait for the copy (stall) before tensors change
     writer process                atomic write of the shard file from the slab, answer "done"
-    maybe_finalize()  [trainer]   MAX-agree on the oldest request; all OK -> gather
-                                  contributions, coordinator writes manifest.json
-                                  exclusively, broadcast outcome; any FAILED -> every rank
-                                  raises SaveFailedError naming ranks and causes
+    maybe_finalize()  [trainer]   poll (async, read by a later call) the oldest request's
+                                  status; all OK -> gather the reports (async), the
+                                  coordinator writes manifest.json exclusively on its
+                                  commit thread, later polls carry the outcome; any
+                                  FAILED -> every rank raises SaveFailedError naming ranks
+                                  and causes
 
 [Note: finalize at a step boundary] Agreement runs on the training thread at the same
 control-flow point on every rank (never from a background thread), so the collectives of
@@ -108,6 +110,10 @@ class CheckpointManager:
                 "use CheckpointConfig(async_mode=AsyncMode.SYNC)"
             )
         self._coord = Coordinator(self.config.finalize_timeout_s)
+        # The finalizer's own group: its polls stay in flight between calls, so no other
+        # collective may share their group ([Note: collectives the training thread does not
+        # wait for] in `_coord.py`).
+        self._final_coord = Coordinator(self.config.finalize_timeout_s)
         self.rank = self._coord.rank
         """This rank."""
         self.world_size = self._coord.world_size
@@ -129,7 +135,7 @@ class CheckpointManager:
         self._final = Finalizer(
             config=self.config,
             storage=self._storage,
-            coord=self._coord,
+            coord=self._final_coord,
             run_id=self.run_id,
             limits=self._limits,
             observer=observer,
@@ -164,6 +170,7 @@ class CheckpointManager:
         if kind != "ok":
             if self._lease is not None and kind != "lease":
                 self._lease.release()
+            self._final_coord.destroy()
             self._coord.destroy()
             raise LeaseHeldError(message) if kind == "lease" else CheckpointError(message)
         if latest is not None:
@@ -334,11 +341,13 @@ class CheckpointManager:
     def maybe_finalize(self) -> None:
         """Commit finished saves without blocking; call on every rank at every step.
 
-        Costs nothing when no save is in flight; otherwise one small all-reduce on the
-        checkpoint group per call (and a gather or a broadcast of a few bytes per rank at
-        the two calls that start and finish a commit; the commit itself runs on the
-        coordinator's commit thread: [Note: the commit runs off the training thread] in
-        `_save/finalize.py`). Each call's time is kept in `stats().recent_finalize_call_s`.
+        Costs nothing when no save is in flight; otherwise it reads the collective a previous
+        call issued if it has completed, and issues the next one, never waiting for a peer
+        (a small all-reduce per call; one gather of the reports per save; the commit itself
+        runs on the coordinator's commit thread): [Note: a non-blocking finalize never waits
+        for a peer] in `_save/finalize.py`. A save therefore retires a few calls after its
+        last rank's files are written. Each call's time is kept in
+        `stats().recent_finalize_call_s`.
 
         Raises:
             SaveFailedError: a save failed on some rank (raised on every rank).
@@ -488,6 +497,7 @@ class CheckpointManager:
             self._deleter.close(timeout)
         if self._lease is not None:
             self._lease.release()
+        self._final_coord.destroy()
         self._coord.destroy()
 
     def __enter__(self) -> CheckpointManager:

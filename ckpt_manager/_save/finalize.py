@@ -2,39 +2,79 @@
 
 The manager queues every `SaveRequest` here (`pending`, oldest first). `run()` takes the
 oldest, MAX-agrees its status over the checkpoint group (OK < WRITING < FAILED), and then
-commits it (gather contributions, the coordinator writes the manifest exclusively, broadcast
-the outcome) or fails it on every rank (gather causes, stop writers, remove the attempt,
-raise `SaveFailedError`). A folder that holds a manifest is never removed: when the commit
-finds another attempt's manifest there (`CommitResult.CONFLICT`), every rank raises
+commits it (gather the reports, the coordinator writes the manifest exclusively, every rank
+learns the outcome) or fails it on every rank (gather causes, stop writers, remove the
+attempt, raise `SaveFailedError`). A folder that holds a manifest is never removed: when the
+commit finds another attempt's manifest there (`CommitResult.CONFLICT`), every rank raises
 `SaveFailedError` chained to `CommitConflictError` and the folder stays as it is. Each
 finished request becomes a `SaveReport` for the observer. See [Note: finalize at a step
 boundary] in `_manager.py`: `run()` is only ever called from the training thread.
 
 [Note: the commit runs off the training thread] The coordinator's part of a commit (building
 the top manifest from the gathered reports, the lease checks, the exclusive PUT, reading back
-a manifest found there) takes milliseconds to seconds on an object store, and every rank's
-training thread used to wait for it inside `maybe_finalize`. Now the round that agrees a
-request is written everywhere gathers the reports and hands them to the coordinator's commit
-thread (`CommitJob`), and returns. While the job runs the coordinator reports WRITING in the
-usual agreement all-reduce, so every rank's later `maybe_finalize` costs that one 24-byte
-all-reduce; the round that finds it done broadcasts the outcome and retires the request on
-every rank alike. A blocking finalize polls the same way. Requests still commit in order
-(only the oldest is ever agreed), and every guarantee of the synchronous commit holds: the
-exclusive manifest write is the commit, a failed or conflicting commit raises the same
-`SaveFailedError` on every rank, an uncommitted attempt's folder is removed by the
-coordinator after the outcome is known (never while its commit may still write).
+a manifest found there) takes milliseconds to seconds on an object store. It runs on the
+coordinator's commit thread (`CommitJob`); the training threads only learn its outcome from
+a later poll round.
+
+[Note: a non-blocking finalize never waits for a peer] `maybe_finalize` (`run(blocking=
+False)`) issues its collectives with `async_op=True` and reads each one in a later call, so
+a call costs a few microseconds of local work even when a peer is late (busy staging or
+writing on shared cores, or stopped): it never sits in a collective. The oldest request goes
+through three phases, the same on every rank:
+
+    AGREE    poll rounds: MAX of [status, id, -id, report bytes, 0, 0] until the status is
+             OK (every rank's files are durable) or FAILED; report bytes is the size of this
+             rank's pickled `RankReport` once its status is OK, so the MAX sizes the gather
+    REPORTS  one gather of the reports to the coordinator in fixed-size uint8 buffers (the
+             MAX size); once read, the coordinator queues the commit job
+    COMMIT   poll rounds: MAX of [OK, id, -id, 0, code, time], where only the coordinator
+             fills code (0 running, 1 COMMITTED, 2 not committed) and the commit time (its
+             float64 bits) once the job is done; COMMITTED retires the request on every rank
+
+A round is issued in one call and read in a later call (`Pending.ready()` then `result()`);
+a call that finds it unfinished returns at once. A call that reads a round that changes
+nothing (still WRITING, commit still running) issues the next round and returns; a round
+that moves the phase on is followed at once by the next phase's collective. Every decision
+is taken from a completed round's result, which is identical on every rank, so every rank
+issues the same collectives in the same order, whenever each reads them; the finalizer's
+group is its own ([Note: collectives the training thread does not wait for] in `_coord.py`).
+The happy path holds no blocking collective; only the failure paths block (gathering the
+causes, stopping the writers, removing the attempt, broadcasting a failed commit's outcome
+with its cause and conflict error), as does the blocking finalize.
+
+[Note: a blocking finalize polls the agreement] `run(blocking=True)` (a `save()` that needs
+a slot, `wait_until_finished`, `close`, `AsyncMode.SYNC`) runs the same phases and rounds,
+first waiting on a round a non-blocking call left in flight, then on each round it issues. A
+rank never sits inside a collective waiting for a peer's write: a slow writer elsewhere would
+outlast the group's timeout (`finalize_timeout_s`), fail the save on every rank and break the
+group. Instead, after a round that changes nothing, each rank waits up to `AGREE_POLL_S` for
+news of its own (its writer, the coordinator's commit job) before the next round. How long a
+write may take is bounded by `write_timeout_s` alone: the late rank's own `local_status`
+fails it (and kills its writer) when that runs out, and FAILED dominates the next round.
+
+Timeouts: every round is bounded by the group timeout even when nobody waits for it: gloo
+completes a work that outlives it with a timeout error (a dead peer's at once), and the next
+call that polls it raises, abandons the request and raises `SaveFailedError` for its step on
+every rank that polls. Requests still commit in order (only the oldest is ever agreed), and
+every guarantee of the synchronous commit holds: the exclusive manifest write is the commit,
+a failed or conflicting commit raises the same `SaveFailedError` on every rank, an
+uncommitted attempt's folder is removed by the coordinator after the outcome is known (never
+while its commit may still write).
 """
 
 from __future__ import annotations
 
 import collections
+import enum
+import pickle
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
-from ckpt_manager._coord import Agreement, Coordinator, Status
+from ckpt_manager._coord import Coordinator, Pending, Status
 from ckpt_manager._save.commit import CommitOutcome, CommitResult, commit_step, rank_report
 from ckpt_manager._save.request import Limits, SaveRequest
 from ckpt_manager._save.staging import BackgroundThread
@@ -44,10 +84,54 @@ from ckpt_manager._store.storage import Storage
 from ckpt_manager._types import SaveObserver, SaveReport, SaveResult
 from ckpt_manager.errors import CheckpointError, SaveFailedError
 
-__all__ = ["AGREE_POLL_S", "CommitJob", "Finalizer"]
+__all__ = ["AGREE_POLL_S", "CommitJob", "Finalizer", "Phase"]
 
 AGREE_POLL_S = 0.05
 """Interval of agreement rounds while a blocking finalize waits for some rank's write."""
+
+
+class Phase(enum.Enum):
+    """Where the oldest request is ([Note: a non-blocking finalize never waits for a peer])."""
+
+    AGREE = "agree"
+    """Poll rounds until every rank's files are durable (or one failed)."""
+    REPORTS = "reports"
+    """The reports' gather to the coordinator."""
+    COMMIT = "commit"
+    """Poll rounds until the coordinator's commit has an outcome."""
+
+
+class _Code:
+    """The coordinator's commit state in a COMMIT poll round (MAX: only it fills it)."""
+
+    RUNNING = 0
+    COMMITTED = 1
+    NOT_COMMITTED = 2
+
+
+class _Poll(NamedTuple):
+    """One poll round's MAX over ranks."""
+
+    status: int
+    consistent: bool
+    report_nbytes: int
+    code: int
+    committed_unix_s: float
+
+    @classmethod
+    def of(cls, request_id: int, fields: Sequence[int]) -> _Poll:
+        status, rid, neg, nbytes, code, bits = fields
+        return cls(status, rid == -neg == request_id, nbytes, code, _float_of(bits))
+
+
+def _bits_of(value: float) -> int:
+    # A positive float's IEEE bits are a positive int64, so MAX over ranks that send 0 picks
+    # the coordinator's value unchanged.
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
+
+
+def _float_of(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
 
 
 class CommitJob:
@@ -60,10 +144,10 @@ class CommitJob:
         self.outcome = CommitOutcome(CommitResult.FAILED, cause="the commit did not run")
         """The commit's outcome (FAILED until it ran)."""
 
-    def run(self, storage: Storage, fence: Callable[[], None] | None, **commit: Any) -> None:
-        """Commit (`commit_step` with `commit`'s arguments), record the outcome, set `done`."""
+    def run(self, commit: Callable[[], CommitOutcome]) -> None:
+        """Run `commit`, record its outcome, set `done`."""
         try:
-            self.outcome = commit_step(storage, fence=fence, **commit)
+            self.outcome = commit()
         except Exception as err:  # the outcome reaches every rank; never a silent hang
             self.outcome = CommitOutcome(
                 CommitResult.FAILED, cause=f"commit crashed: {type(err).__name__}: {err}"
@@ -121,18 +205,28 @@ class Finalizer:
         holds the folder): never saved again by this run."""
         self.last_committed: tuple[int, float] | None = None
         """`(step, commit time)` of the newest commit known to this run."""
-        # request id -> (monotonic start, the coordinator's job or None on other ranks) for
-        # the request whose commit has started ([Note: the commit runs off the training
-        # thread]); at most the oldest request is ever in here.
-        self._committing: dict[int, tuple[float, CommitJob | None]] = {}
+        # The oldest request's progress ([Note: a non-blocking finalize never waits for a
+        # peer]); `_retire` resets it.
+        self._phase = Phase.AGREE
+        self._round: Pending[Any] | None = None  # its collective in flight, if any
+        self._report: bytes | None = None  # this rank's pickled report, once written
+        self._report_size = 0  # the agreed (MAX) report size, for the gather
+        self._job: CommitJob | None = None  # the coordinator's commit of it
+        self._commit_started = 0.0  # monotonic time its agreement completed
         self._commit_thread: BackgroundThread | None = None
+
+    @property
+    def phase(self) -> Phase:
+        """Where the oldest request in flight is (AGREE when none is)."""
+        return self._phase
 
     def run(self, *, blocking: bool) -> None:
         """Finalize the oldest requests while all ranks agree they are settled.
 
         Args:
-            blocking: wait for this rank's part of each request (else stop at the first
-                one still writing anywhere).
+            blocking: wait until every request in flight is committed or failed; else
+                return as soon as the collective in flight is unfinished ([Note: a
+                non-blocking finalize never waits for a peer]).
 
         Raises:
             SaveFailedError: a save failed on some rank (raised on every rank).
@@ -141,64 +235,94 @@ class Finalizer:
         while self.pending:
             request = self.pending[0]
             try:
-                agreement = self._agree(request, blocking=blocking)
+                if self._round is None:
+                    self._round = self._issue(request)
+                if not blocking and not self._round.ready():
+                    return  # read by a later call
+                done, self._round = self._round, None
+                result = done.result()
             except CheckpointError as err:
                 self._abandon(request, str(err))
                 raise SaveFailedError(request.step, {self._coord.rank: str(err)}) from err
-            t0 = time.monotonic()
-            if not agreement.consistent:
-                cause = (
-                    f"ranks disagree on which save to finalize (request {request.request_id}, "
-                    f"step {request.step}): call save()/maybe_finalize() on every rank alike"
-                )
-                self._abandon(request, cause)
-                raise CheckpointError(cause)
-            if agreement.status == Status.WRITING:
-                return
+            if self._phase is not Phase.REPORTS:
+                result = _Poll.of(request.request_id, result)
+                if not result.consistent:
+                    cause = (
+                        f"ranks disagree on which save to finalize (request "
+                        f"{request.request_id}, step {request.step}): call "
+                        "save()/maybe_finalize() on every rank alike"
+                    )
+                    self._abandon(request, cause)
+                    raise CheckpointError(cause)
             try:
-                if agreement.status == Status.FAILED:
-                    self._fail(request)
-                if request.request_id not in self._committing:
-                    self._start_commit(request, t0)
-                    if not blocking:
-                        return  # the next call polls it: one all-reduce
-                    continue
-                self._finish_commit(request)
+                if self._advance(request, result):
+                    continue  # the next phase's collective is issued at once
+                if not blocking:
+                    self._round = self._issue(request)  # read by the next call
+                    return
+                self._wait_locally(request)
             except SaveFailedError:
                 raise
             except CheckpointError as err:  # a collective of the commit itself failed
                 self._abandon(request, str(err))
                 raise SaveFailedError(request.step, {self._coord.rank: str(err)}) from err
 
-    def _agree(self, request: SaveRequest, *, blocking: bool) -> Agreement:
-        """One agreement round; when `blocking`, rounds until no rank is still writing.
+    def _issue(self, request: SaveRequest) -> Pending[Any]:
+        """Issue the oldest request's next collective for its phase (without waiting)."""
+        rid = request.request_id
+        if self._phase is Phase.REPORTS:
+            assert self._report is not None  # this rank was OK in the agreeing round
+            return self._coord.gather_bytes_async(self._report, self._report_size)
+        if self._phase is Phase.COMMIT:
+            code, when, job = _Code.RUNNING, 0, self._job
+            if job is not None and job.done.is_set():
+                committed = job.outcome.result is CommitResult.COMMITTED
+                code = _Code.COMMITTED if committed else _Code.NOT_COMMITTED
+                when = _bits_of(job.outcome.committed_unix_s) if committed else 0
+            return self._coord.max_async([Status.OK, rid, -rid, 0, code, when])
+        status = request.local_status(self._limits)
+        nbytes = 0
+        if status == Status.OK:
+            if self._report is None:
+                # Pickled like gather_object would: our own NamedTuples, between our ranks.
+                self._report = pickle.dumps(
+                    rank_report(request.contribution), protocol=pickle.HIGHEST_PROTOCOL
+                )
+            nbytes = len(self._report)
+        return self._coord.max_async([status, rid, -rid, nbytes, 0, 0])
 
-        [Note: a blocking finalize polls the agreement] A rank never sits inside a collective
-        waiting for a peer's write: a slow writer elsewhere would outlast the group's timeout
-        (`finalize_timeout_s`), fail the save on every rank and break the group. Instead all
-        ranks exchange their local status every `AGREE_POLL_S` (a 24-byte all-reduce) until
-        the MAX is OK or FAILED, waiting on their own writer in between. How long a write may
-        take is bounded by `write_timeout_s` alone: the late rank's own `local_status` fails
-        it (and kills its writer) when that runs out, and FAILED dominates the next round.
-        Ranks leave the loop on the same round's result, so they stay in step.
-        """
-        while True:
-            job = self._job_of(request)
-            if job is not None and not job.done.is_set():
-                status = Status.WRITING  # the coordinator's commit is still running
-            else:
-                status = request.local_status(self._limits)
-            agreement = self._coord.agree(request.request_id, status)
-            if not blocking or not agreement.consistent or agreement.status != Status.WRITING:
-                return agreement
-            if job is not None and not job.done.is_set():
-                job.done.wait(AGREE_POLL_S)
-            else:
-                request.wait_for_progress(AGREE_POLL_S)
+    def _advance(self, request: SaveRequest, result: Any) -> bool:
+        """Act on a completed round of the oldest request; True when its phase moved on."""
+        if self._phase is Phase.REPORTS:
+            self._start_commit(request, result)
+            return True
+        poll: _Poll = result
+        if self._phase is Phase.AGREE:
+            if poll.status == Status.WRITING:
+                return False
+            if poll.status == Status.FAILED:
+                self._fail(request)  # raises
+            self._commit_started = time.monotonic()
+            self._report_size = poll.report_nbytes
+            self._phase = Phase.REPORTS
+            return True
+        if poll.code == _Code.RUNNING:
+            return False
+        if poll.code == _Code.COMMITTED:
+            self._committed(request, poll.committed_unix_s)
+        else:
+            self._commit_failed(request)  # raises
+        return True
 
-    def _job_of(self, request: SaveRequest) -> CommitJob | None:
-        started = self._committing.get(request.request_id)
-        return None if started is None else started[1]
+    def _wait_locally(self, request: SaveRequest) -> None:
+        """A blocking finalize's pause between rounds that changed nothing: wait for news
+        of this rank's own part ([Note: a blocking finalize polls the agreement])."""
+        if self._phase is Phase.COMMIT:
+            if self._job is not None:
+                self._job.done.wait(AGREE_POLL_S)
+            # Other ranks do not pause: the coordinator paces the rounds.
+        else:
+            request.wait_for_progress(AGREE_POLL_S)
 
     def _stop_local_writer(self, request: SaveRequest) -> None:
         """Kill this rank's writer if it may still touch the request's files or buffer."""
@@ -216,11 +340,10 @@ class Finalizer:
 
     def _abandon(self, request: SaveRequest, cause: str) -> None:
         """Local clean-up when the group cannot agree any more (a peer is gone)."""
-        started = self._committing.pop(request.request_id, None)
-        if started is not None and started[1] is not None:
+        if self._job is not None:
             # Its manifest write may still land: wait, so nothing else touches the step
             # folder meanwhile (a committed folder is kept by every removal path anyway).
-            started[1].done.wait(self._config.finalize_timeout_s)
+            self._job.done.wait(self._config.finalize_timeout_s)
         request.fail(cause)
         self._stop_local_writer(request)
         self._retire(request, SaveResult.FAILED, 0.0)
@@ -255,36 +378,33 @@ class Finalizer:
             self._log.warning("ckpt_failed_attempt_not_removed", ckpt_step=step, error=str(err))
             return False
 
-    def _start_commit(self, request: SaveRequest, t0: float) -> None:
-        """Gather the reports; the coordinator queues its commit on the commit thread."""
-        gathered = self._coord.gather(rank_report(request.contribution))
-        job = None
-        if gathered is not None:
-            job = CommitJob()
-            if self._commit_thread is None:
-                self._commit_thread = BackgroundThread("ckpt-commit")
-            self._commit_thread.submit(self._commit_job(job, request, gathered))
-        self._committing[request.request_id] = (t0, job)
-
-    def _commit_job(
-        self, job: CommitJob, request: SaveRequest, reports: Sequence[Any]
-    ) -> Callable[[], None]:
+    def _start_commit(self, request: SaveRequest, payloads: Sequence[bytes] | None) -> None:
+        """The reports arrived: the coordinator queues its commit on the commit thread."""
+        self._phase = Phase.COMMIT
+        self._report = None
+        if payloads is None:
+            return
+        job = CommitJob()
+        self._job = job
+        if self._commit_thread is None:
+            self._commit_thread = BackgroundThread("ckpt-commit")
         step, created = request.step, request.created_unix_s
         # Every rank resolves the same config, so the coordinator's spread is everyone's.
         spread = int(request.contribution.get("spread_prefixes", 0))
 
-        def run() -> None:
-            job.run(
+        def commit() -> CommitOutcome:
+            # Unpickled here, off the training thread: at scale it is every rank's report.
+            return commit_step(
                 self._storage,
-                self._fence,
+                fence=self._fence,
                 step=step,
                 run_id=self._run_id,
                 created_unix_s=created,
-                reports=reports,
+                reports=[pickle.loads(p) for p in payloads],
                 spread_prefixes=spread,
             )
 
-        return run
+        self._commit_thread.submit(lambda: job.run(commit))
 
     def close(self, timeout_s: float) -> None:
         """Stop the commit thread (after the job it runs, if any)."""
@@ -292,35 +412,41 @@ class Finalizer:
             self._commit_thread.close(timeout_s)
             self._commit_thread = None
 
-    def _finish_commit(self, request: SaveRequest) -> None:
-        t0, job = self._committing.pop(request.request_id)
-        outcome = job.outcome if job is not None else CommitOutcome(CommitResult.COMMITTED)
-        outcome = self._coord.broadcast(outcome)
-        if outcome.result is not CommitResult.COMMITTED:
-            cause = f"commit failed on the coordinator: {outcome.cause}"
-            if outcome.result in (CommitResult.CONFLICT, CommitResult.FENCED):
-                # The folder is the other commit's, or the root is another run's now.
-                removed = False
-            else:
-                removed = self._remove_attempt(request.step) if self._coord.is_coordinator else True
-                removed = self._coord.broadcast(removed)
-            if not removed:
-                self.unclean_steps.add(request.step)
-            request.fail(cause)
-            self._retire(request, SaveResult.FAILED, time.monotonic() - t0)
-            # Every rank raises the same SaveFailedError; on a conflict its __cause__ is the
-            # CommitConflictError, when fenced the LeaseLostError (broadcast from the
-            # coordinator), else there is none.
-            raise SaveFailedError(request.step, {0: cause}) from outcome.conflict
-        self.last_committed = (request.step, outcome.committed_unix_s)
-        self._retire(request, SaveResult.COMMITTED, time.monotonic() - t0)
+    def _committed(self, request: SaveRequest, committed_unix_s: float) -> None:
+        self.last_committed = (request.step, committed_unix_s)
+        self._retire(request, SaveResult.COMMITTED, time.monotonic() - self._commit_started)
         self._log.info("ckpt_committed", ckpt_step=request.step)
         if not self.pending:
             self._on_idle()
 
+    def _commit_failed(self, request: SaveRequest) -> None:
+        """Every rank learns why the coordinator did not commit (a blocking broadcast: only
+        this failure path carries the cause and the conflict error), then raises."""
+        outcome = self._job.outcome if self._job is not None else None
+        outcome = self._coord.broadcast(outcome)
+        assert isinstance(outcome, CommitOutcome)
+        cause = f"commit failed on the coordinator: {outcome.cause}"
+        if outcome.result in (CommitResult.CONFLICT, CommitResult.FENCED):
+            # The folder is the other commit's, or the root is another run's now.
+            removed = False
+        else:
+            removed = self._remove_attempt(request.step) if self._coord.is_coordinator else True
+            removed = self._coord.broadcast(removed)
+        if not removed:
+            self.unclean_steps.add(request.step)
+        request.fail(cause)
+        self._retire(request, SaveResult.FAILED, time.monotonic() - self._commit_started)
+        # Every rank raises the same SaveFailedError; on a conflict its __cause__ is the
+        # CommitConflictError, when fenced the LeaseLostError (broadcast from the
+        # coordinator), else there is none.
+        raise SaveFailedError(request.step, {0: cause}) from outcome.conflict
+
     def _retire(self, request: SaveRequest, result: SaveResult, finalize_s: float) -> None:
         if self.pending and self.pending[0] is request:
             self.pending.popleft()
+        # The next request starts from AGREE (a round of this one still in flight is dropped:
+        # only a broken group leaves one, and nothing is issued on it again).
+        self._phase, self._round, self._report, self._job = Phase.AGREE, None, None, None
         if request.writer is not None and self._config.async_mode is AsyncMode.TEMPORAL:
             request.writer.stop(self._config.writer_start_timeout_s)  # reap the one-shot writer
         latency = time.monotonic() - request.started
