@@ -134,7 +134,14 @@ def _two_rank_scenarios(rank: int, world: int, modes_root: str, fault_root: str)
     fault = _writer_fault_on_rank1(rank, world, fault_root)
     conflict = _commit_conflict(rank, world, fault_root)
     straggler = _straggler_on_rank1(rank, world, fault_root)
-    return {"modes": modes, "fault": fault, "conflict": conflict, "straggler": straggler}
+    late = _late_peer(rank, world, fault_root)  # last: it leaves one group timed out
+    return {
+        "modes": modes,
+        "fault": fault,
+        "conflict": conflict,
+        "straggler": straggler,
+        "late": late,
+    }
 
 
 class _TwoRanks(NamedTuple):
@@ -203,8 +210,8 @@ def _writer_fault_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def _straggler_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Rank 1's writer takes 4 s, twice the group's collective timeout (2 s)."""
-    os.environ[FAULT_ENV] = "stall=4@5@1"
+    """Rank 1's writer takes 3 s, past the group's collective timeout (2 s)."""
+    os.environ[FAULT_ENV] = "stall=3@5@1"
     cfg = CheckpointConfig(
         async_mode=AsyncMode.PERSISTENT, max_inflight=1, finalize_timeout_s=2, write_timeout_s=60
     )
@@ -260,6 +267,87 @@ def test_a_writer_slower_than_the_collective_timeout_commits(two_ranks: _TwoRank
     # [Note: a blocking finalize polls the agreement]: only write_timeout_s bounds a write.
     for rank_out in (o["straggler"] for o in two_ranks.out):
         assert rank_out == {"steps": [5, 6], "error": ""}
+
+
+# --- [Note: a non-blocking finalize never waits for a peer] ---------------------------------
+
+LATE_CALLS = 20
+"""`maybe_finalize` calls rank 0 makes while rank 1 takes no part."""
+
+
+def _wait_for(path: pathlib.Path) -> None:
+    deadline = time.monotonic() + 60  # a hang guard, never reached
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def _poll_until_failure(mgr: CheckpointManager) -> tuple[int, str]:
+    """`maybe_finalize` until it raises; the calls made and the error."""
+    for calls in range(100_000):  # far beyond the timeout's worth: the timeout ends it first
+        try:
+            mgr.maybe_finalize()
+        except SaveFailedError as err:
+            return calls, str(err)
+        time.sleep(0.005)
+    raise AssertionError("an unanswered poll never failed the save")
+
+
+def _late_peer(rank: int, world: int, root: str) -> dict[str, Any]:
+    """Rank 1 joins the finalize only after rank 0 made `LATE_CALLS` calls; then it commits.
+    Then rank 1 never joins a second save's finalize: rank 0's polls fail it within the
+    finalize timeout."""
+    signals = pathlib.Path(root + "-late-signals")
+    signals.mkdir(exist_ok=True)
+    out: dict[str, Any] = {}
+    # A blocking poll would sit in the all-reduce for rank 1 until this timeout ran out.
+    cfg = CheckpointConfig(finalize_timeout_s=2)
+    with CheckpointManager(root + "-late", cfg, run_id="late-peer") as mgr:
+        mgr.save(1, _rank_state(rank, world, 1))
+        mgr.before_optimizer_step()
+        if rank == 0:
+            for _ in range(LATE_CALLS):
+                mgr.maybe_finalize()
+            out["calls"] = len(mgr.stats().recent_finalize_call_s)
+            out["inflight_while_late"] = mgr.stats().inflight
+            (signals / "go").touch()
+        else:
+            _wait_for(signals / "go")  # stands for a rank stopped or busy in a long step
+        mgr.wait_until_finished()
+        out["steps"] = mgr.all_steps()
+        mgr.save(2, _rank_state(rank, world, 2))
+        mgr.before_optimizer_step()
+        if rank == 0:
+            out["absent"] = _poll_until_failure(mgr)
+            out["inflight_after_failure"] = mgr.stats().inflight
+            (signals / "failed").touch()
+        else:
+            _wait_for(signals / "failed")
+            try:
+                mgr.wait_until_finished()
+            except SaveFailedError as err:
+                out["absent"] = (0, str(err))
+    return out
+
+
+def test_maybe_finalize_returns_while_a_peer_is_late_and_fails_past_the_timeout(
+    two_ranks: _TwoRanks,
+) -> None:
+    rank0, rank1 = (o["late"] for o in two_ranks.out)
+    # Every call returned although rank 1 issued no collective meanwhile; the save waited,
+    # and committed once rank 1 joined.
+    assert rank0["calls"] == LATE_CALLS
+    assert rank0["inflight_while_late"] == 1
+    assert rank0["steps"] == rank1["steps"] == [1]
+    # An unanswered poll still fails the save (on the training thread's next calls) once
+    # the finalize timeout has passed: after many calls, never a hang. The late rank's own
+    # finalize of that save fails too.
+    calls, error = rank0["absent"]
+    assert calls > 1
+    assert "step 2" in error
+    assert "did not complete within 2 s" in error
+    assert rank0["inflight_after_failure"] == 0
+    assert "step 2" in rank1["absent"][1]
 
 
 def _rank1_dies_mid_save(rank: int, world: int, root: str, report: str) -> None:
