@@ -12,7 +12,7 @@ Save pipeline of one step (every rank, same steps)::
     maybe_finalize()  [trainer]   poll (async, read by a later call) the oldest request's
                                   status; all OK -> gather the reports (async), the
                                   coordinator writes manifest.json exclusively on its
-                                  commit thread, later polls carry the outcome; any
+                                  finalizer thread, later polls carry the outcome; any
                                   FAILED -> every rank raises SaveFailedError naming ranks
                                   and causes
 
@@ -344,7 +344,7 @@ class CheckpointManager:
         Costs nothing when no save is in flight; otherwise it reads the collective a previous
         call issued if it has completed, and issues the next one, never waiting for a peer
         (a small all-reduce per call; one gather of the reports per save; the commit itself
-        runs on the coordinator's commit thread): [Note: a non-blocking finalize never waits
+        runs on the coordinator's finalizer thread): [Note: a non-blocking finalize never waits
         for a peer] in `_save/finalize.py`. A save therefore retires a few calls after its
         last rank's files are written. Each call's time is kept in
         `stats().recent_finalize_call_s`.

@@ -13,8 +13,8 @@ boundary] in `_manager.py`: `run()` is only ever called from the training thread
 [Note: the commit runs off the training thread] The coordinator's part of a commit (building
 the top manifest from the gathered reports, the lease checks, the exclusive PUT, reading back
 a manifest found there) takes milliseconds to seconds on an object store. It runs on the
-coordinator's commit thread (`CommitJob`); the training threads only learn its outcome from
-a later poll round.
+coordinator's finalizer thread (`ckpt-finalize`, a `CommitJob`; the same thread pickles each
+rank's report); the training threads only learn its outcome from a later poll round.
 
 [Note: a non-blocking finalize never waits for a peer] `maybe_finalize` (`run(blocking=
 False)`) issues its collectives with `async_op=True` and reads each one in a later call, so
@@ -24,7 +24,8 @@ through three phases, the same on every rank:
 
     AGREE    poll rounds: MAX of [status, id, -id, report bytes, 0, 0] until the status is
              OK (every rank's files are durable) or FAILED; report bytes is the size of this
-             rank's pickled `RankReport` once its status is OK, so the MAX sizes the gather
+             rank's pickled `RankReport`, so the MAX sizes the gather (it is pickled on the
+             finalizer's thread once the files are written; the rank says WRITING until then)
     REPORTS  one gather of the reports to the coordinator in fixed-size uint8 buffers (the
              MAX size); once read, the coordinator queues the commit job
     COMMIT   poll rounds: MAX of [OK, id, -id, 0, code, time], where only the coordinator
@@ -135,7 +136,7 @@ def _float_of(bits: int) -> float:
 
 
 class CommitJob:
-    """The coordinator's commit of one request, run on its commit thread."""
+    """The coordinator's commit of one request, run on its finalizer thread."""
 
     def __init__(self) -> None:
         """An unfinished job (`done` unset, no outcome yet)."""
@@ -152,6 +153,24 @@ class CommitJob:
             self.outcome = CommitOutcome(
                 CommitResult.FAILED, cause=f"commit crashed: {type(err).__name__}: {err}"
             )
+        finally:
+            self.done.set()
+
+
+class _Encoding:
+    """This rank's report of the oldest request, pickled on the finalizer's thread."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.payload: bytes | None = None
+        self.error: str | None = None
+
+    def run(self, contribution: dict[str, Any]) -> None:
+        try:
+            # Pickled like gather_object would: our own NamedTuples, between our ranks.
+            self.payload = pickle.dumps(rank_report(contribution), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as err:  # reaches every rank as this rank's failure
+            self.error = f"report encoding failed: {type(err).__name__}: {err}"
         finally:
             self.done.set()
 
@@ -209,11 +228,12 @@ class Finalizer:
         # peer]); `_retire` resets it.
         self._phase = Phase.AGREE
         self._round: Pending[Any] | None = None  # its collective in flight, if any
-        self._report: bytes | None = None  # this rank's pickled report, once written
+        self._report: _Encoding | None = None  # this rank's report, once its files are written
         self._report_size = 0  # the agreed (MAX) report size, for the gather
         self._job: CommitJob | None = None  # the coordinator's commit of it
         self._commit_started = 0.0  # monotonic time its agreement completed
-        self._commit_thread: BackgroundThread | None = None
+        # Encodes this rank's reports; on the coordinator it also runs the commits.
+        self._thread: BackgroundThread | None = None
 
     @property
     def phase(self) -> Phase:
@@ -271,8 +291,10 @@ class Finalizer:
         """Issue the oldest request's next collective for its phase (without waiting)."""
         rid = request.request_id
         if self._phase is Phase.REPORTS:
-            assert self._report is not None  # this rank was OK in the agreeing round
-            return self._coord.gather_bytes_async(self._report, self._report_size)
+            # This rank was OK in the agreeing round, so its report was encoded.
+            assert self._report is not None
+            assert self._report.payload is not None
+            return self._coord.gather_bytes_async(self._report.payload, self._report_size)
         if self._phase is Phase.COMMIT:
             code, when, job = _Code.RUNNING, 0, self._job
             if job is not None and job.done.is_set():
@@ -283,13 +305,25 @@ class Finalizer:
         status = request.local_status(self._limits)
         nbytes = 0
         if status == Status.OK:
+            # Pickling the report takes milliseconds at thousands of tensors: off the training
+            # thread. The rank says WRITING until it is encoded.
             if self._report is None:
-                # Pickled like gather_object would: our own NamedTuples, between our ranks.
-                self._report = pickle.dumps(
-                    rank_report(request.contribution), protocol=pickle.HIGHEST_PROTOCOL
-                )
-            nbytes = len(self._report)
+                encoding = self._report = _Encoding()
+                contribution = request.contribution
+                self._worker().submit(lambda: encoding.run(contribution))
+            if not self._report.done.is_set():
+                status = Status.WRITING
+            elif self._report.payload is None:
+                request.fail(self._report.error or "report encoding failed")
+                status = Status.FAILED
+            else:
+                nbytes = len(self._report.payload)
         return self._coord.max_async([status, rid, -rid, nbytes, 0, 0])
+
+    def _worker(self) -> BackgroundThread:
+        if self._thread is None:
+            self._thread = BackgroundThread("ckpt-finalize")
+        return self._thread
 
     def _advance(self, request: SaveRequest, result: Any) -> bool:
         """Act on a completed round of the oldest request; True when its phase moved on."""
@@ -321,6 +355,8 @@ class Finalizer:
             if self._job is not None:
                 self._job.done.wait(AGREE_POLL_S)
             # Other ranks do not pause: the coordinator paces the rounds.
+        elif self._report is not None and not self._report.done.is_set():
+            self._report.done.wait(AGREE_POLL_S)
         else:
             request.wait_for_progress(AGREE_POLL_S)
 
@@ -379,15 +415,13 @@ class Finalizer:
             return False
 
     def _start_commit(self, request: SaveRequest, payloads: Sequence[bytes] | None) -> None:
-        """The reports arrived: the coordinator queues its commit on the commit thread."""
+        """The reports arrived: the coordinator queues its commit on the finalizer thread."""
         self._phase = Phase.COMMIT
         self._report = None
         if payloads is None:
             return
         job = CommitJob()
         self._job = job
-        if self._commit_thread is None:
-            self._commit_thread = BackgroundThread("ckpt-commit")
         step, created = request.step, request.created_unix_s
         # Every rank resolves the same config, so the coordinator's spread is everyone's.
         spread = int(request.contribution.get("spread_prefixes", 0))
@@ -404,13 +438,13 @@ class Finalizer:
                 spread_prefixes=spread,
             )
 
-        self._commit_thread.submit(lambda: job.run(commit))
+        self._worker().submit(lambda: job.run(commit))
 
     def close(self, timeout_s: float) -> None:
-        """Stop the commit thread (after the job it runs, if any)."""
-        if self._commit_thread is not None:
-            self._commit_thread.close(timeout_s)
-            self._commit_thread = None
+        """Stop the finalizer's thread (after the job it runs, if any)."""
+        if self._thread is not None:
+            self._thread.close(timeout_s)
+            self._thread = None
 
     def _committed(self, request: SaveRequest, committed_unix_s: float) -> None:
         self.last_committed = (request.step, committed_unix_s)

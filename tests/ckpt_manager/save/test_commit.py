@@ -145,7 +145,7 @@ def test_the_commit_runs_off_the_training_thread(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The manifest PUT is held until released: maybe_finalize keeps returning meanwhile,
-    # and the PUT ran on the coordinator's commit thread, not on the calling thread.
+    # and the PUT ran on the finalizer's thread, not on the calling thread.
     entered, release = threading.Event(), threading.Event()
     threads: list[str] = []
     real = Storage.write
@@ -172,6 +172,6 @@ def test_the_commit_runs_off_the_training_thread(
         mgr.wait_until_finished()
         assert mgr.all_steps() == [4]
         stats = mgr.stats()
-    assert threads == ["ckpt-commit"]
+    assert threads == ["ckpt-finalize"]
     assert stats.last_committed_step == 4
     assert len(stats.recent_finalize_call_s) >= 4
