@@ -31,9 +31,11 @@ real `CheckpointManager` on local disk, each holding its flat shard of every one
 `--tensors` tensors, and runs a loop of simulated steps (a gradient-sized all-reduce, then
 `maybe_finalize()`), saving every 4 steps. Its p99 is over every rank's calls made while a
 save was in flight (`ManagerStats.recent_finalize_call_s`); `cpu_p99_ms` is the same calls'
-CPU time on the training thread. What one call costs is one small collective poll (plus, on
-the agreeing call, a gather of the rank reports), so it does not grow with N except through
-the collective's own latency.
+CPU time on the training thread. A call reads the poll a previous call issued (if it has
+completed) and issues the next one, never waiting for the peer ([Note: a non-blocking
+finalize never waits for a peer] in `ckpt_manager/_save/finalize.py`), so it does not grow
+with N; what is left in its wall time is the training thread waiting for the GIL (the rank's
+staging thread and finalizer thread hold it) and for a core.
 
 Requests and bytes are counted through the `Storage` instance (`tests/support/
 request_count.py`): HTTP requests on S3 (each LIST page, each retry), Storage operations
@@ -667,7 +669,7 @@ def _finalize_rank(
         save_s: list[float] = []
         cpu_s: list[float] = []  # the training thread's CPU time in each counted call
         floor_s: list[float] = []  # a bare all-reduce of the poll's size, right after it
-        probe = torch.zeros(3, dtype=torch.int64)
+        probe = torch.zeros(6, dtype=torch.int64)
         for step in range(1, spec["steps"] + 1):
             if step % spec["save_every"] == 1 % spec["save_every"] and step > 1:
                 started = time.perf_counter()
@@ -682,8 +684,8 @@ def _finalize_rank(
             cpu = time.thread_time() - cpu_started
             if len(mgr.stats().recent_finalize_call_s) > counted:  # a save was in flight
                 cpu_s.append(cpu)
-                # The floor under the same load at the same moment: a bare all-reduce of the
-                # poll's size (3 int64), which is what one call's collective costs at least.
+                # The same load at the same moment: a bare blocking all-reduce of the poll's
+                # size (6 int64), what one call cost at least when it waited for its poll.
                 started = time.perf_counter()
                 dist.all_reduce(probe)
                 floor_s.append(time.perf_counter() - started)

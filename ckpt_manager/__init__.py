@@ -8,7 +8,8 @@ Package layout (one line per sub-package; each sub-package's docstring lists its
 
     ckpt_manager/
       __init__.py errors.py _config.py _types.py _manager.py   public API + composition root
-      _coord.py     Coordinator: the dedicated gloo group every cross-rank agreement uses
+      _coord.py     Coordinator: a dedicated gloo group for cross-rank agreement (one for
+                    start-up and restore, one for the finalizer's async polls)
       dcp.py        Reader: a torch.distributed.checkpoint StorageReader over our committed
                     steps (public module, imported explicitly: it needs torch DCP)
       _save/        save path: request state machine, staging, writer process, finalize, commit

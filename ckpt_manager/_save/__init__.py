@@ -14,7 +14,8 @@ persistent writer process, then finalized across ranks (agreement, then one mani
     writer.py       the writer process (no torch): request loop, write_shard (straight from
                     the slab, no checksum pass), fault hooks.
     writer_proc.py  WriterProcess: trainer-side handle (start, submit, poll, stop, kill).
-    finalize.py     Finalizer: saves in flight; agree, commit or fail across ranks, report.
+    finalize.py     Finalizer: saves in flight; agree, commit or fail across ranks, report
+                    (collectives issued in one maybe_finalize call, read in a later one).
     commit.py       per-rank contributions and reports, the coordinator's top manifest
                     (format 2, from the reports alone) and its exclusive commit; format 1's
                     merge for `ckptctl reshard`.
