@@ -235,11 +235,6 @@ class Finalizer:
         # Encodes this rank's reports; on the coordinator it also runs the commits.
         self._thread: BackgroundThread | None = None
 
-    @property
-    def phase(self) -> Phase:
-        """Where the oldest request in flight is (AGREE when none is)."""
-        return self._phase
-
     def run(self, *, blocking: bool) -> None:
         """Finalize the oldest requests while all ranks agree they are settled.
 
