@@ -5,11 +5,14 @@ times, in CPU seconds of this process (fastest of `--repeats`; each is fixed wor
 minimum is the best estimate of its cost):
 
 - the snapshot copy into a page-aligned shared-memory slab (what the manager's staging does);
-- checksums of the slab: zlib CRC-32, ISA-L CRC-32 (the manager's), and, when installed,
-  CRC-32C (`crc32c` package) and xxh3-64 (`xxhash` package) for comparison;
+- checksums of the slab: zlib CRC-32, ISA-L CRC-32, CRC-32C through ISA-L (`crc32_iscsi`,
+  the manager's) and through the `crc32c` package, and, when installed, `google-crc32c`
+  (it takes `bytes` only: timed on a copy's worth of cache-resident chunks, not the slab)
+  and xxh3-64 (`xxhash` package) for comparison;
 - the copy fused with each checksum, chunk by chunk while the chunk is in cache;
 - the manager's own staging copy (`copy_into_slab`, checksum fused) for each algorithm a
-  manifest can record (`staging_copy_crc32`, `staging_copy_crc32c`);
+  manifest can record (`staging_copy_crc32`, `staging_copy_crc32c`), and for CRC-32C through
+  the `crc32c` package (`staging_copy_crc32c_package`: the fallback, and the path before ISA-L);
 - an `O_DIRECT` write of the slab to `--dir` (submission CPU; the bytes move by DMA).
 
 Each figure is also given in memcpys (the issue's unit for checkpoint inflation).
@@ -51,11 +54,17 @@ def _optional(module: str, attr: str) -> Any:
 
 
 def _checksums() -> dict[str, Callable[[Any, int], int]]:
-    from ckpt_manager._store.checksum import crc32
+    from ckpt_manager._store import checksum as manager
 
-    out: dict[str, Callable[[Any, int], int]] = {"zlib_crc32": zlib.crc32, "isal_crc32": crc32}
+    out: dict[str, Callable[[Any, int], int]] = {
+        "zlib_crc32": zlib.crc32,
+        "isal_crc32": manager.crc32,
+        f"crc32c_{manager.CRC32C_IMPLEMENTATION}": lambda data, value: manager.checksum(
+            manager.ChecksumAlgorithm.CRC32C, data, value
+        ),
+    }
     if (crc32c := _optional("crc32c", "crc32c")) is not None:
-        out["crc32c"] = crc32c
+        out["crc32c_package"] = crc32c
     if (xxh := _optional("xxhash", "xxh3_64")) is not None:
         # Chained through the seed, so chunked use still covers every byte.
         out["xxh3_64"] = lambda data, value: int(xxh(data, seed=value).intdigest())
@@ -116,6 +125,7 @@ def _measure_staging(src: Any, nbytes: int, repeats: int) -> dict[str, float]:
     import torch
 
     from ckpt_manager._save.staging import Slab, copy_into_slab
+    from ckpt_manager._store import checksum as manager
     from ckpt_manager._store.checksum import ChecksumAlgorithm
     from ckpt_manager._store.format import plan_layout
 
@@ -123,13 +133,24 @@ def _measure_staging(src: Any, nbytes: int, repeats: int) -> dict[str, float]:
     tensors = list(src[: numel * 4 * 64].view(torch.float32).split(numel))
     layout = plan_layout([(f"t{i}", torch.float32, (numel,)) for i in range(len(tensors))])
     slab = Slab(0, layout.total_bytes)
+
+    def staging(alg: ChecksumAlgorithm) -> None:
+        copy_into_slab(slab, layout, tensors, algorithm=alg)
+
     try:
-        return {
-            f"staging_copy_{alg.value}": _fastest_cpu_s(
-                lambda alg=alg: copy_into_slab(slab, layout, tensors, algorithm=alg), repeats
-            )
+        out = {
+            f"staging_copy_{alg.value}": _fastest_cpu_s(lambda alg=alg: staging(alg), repeats)
             for alg in ChecksumAlgorithm
         }
+        isal = manager._crc32c_isal
+        manager._crc32c_isal = None  # the fallback: the `crc32c` package
+        try:
+            out["staging_copy_crc32c_package"] = _fastest_cpu_s(
+                lambda: staging(ChecksumAlgorithm.CRC32C), repeats
+            )
+        finally:
+            manager._crc32c_isal = isal
+        return out
     finally:
         slab.close()
 

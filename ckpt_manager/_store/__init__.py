@@ -23,7 +23,8 @@ need torch; the rest stays torch-free so `ckptctl list/show/verify` start fast.
                     the top manifest; RankReport (what a rank tells the coordinator);
                     complete_manifest (every index merged in, for tools).
     checksum.py     file checksums by algorithm (ChecksumAlgorithm): CRC-32 through ISA-L
-                    (zlib fallback; older manifests), CRC-32C (`crc32c`; new saves).
+                    (zlib fallback; older manifests), CRC-32C (new saves) through ISA-L
+                    `crc32_iscsi` (`crc32c` package fallback).
     format.py       shard file format: magic + JSON header + aligned raw tensor bytes.
     dtypes.py       dtype names and item sizes without torch (manifest validation).
     tree.py         state <-> JSON skeleton + tensor leaves (replicated, sharded, rank-local).

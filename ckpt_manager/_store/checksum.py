@@ -6,9 +6,16 @@ Two algorithms, named in every manifest file record (`FileEntry.algorithm`):
   a record without an algorithm means CRC-32. ISA-L's implementation (`isal` package,
   PCLMULQDQ folding) computes the same value 3-6x faster than zlib's; zlib stays as the
   fallback for platforms without an `isal` wheel.
-- `crc32c`: CRC-32C (Castagnoli, iSCSI), through the maintained `crc32c` package (hardware
-  SSE4.2 / ARMv8 CRC instructions, a software fallback otherwise). It is the checksum object
-  stores offer natively (S3's `x-amz-checksum-crc32c`, GCS).
+- `crc32c`: CRC-32C (Castagnoli, iSCSI), the checksum object stores offer natively (S3's
+  `x-amz-checksum-crc32c`, GCS). [Note: CRC-32C through ISA-L] It is computed by ISA-L's
+  `crc32_iscsi` (part of ISA-L's public CRC API, exported by the `isal` package's own
+  extension module, called through ctypes on the buffer's address): its PCLMULQDQ/VPCLMULQDQ
+  folding ran at 53 GB/s on a cached 1 MiB chunk of the development VM (AMD EPYC, AVX-512),
+  against 26 GB/s for the `crc32c` package's 3-way SSE4.2 `crc32q` loop and 25 GB/s for
+  `google-crc32c` (which also takes only `bytes`, so it would copy a slab first). The two
+  compute the same values (a test pins that); the `crc32c` package stays the fallback for a
+  wheel that does not export the symbol, and for read-only buffers other than `bytes`
+  (their address cannot be taken without a copy).
 
 `SAVE_ALGORITHM` is what new saves record. [Note: which checksum new saves use] The staging
 copy checksums each chunk while it is in cache (`staging.copy_into_slab`), so a save pays the
@@ -19,6 +26,7 @@ release the GIL on large buffers.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import importlib
 import zlib
@@ -26,11 +34,13 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "CRC32C_IMPLEMENTATION",
     "IMPLEMENTATION",
     "SAVE_ALGORITHM",
     "ChecksumAlgorithm",
     "checksum",
     "crc32",
+    "crc32c_at",
     "parse_algorithm",
 ]
 
@@ -55,11 +65,67 @@ def _load_crc32() -> tuple[Any, str]:
 _crc32_impl, IMPLEMENTATION = _load_crc32()
 
 
-def _crc32c(data: bytes | bytearray | memoryview, value: int) -> int:
+_INT_MAX_BYTES = (1 << 31) - 1  # crc32_iscsi takes an `int` length
+_CRC32C_CHUNK = 1 << 30
+
+
+def _load_crc32c_isal() -> Any:
+    """ISA-L's `crc32_iscsi(buffer, len, init)`, or None if this `isal` build hides it."""
+    try:
+        module = importlib.import_module("isal.isal_zlib")
+        function = ctypes.CDLL(module.__file__).crc32_iscsi
+    except (ImportError, OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32]
+    function.restype = ctypes.c_uint32
+    return function
+
+
+_crc32c_isal = _load_crc32c_isal()
+CRC32C_IMPLEMENTATION = "isal" if _crc32c_isal is not None else "crc32c"
+"""Which library computes CRC-32C here ([Note: CRC-32C through ISA-L])."""
+
+
+def _crc32c_package(data: bytes | bytearray | memoryview, value: int) -> int:
     # Imported on first use: only saves and files that record CRC-32C need it.
     import crc32c
 
     return int(crc32c.crc32c(data, value))
+
+
+def _crc32c(data: bytes | bytearray | memoryview, value: int) -> int:
+    if _crc32c_isal is None:
+        return _crc32c_package(data, value)
+    if isinstance(data, bytes):
+        address: int | None = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value
+        nbytes = len(data)
+    else:
+        view = memoryview(data)
+        if view.readonly or not view.c_contiguous:
+            return _crc32c_package(data, value)
+        nbytes = view.nbytes
+        # The temporary ctypes object holds an export of `view` only for this line.
+        address = ctypes.addressof(ctypes.c_char.from_buffer(view)) if nbytes else None
+    return crc32c_at(address or 0, nbytes, value)
+
+
+def crc32c_at(address: int, nbytes: int, value: int = 0) -> int:
+    """CRC-32C of the `nbytes` at `address`, continuing from `value` (ISA-L when available).
+
+    For callers that already hold a buffer's address (a tensor's `data_ptr()`), so no
+    memoryview needs slicing per chunk. The memory must stay alive during the call.
+    """
+    if _crc32c_isal is None:
+        buffer = (ctypes.c_char * nbytes).from_address(address) if nbytes else b""
+        return _crc32c_package(memoryview(buffer).cast("B"), value)
+    # ISA-L works on the inverted register: CRC-32C(data, v) = ~iscsi(data, ~v).
+    crc = value ^ 0xFFFFFFFF
+    done = 0
+    while nbytes - done > _INT_MAX_BYTES:
+        crc = _crc32c_isal(address + done, _CRC32C_CHUNK, crc)
+        done += _CRC32C_CHUNK
+    crc = _crc32c_isal(address + done, nbytes - done, crc)
+    return int(crc) ^ 0xFFFFFFFF
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:

@@ -3,6 +3,7 @@ still verify, and an unknown or mismatching algorithm is reported, never guessed
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -40,6 +41,28 @@ def test_crc32c_is_castagnoli_and_chains_in_pieces() -> None:
     head = checksum(ChecksumAlgorithm.CRC32C, data[:999])
     assert checksum(ChecksumAlgorithm.CRC32C, data[999:], head) == whole
     assert checksum(ChecksumAlgorithm.CRC32, data) == zlib.crc32(data)
+
+
+def test_crc32c_through_isal_and_the_crc32c_package_agree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import crc32c
+
+    from ckpt_manager._store import checksum as module
+
+    data = bytearray(os.urandom((1 << 16) + 7))
+    view = memoryview(data)
+    cases = [(bytes(data), 0), (data, 5), (view[3:4099], 0xFFFFFFFF), (view[:0], 9)]
+    expected = [crc32c.crc32c(bytes(buf), value) for buf, value in cases]
+    address = ctypes.addressof(ctypes.c_char.from_buffer(data))
+    for isal in (module._crc32c_isal, None):  # whichever this platform has, then the fallback
+        monkeypatch.setattr(module, "_crc32c_isal", isal)
+        assert [checksum(ChecksumAlgorithm.CRC32C, b, v) for b, v in cases] == expected
+        assert module.crc32c_at(address + 3, 4096, 0xFFFFFFFF) == expected[2]
+        # A read-only view that is not `bytes` has no address to take: the package computes it.
+        assert checksum(ChecksumAlgorithm.CRC32C, memoryview(bytes(data))[3:4099]) == (
+            crc32c.crc32c(bytes(data[3:4099]))
+        )
 
 
 def test_records_name_their_algorithm_and_crc32_ones_keep_the_old_form() -> None:
