@@ -21,12 +21,14 @@ def test_the_returned_checksum_is_that_of_the_staged_file_bytes(
     big = torch.randn(10_001)  # 40 004 bytes: ten chunks and a tail, then padding
     strided = torch.arange(60, dtype=torch.float32).view(6, 10).t()  # not contiguous
     halves = torch.randn(33, dtype=torch.float64)  # stored as float32: converted
+    tail = torch.randn(5007)[7:]  # contiguous, at a storage offset (copied by address)
     layout = plan_layout(
         [
             ("big", torch.float32, (10_001,)),
             ("strided", torch.float32, (10, 6)),
             ("halves", torch.float32, (33,)),
             ("empty", torch.float32, (0,)),
+            ("tail", torch.float32, (5000,)),
         ]
     )
     slab = Slab(1, layout.total_bytes)
@@ -40,7 +42,7 @@ def test_the_returned_checksum_is_that_of_the_staged_file_bytes(
             value = copy_into_slab(
                 slab,
                 layout,
-                [big, strided, halves, torch.empty(0)],
+                [big, strided, halves, torch.empty(0), tail],
                 progress.append,
                 progress_bytes=1,
                 algorithm=algorithm,
@@ -64,6 +66,9 @@ def test_the_returned_checksum_is_that_of_the_staged_file_bytes(
         assert torch.equal(got, halves.float())
         slot = by_key["big"]
         assert torch.equal(stored[slot.offset : slot.offset + slot.nbytes].view(torch.float32), big)
+        slot = by_key["tail"]
+        got = stored[slot.offset : slot.offset + slot.nbytes].view(torch.float32)
+        assert torch.equal(got, tail)
         del got, stored
     finally:
         slab.close()
