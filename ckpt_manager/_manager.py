@@ -39,15 +39,15 @@ from ckpt_manager._coord import Coordinator, Status
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._retention.deleter import Deleter
 from ckpt_manager._retention.record import record_retention
-from ckpt_manager._save.commit import leaves_to_write, piece_records, prepare_rank
+from ckpt_manager._save.commit import leaves_to_write, prepare_rank
 from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.finalize import Finalizer
 from ckpt_manager._save.pipeline import LocalPipeline
+from ckpt_manager._save.plan import PlanCache
 from ckpt_manager._save.request import Limits, SaveRequest
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.catalog import committed_steps, drop_dead_attempts
 from ckpt_manager._store.dtensor import unwrap_dtensors, wrap_dtensors
-from ckpt_manager._store.format import plan_layout
 from ckpt_manager._store.lease import Lease
 from ckpt_manager._store.manifest import shard_file_name
 from ckpt_manager._store.storage import Storage
@@ -150,6 +150,7 @@ class CheckpointManager:
         )
         self._open_root()
         self._pipeline = LocalPipeline(self.config, self._storage, self.rank, self._log)
+        self._plans = PlanCache()  # [Note: the plan cache] in _save/plan.py
 
     # ----------------------------------------------------------------- start-up
     def _open_root(self) -> None:
@@ -279,9 +280,9 @@ class CheckpointManager:
     ) -> SaveRequest:
         flat = flatten(state)
         leaves = leaves_to_write(flat, self.rank)
-        layout = plan_layout([(x.key, x.tensor.dtype, tuple(x.tensor.shape)) for x in leaves])
         spread = self.config.spread_for(self._storage.root_uri)
         file_name = shard_file_name(self.rank, spread) if leaves else None
+        layout, records = self._plans.plan(leaves, file_name)
         slot = next(i for i in range(self.config.max_inflight) if not self._slot_in_use(i))
         writer = self._pipeline.writer_for_next_save()
         request = SaveRequest(
@@ -296,7 +297,7 @@ class CheckpointManager:
                 step=step,
                 rank=self.rank,
                 flat=flat,
-                records=piece_records(leaves, layout, file_name),
+                records=records,
                 file_name=file_name,
                 metrics=metrics,
                 spread_prefixes=spread,

@@ -6,6 +6,8 @@ persistent writer process, then finalized across ranks (agreement, then one mani
     request.py      SaveRequest: one save on one rank; its explicit SaveState machine
                     STAGING -> WRITING -> OK | FAILED, guarded transitions, one lock.
     pipeline.py     LocalPipeline: one rank's staging buffers, staging thread and writer.
+    plan.py         PlanCache: the shard file's layout and piece records, reused while the
+                    state keeps its keys, dtypes, shapes and placements.
     staging.py      Slab (memfd shared memory reused across saves), copy_into_slab (copies
                     and checksums chunk by chunk),
                     BackgroundThread (the staging thread).
