@@ -293,7 +293,9 @@ class CheckpointManager:
             slot=slot,
             layout=layout,
             file_name=file_name,
-            contribution=prepare_rank(
+            contribution={},
+            # [Note: the rank's index is built off the training thread] in _save/pipeline.py
+            build_contribution=lambda: prepare_rank(
                 step=step,
                 rank=self.rank,
                 flat=flat,

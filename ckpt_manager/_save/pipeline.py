@@ -115,6 +115,8 @@ class LocalPipeline:
         Object stores upload whole parts after the copy, so they gain nothing from it.
         """
         try:
+            if not self._build_contribution(request):
+                return
             slab = self._allocate(request)
             if slab is None:
                 return
@@ -127,6 +129,30 @@ class LocalPipeline:
                 request.device_fence.enqueued.set()  # a failed copy enqueued nothing
             request.copied.set()
             request.handed_off.set()
+
+    @staticmethod
+    def _build_contribution(request: SaveRequest) -> bool:
+        """Build the request's contribution (its pending index); False (and the request
+        failed) if that raised.
+
+        [Note: the rank's index is built off the training thread] The contribution (the
+        rank's index as JSON, its report's tensor list) is pure data derived from the
+        flattened state, which `save()` captured; building it took 0.4-0.9 ms of `save()` on
+        the bench's 156-leaf state, i.e. of the stall. Here it runs before the copy and the
+        dispatch (the write message carries the index), and nothing reads the contribution
+        before the request reaches WRITING.
+        """
+        build = request.build_contribution
+        if build is None:
+            return True
+        request.build_contribution = None
+        try:
+            request.contribution.update(build())
+        except Exception as err:
+            request.tensors = []
+            request.fail(f"building the rank's index failed: {type(err).__name__}: {err}")
+            return False
+        return True
 
     def _streams(self, request: SaveRequest) -> bool:
         return (

@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import structlog
@@ -103,7 +104,10 @@ class SaveRequest:
     file_name: str | None
     """Shard file name relative to the step folder (None: nothing to write)."""
     contribution: dict[str, Any]
-    """This rank's manifest part."""
+    """This rank's manifest part (filled in by `build_contribution` when that is set)."""
+    build_contribution: Callable[[], dict[str, Any]] | None = None
+    """Builds `contribution` on the staging thread, before anything is dispatched (None:
+    built already). [Note: the rank's index is built off the training thread]"""
     slab: Slab | None = None
     """Staging buffer (chosen by the staging thread, which also allocates it)."""
     tensors: list[Any] = dataclasses.field(default_factory=list)

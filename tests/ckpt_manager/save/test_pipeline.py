@@ -109,3 +109,30 @@ def test_an_older_failed_save_does_not_cost_the_save_that_found_it(
         assert result is not None
         assert result.step == 4
         assert torch.equal(result.state["t"], torch.full((2,), 4.0))
+
+
+def test_the_index_is_built_on_the_staging_thread_and_its_failure_fails_the_save(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from ckpt_manager import _manager
+
+    real = _manager.prepare_rank
+    threads: list[str] = []
+
+    def recording(**kwargs: object) -> object:
+        threads.append(threading.current_thread().name)
+        if kwargs["step"] == 2:
+            raise ValueError("broken index")
+        return real(**kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_manager, "prepare_rank", recording)
+    with CheckpointManager(str(tmp_path), CheckpointConfig(), run_id="r") as mgr:
+        mgr.save(1, {"t": torch.ones(2)})
+        mgr.wait_until_finished()
+        mgr.save(2, {"t": torch.ones(2)})  # returns: the index is built behind it
+        with pytest.raises(SaveFailedError, match=r"building the rank's index failed.*broken"):
+            mgr.wait_until_finished()
+        assert mgr.latest_step() == 1
+    assert threads == ["ckpt-stager-0", "ckpt-stager-0"]
