@@ -22,6 +22,8 @@ def test_the_returned_checksum_is_that_of_the_staged_file_bytes(
     strided = torch.arange(60, dtype=torch.float32).view(6, 10).t()  # not contiguous
     halves = torch.randn(33, dtype=torch.float64)  # stored as float32: converted
     tail = torch.randn(5007)[7:]  # contiguous, at a storage offset (copied by address)
+    # A lazy conjugate: its memory holds the unconjugated values (a byte copy would store them).
+    conj = torch.randn(20, dtype=torch.complex64).conj()
     layout = plan_layout(
         [
             ("big", torch.float32, (10_001,)),
@@ -29,6 +31,7 @@ def test_the_returned_checksum_is_that_of_the_staged_file_bytes(
             ("halves", torch.float32, (33,)),
             ("empty", torch.float32, (0,)),
             ("tail", torch.float32, (5000,)),
+            ("conj", torch.complex64, (20,)),
         ]
     )
     slab = Slab(1, layout.total_bytes)
@@ -42,7 +45,7 @@ def test_the_returned_checksum_is_that_of_the_staged_file_bytes(
             value = copy_into_slab(
                 slab,
                 layout,
-                [big, strided, halves, torch.empty(0), tail],
+                [big, strided, halves, torch.empty(0), tail, conj],
                 progress.append,
                 progress_bytes=1,
                 algorithm=algorithm,
@@ -69,6 +72,9 @@ def test_the_returned_checksum_is_that_of_the_staged_file_bytes(
         slot = by_key["tail"]
         got = stored[slot.offset : slot.offset + slot.nbytes].view(torch.float32)
         assert torch.equal(got, tail)
+        slot = by_key["conj"]
+        got = stored[slot.offset : slot.offset + slot.nbytes].view(torch.complex64)
+        assert torch.equal(got, conj.resolve_conj())
         del got, stored
     finally:
         slab.close()
