@@ -8,8 +8,8 @@ persistent writer process, then finalized across ranks (agreement, then one mani
     pipeline.py     LocalPipeline: one rank's staging buffers, staging thread and writer.
     plan.py         PlanCache: the shard file's layout and piece records, reused while the
                     state keeps its keys, dtypes, shapes and placements.
-    staging.py      Slab (memfd shared memory reused across saves), copy_into_slab (copies
-                    and checksums chunk by chunk),
+    staging.py      Slab (memfd shared memory reused across saves; huge pages where shmem
+                    THP is `advise`), copy_into_slab (copies and checksums chunk by chunk),
                     BackgroundThread (the staging thread).
     device_copy.py  CUDA snapshots: DeviceFence (events), copy_to_pinned_slab on a dedicated
                     copy stream into a page-locked slab, fenced on the compute stream.

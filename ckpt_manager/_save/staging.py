@@ -5,6 +5,8 @@ fd passing, in the writer: the trainer copies tensors into it (checksumming each
 it lands: [Note: the checksum rides on the staging copy]), the writer writes it out. Slabs
 are allocated once per in-flight slot and reused across saves while the state fits, so the
 steady state allocates nothing. A memfd has no name, so nothing leaks if a process is killed.
+Where the host's shmem THP mode is `advise`, a slab asks for huge pages ([Note: huge-page
+slabs]).
 For a CUDA snapshot a slab is page-locked once (`pin`), so the device-to-host copy lands in it
 by DMA (`device_copy.py`); `close()` unlocks it.
 
@@ -28,7 +30,14 @@ import torch
 from ckpt_manager._store.checksum import SAVE_ALGORITHM, ChecksumAlgorithm, checksum, crc32c_at
 from ckpt_manager._store.format import FileLayout, TensorSlot
 
-__all__ = ["FUSED_CHUNK_BYTES", "BackgroundThread", "Slab", "copy_into_slab", "copy_into_slot"]
+__all__ = [
+    "FUSED_CHUNK_BYTES",
+    "BackgroundThread",
+    "Slab",
+    "copy_into_slab",
+    "copy_into_slot",
+    "shmem_thp_mode",
+]
 
 _MIN_CAPACITY = 1 << 16
 _log = structlog.get_logger("ckpt_manager.staging")
@@ -46,11 +55,17 @@ class Slab:
         self.fd = os.memfd_create(f"trainingd-ckpt-{os.getpid()}-{slab_id}", os.MFD_CLOEXEC)
         """The memfd (sent to writers)."""
         os.ftruncate(self.fd, self.capacity)
-        # Allocate and map every page now: first-touch faults during the snapshot copy
-        # would make the first save's copy several times slower than a memcpy.
-        os.posix_fallocate(self.fd, 0, self.capacity)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._mm = mmap.mmap(self.fd, self.capacity, flags=flags)
+        mode = shmem_thp_mode()
+        advised = _map_huge_advised(self.fd, self.capacity) if mode == "advise" else None
+        self.huge_pages_advised = advised is not None
+        """Whether the mapping asked for transparent huge pages ([Note: huge-page slabs])."""
+        if advised is None:
+            # Allocate and map every page now: first-touch faults during the snapshot copy
+            # would make the first save's copy several times slower than a memcpy.
+            os.posix_fallocate(self.fd, 0, self.capacity)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            advised = mmap.mmap(self.fd, self.capacity, flags=flags)
+        self._mm = advised
         self.tensor: torch.Tensor | None = torch.frombuffer(self._mm, dtype=torch.uint8)
         """The whole buffer as a uint8 tensor."""
         self._pinned = False
@@ -90,6 +105,47 @@ class Slab:
             self._mm.close()
         with contextlib.suppress(OSError):
             os.close(self.fd)
+
+
+_SHMEM_THP_PATH = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python 3.11's mmap module has no name for it
+
+
+def shmem_thp_mode() -> str:
+    """The host's transparent-huge-page mode for shared memory (`never`, `advise`,
+    `within_size`, `always`, ...), or "" where the kernel does not say."""
+    try:
+        with open(_SHMEM_THP_PATH, encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else ""
+
+
+def _map_huge_advised(fd: int, capacity: int) -> mmap.mmap | None:
+    """Map `fd` asking for huge pages, then populate it; None where the kernel refuses.
+
+    [Note: huge-page slabs] With shmem THP in `advise` mode a memfd gets 2 MiB pages only
+    when a mapping with `MADV_HUGEPAGE` faults them in, so the slab is populated through the
+    advised mapping (`MADV_POPULATE_WRITE`, which reports a shortage as an error instead of
+    a later SIGBUS) rather than by `posix_fallocate`. Huge pages mean fewer TLB misses for
+    the staging copy and fewer pages for the writer's `O_DIRECT` to pin. In `within_size` and
+    `always` modes `posix_fallocate` gets them by itself; in `never` (the development VM:
+    there `MADV_HUGEPAGE` is accepted and changes nothing) nothing is asked. Measured on
+    that VM with 4 KiB pages, filling the slab costs the same as private memory.
+    """
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or capacity < 2 << 20:
+        return None
+    mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+    try:
+        mm.madvise(advice)
+        mm.madvise(_MADV_POPULATE_WRITE)
+    except OSError:  # an older kernel (EINVAL) or a shortage: the plain path decides
+        mm.close()
+        return None
+    return mm
 
 
 def copy_into_slot(

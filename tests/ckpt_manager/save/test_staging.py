@@ -78,3 +78,31 @@ def test_the_returned_checksum_is_that_of_the_staged_file_bytes(
         del got, stored
     finally:
         slab.close()
+
+
+@pytest.mark.parametrize("populate", ["works", "refused"])
+def test_a_slab_asks_for_huge_pages_where_shmem_thp_is_advise_and_falls_back(
+    monkeypatch: pytest.MonkeyPatch, populate: str
+) -> None:
+    known = ("", "never", "advise", "within_size", "always", "deny", "force")
+    assert staging.shmem_thp_mode() in known  # this host's, read from sysfs
+    monkeypatch.setattr(staging, "shmem_thp_mode", lambda: "advise")
+    if populate == "refused":  # as an older kernel answers an unknown advice
+        monkeypatch.setattr(staging, "_MADV_POPULATE_WRITE", -1)
+    layout = plan_layout([("w", torch.float32, (1 << 20,))])  # 4 MiB: room for huge pages
+    slab = Slab(2, layout.total_bytes)
+    try:
+        assert slab.huge_pages_advised is (populate == "works")
+        w = torch.randn(1 << 20)
+        copy_into_slab(slab, layout, [w])
+        assert slab.tensor is not None
+        slot = layout.slots[0]
+        stored = slab.tensor[slot.offset : slot.offset + slot.nbytes].view(torch.float32)
+        assert torch.equal(stored, w)
+        del stored
+    finally:
+        slab.close()
+    monkeypatch.setattr(staging, "shmem_thp_mode", lambda: "never")
+    plain = Slab(3, layout.total_bytes)
+    assert not plain.huge_pages_advised
+    plain.close()
