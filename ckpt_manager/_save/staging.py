@@ -225,7 +225,7 @@ def copy_into_slab(
 FUSED_CHUNK_BYTES = 512 << 10
 """Copy-then-checksum granularity: inside L2, big enough that per-call overhead is noise, and
 below glibc's `rep movsb` stop threshold (1 MiB), whose string copy measured 10-20 % cheaper
-than torch's chunked copy kernel (128 MiB into a memfd slab, `bench/save_cpu_floor.py`)."""
+than torch's chunked copy kernel (128 MiB into a memfd slab; BENCHMARKS.md, issue 20)."""
 
 
 def _copy_checksummed(
