@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import pathlib
 import queue
@@ -28,7 +27,7 @@ from ckpt_manager._store.manifest import FORMAT_VERSION, MANIFEST_NAME, step_dir
 from ckpt_manager._store.rank_index import complete_manifest
 from ckpt_manager._store.storage import Storage
 from tests.ckpt_manager.conftest import Shard
-from tests.support.dist import _child, free_port, run_on_ranks
+from tests.support.dist import ParentState, _child, free_port, rank_context, run_on_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -365,13 +364,24 @@ def _rank1_dies_mid_save(rank: int, world: int, root: str, report: str) -> None:
 def _run_with_a_dying_rank(fn: Any, root: pathlib.Path, report: pathlib.Path) -> list[int | None]:
     """Run `fn(rank, 2, root, report)` on 2 spawned ranks, one of which SIGKILLs itself;
     wait for the survivor's report and return the exit codes."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_child,
-            args=(fn, rank, 2, port, (str(root), str(report)), {}, 1, results, "gloo", 60.0),
+            args=(
+                fn,
+                rank,
+                2,
+                port,
+                (str(root), str(report)),
+                ParentState(),
+                1,
+                results,
+                "gloo",
+                60.0,
+            ),
             daemon=True,
         )
         for rank in range(2)

@@ -7,6 +7,15 @@ that rank's traceback; a rank that hangs fails it when the timeout expires; eith
 child is killed so nothing outlives the test.
 
 `fn` must be importable by the children (a module-level function of a test module).
+
+[Note: ranks fork from a server that imported torch] Importing torch (and DCP, FSDP2, DTensor)
+costs each rank several CPU seconds, more than most multi-rank tests spend training, and the
+suite starts dozens of rank groups on two cores. So the ranks are started by multiprocessing's
+`forkserver`, which imports `PRELOAD` once per session, and each rank is a fork of it: a fresh
+process with no process group, no threads and none of the parent's test state, as a spawned
+one, but with torch already imported. What a fork would otherwise take from the server rather
+than from the test that starts it is passed explicitly: the environment, the working directory,
+`sys.path`, and stdout/stderr (so a rank's output lands in that test's captured output).
 """
 
 from __future__ import annotations
@@ -16,15 +25,28 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import reduction
 from typing import Any
 
 __all__ = ["RankFailedError", "RankTimeoutError", "free_port", "run_on_ranks"]
 
 DEFAULT_TIMEOUT_S = 120.0
+
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "ckpt_manager",
+    "sharding",
+)
+"""Modules the fork server imports once, so no rank imports them again (see the Note above)."""
 
 
 class RankFailedError(RuntimeError):
@@ -42,19 +64,72 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rank_context() -> Any:
+    """The multiprocessing context ranks start in: the session's torch-preloaded fork server."""
+    ctx = mp.get_context("forkserver")
+    # Only the first call (before the server starts) takes effect; later ones are the same list.
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+class _Fd:
+    """One of this process's file descriptors, duplicated into a rank as it starts."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled while the rank starts: `DupFd` hands the descriptor to the fork server then.
+        return (_Inherited, (reduction.DupFd(self.fd),))
+
+
+class _Inherited:
+    """A descriptor received by the rank (`fd()` takes it over)."""
+
+    def __init__(self, dup: Any) -> None:
+        self._dup = dup
+
+    def fd(self) -> int:
+        return int(self._dup.detach())
+
+
+class ParentState:
+    """What a rank takes from the test that starts it: environment, directory, path, stdio."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.env = {**os.environ, **(env or {})}
+        self.cwd = os.getcwd()
+        self.sys_path = list(sys.path)
+        # Each `_Fd` arrives in the rank as an `_Inherited` descriptor.
+        self.stdio: tuple[Any, Any] = (_Fd(1), _Fd(2))
+
+    def apply(self) -> None:
+        """In the rank: take the parent's state over."""
+        os.environ.clear()
+        os.environ.update(self.env)
+        os.chdir(self.cwd)
+        sys.path[:] = self.sys_path
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, inherited in zip((1, 2), self.stdio, strict=True):
+            fd = inherited.fd()
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def _child(
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
     port: int,
     args: tuple[Any, ...],
-    env: dict[str, str],
+    parent: ParentState,
     threads: int,
     results: Any,
     backend: str,
     pg_timeout_s: float,
 ) -> None:
-    os.environ.update(env)
+    parent.apply()
     os.environ.update(
         {
             "MASTER_ADDR": "127.0.0.1",
@@ -117,7 +192,7 @@ def run_on_ranks(
     """
     import torch
 
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
@@ -129,7 +204,7 @@ def run_on_ranks(
                 world_size,
                 port,
                 args,
-                dict(env or {}),
+                ParentState(env),
                 threads,
                 results,
                 backend,
