@@ -16,6 +16,7 @@ process with no process group, no threads and none of the parent's test state, a
 one, but with torch already imported. What a fork would otherwise take from the server rather
 than from the test that starts it is passed explicitly: the environment, the working directory,
 `sys.path`, and stdout/stderr (so a rank's output lands in that test's captured output).
+Arguments reach each rank as a `torch.save` copy (`_Copied`), not as shared tensors.
 """
 
 from __future__ import annotations
@@ -81,6 +82,32 @@ class _Fd:
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled while the rank starts: `DupFd` hands the descriptor to the fork server then.
         return (_Inherited, (reduction.DupFd(self.fd),))
+
+
+def _torch_loads(data: bytes) -> Any:
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+class _Copied:
+    """A value that reaches the rank as a copy serialised by `torch.save`.
+
+    multiprocessing would share tensors in the arguments through one file descriptor each
+    (torch's reductions), and the fork server takes fewer than 256 descriptors per process: a
+    state dict of a few hundred tensors could not start a rank. A copy also keeps ranks from
+    writing into each other's arguments.
+    """
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(self.value, buf)
+        return (_torch_loads, (buf.getvalue(),))
 
 
 class _Inherited:
@@ -203,7 +230,7 @@ def run_on_ranks(
                 rank,
                 world_size,
                 port,
-                args,
+                _Copied(args),
                 ParentState(env),
                 threads,
                 results,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
 import time
 
 import pytest
@@ -27,6 +29,34 @@ def _hang_on_rank_zero(rank: int, world_size: int) -> int:
     if rank == 0:
         time.sleep(600)
     return rank
+
+
+def _report_state(rank: int, world_size: int, tensors: list[torch.Tensor]) -> dict[str, object]:
+    print(f"rank {rank} says hello on stdout", flush=True)
+    tensors[0].add_(1)  # a copy: the parent's tensor must not change
+    return {
+        "cwd": os.getcwd(),
+        "variable": os.environ.get("DIST_TEST_VARIABLE"),
+        "sum": sum(float(t.sum()) for t in tensors),
+    }
+
+
+def test_ranks_see_the_starting_tests_environment_directory_and_a_copy_of_many_tensors(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # Set after the fork server may have started: the rank must see this test's values.
+    monkeypatch.setenv("DIST_TEST_VARIABLE", "set-by-the-test")
+    monkeypatch.chdir(tmp_path)
+    # More tensors than the fork server passes descriptors (256): arguments are copied.
+    tensors = [torch.full((2,), float(i)) for i in range(300)]
+    [state] = run_on_ranks(_report_state, 1, tensors, timeout_s=60)
+    assert state == {
+        "cwd": str(tmp_path),
+        "variable": "set-by-the-test",
+        "sum": 2.0 + sum(2.0 * i for i in range(300)),  # the rank added 1 to tensors[0]
+    }
+    assert torch.equal(tensors[0], torch.zeros(2))
+    assert "rank 0 says hello on stdout" in capfd.readouterr().out
 
 
 def test_all_reduce_sum_on_two_ranks() -> None:
