@@ -1,10 +1,10 @@
-"""Run a function on N real `torch.distributed` ranks in spawned processes.
+"""Run a function on N real `torch.distributed` ranks in fresh processes.
 
-`run_on_ranks(fn, world_size)` starts one spawned process per rank, initialises a gloo process
-group over a free loopback port, calls `fn(rank, world_size, *args)` and returns the per-rank
-results (torch-serialised, so tensors come back intact). A rank that raises fails the call with
-that rank's traceback; a rank that hangs fails it when the timeout expires; either way every
-child is killed so nothing outlives the test.
+`run_on_ranks(fn, world_size)` starts one process per rank (forked from a fork server),
+initialises a gloo process group over a free loopback port, calls `fn(rank, world_size, *args)`
+and returns the per-rank results (torch-serialised, so tensors come back intact). A rank that
+raises fails the call with that rank's traceback; a rank that hangs fails it when the timeout
+expires; either way every child is killed so nothing outlives the test.
 
 `fn` must be importable by the children (a module-level function of a test module).
 
@@ -199,7 +199,7 @@ def run_on_ranks(
     env: dict[str, str] | None = None,
     threads: int = 1,
 ) -> list[Any]:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks.
+    """Run `fn(rank, world_size, *args)` on `world_size` fresh ranks (forked from a fork server).
 
     Args:
         fn: module-level function; its return value must be `torch.save`-able.
