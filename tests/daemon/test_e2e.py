@@ -188,9 +188,10 @@ def test_resume_after_sigterm_is_bitwise_exact(
     args = [
         *_FAST, *GATED_JOB, "--strategy", strategy, "--max-steps", str(steps), "--ckpt-every", "0",
     ]  # fmt: skip
+    # The straight run shares nothing with the interrupted one (own root, run dir, ports): it
+    # trains alongside it, mostly while the interrupted run's ranks wait at the gate.
     straight = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(tmp_path / "a")], name="a")
     procs.append(straight)
-    assert straight.wait(150) == 0, straight.logs()
 
     # The interrupted run is held after step 3; SIGTERM lands there, and only once the daemon
     # has written the stop request do the ranks go on: they agree to stop at step 4 exactly,
@@ -209,6 +210,7 @@ def test_resume_after_sigterm_is_bitwise_exact(
     procs.append(second)
     assert second.wait(150) == 0, second.logs()
     assert int(second.find("restored")[0]["ckpt_step"]) == stopped_at
+    assert straight.wait(150) == 0, straight.logs()
 
     a = _restore_all(tmp_path / "a", steps, tmp_path / "a.pt")
     b = _restore_all(tmp_path / "b", steps, tmp_path / "b.pt")
