@@ -74,9 +74,6 @@ class Flattened(NamedTuple):
     """Tensor leaves in traversal order."""
 
 
-_SHARDED_MEMBERS = ("local", "global_shape", "global_offset", "flat_range")
-
-
 def is_sharded(value: object) -> bool:
     """Whether a leaf is a ShardedTensorLike (and not a plain tensor).
 
@@ -86,7 +83,18 @@ def is_sharded(value: object) -> bool:
     """
     if isinstance(value, torch.Tensor):
         return False
-    return all(hasattr(value, name) for name in _SHARDED_MEMBERS)
+    return _has_sharded_members(value)
+
+
+def _has_sharded_members(value: object) -> bool:
+    # Spelled out rather than `all(hasattr(...) for ...)`: a generator per leaf showed in
+    # `save()`'s profile ([Note: flatten per leaf]).
+    return (
+        hasattr(value, "local")
+        and hasattr(value, "global_shape")
+        and hasattr(value, "global_offset")
+        and hasattr(value, "flat_range")
+    )
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:
@@ -125,19 +133,27 @@ def placement_of(value: Any, key: str) -> Placement:
     Raises:
         ValueError: the placement does not fit the local tensor or the global shape.
     """
-    local = value.local
-    global_shape = tuple(int(d) for d in value.global_shape)
-    empty = local.numel() == 0
+    return _placement(value, value.local, tuple(map(int, value.global_shape)), key)
+
+
+def _placement(
+    value: Any, local: torch.Tensor, global_shape: tuple[int, ...], key: str
+) -> Placement:
+    # [Note: flatten per leaf] `save()` flattens the whole state on the training thread, so
+    # this runs once per sharded leaf per save (2200 on a model of a few hundred parameters
+    # with AdamW state): `map(int, ...)` instead of generator expressions, `numel()` and
+    # `dim()` asked once, the global shape converted once by the caller.
+    numel_local = local.numel()
     flat = value.flat_range
     if flat is not None:
         start, end = int(flat[0]), int(flat[1])
-        if local.dim() != 1 or end - start != local.numel():
+        if local.dim() != 1 or end - start != numel_local:
             raise ValueError(
                 f"state leaf {key!r}: flat_range {tuple(flat)} does not match a 1-D local of "
-                f"{local.numel()} elements"
+                f"{numel_local} elements"
             )
-        if empty:
-            return Placement(None, (0, 0))
+        if numel_local == 0:
+            return _EMPTY_FLAT
         numel = math.prod(global_shape)
         if not 0 <= start < end <= numel:
             raise ValueError(
@@ -145,13 +161,13 @@ def placement_of(value: Any, key: str) -> Placement:
                 f"elements of global shape {global_shape}"
             )
         return Placement(None, (start, end))
-    offset = tuple(int(o) for o in value.global_offset)
+    offset = tuple(map(int, value.global_offset))
     if len(offset) != len(global_shape) or local.dim() != len(global_shape):
         raise ValueError(
             f"state leaf {key!r}: offset {offset} / local shape {tuple(local.shape)} do not "
             f"match global shape {global_shape}"
         )
-    if empty:
+    if numel_local == 0:
         return Placement((0,) * len(offset), None)
     for o, n, g in zip(offset, local.shape, global_shape, strict=True):
         if o < 0 or o + n > g:
@@ -162,13 +178,16 @@ def placement_of(value: Any, key: str) -> Placement:
     return Placement(offset, None)
 
 
+_EMPTY_FLAT = Placement(None, (0, 0))
+
+
 def _sharded_leaf(value: Any, key: str) -> TensorLeaf:
     local = value.local
     if not isinstance(local, torch.Tensor):
         raise TypeError(f"state leaf {key!r}: ShardedTensorLike.local must be a tensor")
     _check_tensor(local, key)
-    global_shape = tuple(int(d) for d in value.global_shape)
-    where = placement_of(value, key)
+    global_shape = tuple(map(int, value.global_shape))
+    where = _placement(value, local, global_shape, key)
     return TensorLeaf(
         key, LeafKind.SHARDED, local, global_shape, where.global_offset, where.flat_range
     )
@@ -186,28 +205,21 @@ class _Flattener:
         self.keys.add(key)
         return key
 
-    def visit(self, value: Any, path: list[str], in_rank_local: bool) -> Any:
-        key = "/".join(path) or "<root>"
+    def visit(self, value: Any, key: str, in_rank_local: bool) -> Any:
+        # `key` is the `/`-joined path ("" at the root), built by concatenation as the walk
+        # descends rather than joined from a path list at every node ([Note: flatten per
+        # leaf]).
+        if isinstance(value, torch.Tensor):
+            return self._tensor(value, key or "<root>", in_rank_local)
         if isinstance(value, RankLocal):
             if in_rank_local:
-                raise TypeError(f"state leaf {key!r}: RankLocal cannot be nested")
+                raise TypeError(f"state leaf {key or '<root>'!r}: RankLocal cannot be nested")
             index = len(self.rank_local)
             self.rank_local.append(None)
-            self.rank_local[index] = self.visit(value.value, [*path], True)
+            self.rank_local[index] = self.visit(value.value, key, True)
             return ["R", index]
-        if isinstance(value, torch.Tensor) and is_dtensor(value):
-            if in_rank_local:
-                raise TypeError(f"state leaf {key!r}: a DTensor inside RankLocal")
-            piece = dtensor_piece(value, key, for_write=True)
-            self.leaves.append(_sharded_leaf(piece, self._claim(key)))
-            return ["S", key]
-        if isinstance(value, torch.Tensor):
-            _check_tensor(value, key)
-            kind = LeafKind.RANK_LOCAL if in_rank_local else LeafKind.REPLICATED
-            shape = tuple(value.shape)
-            self.leaves.append(TensorLeaf(self._claim(key), kind, value, shape, None, None))
-            return ["T", key]
-        if is_sharded(value):
+        if _has_sharded_members(value):  # not a tensor: that was tested first
+            key = key or "<root>"
             if in_rank_local:
                 raise TypeError(f"state leaf {key!r}: a sharded tensor inside RankLocal")
             self.leaves.append(_sharded_leaf(value, self._claim(key)))
@@ -216,21 +228,38 @@ class _Flattener:
             return ["v", value]
         if isinstance(value, dict):
             items = []
+            prefix = f"{key}/" if key else ""
             for k, v in value.items():
                 if isinstance(k, bool) or not isinstance(k, str | int):
-                    raise TypeError(f"state dict under {key!r} has key {k!r}: use str or int keys")
-                items.append([k, self.visit(v, [*path, str(k)], in_rank_local)])
+                    raise TypeError(
+                        f"state dict under {key or '<root>'!r} has key {k!r}: use str or int keys"
+                    )
+                items.append([k, self.visit(v, prefix + str(k), in_rank_local)])
             return ["d", items]
         if isinstance(value, list | tuple):
             tag = "t" if isinstance(value, tuple) else "l"
+            prefix = f"{key}/" if key else ""
             return [
                 tag,
-                [self.visit(v, [*path, str(i)], in_rank_local) for i, v in enumerate(value)],
+                [self.visit(v, prefix + str(i), in_rank_local) for i, v in enumerate(value)],
             ]
         raise TypeError(
-            f"state leaf {key!r} has type {type(value).__name__}: use tensors, sharded tensors, "
-            "RankLocal or plain JSON values (convert numpy arrays to tensors)"
+            f"state leaf {key or '<root>'!r} has type {type(value).__name__}: use tensors, "
+            "sharded tensors, RankLocal or plain JSON values (convert numpy arrays to tensors)"
         )
+
+    def _tensor(self, value: torch.Tensor, key: str, in_rank_local: bool) -> Any:
+        if is_dtensor(value):
+            if in_rank_local:
+                raise TypeError(f"state leaf {key!r}: a DTensor inside RankLocal")
+            piece = dtensor_piece(value, key, for_write=True)
+            self.leaves.append(_sharded_leaf(piece, self._claim(key)))
+            return ["S", key]
+        _check_tensor(value, key)
+        kind = LeafKind.RANK_LOCAL if in_rank_local else LeafKind.REPLICATED
+        shape = tuple(value.shape)
+        self.leaves.append(TensorLeaf(self._claim(key), kind, value, shape, None, None))
+        return ["T", key]
 
 
 def flatten(state: Any) -> Flattened:
@@ -241,5 +270,5 @@ def flatten(state: Any) -> Flattened:
         ValueError: inconsistent sharded-tensor metadata or colliding keys.
     """
     f = _Flattener()
-    tree = f.visit(state, [], False)
+    tree = f.visit(state, "", False)
     return Flattened(tree, f.rank_local, f.leaves)

@@ -38,6 +38,14 @@ def test_flatten_kinds_and_skeleton() -> None:
     json.dumps(flat.tree)
 
 
+def test_flatten_keys_are_slash_joined_paths() -> None:
+    # The walk builds keys by concatenation (not a joined path list): pin the spelling.
+    state = {"layers": [{"w": torch.ones(1)}, (torch.ones(1),)], 3: {"b": torch.ones(1)}}
+    assert [leaf.key for leaf in flatten(state).leaves] == ["layers/0/w", "layers/1/0", "3/b"]
+    assert [leaf.key for leaf in flatten(torch.ones(1)).leaves] == ["<root>"]
+    assert [leaf.key for leaf in flatten(RankLocal(torch.ones(1))).leaves] == ["<root>"]
+
+
 @pytest.mark.parametrize(
     ("state", "message"),
     [
