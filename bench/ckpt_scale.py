@@ -645,10 +645,11 @@ class _FlatShard(NamedTuple):
 
 def _finalize_rank(
     rank: int, world_size: int, spec: dict[str, Any]
-) -> tuple[list[float], list[float], list[float], list[float]]:
+) -> tuple[list[float], list[float], list[float], list[float], list[float], list[float]]:
     """One rank of the finalize measurement; returns its `maybe_finalize` wall times while a
-    save was in flight, its `save()` times, those calls' thread CPU times and a bare
-    all-reduce's time after each of them (seconds)."""
+    save was in flight, its `save()` times, those calls' thread CPU times, a bare
+    all-reduce's time after each of them, and the wall and CPU times of `save()` calls that
+    found room (seconds)."""
     import torch
     import torch.distributed as dist
     from _common import stdout_to_stderr
@@ -691,7 +692,22 @@ def _finalize_rank(
                 floor_s.append(time.perf_counter() - started)
         mgr.wait_until_finished()
         calls = list(mgr.stats().recent_finalize_call_s)
-    return calls, save_s, cpu_s, floor_s
+        # `save()` on its own: saving every 4 steps of a few milliseconds, the loop above
+        # finds the previous save still in flight at nearly every save, so (with the default
+        # `max_inflight=1`) its `save()` times include finalizing that save to make room.
+        # Here each save starts with none in flight: what a run whose saves are further
+        # apart than a save lasts pays on its training thread at every save.
+        room_s: list[float] = []
+        room_cpu_s: list[float] = []
+        for i in range(spec["room_saves"]):
+            dist.all_reduce(grad)  # the ranks enter save() together, as after a step
+            started, cpu_started = time.perf_counter(), time.thread_time()
+            mgr.save(spec["steps"] + 1 + i, {"model": state})
+            room_cpu_s.append(time.thread_time() - cpu_started)
+            room_s.append(time.perf_counter() - started)
+            mgr.before_optimizer_step()
+            mgr.wait_until_finished()
+    return calls, save_s, cpu_s, floor_s, room_s, room_cpu_s
 
 
 def measure_finalize(
@@ -706,6 +722,7 @@ def measure_finalize(
         "grad_numel": 1 << 16,
         "steps": steps,
         "save_every": 4,
+        "room_saves": 8,
         "root": str(workdir / "finalize"),
     }
     per_rank = run_ranks(_finalize_rank, world_size, spec, timeout_s=900.0)
@@ -713,6 +730,8 @@ def measure_finalize(
     saves = sorted(c * 1000 for result in per_rank for c in result[1])
     cpu = sorted(c * 1000 for result in per_rank for c in result[2])
     floor = sorted(c * 1000 for result in per_rank for c in result[3])
+    room = sorted(c * 1000 for result in per_rank for c in result[4])
+    room_cpu = sorted(c * 1000 for result in per_rank for c in result[5])
     if not calls:
         return {"ranks": world_size, "calls": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
 
@@ -736,9 +755,15 @@ def measure_finalize(
         # right after each counted call (same ranks, same save in flight, same cores).
         "allreduce_floor_p50_ms": pct(0.50, floor) if floor else None,
         "allreduce_floor_p99_ms": pct(0.99, floor) if floor else None,
-        # Diagnostic: the training thread's `save()` call itself (flatten + layout).
+        # Diagnostic: the training thread's `save()` call in the loop above, which includes
+        # waiting for the previous save to retire (`max_inflight=1`, a save every 4 short
+        # steps), then the same call when no save is in flight (flatten, plan, hand-off: the
+        # stall every save costs a run that saves less often than a save lasts).
         "save_call_p50_ms": round(saves[len(saves) // 2], 1) if saves else None,
         "save_call_max_ms": round(saves[-1], 1) if saves else None,
+        "save_call_room_p50_ms": pct(0.50, room) if room else None,
+        "save_call_room_max_ms": round(room[-1], 3) if room else None,
+        "save_call_room_cpu_p50_ms": pct(0.50, room_cpu) if room_cpu else None,
     }
 
 
