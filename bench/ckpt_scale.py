@@ -36,6 +36,9 @@ completed) and issues the next one, never waiting for the peer ([Note: a non-blo
 finalize never waits for a peer] in `ckpt_manager/_save/finalize.py`), so it does not grow
 with N; what is left in its wall time is the training thread waiting for the GIL (the rank's
 staging thread and finalizer thread hold it) and for a core.
+The same run times `save()`: in the loop (`save_call_*`, which includes finalizing the
+previous save to make room, as a save every 4 short steps finds it still in flight), then 8
+saves per rank each started with none in flight (`save_call_room_*`: the call's own cost).
 
 Requests and bytes are counted through the `Storage` instance (`tests/support/
 request_count.py`): HTTP requests on S3 (each LIST page, each retry), Storage operations
@@ -711,7 +714,7 @@ def _finalize_rank(
 
 
 def measure_finalize(
-    world_size: int, num_tensors: int, steps: int, workdir: Path
+    world_size: int, num_tensors: int, steps: int, workdir: Path, room_saves: int = 8
 ) -> dict[str, Any]:
     """p50/p99/max of the training thread's `maybe_finalize` time on `world_size` real ranks."""
     from _common import run_ranks
@@ -722,7 +725,7 @@ def measure_finalize(
         "grad_numel": 1 << 16,
         "steps": steps,
         "save_every": 4,
-        "room_saves": 8,
+        "room_saves": room_saves,
         "root": str(workdir / "finalize"),
     }
     per_rank = run_ranks(_finalize_rank, world_size, spec, timeout_s=900.0)
@@ -839,12 +842,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--finalize-steps", type=int, default=40, help="simulated steps of that run (default 40)"
     )
+    parser.add_argument(
+        "--room-saves",
+        type=int,
+        default=8,
+        help="saves per rank timed with none in flight (save_call_room_*; default 8)",
+    )
     parser.add_argument("--quick", action="store_true", help="8 and 64 ranks, 110 tensors, K=200")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     if args.quick:
         args.ranks, args.tensors, args.list_steps = "8,64", 110, 200
         args.finalize_ranks, args.finalize_steps = min(args.finalize_ranks, 2), 12
+        args.room_saves = min(args.room_saves, 2)
         if args.backends == "memory,local,seaweed":
             args.backends = "memory,local"
     try:
@@ -879,7 +889,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finalize = None
         if args.finalize_ranks > 0:
             finalize = measure_finalize(
-                args.finalize_ranks, args.tensors, args.finalize_steps, workdir
+                args.finalize_ranks, args.tensors, args.finalize_steps, workdir, args.room_saves
             )
             print(json.dumps({"finalize": finalize}), file=sys.stderr, flush=True)
     finally:
