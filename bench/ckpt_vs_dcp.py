@@ -50,6 +50,7 @@ import contextlib
 import ctypes
 import dataclasses
 import importlib
+import itertools
 import math
 import multiprocessing
 import os
@@ -887,6 +888,11 @@ def _extra(windows: dict[str, Any], key: str) -> list[float]:
     return [s[key] - n[key] for n, s in zip(windows["none"], windows["saving"], strict=True)]
 
 
+def _a_a(plain: list[dict[str, float]]) -> list[float]:
+    """|Difference| of loop time between consecutive windows without saves (the noise floor)."""
+    return [abs(b["loop_s"] - a["loop_s"]) for a, b in itertools.pairwise(plain)]
+
+
 def _spread(values: list[float] | None) -> dict[str, Any] | None:
     """Median and min-max of per-round values."""
     if not values:
@@ -916,6 +922,11 @@ def _peer(windows_per_rank: list[dict[str, Any]], stall_key: str | None) -> dict
     out: dict[str, Any] = {
         "inflation_s": _per_round([_extra(w, "loop_s") for w in windows_per_rank]),
         "extra_cpu_s": _per_round([_extra(w, "cpu_s") for w in windows_per_rank]),
+        # Diagnostics: how much of the inflation is the window's end waiting for the save to
+        # finish, and the noise floor (two windows without saves, one round apart).
+        "extra_drain_s": _per_round([_extra(w, "drain_s") for w in windows_per_rank]),
+        "plain_window_s": _per_round([[n["loop_s"] for n in w["none"]] for w in windows_per_rank]),
+        "plain_a_a_s": _per_round([_a_a(w["none"]) for w in windows_per_rank]),
     }
     if stall_key is not None:
         out["stall_s"] = _per_round([w[stall_key] for w in windows_per_rank])
