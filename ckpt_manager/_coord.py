@@ -209,17 +209,6 @@ class Coordinator:
             raise self._guard("all_gather", err) from err
         return out
 
-    def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's object on the coordinator (None elsewhere)."""
-        if self._group is None:
-            return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        try:
-            self._dist.gather_object(obj, out, dst=0, group=self._group)
-        except RuntimeError as err:
-            raise self._guard("gather", err) from err
-        return out
-
     def broadcast(self, obj: Any) -> Any:
         """The coordinator's object on every rank."""
         if self._group is None:
