@@ -23,6 +23,7 @@ import enum
 import functools
 import json
 import math
+import pickle
 import platform
 import sys
 import time
@@ -61,6 +62,9 @@ __all__ = [
     "build_top_manifest",
     "commit_manifest",
     "commit_step",
+    "decode_report",
+    "encode_report",
+    "encode_report_body",
     "leaves_to_write",
     "merge_manifest",
     "piece_records",
@@ -176,6 +180,50 @@ def rank_report(contribution: Mapping[str, Any]) -> RankReport:
         tree=contribution["tree"],
         metrics=contribution["metrics"],
     )
+
+
+# [Note: the report is encoded before the files are durable] A rank's report is tens of
+# bytes of fields known once its files are durable (sizes, checksums, the index object's
+# entry) and a bulk known at `save()` (the tensor list, the tree, the metrics: milliseconds
+# to pickle at thousands of tensors). The staging job pickles the bulk right after the
+# copy (`encode_report_body`), before the request can reach OK; the finalizer then frames
+# the whole report inline in the poll that first sees OK (`encode_report`, microseconds), so
+# the agreement round that says OK is the first one issued after the write. (It used to
+# hand the whole pickling to a thread and say WRITING until that was done: one poll round,
+# i.e. one training step between two `maybe_finalize()` calls, more per save.)
+_HEAD_LENGTH_BYTES = 4
+
+
+def encode_report_body(contribution: Mapping[str, Any]) -> bytes:
+    """The bulk of a rank's report: its tensor list, tree and metrics, pickled."""
+    bulk = (contribution["tensors"], contribution["tree"], contribution["metrics"])
+    # Pickled like gather_object would: our own NamedTuples and plain data, between our ranks.
+    return pickle.dumps(bulk, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def encode_report(contribution: Mapping[str, Any], body: bytes | None) -> bytes:
+    """The wire form of the report a rank sends once its files are durable: the small
+    fields (from `contribution`) framed in front of the pre-pickled `body`.
+
+    Raises:
+        ValueError: `body` is missing (the staging job did not encode it).
+        KeyError: the contribution lacks a field of the report.
+    """
+    if body is None:
+        raise ValueError("the report's body was not encoded by the staging job")
+    head = rank_report({**contribution, "tensors": {}, "tree": None, "metrics": None})
+    framed = pickle.dumps(head, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(framed).to_bytes(_HEAD_LENGTH_BYTES, "little") + framed + body
+
+
+def decode_report(payload: bytes) -> RankReport:
+    """The `RankReport` that `encode_report` framed (on the coordinator)."""
+    n = int.from_bytes(payload[:_HEAD_LENGTH_BYTES], "little")
+    head = pickle.loads(payload[_HEAD_LENGTH_BYTES : _HEAD_LENGTH_BYTES + n])
+    tensors, tree, metrics = pickle.loads(payload[_HEAD_LENGTH_BYTES + n :])
+    if not isinstance(head, RankReport):
+        raise CheckpointError(f"a rank's report decoded to {type(head).__name__}")
+    return head._replace(tensors=tensors, tree=tree, metrics=metrics)
 
 
 def build_top_manifest(

@@ -11,10 +11,12 @@ finished request becomes a `SaveReport` for the observer. See [Note: finalize at
 boundary] in `_manager.py`: `run()` is only ever called from the training thread.
 
 [Note: the commit runs off the training thread] The coordinator's part of a commit (building
-the top manifest from the gathered reports, the lease checks, the exclusive PUT, reading back
-a manifest found there) takes milliseconds to seconds on an object store. It runs on the
-coordinator's finalizer thread (`ckpt-finalize`, a `CommitJob`; the same thread pickles each
-rank's report); the training threads only learn its outcome from a later poll round.
+the top manifest from the gathered reports, unpickling them, the lease checks, the exclusive
+PUT, reading back a manifest found there) takes milliseconds to seconds on an object store.
+It runs on the coordinator's finalizer thread (`ckpt-finalize`, a `CommitJob`); the training
+threads only learn its outcome from a later poll round. Each rank's report was pickled by
+its staging job ([Note: the report is encoded before the files are durable] in
+`commit.py`); the poll that first sees OK only frames it.
 
 [Note: a non-blocking finalize never waits for a peer] `maybe_finalize` (`run(blocking=
 False)`) issues its collectives with `async_op=True` and reads each one in a later call, so
@@ -24,8 +26,7 @@ through three phases, the same on every rank:
 
     AGREE    poll rounds: MAX of [status, id, -id, report bytes, 0, 0] until the status is
              OK (every rank's files are durable) or FAILED; report bytes is the size of this
-             rank's pickled `RankReport`, so the MAX sizes the gather (it is pickled on the
-             finalizer's thread once the files are written; the rank says WRITING until then)
+             rank's encoded report, so the MAX sizes the gather
     REPORTS  one gather of the reports to the coordinator in fixed-size uint8 buffers (the
              MAX size); once read, the coordinator queues the commit job
     COMMIT   poll rounds: MAX of [OK, id, -id, 0, code, time], where only the coordinator
@@ -35,7 +36,9 @@ through three phases, the same on every rank:
 A round is issued in one call and read in a later call (`Pending.ready()` then `result()`);
 a call that finds it unfinished returns at once. A call that reads a round that changes
 nothing (still WRITING, commit still running) issues the next round and returns; a round
-that moves the phase on is followed at once by the next phase's collective. Every decision
+that moves the phase on is followed at once by the next phase's collective. A single
+process has no group and its rounds are local: it issues each round when it reads it, so
+a call acts on the state of that moment, not on the one the previous call saw. Every decision
 is taken from a completed round's result, which is identical on every rank, so every rank
 issues the same collectives in the same order, whenever each reads them; the finalizer's
 group is its own ([Note: collectives the training thread does not wait for] in `_coord.py`).
@@ -67,7 +70,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import pickle
 import struct
 import threading
 import time
@@ -76,7 +78,13 @@ from typing import Any, NamedTuple
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Pending, Status
-from ckpt_manager._save.commit import CommitOutcome, CommitResult, commit_step, rank_report
+from ckpt_manager._save.commit import (
+    CommitOutcome,
+    CommitResult,
+    commit_step,
+    decode_report,
+    encode_report,
+)
 from ckpt_manager._save.request import Limits, SaveRequest
 from ckpt_manager._save.staging import BackgroundThread
 from ckpt_manager._save.writer_proc import WriterProcess
@@ -157,24 +165,6 @@ class CommitJob:
             self.done.set()
 
 
-class _Encoding:
-    """This rank's report of the oldest request, pickled on the finalizer's thread."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.payload: bytes | None = None
-        self.error: str | None = None
-
-    def run(self, contribution: dict[str, Any]) -> None:
-        try:
-            # Pickled like gather_object would: our own NamedTuples, between our ranks.
-            self.payload = pickle.dumps(rank_report(contribution), protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as err:  # reaches every rank as this rank's failure
-            self.error = f"report encoding failed: {type(err).__name__}: {err}"
-        finally:
-            self.done.set()
-
-
 class Finalizer:
     """The queue of saves in flight and their agreement, commit or failure (one per rank)."""
 
@@ -228,11 +218,11 @@ class Finalizer:
         # peer]); `_retire` resets it.
         self._phase = Phase.AGREE
         self._round: Pending[Any] | None = None  # its collective in flight, if any
-        self._report: _Encoding | None = None  # this rank's report, once its files are written
+        self._report: bytes | None = None  # this rank's encoded report, once its files are written
         self._report_size = 0  # the agreed (MAX) report size, for the gather
         self._job: CommitJob | None = None  # the coordinator's commit of it
         self._commit_started = 0.0  # monotonic time its agreement completed
-        # Encodes this rank's reports; on the coordinator it also runs the commits.
+        # The coordinator's commits run here.
         self._thread: BackgroundThread | None = None
 
     def run(self, *, blocking: bool) -> None:
@@ -273,7 +263,8 @@ class Finalizer:
                 if self._advance(request, result):
                     continue  # the next phase's collective is issued at once
                 if not blocking:
-                    self._round = self._issue(request)  # read by the next call
+                    if self._coord.world_size > 1:
+                        self._round = self._issue(request)  # read by the next call
                     return
                 self._wait_locally(request)
             except SaveFailedError:
@@ -288,8 +279,7 @@ class Finalizer:
         if self._phase is Phase.REPORTS:
             # This rank was OK in the agreeing round, so its report was encoded.
             assert self._report is not None
-            assert self._report.payload is not None
-            return self._coord.gather_bytes_async(self._report.payload, self._report_size)
+            return self._coord.gather_bytes_async(self._report, self._report_size)
         if self._phase is Phase.COMMIT:
             code, when, job = _Code.RUNNING, 0, self._job
             if job is not None and job.done.is_set():
@@ -300,19 +290,15 @@ class Finalizer:
         status = request.local_status(self._limits)
         nbytes = 0
         if status == Status.OK:
-            # Pickling the report takes milliseconds at thousands of tensors: off the training
-            # thread. The rank says WRITING until it is encoded.
+            # The bulk was pickled by the staging job; this frames it ([Note: the report is
+            # encoded before the files are durable] in commit.py).
             if self._report is None:
-                encoding = self._report = _Encoding()
-                contribution = request.contribution
-                self._worker().submit(lambda: encoding.run(contribution))
-            if not self._report.done.is_set():
-                status = Status.WRITING
-            elif self._report.payload is None:
-                request.fail(self._report.error or "report encoding failed")
-                status = Status.FAILED
-            else:
-                nbytes = len(self._report.payload)
+                try:
+                    self._report = encode_report(request.contribution, request.report_body)
+                except Exception as err:  # reaches every rank as this rank's failure
+                    request.fail(f"report encoding failed: {type(err).__name__}: {err}")
+                    return self._coord.max_async([Status.FAILED, rid, -rid, 0, 0, 0])
+            nbytes = len(self._report)
         return self._coord.max_async([status, rid, -rid, nbytes, 0, 0])
 
     def _worker(self) -> BackgroundThread:
@@ -350,8 +336,6 @@ class Finalizer:
             if self._job is not None:
                 self._job.done.wait(AGREE_POLL_S)
             # Other ranks do not pause: the coordinator paces the rounds.
-        elif self._report is not None and not self._report.done.is_set():
-            self._report.done.wait(AGREE_POLL_S)
         else:
             request.wait_for_progress(AGREE_POLL_S)
 
@@ -429,7 +413,7 @@ class Finalizer:
                 step=step,
                 run_id=self._run_id,
                 created_unix_s=created,
-                reports=[pickle.loads(p) for p in payloads],
+                reports=[decode_report(p) for p in payloads],
                 spread_prefixes=spread,
             )
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
+from ckpt_manager._save.commit import encode_report_body
 from ckpt_manager._save.device_copy import copy_to_pinned_slab
 from ckpt_manager._save.request import SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread, Slab, copy_into_slab
@@ -122,7 +123,7 @@ class LocalPipeline:
                 return
             if self._streams(request):
                 self._stage_streamed(request, slab)
-            elif self._copy(request, slab):
+            elif self._copy(request, slab) and self._encode_report_body(request):
                 self._dispatch(request)  # a no-op if the save failed meanwhile
         finally:
             if request.device_fence is not None:
@@ -151,6 +152,18 @@ class LocalPipeline:
         except Exception as err:
             request.tensors = []
             request.fail(f"building the rank's index failed: {type(err).__name__}: {err}")
+            return False
+        return True
+
+    @staticmethod
+    def _encode_report_body(request: SaveRequest) -> bool:
+        """Pickle the bulk of the rank's report before the request can reach OK; False (and
+        the request failed) if that raised. [Note: the report is encoded before the files
+        are durable] in `commit.py`."""
+        try:
+            request.report_body = encode_report_body(request.contribution)
+        except Exception as err:
+            request.fail(f"report encoding failed: {type(err).__name__}: {err}")
             return False
         return True
 
@@ -218,7 +231,7 @@ class LocalPipeline:
                 request.fail(f"writer process {writer.pid} unreachable: {err}")
                 raise
 
-        if self._copy(request, slab, progress):
+        if self._copy(request, slab, progress) and self._encode_report_body(request):
             try:
                 writer.send_progress(
                     request.request_id,

@@ -128,6 +128,10 @@ class SaveRequest:
     """Snapshot copy time."""
     write_s: float = 0.0
     """Writer time."""
+    report_body: bytes | None = None
+    """The bulk of this rank's report (tensors, tree, metrics), pickled by the staging job
+    before the request can reach OK ([Note: the report is encoded before the files are
+    durable] in `_save/commit.py`)."""
     checksum: int | None = None
     """The staged file's checksum by `checksum.SAVE_ALGORITHM`, computed by the staging copy
     (set before `handed_off`; None until then)."""

@@ -136,3 +136,56 @@ def test_the_index_is_built_on_the_staging_thread_and_its_failure_fails_the_save
             mgr.wait_until_finished()
         assert mgr.latest_step() == 1
     assert threads == ["ckpt-stager-0", "ckpt-stager-0"]
+
+
+def test_a_single_process_commits_on_the_first_poll_after_its_files_are_durable(
+    tmp_path: pathlib.Path,
+) -> None:
+    """[Note: the report is encoded before the files are durable]: the poll that first sees
+    the writer's answer queues the commit, and the next poll after the commit job finished
+    retires the save. Before, the first poll only started pickling the report and said
+    WRITING, and the pre-issued round made the next poll act on that stale state: four polls
+    (a training step each) from durable to committed instead of two."""
+    with CheckpointManager(str(tmp_path), CheckpointConfig(), run_id="r") as mgr:
+        mgr.save(1, {"t": torch.ones(2)})
+        mgr.wait_until_finished()  # the writer is up
+        mgr.save(2, {"t": torch.full((2,), 2.0)})
+        mgr.before_optimizer_step()
+        request = mgr._pending[0]
+        writer = request.writer
+        assert writer is not None
+
+        def answered() -> bool:
+            writer.poll(0.0)
+            return request.request_id in writer._responses
+
+        wait_until(answered)  # the files are durable; nothing was polled yet
+        mgr.maybe_finalize()  # sees OK: the commit job is queued
+        job = mgr._final._job
+        assert job is not None, "the first poll after the write did not queue the commit"
+        assert job.done.wait(20)
+        mgr.maybe_finalize()
+        assert mgr.stats().inflight == 0
+        assert mgr.stats().last_committed_step == 2
+
+
+def test_a_report_that_cannot_be_encoded_fails_the_save_on_the_staging_thread(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckpt_manager._save import pipeline
+
+    def broken(contribution: object) -> bytes:
+        raise TypeError("cannot pickle this")
+
+    with CheckpointManager(str(tmp_path), CheckpointConfig(), run_id="r") as mgr:
+        mgr.save(1, {"t": torch.ones(2)})
+        mgr.wait_until_finished()
+        monkeypatch.setattr(pipeline, "encode_report_body", broken)
+        mgr.save(2, {"t": torch.ones(2)})
+        with pytest.raises(SaveFailedError, match=r"report encoding failed.*cannot pickle"):
+            mgr.wait_until_finished()
+        monkeypatch.undo()
+        assert mgr.latest_step() == 1
+        mgr.save(3, {"t": torch.full((2,), 3.0)})  # the writer and the slab are still usable
+        mgr.wait_until_finished()
+        assert mgr.latest_step() == 3
