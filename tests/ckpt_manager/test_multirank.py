@@ -21,6 +21,8 @@ from ckpt_manager import (
     RankLocal,
     SaveFailedError,
 )
+from ckpt_manager._coord import Coordinator
+from ckpt_manager._save.finalize import OWN_WRITE_POLL_S
 from ckpt_manager._save.writer import FAULT_ENV
 from ckpt_manager._store.catalog import read_manifest
 from ckpt_manager._store.manifest import FORMAT_VERSION, MANIFEST_NAME, step_dir
@@ -209,20 +211,31 @@ def _writer_fault_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def _straggler_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Rank 1's writer takes 3 s, past the group's collective timeout (2 s)."""
+    """Rank 1's writer takes 3 s, past the group's collective timeout (2 s); counts the
+    agreement rounds (every rank issues the same ones)."""
     os.environ[FAULT_ENV] = "stall=3@5@1"
     cfg = CheckpointConfig(
         async_mode=AsyncMode.PERSISTENT, max_inflight=1, finalize_timeout_s=2, write_timeout_s=60
     )
+    rounds = 0
+    real_max_async = Coordinator.max_async
+
+    def counting(self: Coordinator, values: Any) -> Any:
+        nonlocal rounds
+        rounds += 1
+        return real_max_async(self, values)
+
+    Coordinator.max_async = counting  # type: ignore[method-assign]
     try:
         with CheckpointManager(root + "-straggler", cfg, run_id="straggler") as mgr:
             mgr.save(5, _rank_state(rank, world, 5))
             mgr.save(6, _rank_state(rank, world, 6))  # back-pressure: waits for step 5
             mgr.wait_until_finished()  # the final drain
-            return {"steps": mgr.all_steps(), "error": ""}
+            return {"steps": mgr.all_steps(), "error": "", "rounds": rounds}
     except CheckpointError as err:
-        return {"steps": [], "error": f"{type(err).__name__}: {err}"}
+        return {"steps": [], "error": f"{type(err).__name__}: {err}", "rounds": rounds}
     finally:
+        Coordinator.max_async = real_max_async  # type: ignore[method-assign]
         del os.environ[FAULT_ENV]
 
 
@@ -265,7 +278,12 @@ def test_writer_exception_reaches_every_rank(two_ranks: _TwoRanks) -> None:
 def test_a_writer_slower_than_the_collective_timeout_commits(two_ranks: _TwoRanks) -> None:
     # [Note: a blocking finalize polls the agreement]: only write_timeout_s bounds a write.
     for rank_out in (o["straggler"] for o in two_ranks.out):
-        assert rank_out == {"steps": [5, 6], "error": ""}
+        assert {k: rank_out[k] for k in ("steps", "error")} == {"steps": [5, 6], "error": ""}
+    # While rank 1 is still writing, rounds come every OWN_WRITE_POLL_S (0.25 s) at most, not
+    # every AGREE_POLL_S (0.05 s): 20 rounds in all for the two saves, 69 before.
+    rounds = [o["straggler"]["rounds"] for o in two_ranks.out]
+    assert rounds[0] == rounds[1]
+    assert rounds[0] <= 3 / OWN_WRITE_POLL_S + 20, f"{rounds[0]} agreement rounds for two saves"
 
 
 # --- [Note: a non-blocking finalize never waits for a peer] ---------------------------------
