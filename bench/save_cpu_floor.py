@@ -11,7 +11,8 @@ minimum is the best estimate of its cost):
   and xxh3-64 (`xxhash` package) for comparison;
 - the copy fused with each checksum, chunk by chunk while the chunk is in cache;
 - the manager's own staging copy (`copy_into_slab`, checksum fused) for each algorithm a
-  manifest can record (`staging_copy_crc32`, `staging_copy_crc32c`), and for CRC-32C through
+  manifest can record (`staging_copy_crc32`, `staging_copy_crc32c`), for CRC-32C at fused
+  chunk sizes of 128 KiB to 1 MiB (`staging_copy_crc32c_chunk_<K>k`), and for CRC-32C through
   the `crc32c` package (`staging_copy_crc32c_package`: the fallback, and the path before ISA-L);
 - an `O_DIRECT` write of the slab to `--dir` (submission CPU; the bytes move by DMA).
 
@@ -124,6 +125,7 @@ def _measure_staging(src: Any, nbytes: int, repeats: int) -> dict[str, float]:
     the state cut into 64 tensors like a model's (fp32, 64-byte aligned slots)."""
     import torch
 
+    from ckpt_manager._save import staging as staging_module
     from ckpt_manager._save.staging import Slab, copy_into_slab
     from ckpt_manager._store import checksum as manager
     from ckpt_manager._store.checksum import ChecksumAlgorithm
@@ -142,6 +144,15 @@ def _measure_staging(src: Any, nbytes: int, repeats: int) -> dict[str, float]:
             f"staging_copy_{alg.value}": _fastest_cpu_s(lambda alg=alg: staging(alg), repeats)
             for alg in ChecksumAlgorithm
         }
+        default_chunk = staging_module.FUSED_CHUNK_BYTES
+        try:  # the fused copy's granularity ([Note: the checksum rides on the staging copy])
+            for kib in (128, 256, 512, 1024):
+                staging_module.FUSED_CHUNK_BYTES = kib << 10
+                out[f"staging_copy_crc32c_chunk_{kib}k"] = _fastest_cpu_s(
+                    lambda: staging(ChecksumAlgorithm.CRC32C), repeats
+                )
+        finally:
+            staging_module.FUSED_CHUNK_BYTES = default_chunk
         isal = manager._crc32c_isal
         manager._crc32c_isal = None  # the fallback: the `crc32c` package
         try:

@@ -8,7 +8,8 @@ thread's CPU for one copy, fastest of 5):
 - each thread of the rank process, from `/proc/self/task/*/stat` (named by Python's thread
   names: `MainThread`, `ckpt-stager-<rank>`, `ckpt-commit`, `ckpt-deleter`, gloo's own);
 - the persistent writer process (`/proc/<pid>/stat`);
-- `save()` alone on the training thread (`time.thread_time`), in memcpys and milliseconds.
+- `save()` alone on the training thread (`time.thread_time`), in memcpys and milliseconds;
+- the finalizer's agreement rounds per save (its MAX all-reduces, counted).
 
 Figures from `/proc` come in clock ticks (10 ms): use enough saves (the default 10).
 
@@ -50,6 +51,17 @@ def _thread_cpu_s() -> dict[str, float]:
 
 def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     _common.stdout_to_stderr()
+    from ckpt_manager._coord import Coordinator
+
+    rounds = 0  # agreement rounds (MAX all-reduces of the finalizer), the same on every rank
+    real_max_async = Coordinator.max_async
+
+    def counting(self: Coordinator, values: Any) -> Any:
+        nonlocal rounds
+        rounds += 1
+        return real_max_async(self, values)
+
+    Coordinator.max_async = counting  # type: ignore[method-assign]
     trainer = bench._Trainer(spec, rank)
     memcpy_s, _ = bench._memcpy_s(trainer, 5)
     mgr, _ = bench._manager(os.path.join(spec["dir"], "root"), spec, {})
@@ -69,6 +81,7 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         for _ in range(2):  # first saves allocate the slab and start the writer
             one_save()
         pid = mgr.writer_pid
+        rounds = 0
         writer0, threads0 = bench._cpu_s(pid), _thread_cpu_s()
         save_s = sum(one_save() for _ in range(spec["saves"]))
         writer1, threads1 = bench._cpu_s(pid), _thread_cpu_s()
@@ -80,6 +93,7 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         "writer_x_memcpy": round((writer1 - writer0) / n / memcpy_s, 3),
         "save_call_x_memcpy": round(save_s / n / memcpy_s, 3),
         "save_call_ms": round(save_s / n * 1e3, 3),
+        "agreement_rounds_per_save": round(rounds / n, 2),
     }
 
 
@@ -115,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"rank {rank}: {total:.2f} memcpys per save (memcpy {r['memcpy_cpu_s'] * 1e3:.1f} ms"
             f" of CPU); writer {r['writer_x_memcpy']}; save() {r['save_call_x_memcpy']}"
-            f" ({r['save_call_ms']} ms); threads {r['threads_x_memcpy']}"
+            f" ({r['save_call_ms']} ms); {r['agreement_rounds_per_save']} agreement rounds;"
+            f" threads {r['threads_x_memcpy']}"
         )
     print(_common.conditions_line(before, result["conditions"]["after"]))
     return 0
