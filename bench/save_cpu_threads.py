@@ -51,17 +51,13 @@ def _thread_cpu_s() -> dict[str, float]:
 
 def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     _common.stdout_to_stderr()
-    from ckpt_manager._coord import Coordinator
+    from tests.support.agreement_rounds import counting_agreement_rounds
 
-    rounds = 0  # agreement rounds (MAX all-reduces of the finalizer), the same on every rank
-    real_max_async = Coordinator.max_async
+    with counting_agreement_rounds() as count:
+        return _measure(rank, world_size, spec, count)
 
-    def counting(self: Coordinator, values: Any) -> Any:
-        nonlocal rounds
-        rounds += 1
-        return real_max_async(self, values)
 
-    Coordinator.max_async = counting  # type: ignore[method-assign]
+def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> dict[str, Any]:
     trainer = bench._Trainer(spec, rank)
     memcpy_s, _ = bench._memcpy_s(trainer, 5)
     mgr, _ = bench._manager(os.path.join(spec["dir"], "root"), spec, {})
@@ -81,7 +77,7 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         for _ in range(2):  # first saves allocate the slab and start the writer
             one_save()
         pid = mgr.writer_pid
-        rounds = 0
+        count.reset()  # agreement rounds of the measured saves only
         writer0, threads0 = bench._cpu_s(pid), _thread_cpu_s()
         save_s = sum(one_save() for _ in range(spec["saves"]))
         writer1, threads1 = bench._cpu_s(pid), _thread_cpu_s()
@@ -93,7 +89,7 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
         "writer_x_memcpy": round((writer1 - writer0) / n / memcpy_s, 3),
         "save_call_x_memcpy": round(save_s / n / memcpy_s, 3),
         "save_call_ms": round(save_s / n * 1e3, 3),
-        "agreement_rounds_per_save": round(rounds / n, 2),
+        "agreement_rounds_per_save": round(count.rounds / n, 2),
     }
 
 

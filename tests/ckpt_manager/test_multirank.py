@@ -21,7 +21,6 @@ from ckpt_manager import (
     RankLocal,
     SaveFailedError,
 )
-from ckpt_manager._coord import Coordinator
 from ckpt_manager._save.finalize import OWN_WRITE_POLL_S
 from ckpt_manager._save.writer import FAULT_ENV
 from ckpt_manager._store.catalog import read_manifest
@@ -29,6 +28,7 @@ from ckpt_manager._store.manifest import FORMAT_VERSION, MANIFEST_NAME, step_dir
 from ckpt_manager._store.rank_index import complete_manifest
 from ckpt_manager._store.storage import Storage
 from tests.ckpt_manager.conftest import Shard
+from tests.support.agreement_rounds import counting_agreement_rounds
 from tests.support.dist import ParentState, _child, free_port, rank_context, run_on_ranks
 
 pytestmark = pytest.mark.slow
@@ -217,26 +217,17 @@ def _straggler_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
     cfg = CheckpointConfig(
         async_mode=AsyncMode.PERSISTENT, max_inflight=1, finalize_timeout_s=2, write_timeout_s=60
     )
-    rounds = 0
-    real_max_async = Coordinator.max_async
-
-    def counting(self: Coordinator, values: Any) -> Any:
-        nonlocal rounds
-        rounds += 1
-        return real_max_async(self, values)
-
-    Coordinator.max_async = counting  # type: ignore[method-assign]
-    try:
-        with CheckpointManager(root + "-straggler", cfg, run_id="straggler") as mgr:
-            mgr.save(5, _rank_state(rank, world, 5))
-            mgr.save(6, _rank_state(rank, world, 6))  # back-pressure: waits for step 5
-            mgr.wait_until_finished()  # the final drain
-            return {"steps": mgr.all_steps(), "error": "", "rounds": rounds}
-    except CheckpointError as err:
-        return {"steps": [], "error": f"{type(err).__name__}: {err}", "rounds": rounds}
-    finally:
-        Coordinator.max_async = real_max_async  # type: ignore[method-assign]
-        del os.environ[FAULT_ENV]
+    with counting_agreement_rounds() as count:
+        try:
+            with CheckpointManager(root + "-straggler", cfg, run_id="straggler") as mgr:
+                mgr.save(5, _rank_state(rank, world, 5))
+                mgr.save(6, _rank_state(rank, world, 6))  # back-pressure: waits for step 5
+                mgr.wait_until_finished()  # the final drain
+                return {"steps": mgr.all_steps(), "error": "", "rounds": count.rounds}
+        except CheckpointError as err:
+            return {"steps": [], "error": f"{type(err).__name__}: {err}", "rounds": count.rounds}
+        finally:
+            del os.environ[FAULT_ENV]
 
 
 _FOREIGN_MANIFEST = b'{"run_id": "other-launch"}'
