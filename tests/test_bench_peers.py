@@ -20,6 +20,7 @@ CKPT_KEYS = (
     "local_write_vs_raw",
     "s3_write_vs_s3fs",
     "stall_vs_dcp_async",
+    "inflation_vs_memcpy_spare_core_stepwise",
 )
 SHARDING_KEYS = (
     "zero3_vs_fsdp2_step_time",
