@@ -163,7 +163,7 @@ def rank_shard(tensors: Sequence[TensorSpec], rank: int, world_size: int) -> Ran
 
 
 def _skeleton(tensors: Sequence[TensorSpec]) -> list[Any]:
-    """The state's tree as `_store/tree.py` writes it: {"model": {name: sharded tensor}}."""
+    """The state's tree as `_format/tree.py` writes it: {"model": {name: sharded tensor}}."""
     return ["d", [["model", ["d", [[t.key.split("/", 1)[1], ["S", t.key]] for t in tensors]]]]]
 
 
@@ -172,7 +172,7 @@ def _skeleton(tensors: Sequence[TensorSpec]) -> list[Any]:
 
 def build_contribution(shard: RankShard, file_name: str, tree: Any) -> dict[str, Any]:
     """Today's index object of one rank: its manifest contribution (see `_save/commit.py`)."""
-    from ckpt_manager._store.manifest import Piece
+    from ckpt_manager._format.manifest import Piece
 
     tensors = {}
     for t, start, end, offset in shard.pieces:
@@ -215,10 +215,11 @@ def save_rank_v2(storage: Any, step: int, shard: RankShard, tree: Any) -> tuple[
     """One rank's format-2 save path through the save code's own functions: piece records,
     `prepare_rank` (builds the index), the shard file, `write_finished_index`,
     `rank_report`. Returns the report and the seconds spent building the index."""
+    from ckpt_manager._format.checksum import SAVE_ALGORITHM
+    from ckpt_manager._format.manifest import Piece, shard_file_name, step_dir
+    from ckpt_manager._format.rank_index import PieceRecord
     from ckpt_manager._save.commit import prepare_rank, rank_report
-    from ckpt_manager._store.checksum import SAVE_ALGORITHM
-    from ckpt_manager._store.manifest import Piece, shard_file_name, step_dir
-    from ckpt_manager._store.rank_index import PieceRecord, write_finished_index
+    from ckpt_manager._store.indexes import write_finished_index
 
     name = shard_file_name(shard.rank)
     started = time.perf_counter()
@@ -322,8 +323,8 @@ def measure_save(
     """One simulated save and one rank's restore at `world_size` ranks in format `version`."""
     if version == 2:
         return measure_save_v2(backend, world_size, tensors)
+    from ckpt_manager._format.manifest import MANIFEST_NAME, shard_file_name, step_dir
     from ckpt_manager._save.commit import CommitResult, commit_manifest
-    from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
     from ckpt_manager._store.root_catalog import CATALOG_NAME
     from tests.support.request_count import count_requests
 
@@ -383,8 +384,8 @@ def measure_save_v2(
 ) -> dict[str, Any]:
     """Format 2: each rank writes its index object; the coordinator's `commit_step` builds the
     top manifest from the reports; one rank restores through the real `load_state`."""
+    from ckpt_manager._format.manifest import MANIFEST_NAME, step_dir
     from ckpt_manager._save.commit import CommitResult, commit_step
-    from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
     from ckpt_manager._store.root_catalog import CATALOG_NAME
     from tests.support.request_count import count_requests
 
@@ -441,9 +442,9 @@ def measure_save_v2(
 def measure_restore_v2(storage: Any, step: int, shard: RankShard) -> dict[str, Any]:
     """Rank `shard.rank` restores its template through `load_state` (format 2: the top
     manifest, the indexes of the ranks holding its tensors, its byte ranges)."""
+    from ckpt_manager._format.manifest import MANIFEST_NAME, step_dir
     from ckpt_manager._load.restore import load_state
-    from ckpt_manager._store.catalog import read_manifest
-    from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
+    from ckpt_manager._store.steps import read_manifest
     from tests.support.request_count import count_requests
 
     template = restore_template(shard)
@@ -466,8 +467,8 @@ def measure_restore_v2(storage: Any, step: int, shard: RankShard) -> dict[str, A
 
 def measure_restore(storage: Any, step: int, shard: RankShard) -> dict[str, Any]:
     """Rank `shard.rank` reads what today's restore reads: the manifest and its own pieces."""
-    from ckpt_manager._store.catalog import read_manifest
-    from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
+    from ckpt_manager._format.manifest import MANIFEST_NAME, shard_file_name, step_dir
+    from ckpt_manager._store.steps import read_manifest
     from tests.support.request_count import count_requests
 
     file_name = shard_file_name(shard.rank)
@@ -501,7 +502,7 @@ def measure_restore(storage: Any, step: int, shard: RankShard) -> dict[str, Any]
 
 
 def _tiny_manifest(step: int) -> bytes:
-    from ckpt_manager._store.manifest import Manifest
+    from ckpt_manager._format.manifest import Manifest
 
     return Manifest(
         step=step,
@@ -520,7 +521,7 @@ def _tiny_manifest(step: int) -> bytes:
 
 def seed_steps(storage: Any, num_steps: int) -> float:
     """K committed steps, cheaply: a tiny manifest each, and the catalog written directly."""
-    from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, step_dir
+    from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, step_dir
     from ckpt_manager._store.root_catalog import entry_from_manifest, write_catalog_if
 
     started = time.perf_counter()

@@ -62,7 +62,7 @@ def _timed(cmd: list[str], env: dict[str, str]) -> float:
 
 
 def _sequential_reads(uri: str, options: dict[str, Any]) -> float:
-    from ckpt_manager._store.catalog import list_step_dirs, read_manifest
+    from ckpt_manager._store.steps import list_step_dirs, read_manifest
     from ckpt_manager._store.storage import Storage
 
     storage = Storage(uri, options)

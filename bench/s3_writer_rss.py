@@ -37,7 +37,7 @@ import json, mmap, os, sys, time
 sys.path.insert(0, {repo!r})
 import _common
 from ckpt_manager._save.writer import write_shard
-from ckpt_manager._store.checksum import crc32
+from ckpt_manager._format.checksum import crc32
 from ckpt_manager._store.storage import Storage
 
 path, root, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])

@@ -55,7 +55,7 @@ def _optional(module: str, attr: str) -> Any:
 
 
 def _checksums() -> dict[str, Callable[[Any, int], int]]:
-    from ckpt_manager._store import checksum as manager
+    from ckpt_manager._format import checksum as manager
 
     out: dict[str, Callable[[Any, int], int]] = {
         "zlib_crc32": zlib.crc32,
@@ -125,11 +125,11 @@ def _measure_staging(src: Any, nbytes: int, repeats: int) -> dict[str, float]:
     the state cut into 64 tensors like a model's (fp32, 64-byte aligned slots)."""
     import torch
 
+    from ckpt_manager._format import checksum as manager
+    from ckpt_manager._format.checksum import ChecksumAlgorithm
+    from ckpt_manager._format.shard_file import plan_layout
     from ckpt_manager._save import staging as staging_module
     from ckpt_manager._save.staging import Slab, copy_into_slab
-    from ckpt_manager._store import checksum as manager
-    from ckpt_manager._store.checksum import ChecksumAlgorithm
-    from ckpt_manager._store.format import plan_layout
 
     numel = nbytes // 4 // 64
     tensors = list(src[: numel * 4 * 64].view(torch.float32).split(numel))

@@ -14,8 +14,10 @@ Package layout (one line per sub-package; each sub-package's docstring lists its
                     steps (public module, imported explicitly: it needs torch DCP)
       _save/        save path: request state machine, staging, writer process, finalize, commit
       _load/        load path: restore one step, collective recover with fallback, reshard
-      _store/       storage layer: fsspec I/O, S3 options, manifest, shard format, catalog,
-                    pins, lease (imports none of its siblings)
+      _format/      what the bytes mean: manifest, rank index, state tree, shard file,
+                    dtypes, checksums, DTensor pieces, names (imports none of its siblings)
+      _store/       where bytes go: storage front, S3 options, multipart, step folders,
+                    root catalog, listing, pins, lease, index I/O (imports only `_format`)
       _retention/   which steps to keep: policies, the root's retention record, the deleter
       ctl/          the `ckptctl` CLI and its UsageError (the engine never imports it)
 
@@ -23,10 +25,14 @@ Why `_coord.py` sits at the root rather than in `_save/`: both the save path (fi
 agreement) and the load path (recover's choice of step) agree through it, and `_load` should
 not depend on `_save`. Layering is enforced by `tests/ckpt_manager/test_layering.py`.
 
-Save state machine (global, agreed in maybe_finalize):
-    REQUESTED -> STAGED -> WRITTEN(all ranks) -> COMMITTED (manifest written)
-                    \\-> FAILED on any rank -> SaveFailedError on every rank, folder removed
-                                                (never a folder that holds a manifest)
+A save's life (states named as in the code):
+    per rank   `SaveState` (`_save/request.py`): STAGING -> WRITING -> OK, or FAILED
+    together   `finalize.Phase` (`_save/finalize.py`): AGREE (MAX of every rank's state until
+               all are OK or one FAILED) -> REPORTS (gather to the coordinator) -> COMMIT
+               (the coordinator publishes the manifest; `CommitResult` COMMITTED, FAILED,
+               CONFLICT or FENCED reaches every rank)
+    FAILED on any rank or a commit that is not COMMITTED -> SaveFailedError on every rank;
+    the attempt's folder is removed unless it holds a manifest (never a committed step)
 """
 
 from __future__ import annotations
@@ -47,13 +53,13 @@ if TYPE_CHECKING:
         RetentionPolicy,
         StepInfo,
     )
-    from ckpt_manager._store.catalog import (
+    from ckpt_manager._store.lease import check_root_lease
+    from ckpt_manager._store.options import S3Options
+    from ckpt_manager._store.steps import (
         CommittedCheckpoint,
         committed_checkpoints,
         latest_committed_step,
     )
-    from ckpt_manager._store.lease import check_root_lease
-    from ckpt_manager._store.options import S3Options
     from ckpt_manager._types import (
         ManagerStats,
         RankLocal,
@@ -118,9 +124,9 @@ _HOME = {
     "CheckpointManager": "_manager",
     "S3Options": "_store.options",
     "check_root_lease": "_store.lease",
-    "CommittedCheckpoint": "_store.catalog",
-    "committed_checkpoints": "_store.catalog",
-    "latest_committed_step": "_store.catalog",
+    "CommittedCheckpoint": "_store.steps",
+    "committed_checkpoints": "_store.steps",
+    "latest_committed_step": "_store.steps",
     **dict.fromkeys(
         [
             "AnyOf",

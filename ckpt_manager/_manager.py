@@ -36,6 +36,9 @@ import structlog
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Status
+from ckpt_manager._format.dtensor import unwrap_dtensors, wrap_dtensors
+from ckpt_manager._format.manifest import shard_file_name
+from ckpt_manager._format.tree import flatten
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._retention.deleter import Deleter
 from ckpt_manager._retention.record import record_retention
@@ -46,12 +49,9 @@ from ckpt_manager._save.pipeline import LocalPipeline
 from ckpt_manager._save.plan import PlanCache
 from ckpt_manager._save.request import Limits, SaveRequest
 from ckpt_manager._save.writer_proc import WriterProcess
-from ckpt_manager._store.catalog import committed_steps, drop_dead_attempts
-from ckpt_manager._store.dtensor import unwrap_dtensors, wrap_dtensors
 from ckpt_manager._store.lease import Lease
-from ckpt_manager._store.manifest import shard_file_name
+from ckpt_manager._store.steps import committed_steps, drop_dead_attempts
 from ckpt_manager._store.storage import Storage
-from ckpt_manager._store.tree import flatten
 from ckpt_manager._types import (
     FINALIZE_CALLS_KEPT,
     ManagerStats,

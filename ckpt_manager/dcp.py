@@ -103,7 +103,7 @@ class Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether `checkpoint_id` is a root of ours with a committed step (a cheap probe)."""
-        from ckpt_manager._store.catalog import committed_steps
+        from ckpt_manager._store.steps import committed_steps
 
         try:
             return bool(committed_steps(Storage(os.fspath(checkpoint_id))))

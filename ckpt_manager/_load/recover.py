@@ -16,7 +16,7 @@ import structlog
 
 from ckpt_manager._coord import Coordinator
 from ckpt_manager._load.restore import load_state
-from ckpt_manager._store.catalog import committed_steps, read_manifest, verify_files
+from ckpt_manager._store.steps import committed_steps, read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._types import RestoreProgress, RestoreResult
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError

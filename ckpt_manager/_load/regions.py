@@ -15,12 +15,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from ckpt_manager._format.manifest import Piece, index_file_name, step_dir
+from ckpt_manager._format.rank_index import RankIndex, check_rank_index, piece_of
+from ckpt_manager._format.shard_file import dtype_from_name
 from ckpt_manager._load.reshard import Region, fill_region
 from ckpt_manager._load.restore import read_bytes, read_piece
-from ckpt_manager._store.catalog import committed_steps, read_manifest, verify_files
-from ckpt_manager._store.format import dtype_from_name
-from ckpt_manager._store.manifest import Piece, index_file_name, step_dir
-from ckpt_manager._store.rank_index import RankIndex, check_rank_index, piece_of
+from ckpt_manager._store.steps import committed_steps, read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 
@@ -79,7 +79,7 @@ class StepRegions:
 
     @property
     def tree(self) -> Any:
-        """The saved state's skeleton (node forms in `_store/tree.py`)."""
+        """The saved state's skeleton (node forms in `_format/tree.py`)."""
         return self._manifest.tree
 
     def tensor(self, key: str) -> TensorInfo:

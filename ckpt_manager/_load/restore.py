@@ -6,7 +6,7 @@ Listing and verifying steps lives in `_catalog` (torch-free).
 A format-2 step is loaded from its top manifest plus only the index objects of the ranks
 holding the tensors the rank builds, and its own (for its RankLocal state); each index is
 read once, checked against the manifest's size and CRC-32 ([Note: the top manifest stays
-small] in `_store/manifest.py`).
+small] in `_format/manifest.py`).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from ckpt_manager._format.manifest import Manifest, Piece, index_file_name, step_dir
+from ckpt_manager._format.rank_index import RankIndex, check_rank_index, piece_of
+from ckpt_manager._format.shard_file import dtype_from_name
+from ckpt_manager._format.tree import is_sharded, placement_of
 from ckpt_manager._load.reshard import Region, fill_region
-from ckpt_manager._store.format import dtype_from_name
-from ckpt_manager._store.manifest import Manifest, Piece, index_file_name, step_dir
-from ckpt_manager._store.rank_index import RankIndex, check_rank_index, piece_of
 from ckpt_manager._store.storage import Storage
-from ckpt_manager._store.tree import is_sharded, placement_of
 from ckpt_manager._types import ALIASES_KEY, RankLocal
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError
 

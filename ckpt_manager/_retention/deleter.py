@@ -18,16 +18,16 @@ from collections.abc import Callable
 
 import structlog
 
+from ckpt_manager._format.manifest import MANIFEST_NAME, step_dir
 from ckpt_manager._retention.policies import RetentionPolicy, StepInfo, plan_deletions
-from ckpt_manager._store.catalog import (
+from ckpt_manager._store.pins import pinned_steps
+from ckpt_manager._store.steps import (
     abort_orphaned_uploads,
     delete_step,
     list_step_dirs,
     read_manifest,
     remove_uncommitted_step,
 )
-from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
-from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 

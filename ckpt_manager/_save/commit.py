@@ -2,7 +2,7 @@
 
 Format 2 (the save path): each rank's `SaveRequest.contribution` (built by `prepare_rank`)
 holds its pending index object and the report it will send; once its writer has written the
-shard file and the index (`_store/rank_index.py`), `rank_report` turns it into a
+shard file and the index (`_format/rank_index.py`), `rank_report` turns it into a
 `RankReport`, the coordinator gathers those and `commit_step` builds the top manifest from
 them alone (`build_top_manifest`: no HEAD, no read of any index) and writes it exclusively.
 These functions need no process group: `bench/ckpt_scale.py` drives them for N simulated ranks.
@@ -33,9 +33,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckpt_manager._store.checksum import SAVE_ALGORITHM, parse_algorithm
-from ckpt_manager._store.format import FileLayout, dtype_name
-from ckpt_manager._store.manifest import (
+from ckpt_manager._format.checksum import SAVE_ALGORITHM, parse_algorithm
+from ckpt_manager._format.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     FileEntry,
@@ -44,10 +43,11 @@ from ckpt_manager._store.manifest import (
     index_file_name,
     step_dir,
 )
-from ckpt_manager._store.rank_index import IndexedFile, PieceRecord, RankIndex, RankReport
+from ckpt_manager._format.rank_index import IndexedFile, PieceRecord, RankIndex, RankReport
+from ckpt_manager._format.shard_file import FileLayout, dtype_name
+from ckpt_manager._format.tree import Flattened, LeafKind, TensorLeaf
 from ckpt_manager._store.root_catalog import record_commit
 from ckpt_manager._store.storage import Storage
-from ckpt_manager._store.tree import Flattened, LeafKind, TensorLeaf
 from ckpt_manager.errors import (
     CheckpointError,
     CommitConflictError,

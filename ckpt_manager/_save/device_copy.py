@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from ckpt_manager._format.shard_file import FileLayout
 from ckpt_manager._save.staging import Slab, copy_into_slot
-from ckpt_manager._store.format import FileLayout
 
 __all__ = ["DeviceFence", "copy_to_pinned_slab"]
 

@@ -93,7 +93,7 @@ from ckpt_manager._save.commit import (
 from ckpt_manager._save.request import Limits, SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread
 from ckpt_manager._save.writer_proc import WriterProcess
-from ckpt_manager._store.catalog import remove_uncommitted_step
+from ckpt_manager._store.steps import remove_uncommitted_step
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._types import SaveObserver, SaveReport, SaveResult
 from ckpt_manager.errors import CheckpointError, SaveFailedError
@@ -395,7 +395,7 @@ class Finalizer:
         """Remove the failed attempt's folder; False when it stays (error, or a manifest).
 
         See [Note: a folder with a manifest is never removed by a failure path] in
-        `_store/catalog.py`.
+        `_store/steps.py`.
         """
         try:
             if self._fence is not None:

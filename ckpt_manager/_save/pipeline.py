@@ -17,15 +17,15 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
+from ckpt_manager._format.checksum import SAVE_ALGORITHM, checksum
+from ckpt_manager._format.manifest import step_dir
 from ckpt_manager._save.commit import encode_report_body
 from ckpt_manager._save.device_copy import copy_to_pinned_slab
 from ckpt_manager._save.request import SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread, Slab, copy_into_slab
 from ckpt_manager._save.writer import write_shard_retrying
 from ckpt_manager._save.writer_proc import WriterProcess
-from ckpt_manager._store.checksum import SAVE_ALGORITHM, checksum
-from ckpt_manager._store.manifest import step_dir
-from ckpt_manager._store.rank_index import write_finished_index
+from ckpt_manager._store.indexes import write_finished_index
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CheckpointError
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ckpt_manager._format.rank_index import PieceRecord
+from ckpt_manager._format.shard_file import FileLayout, plan_layout
+from ckpt_manager._format.tree import TensorLeaf
 from ckpt_manager._save.commit import piece_records
-from ckpt_manager._store.format import FileLayout, plan_layout
-from ckpt_manager._store.rank_index import PieceRecord
-from ckpt_manager._store.tree import TensorLeaf
 
 __all__ = ["PlanCache"]
 

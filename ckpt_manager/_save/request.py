@@ -35,11 +35,11 @@ from typing import Any, NamedTuple
 import structlog
 
 from ckpt_manager._coord import Status
+from ckpt_manager._format.checksum import SAVE_ALGORITHM, ChecksumAlgorithm
+from ckpt_manager._format.shard_file import FileLayout
 from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.staging import Slab
 from ckpt_manager._save.writer_proc import WriterProcess
-from ckpt_manager._store.checksum import SAVE_ALGORITHM, ChecksumAlgorithm
-from ckpt_manager._store.format import FileLayout
 
 __all__ = ["InvalidTransitionError", "Limits", "SaveRequest", "SaveState"]
 

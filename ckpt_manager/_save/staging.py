@@ -27,8 +27,8 @@ from collections.abc import Callable, Sequence
 import structlog
 import torch
 
-from ckpt_manager._store.checksum import SAVE_ALGORITHM, ChecksumAlgorithm, checksum, crc32c_at
-from ckpt_manager._store.format import FileLayout, TensorSlot
+from ckpt_manager._format.checksum import SAVE_ALGORITHM, ChecksumAlgorithm, checksum, crc32c_at
+from ckpt_manager._format.shard_file import FileLayout, TensorSlot
 
 __all__ = [
     "FUSED_CHUNK_BYTES",
@@ -188,7 +188,7 @@ def copy_into_slab(
     state through memory (in the writer process, as before). The writer only writes.
     A CPU tensor's bytes are copied by libc's `memmove` on the two addresses (no tensor
     slicing per chunk; glibc copies chunks below 1 MiB with `rep movsb`), and CRC-32C is taken
-    on the slab's address ([Note: CRC-32C through ISA-L] in `_store/checksum.py`).
+    on the slab's address ([Note: CRC-32C through ISA-L] in `_format/checksum.py`).
 
     `on_progress(n)` is called whenever the first `n` bytes of the file are final, at least
     `progress_bytes` apart, and last with `layout.total_bytes` (a streamed write follows it).

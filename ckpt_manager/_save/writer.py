@@ -51,9 +51,9 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
+from ckpt_manager._format.manifest import FileEntry
 from ckpt_manager._store.backend_errors import is_transient
-from ckpt_manager._store.manifest import FileEntry
-from ckpt_manager._store.rank_index import write_finished_index
+from ckpt_manager._store.indexes import write_finished_index
 from ckpt_manager._store.storage import Storage
 
 __all__ = ["FAULT_ENV", "main", "write_shard", "write_shard_retrying"]
@@ -229,7 +229,7 @@ class _Server:
                 }
                 # The index last: it records the shard's size and checksum, and the trainer
                 # reports its own size and CRC-32 to the coordinator ([Note: the top
-                # manifest stays small] in `_store/manifest.py`).
+                # manifest stays small] in `_format/manifest.py`).
                 if msg.get("streamed"):  # local disk: nothing transient to wait out
                     staged = self.staged_counts(msg)
                     size = write_shard(storage, msg["name"], view, staged=staged, **sizes)

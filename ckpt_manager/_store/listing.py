@@ -32,8 +32,7 @@ from typing import NamedTuple
 
 import structlog
 
-from ckpt_manager._store.catalog import list_step_dirs
-from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, step_dir
+from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, step_dir
 from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.root_catalog import (
     CatalogEntry,
@@ -41,6 +40,7 @@ from ckpt_manager._store.root_catalog import (
     read_catalog,
     write_catalog_if,
 )
+from ckpt_manager._store.steps import list_step_dirs
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import (
     CheckpointError,

@@ -19,7 +19,7 @@ propagates; `exclusive` writes send `If-None-Match: *` with the PUT or the compl
 peer's failure) cannot abort its own upload; its parts stay billed and invisible to
 listings. `list_uploads`/`abort_upload` let the holders of the lease clean up: the finalizer
 aborts the uploads under a failed step's folder once every writer is stopped (through
-`catalog.remove_uncommitted_step`), the coordinator aborts every upload under the root at
+`steps.remove_uncommitted_step`), the coordinator aborts every upload under the root at
 start-up (no writer of the run exists yet), and the deleter's GC aborts those older than
 the uncommitted grace period.
 """

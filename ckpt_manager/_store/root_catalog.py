@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from ckpt_manager._store.manifest import Manifest
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import (
     CheckpointError,

@@ -51,6 +51,7 @@ import fsspec.asyn
 import fsspec.core
 from fsspec.implementations.local import LocalFileSystem
 
+from ckpt_manager._format.names import validate_relative_name
 from ckpt_manager._store.backend_errors import (
     is_conditional_conflict,
     is_precondition_failed,
@@ -65,32 +66,11 @@ from ckpt_manager.errors import (
     VersionMismatchError,
 )
 
-__all__ = ["Storage", "validate_relative_name"]
+__all__ = ["Storage"]
 
 _OBJECT_STORE_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss"})
 _PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
 _CONDITIONAL_LOCK = threading.Lock()  # conditional writes on stores without a server check
-
-
-def validate_relative_name(name: str) -> str:
-    """Check a name read from a manifest or a listing before it touches storage.
-
-    Args:
-        name: a `/`-separated path relative to the checkpoint root.
-
-    Returns:
-        The name unchanged.
-
-    Raises:
-        ValueError: empty, absolute, `..`/`.` components, backslashes, a URL scheme or NUL.
-    """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"invalid name {name!r}: empty or not a string")
-    if name.startswith(("/", "~")) or "://" in name or "\\" in name or "\x00" in name:
-        raise ValueError(f"invalid name {name!r}: must be relative to the checkpoint root")
-    if any(part in ("", ".", "..") for part in name.split("/")):
-        raise ValueError(f"invalid name {name!r}: empty, '.' or '..' path component")
-    return name
 
 
 def _content_version(data: bytes) -> str:

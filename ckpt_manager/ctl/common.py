@@ -13,10 +13,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckpt_manager._store.catalog import list_step_dirs, read_manifest
-from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, step_dir
+from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, step_dir
+from ckpt_manager._store.indexes import complete_manifest
 from ckpt_manager._store.options import S3Options
-from ckpt_manager._store.rank_index import complete_manifest
+from ckpt_manager._store.steps import list_step_dirs, read_manifest
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.errors import UsageError
 from ckpt_manager.errors import CheckpointError, StepNotFoundError, StorageError

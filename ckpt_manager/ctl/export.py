@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckpt_manager._store.manifest import Manifest
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._types import ALIASES_KEY
 from ckpt_manager.ctl.errors import UsageError

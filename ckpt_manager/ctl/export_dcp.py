@@ -13,8 +13,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._load.regions import StepRegions
-from ckpt_manager._store.manifest import Manifest
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.errors import UsageError
 from ckpt_manager.ctl.export import Selection, tensors_of

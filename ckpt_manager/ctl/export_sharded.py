@@ -15,7 +15,7 @@ import json
 import os
 import re
 
-from ckpt_manager._store.manifest import Manifest
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.errors import UsageError
 from ckpt_manager.ctl.export import (

@@ -1,6 +1,6 @@
 """`ckptctl show` (a manifest in human or JSON form) and `ckptctl verify` (re-read and check).
 
-Verification is `catalog.verify_files`, the check restore itself runs, applied one file at
+Verification is `steps.verify_files`, the check restore itself runs, applied one file at
 a time so that every bad file is reported, not only the first.
 """
 
@@ -12,9 +12,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ckpt_manager._store.catalog import list_step_dirs, read_manifest, verify_files
-from ckpt_manager._store.manifest import Manifest
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.pins import pinned_steps
+from ckpt_manager._store.steps import list_step_dirs, read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import parallel_map
 from ckpt_manager.ctl.list import strategy_of

@@ -18,14 +18,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._retention.policies import StepInfo
 from ckpt_manager._retention.record import read_retention
-from ckpt_manager._store.catalog import list_step_dirs, read_manifest, verify_files
 from ckpt_manager._store.lease import holder_is_provably_dead, read_lease
 from ckpt_manager._store.listing import list_steps
-from ckpt_manager._store.manifest import Manifest
 from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.root_catalog import CatalogEntry, entry_from_manifest, manifest_strategy
+from ckpt_manager._store.steps import list_step_dirs, read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import metrics_text, parallel_map
 from ckpt_manager.ctl.render import format_age, format_bytes, format_local_time, iso_local, table

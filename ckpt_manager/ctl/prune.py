@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._retention.policies import StepInfo, plan_deletions
-from ckpt_manager._store.catalog import delete_step, list_step_dirs, read_manifest, verify_files
 from ckpt_manager._store.lease import describe_holder, holder_is_provably_dead, read_lease
-from ckpt_manager._store.manifest import Manifest
 from ckpt_manager._store.pins import pin_committed_step, pinned_steps, unpin_step
+from ckpt_manager._store.steps import delete_step, list_step_dirs, read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import parallel_map
 from ckpt_manager.ctl.errors import UsageError

@@ -26,13 +26,13 @@ from typing import Any, BinaryIO
 
 import torch
 
+from ckpt_manager._format.checksum import crc32
+from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, shard_file_name, step_dir
+from ckpt_manager._format.shard_file import dtype_from_name, plan_layout
+from ckpt_manager._format.tree import Flattened, LeafKind, TensorLeaf
 from ckpt_manager._save.commit import build_contribution, merge_manifest
-from ckpt_manager._store.catalog import remove_uncommitted_step
-from ckpt_manager._store.checksum import crc32
-from ckpt_manager._store.format import dtype_from_name, plan_layout
-from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, shard_file_name, step_dir
+from ckpt_manager._store.steps import remove_uncommitted_step
 from ckpt_manager._store.storage import Storage
-from ckpt_manager._store.tree import Flattened, LeafKind, TensorLeaf
 from ckpt_manager.ctl.render import Progress
 from ckpt_manager.ctl.stream import TensorSource, stream_range, tensor_bytes
 from ckpt_manager.errors import ObjectExistsError

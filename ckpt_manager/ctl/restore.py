@@ -19,8 +19,8 @@ import shutil
 import sys
 from collections.abc import Iterator
 
-from ckpt_manager._store.catalog import verify_files
-from ckpt_manager._store.manifest import Manifest
+from ckpt_manager._format.manifest import Manifest
+from ckpt_manager._store.steps import verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import StorageFlags, open_root, resolve_step
 from ckpt_manager.ctl.errors import UsageError

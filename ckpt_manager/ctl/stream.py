@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from ckpt_manager._format.manifest import Manifest, Piece
+from ckpt_manager._format.shard_file import dtype_from_name
 from ckpt_manager._load.reshard import Region, fill_region
 from ckpt_manager._load.restore import read_piece
-from ckpt_manager._store.format import dtype_from_name
-from ckpt_manager._store.manifest import Manifest, Piece
 from ckpt_manager._store.storage import Storage
 
 __all__ = ["TensorSource", "as_flat_piece", "chunk_ranges", "stream_range"]

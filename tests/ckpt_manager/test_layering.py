@@ -16,33 +16,36 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "ckpt_manager"
 
 # Which parts each part may import. A part is a sub-package (`_store`, `ctl`, ...) or a root
-# module (`errors`, `_manager`, ...). `_store` imports none of its siblings; `_load` does not
-# depend on `_save`; nothing but the CLI itself imports `ctl`.
+# module (`errors`, `_manager`, ...). `_format` (what the bytes mean) imports no sibling;
+# `_store` (where bytes go) only `_format`; `_load` does not depend on `_save`; nothing but the
+# CLI itself imports `ctl`.
 _ROOT_BASICS = {"errors", "_types"}
+_BYTES = {"_format", "_store"}
 ALLOWED: dict[str, set[str]] = {
-    "_store": _ROOT_BASICS,
-    "_retention": _ROOT_BASICS | {"_store"},
-    "_load": _ROOT_BASICS | {"_store", "_coord"},
-    "_save": _ROOT_BASICS | {"_store", "_coord", "_config"},
-    "ctl": _ROOT_BASICS | {"_store", "_load", "_save", "_retention"},
+    "_format": _ROOT_BASICS,
+    "_store": _ROOT_BASICS | {"_format"},
+    "_retention": _ROOT_BASICS | _BYTES,
+    "_load": _ROOT_BASICS | _BYTES | {"_coord"},
+    "_save": _ROOT_BASICS | _BYTES | {"_coord", "_config"},
+    "ctl": _ROOT_BASICS | _BYTES | {"_load", "_save", "_retention"},
     "errors": set(),
     "_types": set(),
     "_coord": {"errors"},
-    # The config validates against the storage layer's limits (the spread of object names,
+    # The config validates against the format and storage limits (the spread of object names,
     # which roots are S3); `_store` imports no sibling, so this adds no cycle.
-    "_config": {"_retention", "_store"},
-    "dcp": _ROOT_BASICS | {"_store", "_load"},
-    "_manager": _ROOT_BASICS | {"_store", "_load", "_save", "_retention", "_coord", "_config"},
+    "_config": {"_retention", "_format", "_store"},
+    "dcp": _ROOT_BASICS | _BYTES | {"_load"},
+    "_manager": _ROOT_BASICS | _BYTES | {"_load", "_save", "_retention", "_coord", "_config"},
     "__init__": _ROOT_BASICS | {"_retention", "_config", "_manager", "_store"},
 }
-SUBPACKAGES = {"_store", "_retention", "_load", "_save", "ctl"}
+SUBPACKAGES = {"_format", "_store", "_retention", "_load", "_save", "ctl"}
 
-# Modules of `_store` and `ctl` that make tensors and so may import torch when imported.
+# Modules of `_format`, `_store` and `ctl` that make tensors and so may import torch when imported.
 # Everything else there stays torch-free, so `ckptctl list/show/verify` start fast.
 TORCH_ALLOWED = {
-    "ckpt_manager._store.dtensor",
-    "ckpt_manager._store.format",
-    "ckpt_manager._store.tree",
+    "ckpt_manager._format.dtensor",
+    "ckpt_manager._format.shard_file",
+    "ckpt_manager._format.tree",
     "ckpt_manager.ctl.export",
     "ckpt_manager.ctl.export_dcp",
     "ckpt_manager.ctl.export_sharded",
@@ -135,7 +138,7 @@ def layering_violations(modules: dict[str, ast.Module]) -> list[str]:
 
 
 def torch_violations(modules: dict[str, ast.Module]) -> list[str]:
-    """Torch-free `_store` / `ctl` modules whose import (transitively) loads torch."""
+    """Torch-free `_format` / `_store` / `ctl` modules whose import (transitively) loads torch."""
     edges = {m: _module_level_imports(t, m) for m, t in modules.items()}
 
     def closure(start: str) -> set[str]:
@@ -152,7 +155,7 @@ def torch_violations(modules: dict[str, ast.Module]) -> list[str]:
 
     problems = []
     for module in modules:
-        if _part(module) not in {"_store", "ctl"} or module in TORCH_ALLOWED:
+        if _part(module) not in {"_format", "_store", "ctl"} or module in TORCH_ALLOWED:
             continue
         for dep in sorted(closure(module)):
             if any(n == "torch" or n.startswith("torch.") for n in edges[dep]):
@@ -190,6 +193,12 @@ def test_store_and_cli_import_torch_only_where_they_make_tensors() -> None:
             "ckpt_manager._manager -> ckpt_manager.ctl.cli (_manager may not import ctl)",
         ),
         (
+            "ckpt_manager._format.manifest",
+            "from ckpt_manager._store.storage import Storage\n",
+            "ckpt_manager._format.manifest -> ckpt_manager._store.storage "
+            "(_format may not import _store)",
+        ),
+        (
             "ckpt_manager._load.restore",
             "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
             "    from ckpt_manager._save import request\n",
@@ -206,13 +215,13 @@ def test_a_forbidden_import_is_reported(module: str, source: str, expected: str)
 def test_a_torch_import_in_a_torch_free_module_is_reported() -> None:
     modules = _modules()
     modules["ckpt_manager._store.pins"] = ast.parse(
-        "from ckpt_manager._store.manifest import step_dir\n"
+        "from ckpt_manager._format.manifest import step_dir\n"
     )
-    modules["ckpt_manager._store.manifest"] = ast.parse("import torch.nn\n")
+    modules["ckpt_manager._format.manifest"] = ast.parse("import torch.nn\n")
     problems = torch_violations(modules)
-    assert "ckpt_manager._store.pins loads torch through ckpt_manager._store.manifest" in problems
+    assert "ckpt_manager._store.pins loads torch through ckpt_manager._format.manifest" in problems
     # Function-level imports do not count: they run only on the path that needs tensors.
-    modules["ckpt_manager._store.manifest"] = ast.parse("def f():\n    import torch\n")
+    modules["ckpt_manager._format.manifest"] = ast.parse("def f():\n    import torch\n")
     assert torch_violations(modules) == []
 
 

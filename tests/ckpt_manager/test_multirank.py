@@ -21,11 +21,11 @@ from ckpt_manager import (
     RankLocal,
     SaveFailedError,
 )
+from ckpt_manager._format.manifest import FORMAT_VERSION, MANIFEST_NAME, step_dir
 from ckpt_manager._save.finalize import OWN_WRITE_POLL_S
 from ckpt_manager._save.writer import FAULT_ENV
-from ckpt_manager._store.catalog import read_manifest
-from ckpt_manager._store.manifest import FORMAT_VERSION, MANIFEST_NAME, step_dir
-from ckpt_manager._store.rank_index import complete_manifest
+from ckpt_manager._store.indexes import complete_manifest
+from ckpt_manager._store.steps import read_manifest
 from ckpt_manager._store.storage import Storage
 from tests.ckpt_manager.conftest import Shard
 from tests.support.agreement_rounds import counting_agreement_rounds

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_manager._store.catalog import read_manifest
-from ckpt_manager._store.rank_index import complete_manifest
+from ckpt_manager._store.indexes import complete_manifest
+from ckpt_manager._store.steps import read_manifest
 from ckpt_manager._store.storage import Storage
 from tests.daemon._hybrid_ckpt_ranks import STEP, committed, no_shard_single, round_trip
 from tests.sharding._helpers import single_thread

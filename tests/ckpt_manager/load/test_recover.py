@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, CorruptCheckpointError
-from ckpt_manager._store.catalog import read_manifest
-from ckpt_manager._store.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
+from ckpt_manager._format.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
+from ckpt_manager._store.steps import read_manifest
 from ckpt_manager._store.storage import Storage
 from tests.ckpt_manager.conftest import Shard
 from tests.ckpt_manager.fixtures.make_v1_checkpoint import HERE as V1_CHECKPOINT

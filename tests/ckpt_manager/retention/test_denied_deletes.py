@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
+from ckpt_manager._format.manifest import MANIFEST_NAME, step_dir
 from ckpt_manager._retention.deleter import MAX_WAIT_S
-from ckpt_manager._store.manifest import MANIFEST_NAME, step_dir
 
 CHATTR = shutil.which("chattr")
 

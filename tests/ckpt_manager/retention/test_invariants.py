@@ -34,11 +34,11 @@ from hypothesis.stateful import (
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
 from ckpt_manager._coord import Coordinator
+from ckpt_manager._format.manifest import shard_file_name, step_dir
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._retention.deleter import Deleter
-from ckpt_manager._store.catalog import committed_steps, list_step_dirs
-from ckpt_manager._store.manifest import shard_file_name, step_dir
 from ckpt_manager._store.pins import pin_committed_step, unpin_step
+from ckpt_manager._store.steps import committed_steps, list_step_dirs
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.prune import apply_prune, plan_prune
 from ckpt_manager.ctl.retention import RetentionFlags

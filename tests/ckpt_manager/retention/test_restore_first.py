@@ -16,10 +16,10 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
 from ckpt_manager._coord import Coordinator
+from ckpt_manager._format.manifest import shard_file_name, step_dir
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._retention.deleter import Deleter
-from ckpt_manager._store.catalog import committed_steps
-from ckpt_manager._store.manifest import shard_file_name, step_dir
+from ckpt_manager._store.steps import committed_steps
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CheckpointError
 

@@ -8,8 +8,8 @@ import time
 import pytest
 
 from ckpt_manager._coord import Status
+from ckpt_manager._format.shard_file import FileLayout
 from ckpt_manager._save.request import InvalidTransitionError, Limits, SaveRequest, SaveState
-from ckpt_manager._store.format import FileLayout
 
 _LIMITS = Limits(staging_s=5.0, start_s=5.0, write_s=5.0)
 

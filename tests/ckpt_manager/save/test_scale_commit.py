@@ -16,6 +16,10 @@ import pytest
 import torch
 
 from ckpt_manager import RankLocal
+from ckpt_manager._format.checksum import SAVE_ALGORITHM, checksum
+from ckpt_manager._format.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
+from ckpt_manager._format.shard_file import plan_layout
+from ckpt_manager._format.tree import flatten
 from ckpt_manager._load.restore import load_state
 from ckpt_manager._save.commit import (
     CommitResult,
@@ -26,13 +30,9 @@ from ckpt_manager._save.commit import (
     rank_report,
 )
 from ckpt_manager._save.writer import write_shard
-from ckpt_manager._store.catalog import read_manifest, verify_files
-from ckpt_manager._store.checksum import SAVE_ALGORITHM, checksum
-from ckpt_manager._store.format import plan_layout
-from ckpt_manager._store.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
-from ckpt_manager._store.rank_index import complete_manifest, write_finished_index
+from ckpt_manager._store.indexes import complete_manifest, write_finished_index
+from ckpt_manager._store.steps import read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
-from ckpt_manager._store.tree import flatten
 from tests.ckpt_manager.conftest import Shard
 
 WORLD = 64

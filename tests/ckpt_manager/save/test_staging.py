@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ckpt_manager._format.checksum import ChecksumAlgorithm, checksum
+from ckpt_manager._format.shard_file import plan_layout
 from ckpt_manager._save import staging
 from ckpt_manager._save.staging import Slab, copy_into_slab
-from ckpt_manager._store.checksum import ChecksumAlgorithm, checksum
-from ckpt_manager._store.format import plan_layout
 
 
 def test_the_returned_checksum_is_that_of_the_staged_file_bytes(

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_manager._store import checksum, direct_write
+from ckpt_manager._format import checksum
+from ckpt_manager._store import direct_write
 from ckpt_manager._store.direct_write import DIRECT_ALIGN, write_at_start
 from ckpt_manager._store.storage import Storage
 

@@ -13,16 +13,16 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
+from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, step_dir
 from ckpt_manager._store import root_catalog
-from ckpt_manager._store.catalog import delete_step, read_manifest
 from ckpt_manager._store.listing import list_steps
-from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, step_dir
 from ckpt_manager._store.pins import is_pinned, pin_committed_step, unpin_step
 from ckpt_manager._store.root_catalog import (
     CATALOG_NAME,
     read_catalog,
     record_commit,
 )
+from ckpt_manager._store.steps import delete_step, read_manifest
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.list import collect_rows
 from ckpt_manager.ctl.retention import RetentionFlags
@@ -105,7 +105,7 @@ def test_a_pin_that_undoes_a_deletion_puts_the_entry_back(
 ) -> None:
     storage = _save_steps(str(tmp_path), [1, 2])
     seen = iter([False, True])  # no pin before the manifest goes, a pin right after
-    monkeypatch.setattr("ckpt_manager._store.catalog.is_pinned", lambda _s, _n: next(seen))
+    monkeypatch.setattr("ckpt_manager._store.steps.is_pinned", lambda _s, _n: next(seen))
     assert not delete_step(storage, 1)
     assert _catalogued(storage) == [1, 2]
     assert read_manifest(storage, 1).step == 1

@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from ckpt_manager._store.storage import Storage, validate_relative_name
+from ckpt_manager._format.names import validate_relative_name
+from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import (
     ObjectExistsError,
     ObjectNotFoundError,

@@ -1,7 +1,7 @@
 """Committed steps on storage: listing folders, reading manifests, checking files.
 
 Torch-free on purpose: `ckptctl list`, `show` and `verify` and the background deleter read
-manifests without paying for importing torch (see `_dtypes`).
+manifests without paying for importing torch (see `_format/dtypes.py`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from ckpt_manager._store.checksum import checksum
-from ckpt_manager._store.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from ckpt_manager._format.checksum import checksum
+from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
 from ckpt_manager._store.pins import is_pinned
 from ckpt_manager._store.root_catalog import record_commit, remove_steps
 from ckpt_manager._store.storage import Storage

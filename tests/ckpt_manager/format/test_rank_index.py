@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from ckpt_manager._save.commit import build_top_manifest
-from ckpt_manager._store.checksum import crc32
-from ckpt_manager._store.manifest import (
+from ckpt_manager._format.checksum import crc32
+from ckpt_manager._format.manifest import (
     FORMAT_VERSION,
     FileEntry,
     Manifest,
@@ -16,7 +15,7 @@ from ckpt_manager._store.manifest import (
     index_file_name,
     rank_runs,
 )
-from ckpt_manager._store.rank_index import (
+from ckpt_manager._format.rank_index import (
     DEFAULT_CHECKSUM_ALGORITHM,
     IndexedFile,
     PieceRecord,
@@ -24,6 +23,7 @@ from ckpt_manager._store.rank_index import (
     RankReport,
     check_rank_index,
 )
+from ckpt_manager._save.commit import build_top_manifest
 from ckpt_manager.errors import CorruptCheckpointError
 
 FILE = "rank-00001.bin"

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckpt_manager._store.dtensor import dtensor_piece, is_dtensor
+from ckpt_manager._format.dtensor import dtensor_piece, is_dtensor
 from ckpt_manager._types import RankLocal
 
 __all__ = [

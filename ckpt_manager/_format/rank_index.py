@@ -4,7 +4,7 @@ Each rank's writer writes `step-<N>/rank-<r:05d>.index.json` right after its sha
 coordinator's `manifest.json` lists every index with its size and CRC-32 (among `files`) and,
 per tensor, only which ranks hold non-empty pieces of it, so a restoring rank reads the top
 manifest plus the few indexes its tensors live in (see [Note: the top manifest stays small]
-in `_store/manifest.py`)::
+in `_format/manifest.py`)::
 
     {"format": "trainingd-rank-index", "format_version": 2, "step": N, "rank": r,
      "file": {"name": "rank-00003.bin", "size": int, "crc32": int,
@@ -20,10 +20,11 @@ included (a rank-local tensor is this rank's whole tensor, so it is always neede
 saved rank writes an index, even one without a shard file (its RankLocal plain values).
 
 `checksum_algorithm` names the algorithm of the shard file's checksum (stored under
-`crc32`): new saves write "crc32c" (the staging copy's, `_store/checksum.py`); an index
+`crc32`): new saves write "crc32c" (the staging copy's, `_format/checksum.py`); an index
 without the field means "crc32" (zlib's).
 
-Torch-free: the writer process builds and writes indexes, `ckptctl` reads them.
+Torch-free: the writer process builds indexes, `ckptctl` reads them. Reading and writing them
+on storage is `_store/indexes.py`'s job; this module only says what their bytes mean.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from ckpt_manager._store.checksum import crc32, parse_algorithm
-from ckpt_manager._store.dtypes import item_size
-from ckpt_manager._store.manifest import (
+from ckpt_manager._format.checksum import crc32, parse_algorithm
+from ckpt_manager._format.dtypes import item_size
+from ckpt_manager._format.manifest import (
     FileEntry,
     Manifest,
     Piece,
@@ -43,10 +44,8 @@ from ckpt_manager._store.manifest import (
     check_tensor_place,
     index_file_name,
     parse_piece,
-    step_dir,
 )
-from ckpt_manager._store.storage import Storage
-from ckpt_manager.errors import CheckpointError, CorruptCheckpointError
+from ckpt_manager.errors import CorruptCheckpointError
 
 __all__ = [
     "DEFAULT_CHECKSUM_ALGORITHM",
@@ -57,11 +56,7 @@ __all__ = [
     "RankReport",
     "assemble",
     "check_rank_index",
-    "complete_manifest",
     "piece_of",
-    "read_rank_index",
-    "write_finished_index",
-    "write_rank_index",
 ]
 
 INDEX_FORMAT_NAME = "trainingd-rank-index"
@@ -300,49 +295,6 @@ def _form(piece: Piece) -> str:
     return "box" if piece.global_offset is not None else "whole"
 
 
-def write_rank_index(storage: Storage, index: RankIndex, *, spread_prefixes: int = 0) -> FileEntry:
-    """Write an index object atomically next to its shard file (in its sub-prefix when
-    `spread_prefixes`); returns its size and CRC."""
-    data = index.to_json()
-    name = index_file_name(index.rank, spread_prefixes)
-    storage.write(f"{step_dir(index.step)}/{name}", data)
-    return FileEntry(len(data), crc32(data))
-
-
-def write_finished_index(
-    storage: Storage, index_json: str, size: int, crc: int, *, spread_prefixes: int = 0
-) -> FileEntry:
-    """Write a pending index (`RankIndex.to_json` with its shard size and checksum still 0)
-    with the shard file's final `size` and `crc` (in its sub-prefix when `spread_prefixes`);
-    returns the index's own size and CRC-32.
-
-    Used by the writer process after the shard file is durable, and by the trainer for a
-    rank without a shard file; torch-free and cheap (no piece is re-validated: the trainer
-    built them).
-    """
-    doc = json.loads(index_json)
-    if doc["file"] is not None:
-        doc["file"]["size"], doc["file"]["crc32"] = size, crc
-    data = json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
-    name = index_file_name(int(doc["rank"]), spread_prefixes)
-    storage.write(f"{step_dir(int(doc['step']))}/{name}", data)
-    return FileEntry(len(data), crc32(data))
-
-
-def read_rank_index(storage: Storage, manifest: Manifest, rank: int) -> RankIndex:
-    """Read one rank's index of a format-2 step, checked against the top manifest's entry.
-
-    Raises:
-        CorruptCheckpointError: the index is missing from the manifest, damaged (size or
-            CRC differ from the manifest's), or invalid.
-        StorageError: the read failed.
-    """
-    name = index_file_name(rank, manifest.spread_prefixes)
-    if name not in manifest.files or not 0 <= rank < manifest.world_size:
-        raise CorruptCheckpointError(f"step {manifest.step}: no index of rank {rank}")
-    return check_rank_index(manifest, rank, storage.read(f"{step_dir(manifest.step)}/{name}"))
-
-
 def check_rank_index(manifest: Manifest, rank: int, data: bytes | bytearray) -> RankIndex:
     """Parse the bytes of one rank's index and check them against the top manifest (its
     size and CRC-32, its shard file's entry, every piece's dtype and place).
@@ -374,30 +326,6 @@ def check_rank_index(manifest: Manifest, rank: int, data: bytes | bytearray) -> 
     for key, (dtype, piece) in index.tensors.items():
         check_tensor_place(manifest, key, dtype, piece, f"{name}: tensor {key!r}")
     return index
-
-
-def complete_manifest(storage: Storage, manifest: Manifest) -> Manifest:
-    """A format-2 manifest with every rank's pieces filled in (reads every index).
-
-    For tools that need every piece (`ckptctl show`, export, reshard); a format-1 manifest
-    is complete already and comes back as it is.
-
-    Raises:
-        CorruptCheckpointError: an index is missing, damaged or invalid.
-        StorageError: a read failed.
-    """
-    if manifest.complete:
-        return manifest
-    indexes: dict[int, RankIndex] = {}
-    errors: list[CheckpointError] = []
-    for rank in range(manifest.world_size):
-        try:
-            indexes[rank] = read_rank_index(storage, manifest, rank)
-        except CheckpointError as err:
-            errors.append(err)
-    if errors:
-        raise errors[0]
-    return assemble(manifest, indexes)
 
 
 def piece_of(index: RankIndex, key: str) -> Piece:

@@ -6,7 +6,7 @@ Layout under the root::
     _pins/step-<N:012d>          pinned steps (empty objects; `ckptctl pin` writes them too)
     step-<N:012d>/rank-<r:05d>.bin   one shard file per rank that has tensors to write
     step-<N:012d>/rank-<r:05d>.index.json  one index object per rank (format version 2, see
-                                 `_store/rank_index.py`): its pieces, offsets, checksums
+                                 `_format/rank_index.py`): its pieces, offsets, checksums
     step-<N:012d>/manifest.json  written last, exclusively, by the coordinator = the commit
 
 With spreading (`CheckpointConfig.spread_prefixes`, the default on S3; [Note: request
@@ -47,7 +47,7 @@ reshard`)::
      "run_id": str, "created_unix_s": float, "committed_unix_s": float,
      "versions": {"trainingd": str, "torch": str, "python": str}, "metrics": {...},
      "files": {name: {"size": int, "crc32": int, "checksum_algorithm": "crc32c"}},
-     "tree": skeleton (see `_store/tree.py`),
+     "tree": skeleton (see `_format/tree.py`),
      "tensors": {key: {"dtype": str, "global_shape": [...], "kind": "replicated"|"sharded",
                        "pieces": [piece, ...]}},
      "rank_local": [{"trees": [skeleton, ...], "tensors": {key: {"dtype": str, "piece": piece}}}]}
@@ -55,7 +55,7 @@ reshard`)::
              "global_offset": [...] | null, "flat_range": [start, end] | null}
     ... and last, "manifest_crc32": int (see below)
 
-A file record's `crc32` holds its checksum by `checksum_algorithm` (`_store/checksum.py`);
+A file record's `crc32` holds its checksum by `checksum_algorithm` (`_format/checksum.py`);
 records without that field (every manifest before it existed) are CRC-32, and the field is
 only written for other algorithms, so CRC-32 records serialise as they always did.
 
@@ -70,10 +70,10 @@ reader fetch bytes outside a piece or allocate more than the step's files hold:
 - every piece's place in its tensor: a flat range holds as many elements as the piece's shape
   and lies inside the global shape, a box has the global shape's rank and lies inside it, a
   piece with neither is the whole tensor (empty pieces may claim any place, see
-  [Note: empty pieces anywhere] in `_store/tree.py`);
+  [Note: empty pieces anywhere] in `_format/tree.py`);
 - every global shape holds at most as many bytes as the step's files together, so
   consolidating a tensor never allocates more than is stored (the file sizes themselves are
-  checked against storage by `catalog.verify_files` before anything is read).
+  checked against storage by `steps.verify_files` before anything is read).
 
 [Note: the manifest's own checksum] The last field, `manifest_crc32`, is the CRC-32 (zlib's)
 of the canonical serialisation of everything else: the document without that field as
@@ -97,9 +97,9 @@ import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ckpt_manager._store.checksum import ChecksumAlgorithm, crc32, parse_algorithm
-from ckpt_manager._store.dtypes import item_size
-from ckpt_manager._store.storage import validate_relative_name
+from ckpt_manager._format.checksum import ChecksumAlgorithm, crc32, parse_algorithm
+from ckpt_manager._format.dtypes import item_size
+from ckpt_manager._format.names import validate_relative_name
 from ckpt_manager.errors import CorruptCheckpointError
 
 __all__ = [

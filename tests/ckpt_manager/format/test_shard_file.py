@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from ckpt_manager import RankLocal
+from ckpt_manager._format.manifest import Manifest, Piece
+from ckpt_manager._format.shard_file import plan_layout, read_header
+from ckpt_manager._format.tree import LeafKind, flatten
 from ckpt_manager._load.reshard import Region, fill_region
-from ckpt_manager._store.format import plan_layout, read_header
-from ckpt_manager._store.manifest import Manifest, Piece
-from ckpt_manager._store.tree import LeafKind, flatten
 from ckpt_manager.errors import CorruptCheckpointError
 from tests.ckpt_manager.conftest import Shard
 
@@ -224,7 +224,7 @@ def test_is_sharded_agrees_with_the_protocol_check() -> None:
 
     import torch
 
-    from ckpt_manager._store.tree import is_sharded
+    from ckpt_manager._format.tree import is_sharded
     from ckpt_manager._types import ShardedTensorLike
 
     @dataclasses.dataclass

@@ -14,14 +14,13 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
-from ckpt_manager._store.catalog import read_manifest, verify_files
-from ckpt_manager._store.checksum import (
+from ckpt_manager._format.checksum import (
     SAVE_ALGORITHM,
     ChecksumAlgorithm,
     checksum,
     parse_algorithm,
 )
-from ckpt_manager._store.manifest import (
+from ckpt_manager._format.manifest import (
     CHECKSUM_FIELD,
     MANIFEST_NAME,
     FileEntry,
@@ -29,6 +28,7 @@ from ckpt_manager._store.manifest import (
     shard_file_name,
     step_dir,
 )
+from ckpt_manager._store.steps import read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CorruptCheckpointError
 
@@ -48,7 +48,7 @@ def test_crc32c_through_isal_and_the_crc32c_package_agree(
 ) -> None:
     import crc32c
 
-    from ckpt_manager._store import checksum as module
+    from ckpt_manager._format import checksum as module
 
     data = bytearray(os.urandom((1 << 16) + 7))
     view = memoryview(data)

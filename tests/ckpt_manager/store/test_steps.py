@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, StepNotFoundError
-from ckpt_manager._store.catalog import (
+from ckpt_manager._format.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._store.steps import (
     committed_steps,
     delete_step,
     drop_dead_attempts,
     list_step_dirs,
     read_manifest,
 )
-from ckpt_manager._store.manifest import MANIFEST_NAME, shard_file_name, step_dir
 from ckpt_manager._store.storage import Storage
 
 

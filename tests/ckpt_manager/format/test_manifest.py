@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ckpt_manager._store.manifest import CHECKSUM_FIELD, FileEntry, Manifest, Piece
+from ckpt_manager._format.manifest import CHECKSUM_FIELD, FileEntry, Manifest, Piece
 from ckpt_manager.errors import CorruptCheckpointError
 
 _FILE = "rank-00000.bin"
@@ -145,7 +145,7 @@ def test_box_pieces_must_lie_inside_the_whole() -> None:
 
 
 def test_empty_pieces_may_claim_any_place() -> None:
-    # [Note: empty pieces anywhere] in `_store/tree.py`: older writers kept the engine's flat
+    # [Note: empty pieces anywhere] in `_format/tree.py`: older writers kept the engine's flat
     # cursor, e.g. (1648, 1648); plan_layout gives an empty tensor the next tensor's offset.
     doc = _legacy_doc()
     doc["tensors"]["w"]["pieces"].append(Piece(_FILE, 128, 0, (0,), None, (1648, 1648)).to_json())

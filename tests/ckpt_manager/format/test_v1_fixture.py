@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckpt_manager._load.restore import load_state
-from ckpt_manager._store.catalog import read_manifest, verify_files
+from ckpt_manager._store.steps import read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.cli import main
 from tests.ckpt_manager.conftest import Shard
