@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon._config_load import KEYS, config_reference, dump_toml, load_config
+from daemon._config_load import config_keys, config_reference, dump_toml, load_config
 from daemon.config import AsyncMode, DaemonConfig, Device, Precision, Strategy
 from daemon.errors import ConfigError
 
@@ -118,7 +118,7 @@ def test_dump_toml_round_trips(tmp_path: Path) -> None:
 
 def test_every_key_has_a_docstring_flag_and_reference_row() -> None:
     ref = config_reference()
-    for key in KEYS:
+    for key in config_keys():
         assert f"--{key.replace('_', '-')}" in ref
         assert f"TRAININGD_{key.upper()}" in ref
     assert "| `[train] max_steps` |" in ref
