@@ -5,7 +5,9 @@
 (`CheckpointSettings`) and `[observability]` (`ObservabilitySettings`). Key names are unique
 across sections, so each key also has a flag (`max_steps` -> `--max-steps`) and an environment
 variable (`TRAININGD_MAX_STEPS`). Loading, precedence and error messages live in
-`daemon/_config_load.py`; this module only declares and validates.
+`daemon/_config_load.py`; this module only declares and validates. The `[checkpoint]` keys
+`keep_*` are not declared here: they are ckpt_manager's retention keys (one per parameter of
+each registered policy), held in `CheckpointSettings.retention`.
 """
 
 from __future__ import annotations
