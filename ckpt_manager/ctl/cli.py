@@ -9,10 +9,10 @@ torch.distributed is never initialised and the argument parser imports nothing h
 [Note: import cost] `--help`, `--version` and usage errors import no `ckpt_manager` module
 but the retention registry and its policies (`_retention/registry.py`, `policies/`: the
 standard library only), which the retention flags are made from. `list`, `show`, `verify`,
-`prune`, `pin` and `unpin` import only torch-free modules:
-manifests are validated with the dtype table in `_format/dtypes.py` (a CLI test runs
-list/show/verify/prune/pin and asserts torch was never imported). Only `restore` imports
-torch, because it makes tensors (consolidated exports, resharding).
+`prune`, `pin` and `unpin` import only torch-free modules: manifests are validated with the
+dtype table in `_format/dtypes.py` (a CLI test runs list/show/verify/prune/pin and asserts
+torch was never imported). Only `restore` imports torch, because it makes tensors
+(consolidated exports, resharding).
 """
 
 from __future__ import annotations
