@@ -12,13 +12,16 @@ Package layout (one line per sub-package; each sub-package's docstring lists its
                     start-up and restore, one for the finalizer's async polls)
       dcp.py        Reader: a torch.distributed.checkpoint StorageReader over our committed
                     steps (public module, imported explicitly: it needs torch DCP)
+      retention.py  retention as configuration keys, one `keep_*` key per policy parameter
+                    (public module, imported explicitly: trainingd's `[checkpoint]` keys)
       _save/        save path: request state machine, staging, writer process, finalize, commit
       _load/        load path: restore one step, collective recover with fallback, reshard
       _format/      what the bytes mean: manifest, rank index, state tree, shard file,
                     dtypes, checksums, DTensor pieces, names (imports none of its siblings)
       _store/       where bytes go: storage front, S3 options, multipart, step folders,
                     root catalog, listing, pins, lease, index I/O (imports only `_format`)
-      _retention/   which steps to keep: policies, the root's retention record, the deleter
+      _retention/   which steps to keep: the policy registry, one module per policy, the
+                    root's retention record, the deleter
       ctl/          the `ckptctl` CLI and its UsageError (the engine never imports it)
 
 Why `_coord.py` sits at the root rather than in `_save/`: both the save path (finalize's
@@ -43,15 +46,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ckpt_manager._config import AsyncMode, CheckpointConfig
     from ckpt_manager._manager import CheckpointManager
+    from ckpt_manager._retention.base import AnyOf, RetentionPolicy, StepInfo
     from ckpt_manager._retention.policies import (
-        AnyOf,
         KeepBest,
         KeepEvery,
         KeepInterval,
         KeepLast,
         MetricMode,
-        RetentionPolicy,
-        StepInfo,
     )
     from ckpt_manager._store.lease import check_root_lease
     from ckpt_manager._store.options import S3Options
@@ -127,18 +128,9 @@ _HOME = {
     "CommittedCheckpoint": "_store.steps",
     "committed_checkpoints": "_store.steps",
     "latest_committed_step": "_store.steps",
+    **dict.fromkeys(["AnyOf", "RetentionPolicy", "StepInfo"], "_retention.base"),
     **dict.fromkeys(
-        [
-            "AnyOf",
-            "KeepBest",
-            "KeepEvery",
-            "KeepInterval",
-            "KeepLast",
-            "MetricMode",
-            "RetentionPolicy",
-            "StepInfo",
-        ],
-        "_retention.policies",
+        ["KeepBest", "KeepEvery", "KeepInterval", "KeepLast", "MetricMode"], "_retention.policies"
     ),
     **dict.fromkeys(
         [

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ckpt_manager._format.manifest import MAX_SPREAD_PREFIXES
-from ckpt_manager._retention.policies import RetentionPolicy
+from ckpt_manager._retention.base import RetentionPolicy
 from ckpt_manager._store.options import S3Options
 
 __all__ = ["DEFAULT_S3_SPREAD_PREFIXES", "AsyncMode", "CheckpointConfig"]

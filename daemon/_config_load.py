@@ -4,7 +4,10 @@ Precedence per key: flag > environment > file > default. Every value is parsed b
 type; an unknown key (in the file, or a `TRAININGD_*` variable) or a bad value raises
 `ConfigError` with one line naming the key, where it came from and what is allowed. The field
 docstrings in `daemon/config.py` are the single source of the flags' help and of the README
-reference (`config_reference()`).
+reference (`config_reference()`), except for the `[checkpoint]` section's `keep_*` retention
+keys: those, their defaults and their help come from ckpt_manager's policy registry
+(`ckpt_manager.retention.config_keys()`, read at each call, so a policy registered there is a
+key here with no change to this package) and fill the section's `RetentionOptions` field.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import tomllib
 import typing
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from ckpt_manager.retention import RetentionOptions
+from ckpt_manager.retention import config_keys as retention_keys
 from daemon.config import (
     CheckpointSettings,
     DaemonConfig,
@@ -35,8 +40,9 @@ from daemon.errors import ConfigError
 
 __all__ = [
     "ENV_PREFIX",
-    "KEYS",
+    "ConfigKey",
     "add_config_flags",
+    "config_keys",
     "config_reference",
     "dump_toml",
     "load_config",
@@ -53,19 +59,39 @@ SECTIONS: dict[str, type[Any]] = {
 }
 
 
-def _keys() -> dict[str, tuple[str, dataclasses.Field[Any], type[Any]]]:
-    keys: dict[str, tuple[str, dataclasses.Field[Any], type[Any]]] = {}
+class ConfigKey(NamedTuple):
+    """One config key."""
+
+    section: str
+    """Its TOML table (`checkpoint`)."""
+    type: type[Any]
+    """How its values are parsed (`int`, `float`, `str`, `bool` or an Enum)."""
+    default: Any
+    """Its value when not set."""
+    help: str
+    """Its meaning, on one line (the flag's help and the README row)."""
+
+
+def config_keys() -> dict[str, ConfigKey]:
+    """Every config key, in section order: the fields of each section, and in place of a
+    `RetentionOptions` field the registry's retention keys (read now, not at import)."""
+    keys: dict[str, ConfigKey] = {}
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            if f.name in keys:
-                raise RuntimeError(f"config key {f.name} is declared in two sections")
-            keys[f.name] = (section, f, hints[f.name])
+            if hints[f.name] is RetentionOptions:
+                found = {
+                    k.key: ConfigKey(section, k.value_type, k.default, k.help)
+                    for k in retention_keys()
+                }
+            else:
+                doc = _docstrings(section).get(f.name, "")
+                found = {f.name: ConfigKey(section, hints[f.name], f.default, doc)}
+            for name, key in found.items():
+                if name in keys:
+                    raise RuntimeError(f"config key {name} is declared in two sections")
+                keys[name] = key
     return keys
-
-
-KEYS = _keys()
-"""Every config key: `key -> (section, dataclass field, type)`."""
 
 
 @functools.cache
@@ -85,12 +111,6 @@ def _docstrings(section: str) -> dict[str, str]:
         ):
             docs[stmt.target.id] = " ".join(nxt.value.value.split())
     return docs
-
-
-def field_help(key: str) -> str:
-    """The docstring of config key `key`, on one line."""
-    section, _, _ = KEYS[key]
-    return _docstrings(section).get(key, "")
 
 
 def _allowed(tp: type[Any]) -> str:
@@ -141,7 +161,7 @@ def _parse(key: str, raw: Any, tp: type[Any], origin: str) -> Any:
 
 
 def _unknown(key: str, origin: str) -> ConfigError:
-    close = difflib.get_close_matches(key, list(KEYS), n=1)
+    close = difflib.get_close_matches(key, list(config_keys()), n=1)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return ConfigError(
         f"unknown config key {key!r} (from {origin}); {hint}see `trainingd config show`"
@@ -155,6 +175,7 @@ def _from_file(path: Path) -> dict[str, tuple[Any, str]]:
         raise ConfigError(f"config file {path}: cannot read it ({err.strerror})") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path}: not valid TOML ({err})") from None
+    keys = config_keys()
     values: dict[str, tuple[Any, str]] = {}
     for section, table in data.items():
         if section not in SECTIONS:
@@ -164,23 +185,24 @@ def _from_file(path: Path) -> dict[str, tuple[Any, str]]:
             raise ConfigError(f"{section} in {path} must be a table: write [{section}]")
         for key, raw in table.items():
             origin = f"{path} [{section}]"
-            if key not in KEYS:
+            if key not in keys:
                 raise _unknown(key, origin)
-            if KEYS[key][0] != section:
+            if keys[key].section != section:
                 raise ConfigError(
-                    f"config key {key!r} belongs in [{KEYS[key][0]}], not [{section}]"
+                    f"config key {key!r} belongs in [{keys[key].section}], not [{section}]"
                 )
             values[key] = (raw, origin)
     return values
 
 
 def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    keys = config_keys()
     values: dict[str, tuple[Any, str]] = {}
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX) or name == f"{ENV_PREFIX}CONFIG":
             continue
         key = name.removeprefix(ENV_PREFIX).lower()
-        if key not in KEYS:
+        if key not in keys:
             raise _unknown(key, f"${name}")
         values[key] = (raw, f"${name}")
     return values
@@ -205,25 +227,26 @@ def load_config(
     env = os.environ if env is None else env
     if file is None and env.get(f"{ENV_PREFIX}CONFIG"):
         file = env[f"{ENV_PREFIX}CONFIG"]
+    keys = config_keys()
     merged: dict[str, tuple[Any, str]] = {}
     if file is not None:
         merged.update(_from_file(Path(file)))
     merged.update(_from_env(env))
     for key, raw in (flags or {}).items():
         if raw is not None:
-            if key not in KEYS:
+            if key not in keys:
                 raise _unknown(key, "flags")
             merged[key] = (raw, f"--{key.replace('_', '-')}")
     per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for key, (raw, origin) in merged.items():
-        section, _, tp = KEYS[key]
+        section, tp = keys[key].section, keys[key].type
         per_section[section][key] = _parse(key, raw, tp, origin)
     if per_section["checkpoint"].get("ckpt_uri") is not None:
         per_section["checkpoint"]["ckpt_uri"] = _absolute(per_section["checkpoint"]["ckpt_uri"])
     built: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         try:
-            built[section] = cls(**per_section[section])
+            built[section] = _build(cls, per_section[section])
         except ValueError as err:
             origin = _origin_of(str(err), merged)
             raise ConfigError(f"{err}{origin}") from None
@@ -239,6 +262,17 @@ def load_config(
             ),
         )
     return cfg
+
+
+def _build(cls: type[Any], values: dict[str, Any]) -> Any:
+    """`cls(**values)`, with the retention keys gathered into its `RetentionOptions` field."""
+    kwargs = dict(values)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if hints[f.name] is RetentionOptions:
+            mine = [k.key for k in retention_keys() if k.key in kwargs]
+            kwargs[f.name] = RetentionOptions(**{key: kwargs.pop(key) for key in mine})
+    return cls(**kwargs)
 
 
 def _absolute(uri: str) -> str:
@@ -258,12 +292,12 @@ def _origin_of(message: str, merged: Mapping[str, tuple[Any, str]]) -> str:
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """Add one `--key-name` flag per config key (values are parsed by `load_config`)."""
+    keys = config_keys()
     for section in SECTIONS:
         group = parser.add_argument_group(f"[{section}]")
-        for key, (sec, f, tp) in KEYS.items():
+        for key, (sec, tp, default, text) in keys.items():
             if sec != section:
                 continue
-            default = f.default if f.default is not dataclasses.MISSING else None
             shown = getattr(default, "value", default)
             metavar = "|".join(str(m.value) for m in tp) if issubclass(tp, enum.Enum) else None
             group.add_argument(
@@ -271,7 +305,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 dest=key,
                 default=None,
                 metavar=metavar or tp.__name__.upper(),
-                help=f"{field_help(key)} (default: {shown!r})".replace("%", "%%"),
+                help=f"{text} (default: {shown!r})".replace("%", "%%"),
             )
 
 
@@ -293,19 +327,19 @@ def dump_toml(cfg: DaemonConfig) -> str:
         lines.append(f"\n[{section}]")
         obj = getattr(cfg, section)
         for f in dataclasses.fields(obj):
-            lines.append(f"{f.name} = {_toml_value(getattr(obj, f.name))}")
+            value = getattr(obj, f.name)
+            pairs = value.values if isinstance(value, RetentionOptions) else [(f.name, value)]
+            lines.extend(f"{key} = {_toml_value(v)}" for key, v in pairs)
     return "\n".join(lines) + "\n"
 
 
 def config_reference() -> str:
     """A Markdown table of every key: section, flag, variable, default, meaning."""
     rows = ["| key | flag / variable | default | meaning |", "|---|---|---|---|"]
-    for key, (section, f, _) in KEYS.items():
-        default = f.default if f.default is not dataclasses.MISSING else ""
+    for key, (section, _, default, text) in config_keys().items():
         flag = f"--{key.replace('_', '-')}"
         env = f"{ENV_PREFIX}{key.upper()}"
         rows.append(
-            f"| `[{section}] {key}` | `{flag}` `{env}` | `{_toml_value(default)}` "
-            f"| {field_help(key)} |"
+            f"| `[{section}] {key}` | `{flag}` `{env}` | `{_toml_value(default)}` | {text} |"
         )
     return "\n".join(rows)

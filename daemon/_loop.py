@@ -121,22 +121,15 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 
 def _checkpoint_config(cfg: DaemonConfig) -> Any:
-    from ckpt_manager import AnyOf, AsyncMode, CheckpointConfig, KeepEvery, KeepLast, S3Options
+    from ckpt_manager import AsyncMode, CheckpointConfig, S3Options
     from daemon._preflight import s3_storage_options
 
     ck = cfg.checkpoint
-    policies: list[Any] = []
-    if ck.keep_last:
-        policies.append(KeepLast(n=ck.keep_last))
-    if ck.keep_every:
-        policies.append(KeepEvery(every=ck.keep_every))
-    retention = (
-        None if not ck.keep_last else (policies[0] if len(policies) == 1 else AnyOf(*policies))
-    )
     options = s3_storage_options(cfg)
     return CheckpointConfig(
         async_mode=AsyncMode(ck.async_mode.value),
-        retention=retention,
+        # The `keep_*` keys, read by ckpt_manager's registry (None: keep every checkpoint).
+        retention=ck.retention.policy(),
         storage_options=options,
         # Only S3 gains from spreading; None keeps plain names on every other root.
         spread_prefixes=ck.s3_spread_prefixes if S3Options.serves(ck.ckpt_uri) else None,

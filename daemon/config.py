@@ -5,7 +5,9 @@
 (`CheckpointSettings`) and `[observability]` (`ObservabilitySettings`). Key names are unique
 across sections, so each key also has a flag (`max_steps` -> `--max-steps`) and an environment
 variable (`TRAININGD_MAX_STEPS`). Loading, precedence and error messages live in
-`daemon/_config_load.py`; this module only declares and validates.
+`daemon/_config_load.py`; this module only declares and validates. The `[checkpoint]` keys
+`keep_*` are not declared here: they are ckpt_manager's retention keys (one per parameter of
+each registered policy), held in `CheckpointSettings.retention`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hashlib
 import math
 import re
 
+from ckpt_manager.retention import RetentionOptions
 from daemon._logging import LogFormat
 
 __all__ = [
@@ -261,10 +264,11 @@ class CheckpointSettings:
     """Checkpoint root: a local path, `file://`, or `s3://bucket/prefix`."""
     ckpt_every: int = 50
     """Save every this many steps (plus a final save on stop); 0 saves only on stop."""
-    keep_last: int = 3
-    """Keep the newest N committed checkpoints; 0 keeps all."""
-    keep_every: int = 0
-    """Also keep every checkpoint whose step is a multiple of this; 0 disables."""
+    retention: RetentionOptions = dataclasses.field(default_factory=RetentionOptions)
+    """Which committed checkpoints are kept: the `keep_*` keys, one per parameter of each
+    retention policy of `ckpt_manager` (`ckpt_manager.retention.config_keys()`: `keep_last`,
+    `keep_every`, `keep_interval_s`, `keep_best` with `keep_best_metric` and
+    `keep_best_mode`), combined by union; checked when built."""
     async_mode: AsyncMode = AsyncMode.PERSISTENT
     """Writer mode."""
     s3_endpoint_url: str = ""
@@ -281,7 +285,7 @@ class CheckpointSettings:
     def __post_init__(self) -> None:
         if not self.ckpt_uri:
             raise ValueError("ckpt_uri is empty: give a local path or s3://bucket/prefix")
-        _non_negative(self, "ckpt_every", "keep_last", "keep_every")
+        _non_negative(self, "ckpt_every")
         if self.max_consecutive_save_failures < 1:
             raise ValueError(
                 f"max_consecutive_save_failures={self.max_consecutive_save_failures}: use 1 or "

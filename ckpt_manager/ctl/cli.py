@@ -6,11 +6,13 @@ and one-line messages (`--debug` adds the traceback). Read-only commands start f
 torch.distributed is never initialised and the argument parser imports nothing heavy (see
 [Note: import cost]).
 
-[Note: import cost] `--help`, `--version` and usage errors import none of the `ckpt_manager`
-modules. `list`, `show`, `verify`, `prune`, `pin` and `unpin` import only torch-free modules:
-manifests are validated with the dtype table in `_store/dtypes.py` (a CLI test runs
-list/show/verify/prune/pin and asserts torch was never imported). Only `restore` imports
-torch, because it makes tensors (consolidated exports, resharding).
+[Note: import cost] `--help`, `--version` and usage errors import no `ckpt_manager` module
+but the retention registry and its policies (`_retention/registry.py`, `policies/`: the
+standard library only), which the retention flags are made from. `list`, `show`, `verify`,
+`prune`, `pin` and `unpin` import only torch-free modules: manifests are validated with the
+dtype table in `_format/dtypes.py` (a CLI test runs list/show/verify/prune/pin and asserts
+torch was never imported). Only `restore` imports torch, because it makes tensors
+(consolidated exports, resharding).
 """
 
 from __future__ import annotations
@@ -137,23 +139,25 @@ def _global_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
 
 
 def _retention_options(parser: argparse.ArgumentParser) -> None:
+    # One flag per parameter of each registered policy (`_retention/registry.py`); the dest is
+    # the parameter's configuration key, the keyword `RetentionFlags` takes.
+    import enum
+
+    from ckpt_manager._retention.options import flag_help
+    from ckpt_manager._retention.registry import specs
+
     group = parser.add_argument_group("retention (the manager's policies, combined by union)")
-    group.add_argument("--keep-last", type=int, metavar="N", help="keep the newest N steps")
-    group.add_argument("--keep-every", type=int, metavar="N", help="keep multiples of N")
-    group.add_argument(
-        "--keep-interval",
-        type=float,
-        metavar="SECONDS",
-        help="keep one step per SECONDS of commit time",
-    )
-    group.add_argument("--keep-best", type=int, metavar="N", help="keep the best N by --metric")
-    group.add_argument("--metric", help="metric for --keep-best, e.g. loss")
-    group.add_argument(
-        "--mode",
-        choices=("min", "max"),
-        default="min",
-        help="--metric is better when lower (min, default) or higher (max)",
-    )
+    for spec in specs():
+        for param in spec.params:
+            is_enum = issubclass(param.value_type, enum.Enum)
+            group.add_argument(
+                param.flag,
+                dest=param.key,
+                type=str if is_enum else param.value_type,
+                choices=[str(m.value) for m in param.value_type] if is_enum else None,
+                metavar=param.metavar,
+                help=flag_help(spec, param).replace("%", "%%"),
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -345,17 +349,10 @@ def _flags(args: argparse.Namespace) -> Any:
 
 
 def _retention(args: argparse.Namespace) -> Any:
-    from ckpt_manager._retention.policies import MetricMode
+    from ckpt_manager._retention.registry import specs
     from ckpt_manager.ctl.retention import RetentionFlags
 
-    return RetentionFlags(
-        keep_last=args.keep_last,
-        keep_every=args.keep_every,
-        keep_interval_s=args.keep_interval,
-        keep_best=args.keep_best,
-        metric=args.metric,
-        mode=MetricMode(args.mode),
-    )
+    return RetentionFlags(**{p.key: getattr(args, p.key) for s in specs() for p in s.params})
 
 
 def _print_json(doc: Any) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ckpt_manager._format.manifest import Manifest
-from ckpt_manager._retention.policies import StepInfo
+from ckpt_manager._retention.base import StepInfo
 from ckpt_manager._retention.record import read_retention
 from ckpt_manager._store.lease import holder_is_provably_dead, read_lease
 from ckpt_manager._store.listing import list_steps

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ckpt_manager._format.manifest import Manifest
-from ckpt_manager._retention.policies import StepInfo, plan_deletions
+from ckpt_manager._retention.base import StepInfo, plan_deletions
+from ckpt_manager._retention.options import switch_flags
 from ckpt_manager._store.lease import describe_holder, holder_is_provably_dead, read_lease
 from ckpt_manager._store.pins import pin_committed_step, pinned_steps, unpin_step
 from ckpt_manager._store.steps import delete_step, list_step_dirs, read_manifest, verify_files
@@ -71,10 +72,7 @@ def plan_prune(storage: Storage, flags: RetentionFlags) -> PrunePlan:
     """
     policy = flags.policy()
     if policy is None:
-        raise UsageError(
-            "nothing to apply: give at least one of --keep-last, --keep-every, "
-            "--keep-interval, --keep-best"
-        )
+        raise UsageError(f"nothing to apply: give at least one of {', '.join(switch_flags())}")
     steps = list_step_dirs(storage)
     found = parallel_map(lambda s: read_manifest(storage, s), steps, storage)
     manifests: dict[int, Manifest] = {}

@@ -1,29 +1,22 @@
 """Retention as `ckptctl` sees it: the manager's policies, labelled for humans.
 
-`list` shows *why* each step survives retention and `prune` applies it offline; both use
-`_retention/policies.py`'s policies and `plan_deletions` (the same invariants as the manager: the
-newest committed step and pinned steps are never deleted). `list` shows the run's own policy,
-recorded in the root by the manager (`_retention/record.py`), unless retention flags override it;
-`prune` applies only the policy its flags give.
+`list` shows *why* each step survives retention and `prune` applies it offline; both use the
+registered policies (`_retention/registry.py`: one flag per parameter, a label per policy) and
+`plan_deletions` (the same invariants as the manager: the newest committed step and pinned
+steps are never deleted). `list` shows the run's own policy, recorded in the root by the
+manager (`_retention/record.py`), unless retention flags override it; `prune` applies only the
+policy its flags give.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
-from ckpt_manager._retention.policies import (
-    AnyOf,
-    KeepBest,
-    KeepEvery,
-    KeepInterval,
-    KeepLast,
-    MetricMode,
-    RetentionPolicy,
-    StepInfo,
-    plan_deletions,
-)
-from ckpt_manager._retention.record import label_of
+from ckpt_manager._retention.base import AnyOf, RetentionPolicy, StepInfo, plan_deletions
+from ckpt_manager._retention.options import policies_from_flags
+from ckpt_manager._retention.registry import label_of
 
 __all__ = ["LATEST_REASON", "PINNED", "RetentionFlags", "retained_by"]
 
@@ -31,59 +24,40 @@ PINNED = "pinned"
 LATEST_REASON = "latest"
 
 
-@dataclasses.dataclass(kw_only=True, frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class RetentionFlags:
-    """The retention options of `list` and `prune` (all optional)."""
+    """The retention options of `list` and `prune` (all optional), checked when built.
 
-    keep_last: int | None = None
-    """Keep the newest N committed steps."""
-    keep_every: int | None = None
-    """Keep steps that are multiples of N."""
-    keep_interval_s: float | None = None
-    """Keep one step per interval of commit time (seconds)."""
-    keep_best: int | None = None
-    """Keep the best N steps by `metric`."""
-    metric: str | None = None
-    """Metric ranked by `keep_best`."""
-    mode: MetricMode = MetricMode.MIN
-    """Whether lower (`min`) or higher (`max`) metric values are better."""
+    `RetentionFlags(keep_last=3, keep_best=1, keep_best_metric="loss")`: one keyword per
+    registered parameter, named by its configuration key (`ckptctl`'s `--metric` is
+    `keep_best_metric`); None means not given.
+    """
 
-    def __post_init__(self) -> None:
-        if self.keep_best is not None and not self.metric:
-            raise ValueError("--keep-best needs --metric NAME (e.g. --metric loss)")
-        if self.metric and self.keep_best is None:
-            raise ValueError("--metric is used only with --keep-best N")
+    parts: tuple[RetentionPolicy, ...]
+    """The policies the flags turn on, in registry order."""
 
-    def labelled(self) -> list[tuple[str, RetentionPolicy]]:
-        """Each configured policy with the label `list` prints (`last-3`, `best loss` ...).
+    def __init__(self, **given: Any) -> None:
+        """Build the policies the flags give.
 
         Raises:
-            ValueError: a value the policy rejects (its message says how to fix it).
+            ValueError: an unknown key, an option without its policy's flag, a missing
+                required option, or a value the policy rejects (the message says how to fix
+                it).
         """
-        parts: list[RetentionPolicy] = []
-        if self.keep_last is not None:
-            parts.append(KeepLast(n=self.keep_last))
-        if self.keep_every is not None:
-            parts.append(KeepEvery(every=self.keep_every))
-        if self.keep_interval_s is not None:
-            parts.append(KeepInterval(interval_s=self.keep_interval_s))
-        if self.keep_best is not None:
-            assert self.metric is not None
-            parts.append(KeepBest(metric=self.metric, n=self.keep_best, mode=self.mode))
-        return [(label_of(p) or type(p).__name__, p) for p in parts]
+        object.__setattr__(self, "parts", tuple(policies_from_flags(given)))
+
+    def labelled(self) -> list[tuple[str, RetentionPolicy]]:
+        """Each configured policy with the label `list` prints (`last-3`, `best loss` ...)."""
+        return [(label_of(p) or type(p).__name__, p) for p in self.parts]
 
     @property
     def given(self) -> bool:
         """Whether any retention flag was given (flags override the root's record)."""
-        return any(
-            v is not None
-            for v in (self.keep_last, self.keep_every, self.keep_interval_s, self.keep_best)
-        )
+        return bool(self.parts)
 
     def policy(self) -> RetentionPolicy | None:
         """The union of the configured policies, or None when no flag was given."""
-        parts = [p for _, p in self.labelled()]
-        return AnyOf(*parts) if parts else None
+        return AnyOf(*self.parts) if self.parts else None
 
 
 def retained_by(

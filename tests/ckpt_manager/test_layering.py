@@ -35,6 +35,8 @@ ALLOWED: dict[str, set[str]] = {
     # which roots are S3); `_store` imports no sibling, so this adds no cycle.
     "_config": {"_retention", "_format", "_store"},
     "dcp": _ROOT_BASICS | _BYTES | {"_load"},
+    # The public face of the retention registry's configuration keys (for trainingd's config).
+    "retention": {"_retention"},
     "_manager": _ROOT_BASICS | _BYTES | {"_load", "_save", "_retention", "_coord", "_config"},
     "__init__": _ROOT_BASICS | {"_retention", "_config", "_manager", "_store"},
 }

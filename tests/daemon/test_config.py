@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon._config_load import KEYS, config_reference, dump_toml, load_config
+from ckpt_manager import AnyOf, KeepBest, KeepEvery, KeepInterval, KeepLast, MetricMode
+from daemon._config_load import config_keys, config_reference, dump_toml, load_config
 from daemon.config import AsyncMode, DaemonConfig, Device, Precision, Strategy
 from daemon.errors import ConfigError
 
@@ -77,6 +78,13 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
         ({"log_every_s": "often"}, {}, "", r"'often' \(from --log-every-s\) is invalid: use a num"),
         ({"device": "tpu"}, {}, "", r"'tpu' \(from --device\) is invalid: use one of auto, cpu"),
         ({}, {"TRAININGD_DEVICE": "gpu"}, "", r"'gpu' \(from \$TRAININGD_DEVICE\).*auto, cpu, cu"),
+        ({"keep_every": "-1"}, {}, "", r"keep_every=-1: use 0 or more \(0 disables it\) \(from"),
+        ({}, {}, "[checkpoint]\nkeep_last = -2\n", r"keep_last=-2: use 0 or .*c.toml \[checkp"),
+        ({"keep_best_mode": "median"}, {}, "", r"'median' \(from --keep-best-mode\).*min, max"),
+        ({"keep_best": "2"}, {}, "", r"keep_best=2 needs keep_best_metric .*\(from --keep-best\)"),
+        ({}, {"TRAININGD_KEEP_BEST_METRIC": "loss"}, "", r"with keep_best=0.*KEEP_BEST_METRIC\)$"),
+        ({"keep_interval_s": "soon"}, {}, "", r"'soon' \(from --keep-interval-s\).*use a number"),
+        ({}, {}, "[train]\nkeep_last = 1\n", r"'keep_last' belongs in \[checkpoint\]"),
     ],
 )  # fmt: skip
 def test_bad_keys_and_values_name_the_key_and_the_fix(
@@ -106,6 +114,30 @@ def test_device_defaults_to_auto_and_comes_from_file_env_or_flag(tmp_path: Path)
     assert load_config({"device": "cpu"}, env=env).train.device is Device.CPU
 
 
+def test_retention_keys_build_the_engines_policy(tmp_path: Path) -> None:
+    assert load_config({}, env={}).checkpoint.retention.policy() == KeepLast(n=3)
+    both = load_config({"keep_every": "1000"}, env={}).checkpoint.retention.policy()
+    assert both == AnyOf(KeepLast(n=3), KeepEvery(every=1000))
+    # keep_last = 0 keeps every checkpoint, keep_every then changes nothing (as before).
+    assert (
+        load_config({"keep_last": "0", "keep_every": "1000"}, env={}).checkpoint.retention.policy()
+        is None
+    )
+    path = _write(
+        tmp_path, '[checkpoint]\nkeep_best = 2\nkeep_best_metric = "loss"\nkeep_last = 1\n'
+    )
+    env = {"TRAININGD_KEEP_BEST_MODE": "max", "TRAININGD_KEEP_INTERVAL_S": "3600"}
+    cfg = load_config({"keep_best": "4"}, env=env, file=path)
+    assert cfg.checkpoint.retention.policy() == AnyOf(
+        KeepLast(n=1),
+        KeepInterval(interval_s=3600.0),
+        KeepBest(metric="loss", n=4, mode=MetricMode.MAX),
+    )
+    dumped = dump_toml(cfg)
+    assert 'keep_best_mode = "max"' in dumped
+    assert "keep_interval_s = 3600.0" in dumped
+
+
 def test_dump_toml_round_trips(tmp_path: Path) -> None:
     cfg = load_config(
         {"max_steps": "7", "async_mode": "sync", "rdzv_endpoint": "h:1", "nnodes": "1:2"}, env={}
@@ -118,7 +150,7 @@ def test_dump_toml_round_trips(tmp_path: Path) -> None:
 
 def test_every_key_has_a_docstring_flag_and_reference_row() -> None:
     ref = config_reference()
-    for key in KEYS:
+    for key in config_keys():
         assert f"--{key.replace('_', '-')}" in ref
         assert f"TRAININGD_{key.upper()}" in ref
     assert "| `[train] max_steps` |" in ref

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ckpt_manager import AnyOf, KeepBest, KeepEvery, KeepInterval, KeepLast, MetricMode, StepInfo
-from ckpt_manager._retention.policies import plan_deletions
+from ckpt_manager._retention.base import plan_deletions
 
 
 def _steps(*items: tuple[int, float, dict[str, float]]) -> list[StepInfo]:
