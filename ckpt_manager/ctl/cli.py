@@ -8,7 +8,7 @@ torch.distributed is never initialised and the argument parser imports nothing h
 
 [Note: import cost] `--help`, `--version` and usage errors import none of the `ckpt_manager`
 modules. `list`, `show`, `verify`, `prune`, `pin` and `unpin` import only torch-free modules:
-manifests are validated with the dtype table in `_store/dtypes.py` (a CLI test runs
+manifests are validated with the dtype table in `_format/dtypes.py` (a CLI test runs
 list/show/verify/prune/pin and asserts torch was never imported). Only `restore` imports
 torch, because it makes tensors (consolidated exports, resharding).
 """
@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--world-size",
         type=int,
         metavar="N",
-        help="reshard into a checkpoint of N rank files under --to",
+        help="reshard into a committed checkpoint of N rank files under --to (holds --to's "
+        "lease while writing: refused while a live run holds it)",
     )
     p.add_argument(
         "--only",
