@@ -32,11 +32,10 @@ from ckpt_manager._format.dtypes import item_size
 from ckpt_manager._format.pieces import (
     Extent,
     FileEntry,
-    as_shape,
-    check_global_shape,
     check_no_overlap,
     check_place,
     parse_piece,
+    parse_tensor_head,
 )
 
 __all__ = ["FORMAT_VERSION_PIECES", "parse_pieces"]
@@ -66,12 +65,8 @@ def parse_pieces(
     tensors: dict[str, dict[str, Any]] = {}
     for key, rec in dict(doc["tensors"]).items():
         what = f"tensor {key!r}"
-        itemsize = item_size(rec["dtype"])
-        if rec["kind"] not in ("replicated", "sharded"):
-            raise ValueError(f"{what}: unknown kind {rec['kind']!r}")
-        global_shape = as_shape(rec["global_shape"], f"{what} global_shape")
-        # Checked before any piece: restore allocates the whole tensor to consolidate it.
-        check_global_shape(what, rec["dtype"], global_shape, stored_bytes)
+        dtype, global_shape = parse_tensor_head(key, rec, stored_bytes)
+        itemsize = item_size(dtype)
         pieces = []
         for i, p in enumerate(rec["pieces"]):
             piece = parse_piece(p, files, itemsize, what)
@@ -80,7 +75,7 @@ def parse_pieces(
                 extents.append((piece.file, piece.offset, piece.offset + piece.nbytes, key, i))
             pieces.append(piece)
         tensors[key] = {
-            "dtype": rec["dtype"],
+            "dtype": dtype,
             "global_shape": list(global_shape),
             "kind": rec["kind"],
             "pieces": pieces,

@@ -66,10 +66,9 @@ from ckpt_manager._format.pieces import (
     FileEntry,
     Piece,
     as_count,
-    as_shape,
-    check_global_shape,
     check_place,
     is_count,
+    parse_tensor_head,
 )
 from ckpt_manager.errors import CorruptCheckpointError
 
@@ -302,13 +301,9 @@ def _summary_tensors(
     tensors: dict[str, dict[str, Any]] = {}
     for key, rec in dict(doc["tensors"]).items():
         what = f"tensor {key!r}"
-        dtype = str(rec["dtype"])
-        if rec["kind"] not in ("replicated", "sharded"):
-            raise ValueError(f"{what}: unknown kind {rec['kind']!r}")
+        dtype, shape = parse_tensor_head(key, rec, stored_bytes)
         if rec["form"] not in TENSOR_FORMS:
             raise ValueError(f"{what}: unknown form {rec['form']!r}")
-        shape = as_shape(rec["global_shape"], f"{what} global_shape")
-        check_global_shape(what, dtype, shape, stored_bytes)
         tensors[key] = {
             "dtype": dtype,
             "global_shape": list(shape),

@@ -50,6 +50,7 @@ __all__ = [
     "check_place",
     "is_count",
     "parse_piece",
+    "parse_tensor_head",
 ]
 
 
@@ -242,6 +243,25 @@ def check_no_overlap(extents: list[Extent]) -> None:
     for a, b in itertools.pairwise(extents):
         if a[0] == b[0] and b[1] < a[2]:
             raise ValueError(f"{_describe(a)} and {_describe(b)} overlap in file {a[0]!r}")
+
+
+def parse_tensor_head(
+    key: str, rec: Mapping[str, Any], stored_bytes: int
+) -> tuple[str, tuple[int, ...]]:
+    """A tensor record's dtype and global shape, checked before any piece of it: a known
+    kind, and a global shape whose bytes fit in the step's files (restore allocates the
+    whole tensor to consolidate it).
+
+    Raises:
+        ValueError, KeyError: the record is malformed, or the shape is larger than the files.
+    """
+    what = f"tensor {key!r}"
+    dtype = str(rec["dtype"])
+    if rec["kind"] not in ("replicated", "sharded"):
+        raise ValueError(f"{what}: unknown kind {rec['kind']!r}")
+    shape = as_shape(rec["global_shape"], f"{what} global_shape")
+    check_global_shape(what, dtype, shape, stored_bytes)
+    return dtype, shape
 
 
 def check_global_shape(what: str, dtype: str, shape: tuple[int, ...], stored_bytes: int) -> int:

@@ -46,6 +46,7 @@ import torch
 from ckpt_manager._format.checksum import SAVE_ALGORITHM, checksum
 from ckpt_manager._format.layout import MANIFEST_NAME, shard_file_name, step_dir
 from ckpt_manager._format.manifest import Manifest
+from ckpt_manager._format.rank_index import RankReport
 from ckpt_manager._format.shard_file import FileLayout, dtype_from_name, plan_layout
 from ckpt_manager._format.tree import Flattened, LeafKind, TensorLeaf
 from ckpt_manager._save.commit import build_top_manifest
@@ -269,68 +270,23 @@ def write_resharded(
         CheckpointError: a read or write failed (nothing is committed then).
     """
     with destination_lease(dest, on_wait=on_lease_wait) as lease:
-        return _write_and_commit(
-            source, m, dest, plan, chunk_bytes=chunk_bytes, progress=progress, lease=lease
-        )
-
-
-def _already_committed(dest: Storage, step: int) -> ObjectExistsError:
-    return ObjectExistsError(
-        errno.EEXIST, f"{dest.root_uri}: step {step} is already committed there"
-    )
-
-
-def _write_and_commit(
-    source: Storage,
-    m: Manifest,
-    dest: Storage,
-    plan: ReshardPlan,
-    *,
-    chunk_bytes: int,
-    progress: Progress,
-    lease: Lease,
-) -> Manifest:
-    folder = step_dir(m.step)
-    if dest.exists(f"{folder}/{MANIFEST_NAME}"):
-        raise _already_committed(dest, m.step)
-    # A leftover of an interrupted earlier attempt is never committed: start clean.
-    if not remove_uncommitted_step(dest, m.step):  # committed since the look above
-        raise _already_committed(dest, m.step)
-    reports = []
-    for r in range(plan.world_size):
-        parts = plan.parts[r]
-        leaves = [p.leaf for p in parts]
-        name = shard_file_name(r) if parts else None
-        layout = plan_layout([(x.key, x.tensor.dtype, tuple(x.tensor.shape)) for x in leaves])
-        contribution = prepare_rank(
+        if dest.exists(f"{step_dir(m.step)}/{MANIFEST_NAME}"):
+            raise _already_committed(dest, m.step)
+        # A leftover of an interrupted earlier attempt is never committed: start clean.
+        if not remove_uncommitted_step(dest, m.step):  # committed since the look above
+            raise _already_committed(dest, m.step)
+        reports = [
+            _write_rank(source, m, dest, plan, r, chunk_bytes=chunk_bytes, progress=progress)
+            for r in range(plan.world_size)
+        ]
+        manifest = build_top_manifest(
             step=m.step,
-            rank=r,
-            flat=Flattened(m.tree, plan.rank_local_trees[r], leaves),
-            records=piece_records(leaves, layout, name),
-            file_name=name,
-            metrics=m.metrics,
+            run_id=m.run_id,
+            created_unix_s=m.created_unix_s,
+            committed_unix_s=time.time(),
+            reports=reports,
         )
-        size = crc = 0
-        if name is not None:
-            fd, tmp = tempfile.mkstemp(prefix=f"ckptctl-rank{r}-", dir=_tmp_dir(dest))
-            try:
-                with os.fdopen(fd, "wb") as out:
-                    size, crc = _write_file(source, m, parts, layout, out, chunk_bytes, progress)
-                dest.put_file(tmp, f"{folder}/{name}")
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        index = write_finished_index(dest, contribution["index_json"], size, crc)
-        reports.append(written_report(contribution, size=size, checksum=crc, index=index))
-        progress.advance(num_files=1)
-    manifest = build_top_manifest(
-        step=m.step,
-        run_id=m.run_id,
-        created_unix_s=m.created_unix_s,
-        committed_unix_s=time.time(),
-        reports=reports,
-    )
-    outcome = publish_manifest(dest, manifest, fence=lease.confirm)
+        outcome = publish_manifest(dest, manifest, fence=lease.confirm)
     if outcome.result is CommitResult.COMMITTED:
         return manifest
     if outcome.result is CommitResult.CONFLICT:
@@ -338,6 +294,50 @@ def _write_and_commit(
     if outcome.conflict is not None:  # FENCED: the lease was taken over
         raise outcome.conflict
     raise CheckpointError(f"{dest.root_uri}: step {m.step} was not committed: {outcome.cause}")
+
+
+def _write_rank(
+    source: Storage,
+    m: Manifest,
+    dest: Storage,
+    plan: ReshardPlan,
+    rank: int,
+    *,
+    chunk_bytes: int,
+    progress: Progress,
+) -> RankReport:
+    """New rank `rank`'s shard file and index, written as its writer would; its report."""
+    parts = plan.parts[rank]
+    leaves = [p.leaf for p in parts]
+    name = shard_file_name(rank) if parts else None
+    layout = plan_layout([(x.key, x.tensor.dtype, tuple(x.tensor.shape)) for x in leaves])
+    contribution = prepare_rank(
+        step=m.step,
+        rank=rank,
+        flat=Flattened(m.tree, plan.rank_local_trees[rank], leaves),
+        records=piece_records(leaves, layout, name),
+        file_name=name,
+        metrics=m.metrics,
+    )
+    size = crc = 0
+    if name is not None:
+        fd, tmp = tempfile.mkstemp(prefix=f"ckptctl-rank{rank}-", dir=_tmp_dir(dest))
+        try:
+            with os.fdopen(fd, "wb") as out:
+                size, crc = _write_file(source, m, parts, layout, out, chunk_bytes, progress)
+            dest.put_file(tmp, f"{step_dir(m.step)}/{name}")
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    index = write_finished_index(dest, contribution["index_json"], size, crc)
+    progress.advance(num_files=1)
+    return written_report(contribution, size=size, checksum=crc, index=index)
+
+
+def _already_committed(dest: Storage, step: int) -> ObjectExistsError:
+    return ObjectExistsError(
+        errno.EEXIST, f"{dest.root_uri}: step {step} is already committed there"
+    )
 
 
 def _tmp_dir(dest: Storage) -> str | None:

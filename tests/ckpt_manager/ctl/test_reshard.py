@@ -93,6 +93,12 @@ def _reshard(source: str, dest: str, world_size: int, capsys: pytest.CaptureFixt
     return rc, capsys.readouterr()
 
 
+def _resharded(source: str, dest: str, world_size: int, capsys: Any) -> Storage:
+    rc, captured = _reshard(source, dest, world_size, capsys)
+    assert rc == 0, captured
+    return Storage(dest)
+
+
 def test_a_reshard_into_a_root_held_by_a_live_run_is_refused_naming_the_holder(
     source: str,
     live_holder: tuple[str, subprocess.Popen[str]],
@@ -117,10 +123,7 @@ def test_a_reshard_into_a_root_held_by_a_live_run_is_refused_naming_the_holder(
 def test_a_reshard_commits_format_2_into_the_catalog_and_releases_its_lease(
     source: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    dest = str(tmp_path / "dest")
-    rc, captured = _reshard(source, dest, 3, capsys)
-    assert rc == 0, captured
-    storage = Storage(dest)
+    storage = _resharded(source, str(tmp_path / "dest"), 3, capsys)
     # The one commit path: the step is in the root catalog, as a save's would be.
     assert storage.exists(CATALOG_NAME)
     entry = read_catalog(storage).entries[STEP]
@@ -168,8 +171,7 @@ def test_a_run_takes_the_root_after_a_reshard_and_reads_the_resharded_step(
     source: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     dest = str(tmp_path / "dest")
-    rc, captured = _reshard(source, dest, 1, capsys)
-    assert rc == 0, captured
+    _resharded(source, dest, 1, capsys)
     cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, lease_ttl_s=1.0)
     with CheckpointManager(dest, cfg, run_id="next") as mgr:
         assert mgr.all_steps() == [STEP]
