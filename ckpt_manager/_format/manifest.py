@@ -337,8 +337,10 @@ def _parse(doc: Any, expected_step: int | None) -> Manifest:
     if version == FORMAT_VERSION:
         tensors = _summary_tensors(doc, world_size, files, spread)
         rank_local: tuple[Mapping[str, Any], ...] = ()
-    else:
+    elif version == legacy_v1.FORMAT_VERSION_PIECES:
         tensors, rank_local = legacy_v1.parse_pieces(doc, files)
+    else:
+        raise ValueError(f"format_version {version} is not one this reader knows")
     metrics = doc.get("metrics") or {}
     if not isinstance(metrics, dict):
         raise ValueError("metrics must be an object")

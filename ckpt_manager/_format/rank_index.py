@@ -144,10 +144,6 @@ class RankIndex:
             rank_local=local,
         )
 
-    def with_file(self, file: IndexedFile) -> RankIndex:
-        """The same index with the shard file's final size and checksum."""
-        return dataclasses.replace(self, file=file)
-
     def to_json(self) -> bytes:
         """Serialise (compact UTF-8 JSON)."""
         doc = {

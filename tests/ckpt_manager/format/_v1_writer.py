@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from ckpt_manager._format.checksum import crc32
+from ckpt_manager._format.legacy_v1 import FORMAT_VERSION_PIECES
 from ckpt_manager._format.manifest import CHECKSUM_FIELD, FORMAT_NAME, SPREAD_FIELD, Manifest
 
 
@@ -18,7 +19,7 @@ def v1_manifest_bytes(m: Manifest) -> bytes:
     """`m` (complete: pieces and rank-local state) as a format-1 manifest."""
     doc = {
         "format": FORMAT_NAME,
-        "format_version": 1,
+        "format_version": FORMAT_VERSION_PIECES,
         "step": m.step,
         "world_size": m.world_size,
         **({SPREAD_FIELD: m.spread_prefixes} if m.spread_prefixes else {}),
