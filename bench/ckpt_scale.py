@@ -7,19 +7,15 @@ every other one) does on a real `Storage` what it does in a save:
 
 * writes its shard file (zeros of the right size, no format header: the data path is not
   measured here, and restore reads only piece ranges);
-* builds its index object — format 2 (`--format 2`, the default): `PieceRecord`s,
-  `commit.prepare_rank`, the index written by `write_finished_index`, `rank_report`;
-  format 1 (before issue 18): its manifest contribution, a `Piece` per tensor. Measured: the
-  build time per rank, the index's and the report's size (what the gather moves);
-* the coordinator commits — format 2: `commit_step` (the top manifest from the reports, no
-  HEAD); format 1: `commit_manifest` (a HEAD per shard file in sequence, the merge). Both end
-  with the manifest PUT and the root catalog update. Measured: wall time, CPU time,
-  requests, the manifest's bytes. The commit runs on the coordinator's own commit thread
-  (format 1 ran it inside `maybe_finalize` on the training thread, where its wall time was
-  the stall); `commit_wall_p99_ms` is the worst of the series;
-* one rank (N/2) restores — format 2: the real `load_state` into a template of its own
-  shards (top manifest, the indexes of the ranks holding its tensors, its byte ranges);
-  format 1: `manifest.json` whole and one ranged read of its own pieces. Measured: bytes
+* builds its index object: `PieceRecord`s, `report.prepare_rank`, the index written by
+  `write_finished_index`, `report.written_report`. Measured: the build time per rank, the
+  index's and the report's size (what the gather moves);
+* the coordinator commits: `commit_step` (the top manifest from the reports, no HEAD), which
+  publishes it through `publish.publish_manifest` (the manifest PUT and the root catalog
+  update). Measured: wall time, CPU time, requests, the manifest's bytes. The commit runs on
+  the coordinator's own commit thread; `commit_wall_p99_ms` is the worst of the series;
+* one rank (N/2) restores: the real `load_state` into a template of its own shards (top
+  manifest, the indexes of the ranks holding its tensors, its byte ranges). Measured: bytes
   read against its own pieces' bytes;
 * `ckptctl list` over K steps seeded cheaply (tiny manifests plus catalog entries written
   directly): the in-process `collect_rows` + `lease_header` + table, with the catalog and,
@@ -45,14 +41,12 @@ request_count.py`): HTTP requests on S3 (each LIST page, each retry), Storage op
 on `memory://` and local disk. Backends: `memory://`, local disk (a temp dir), SeaweedFS
 (`weed mini` on 127.0.0.1, as tests/support/seaweed.py starts it).
 
-A format-1 manifest holds a record per piece of every rank (about 108 bytes each): at 4096
-ranks x 2200 tensors that is ~1 GiB of JSON and ~9M Python objects, beyond this machine's
-memory next to other work; `--max-pieces` skips the N whose N x tensors exceeds it, and says
-so in the output.
+The format written before issue 18 (format 1: one manifest with every piece of every rank)
+is read but no longer written (issue 28), so it is no longer measured here: its figures in
+BENCHMARKS.md came from this script's `--format 1` at commit 49e9fb6 and before.
 
     .venv/bin/python bench/ckpt_scale.py --quick            # small, memory:// and local
     .venv/bin/python bench/ckpt_scale.py --json             # the issue's figures
-    .venv/bin/python bench/ckpt_scale.py --json --format 1 --ranks 8,64,256,1024  # before
     .venv/bin/python bench/ckpt_scale.py --backends seaweed --ranks 8,64 --list-steps 10000
 """
 
@@ -84,10 +78,7 @@ _DTYPE = "bfloat16"
 _ITEM_BYTES = 2
 _ALIGN = 64
 _PER_LAYER = 11  # tensors of one GPT block below
-FORMATS = {
-    1: "format 1 (before issue 18: one manifest with every piece of every rank)",
-    2: "format 2 (issue 18: per-rank index objects, a small top manifest)",
-}
+FORMAT = "format 2 (issue 18: per-rank index objects, a small top manifest)"
 
 
 # --- the simulated model -------------------------------------------------------------------
@@ -167,58 +158,24 @@ def _skeleton(tensors: Sequence[TensorSpec]) -> list[Any]:
     return ["d", [["model", ["d", [[t.key.split("/", 1)[1], ["S", t.key]] for t in tensors]]]]]
 
 
-# --- today's format --------------------------------------------------------------------------
-
-
-def build_contribution(shard: RankShard, file_name: str, tree: Any) -> dict[str, Any]:
-    """Today's index object of one rank: its manifest contribution (see `_save/commit.py`)."""
-    from ckpt_manager._format.manifest import Piece
-
-    tensors = {}
-    for t, start, end, offset in shard.pieces:
-        tensors[t.key] = {
-            "dtype": _DTYPE,
-            "global_shape": list(t.shape),
-            "kind": "sharded",
-            "piece": Piece(
-                file_name,
-                offset,
-                (end - start) * _ITEM_BYTES,
-                (end - start,),
-                None,
-                (start, end),
-            ),
-        }
-    return {
-        "rank": shard.rank,
-        "file": file_name,
-        "size": shard.file_bytes,
-        "crc32": 0,
-        "tree": tree if shard.rank == 0 else None,
-        "metrics": {"loss": 2.5} if shard.rank == 0 else None,
-        "tensors": tensors,
-        "rank_local": {"trees": [], "tensors": {}},
-    }
-
-
-# --- format 2 (issue 18: per-rank index objects and a small top manifest) -------------------
+# --- one simulated rank's save ---------------------------------------------------------------
 
 
 class _Flat(NamedTuple):
-    """The two fields of `tree.Flattened` that `commit.prepare_rank` reads."""
+    """The two fields of `tree.Flattened` that `report.prepare_rank` reads."""
 
     tree: Any
     rank_local_trees: list[Any]
 
 
-def save_rank_v2(storage: Any, step: int, shard: RankShard, tree: Any) -> tuple[Any, float]:
-    """One rank's format-2 save path through the save code's own functions: piece records,
+def save_rank(storage: Any, step: int, shard: RankShard, tree: Any) -> tuple[Any, float]:
+    """One rank's save path through the save code's own functions: piece records,
     `prepare_rank` (builds the index), the shard file, `write_finished_index`,
-    `rank_report`. Returns the report and the seconds spent building the index."""
-    from ckpt_manager._format.checksum import SAVE_ALGORITHM
-    from ckpt_manager._format.manifest import Piece, shard_file_name, step_dir
+    `written_report`. Returns the report and the seconds spent building the index."""
+    from ckpt_manager._format.layout import shard_file_name, step_dir
+    from ckpt_manager._format.pieces import Piece
     from ckpt_manager._format.rank_index import PieceRecord
-    from ckpt_manager._save.commit import prepare_rank, rank_report
+    from ckpt_manager._save.report import prepare_rank, written_report
     from ckpt_manager._store.indexes import write_finished_index
 
     name = shard_file_name(shard.rank)
@@ -246,14 +203,8 @@ def save_rank_v2(storage: Any, step: int, shard: RankShard, tree: Any) -> tuple[
     index = write_finished_index(storage, contribution["index_json"], shard.file_bytes, 0)
     # A save records the staging copy's checksum by SAVE_ALGORITHM; the zero-filled shard's
     # value is not what this model measures (nothing here verifies the bytes).
-    contribution.update(
-        size=shard.file_bytes,
-        crc32=0,
-        checksum_algorithm=SAVE_ALGORITHM.value,
-        index_size=index.size,
-        index_crc32=index.crc32,
-    )
-    return rank_report(contribution), build_s
+    report = written_report(contribution, size=shard.file_bytes, checksum=0, index=index)
+    return report, build_s
 
 
 def restore_template(shard: RankShard) -> dict[str, Any]:
@@ -318,74 +269,14 @@ def _fresh_root(backend: Backend, label: str) -> Any:
 
 
 def measure_save(
-    backend: Backend, world_size: int, tensors: Sequence[TensorSpec], version: int
-) -> dict[str, Any]:
-    """One simulated save and one rank's restore at `world_size` ranks in format `version`."""
-    if version == 2:
-        return measure_save_v2(backend, world_size, tensors)
-    from ckpt_manager._format.manifest import MANIFEST_NAME, shard_file_name, step_dir
-    from ckpt_manager._save.commit import CommitResult, commit_manifest
-    from ckpt_manager._store.root_catalog import CATALOG_NAME
-    from tests.support.request_count import count_requests
-
-    storage = _fresh_root(backend, f"n{world_size}")
-    step = 100
-    folder = step_dir(step)
-    tree = _skeleton(tensors)
-    shards = [rank_shard(tensors, r, world_size) for r in range(world_size)]
-    with count_requests(storage) as counted:
-        for shard in shards:  # the data path: not timed, its requests counted
-            storage.write(f"{folder}/{shard_file_name(shard.rank)}", bytes(shard.file_bytes))
-        shard_requests = counted.requests
-        build_started = time.perf_counter()
-        contributions = [build_contribution(s, shard_file_name(s.rank), tree) for s in shards]
-        build_s = time.perf_counter() - build_started
-        sample = contributions[:: max(1, world_size // 16)]
-        index_bytes = sum(len(pickle.dumps(c)) for c in sample) / len(sample)
-        gc.collect()
-        counted.reset()
-        wall_started, cpu_started = time.perf_counter(), time.process_time()
-        outcome = commit_manifest(
-            storage,
-            step=step,
-            run_id="scale",
-            created_unix_s=time.time(),
-            contributions=contributions,
-        )
-        commit_wall_s = time.perf_counter() - wall_started
-        commit_cpu_s = time.process_time() - cpu_started
-        commit_requests = counted.requests
-    if outcome.result is not CommitResult.COMMITTED:
-        raise RuntimeError(f"simulated commit at {world_size} ranks failed: {outcome.cause}")
-    if not storage.exists(CATALOG_NAME):
-        raise RuntimeError("the commit did not write the root catalog")
-    del contributions, sample
-    gc.collect()
-    manifest_bytes = storage.size(f"{folder}/{MANIFEST_NAME}")
-    restore = measure_restore(storage, step, shards[world_size // 2])
-    storage.remove_tree("")
-    return {
-        "backend": backend.name,
-        "ranks": world_size,
-        "tensors": len(tensors),
-        "manifest_bytes": manifest_bytes,
-        "rank_build_ms": round(1000 * build_s / world_size, 3),
-        "rank_index_bytes": round(index_bytes),
-        "commit_wall_s": round(commit_wall_s, 4),
-        "commit_cpu_s": round(commit_cpu_s, 4),
-        "commit_requests": commit_requests,
-        "save_requests": shard_requests + commit_requests,
-        **restore,
-    }
-
-
-def measure_save_v2(
     backend: Backend, world_size: int, tensors: Sequence[TensorSpec]
 ) -> dict[str, Any]:
-    """Format 2: each rank writes its index object; the coordinator's `commit_step` builds the
-    top manifest from the reports; one rank restores through the real `load_state`."""
-    from ckpt_manager._format.manifest import MANIFEST_NAME, step_dir
-    from ckpt_manager._save.commit import CommitResult, commit_step
+    """One simulated save at `world_size` ranks: each rank writes its index object; the
+    coordinator's `commit_step` builds the top manifest from the reports and publishes it;
+    one rank restores through the real `load_state`."""
+    from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
+    from ckpt_manager._save.commit import commit_step
+    from ckpt_manager._store.publish import CommitResult
     from ckpt_manager._store.root_catalog import CATALOG_NAME
     from tests.support.request_count import count_requests
 
@@ -398,7 +289,7 @@ def measure_save_v2(
     with count_requests(storage) as counted:
         for rank in range(world_size):
             shard = rank_shard(tensors, rank, world_size)
-            report, took = save_rank_v2(storage, step, shard, tree)
+            report, took = save_rank(storage, step, shard, tree)
             reports.append(report)
             build_s += took
             index_bytes += report.index_file.size
@@ -421,7 +312,7 @@ def measure_save_v2(
     del reports, sample
     gc.collect()
     manifest_bytes = storage.size(f"{step_dir(step)}/{MANIFEST_NAME}")
-    restore = measure_restore_v2(storage, step, rank_shard(tensors, world_size // 2, world_size))
+    restore = measure_restore(storage, step, rank_shard(tensors, world_size // 2, world_size))
     storage.remove_tree("")
     return {
         "backend": backend.name,
@@ -439,10 +330,10 @@ def measure_save_v2(
     }
 
 
-def measure_restore_v2(storage: Any, step: int, shard: RankShard) -> dict[str, Any]:
-    """Rank `shard.rank` restores its template through `load_state` (format 2: the top
-    manifest, the indexes of the ranks holding its tensors, its byte ranges)."""
-    from ckpt_manager._format.manifest import MANIFEST_NAME, step_dir
+def measure_restore(storage: Any, step: int, shard: RankShard) -> dict[str, Any]:
+    """Rank `shard.rank` restores its template through `load_state` (the top manifest, the
+    indexes of the ranks holding its tensors, its byte ranges)."""
+    from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
     from ckpt_manager._load.restore import load_state
     from ckpt_manager._store.steps import read_manifest
     from tests.support.request_count import count_requests
@@ -465,54 +356,21 @@ def measure_restore_v2(storage: Any, step: int, shard: RankShard) -> dict[str, A
     }
 
 
-def measure_restore(storage: Any, step: int, shard: RankShard) -> dict[str, Any]:
-    """Rank `shard.rank` reads what today's restore reads: the manifest and its own pieces."""
-    from ckpt_manager._format.manifest import MANIFEST_NAME, shard_file_name, step_dir
-    from ckpt_manager._store.steps import read_manifest
-    from tests.support.request_count import count_requests
-
-    file_name = shard_file_name(shard.rank)
-    manifest_bytes = storage.size(f"{step_dir(step)}/{MANIFEST_NAME}")
-    with count_requests(storage) as counted:
-        started = time.perf_counter()
-        manifest = read_manifest(storage, step)
-        mine = [
-            p
-            for rec in manifest.tensors.values()
-            for p in rec["pieces"]
-            if p.file == file_name and p.nbytes
-        ]
-        if mine:
-            first = min(p.offset for p in mine)
-            last = max(p.offset + p.nbytes for p in mine)
-            storage.read(f"{step_dir(step)}/{file_name}", first, last)
-        restore_s = time.perf_counter() - started
-    read = counted.read_bytes
-    return {
-        "restore_s": round(restore_s, 4),
-        "restore_read_bytes": read,
-        "restore_own_bytes": shard.own_bytes,
-        "restore_requests": counted.requests,
-        # The issue's ratio: bytes read / (own pieces + the top manifest). Today the whole
-        # manifest is the top manifest, so this is ~1 by construction; `restore_read_over_own`
-        # shows what one rank pays for its own bytes.
-        "restore_read_ratio": round(read / (shard.own_bytes + manifest_bytes), 3),
-        "restore_read_over_own": round(read / shard.own_bytes, 1),
-    }
-
-
 def _tiny_manifest(step: int) -> bytes:
+    """A valid top manifest of one rank with nothing in it (its index is never read here)."""
+    from ckpt_manager._format.layout import index_file_name
     from ckpt_manager._format.manifest import Manifest
+    from ckpt_manager._format.pieces import FileEntry
 
     return Manifest(
         step=step,
-        world_size=1024,
+        world_size=1,
         run_id="scale",
         created_unix_s=1.7e9 + step,
         committed_unix_s=1.7e9 + step + 1,
         versions={},
         metrics={"loss": 3.0 / (1 + step / 1000), "tokens": step * 4096},
-        files={},
+        files={index_file_name(0): FileEntry(0, 0)},
         tree=None,
         tensors={},
         rank_local=(),
@@ -521,7 +379,8 @@ def _tiny_manifest(step: int) -> bytes:
 
 def seed_steps(storage: Any, num_steps: int) -> float:
     """K committed steps, cheaply: a tiny manifest each, and the catalog written directly."""
-    from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, step_dir
+    from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
+    from ckpt_manager._format.manifest import Manifest
     from ckpt_manager._store.root_catalog import entry_from_manifest, write_catalog_if
 
     started = time.perf_counter()
@@ -815,19 +674,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--list-steps", type=int, default=10_000, help="K steps for list (default 10000)"
     )
     parser.add_argument(
-        "--max-pieces",
-        type=int,
-        default=2_300_000,
-        help="format 1: skip an N whose N x tensors piece records exceed this (default 2.3M)",
-    )
-    parser.add_argument(
-        "--format",
-        type=int,
-        choices=(1, 2),
-        default=2,
-        help="checkpoint format: 2 (per-rank indexes, the default) or 1 (before issue 18)",
-    )
-    parser.add_argument(
         "--no-compare",
         dest="compare",
         action="store_false",
@@ -870,19 +716,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     before = machine_conditions()
     tensors = model_tensors(args.tensors, args.d_model)
     saves: list[dict[str, Any]] = []
-    skipped: list[dict[str, Any]] = []
     lists: list[dict[str, Any]] = []
     workdir = Path(tempfile.mkdtemp(prefix="bench-ckpt-scale-"))
     try:
         with backends(args.backends.split(","), workdir) as found:
             for backend in found:
                 for n in ranks:
-                    if args.format == 1 and n * len(tensors) > args.max_pieces:
-                        skipped.append(
-                            {"backend": backend.name, "ranks": n, "reason": "--max-pieces"}
-                        )
-                        continue
-                    saves.append(measure_save(backend, n, tensors, args.format))
+                    saves.append(measure_save(backend, n, tensors))
                     # Progress, and each result as it lands (a long run cut short keeps them).
                     print(json.dumps(saves[-1]), file=sys.stderr, flush=True)
                 lists.append(measure_list(backend, args.list_steps, compare=args.compare))
@@ -896,11 +736,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if args.plot and saves:
-        plot(saves, Path(args.plot), FORMATS[args.format])
+        plot(saves, Path(args.plot), FORMAT)
     result = {
         **summary(saves, lists, finalize),
         "finalize": finalize,
-        "format": FORMATS[args.format],
+        "format": FORMAT,
         "targets": {
             "manifest_bytes_1024": 4 * _MIB,
             "commit_cpu_s_1024": 1.0,
@@ -910,7 +750,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             "list_10k_requests": 20,
         },
         "saves": saves,
-        "skipped": skipped,
         "lists": lists,
         "plot": str(args.plot) if args.plot and saves else None,
         "conditions": {"before": before, "after": machine_conditions()},
@@ -935,9 +774,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     lcols = ["backend", "steps", "list_s", "list_requests", "catalog_bytes"]
     lcols += ["list_without_catalog_s", "list_without_catalog_requests"]
     print(markdown_table(lcols, [[r[c] for c in lcols] for r in lists]))
-    for s in skipped:
-        print(f"skipped {s['backend']} N={s['ranks']}: {s['reason']}")
-    print({k: v for k, v in result.items() if k not in ("saves", "lists", "skipped")})
+    print({k: v for k, v in result.items() if k not in ("saves", "lists")})
     return 0
 
 

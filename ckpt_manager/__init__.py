@@ -16,10 +16,12 @@ Package layout (one line per sub-package; each sub-package's docstring lists its
                     (public module, imported explicitly: trainingd's `[checkpoint]` keys)
       _save/        save path: request state machine, staging, writer process, finalize, commit
       _load/        load path: restore one step, collective recover with fallback, reshard
-      _format/      what the bytes mean: manifest, rank index, state tree, shard file,
-                    dtypes, checksums, DTensor pieces, names (imports none of its siblings)
+      _format/      what the bytes mean: layout names, manifest (format 1 read only), rank
+                    index, state tree, shard file, dtypes, checksums, DTensor pieces, names
+                    (imports none of its siblings)
       _store/       where bytes go: storage front, S3 options, multipart, step folders,
-                    root catalog, listing, pins, lease, index I/O (imports only `_format`)
+                    root catalog, listing, pins, lease, index I/O, the one manifest
+                    publication (imports only `_format`)
       _retention/   which steps to keep: the policy registry, one module per policy, the
                     root's retention record, the deleter
       ctl/          the `ckptctl` CLI and its UsageError (the engine never imports it)
@@ -32,8 +34,10 @@ A save's life (states named as in the code):
     per rank   `SaveState` (`_save/request.py`): STAGING -> WRITING -> OK, or FAILED
     together   `finalize.Phase` (`_save/finalize.py`): AGREE (MAX of every rank's state until
                all are OK or one FAILED) -> REPORTS (gather to the coordinator) -> COMMIT
-               (the coordinator publishes the manifest; `CommitResult` COMMITTED, FAILED,
-               CONFLICT or FENCED reaches every rank)
+               (the coordinator publishes the manifest through
+               `_store/publish.publish_manifest`, the one commit path, which `ckptctl
+               reshard` takes too; `CommitResult` COMMITTED, FAILED, CONFLICT or FENCED
+               reaches every rank)
     FAILED on any rank or a commit that is not COMMITTED -> SaveFailedError on every rank;
     the attempt's folder is removed unless it holds a manifest (never a committed step)
 """

@@ -7,7 +7,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from ckpt_manager._format.manifest import MAX_SPREAD_PREFIXES
+from ckpt_manager._format.layout import MAX_SPREAD_PREFIXES
 from ckpt_manager._retention.base import RetentionPolicy
 from ckpt_manager._store.options import S3Options
 
@@ -66,7 +66,7 @@ class CheckpointConfig:
     spread_prefixes: int | None = None
     """Sub-prefixes each step's rank objects are spread over (0: plain names; at most 256);
     None: `DEFAULT_S3_SPREAD_PREFIXES` on `s3://` roots, 0 elsewhere ([Note: request
-    spreading] in `_format/manifest.py`)."""
+    spreading] in `_format/layout.py`)."""
 
     def __post_init__(self) -> None:
         mode: object = self.async_mode

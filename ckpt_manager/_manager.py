@@ -37,16 +37,16 @@ import structlog
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Status
 from ckpt_manager._format.dtensor import unwrap_dtensors, wrap_dtensors
-from ckpt_manager._format.manifest import shard_file_name
+from ckpt_manager._format.layout import shard_file_name
 from ckpt_manager._format.tree import flatten
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._retention.deleter import Deleter
 from ckpt_manager._retention.record import record_retention
-from ckpt_manager._save.commit import leaves_to_write, prepare_rank
 from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.finalize import Finalizer
 from ckpt_manager._save.pipeline import LocalPipeline
-from ckpt_manager._save.plan import PlanCache
+from ckpt_manager._save.plan import PlanCache, leaves_to_write
+from ckpt_manager._save.report import prepare_rank
 from ckpt_manager._save.request import Limits, SaveRequest
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.lease import Lease
@@ -295,7 +295,7 @@ class CheckpointManager:
             file_name=file_name,
             contribution={},
             # [Note: the rank's index is built off the training thread] in _save/pipeline.py
-            build_contribution=lambda: prepare_rank(
+            build_pending_index=lambda: prepare_rank(
                 step=step,
                 rank=self.rank,
                 flat=flat,

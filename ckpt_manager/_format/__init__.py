@@ -6,10 +6,16 @@ the rest stays torch-free so `ckptctl list/show/verify` start fast.
 
     names.py        validate_relative_name: every name from a manifest or listing is checked
                     here before it touches storage (no `..`, no absolute paths).
-    manifest.py     layout names (step-<N:012d>, rank-<r:05d>.bin, rank-<r:05d>.index.json,
-                    manifest.json, _pins/; spread_prefix for request spreading on S3),
-                    Manifest schema with validation: format 2's small top manifest and
-                    format 1's inline pieces.
+    layout.py       where objects sit under a root: step-<N:012d>, rank-<r:05d>.bin,
+                    rank-<r:05d>.index.json, manifest.json, _pins/; spread_prefix for
+                    request spreading on S3; check_step_file_name.
+    pieces.py       FileEntry and Piece (a step's file records and the tensor pieces in
+                    them) with the extent and place checks every reader relies on.
+    manifest.py     Manifest, the model every reader uses; format 2's small top manifest
+                    (the only format written): serialisation, its own checksum, validation;
+                    parsing dispatches format 1 to legacy_v1.
+    legacy_v1.py    the format-1 reader (every piece inline, written before issue #18): read
+                    into a complete Manifest, never written.
     rank_index.py   per-rank index objects (format 2): build, parse and check against the top
                     manifest; RankReport (what a rank tells the coordinator); assemble (a
                     summary merged with its indexes).

@@ -4,7 +4,7 @@ Each rank's writer writes `step-<N>/rank-<r:05d>.index.json` right after its sha
 coordinator's `manifest.json` lists every index with its size and CRC-32 (among `files`) and,
 per tensor, only which ranks hold non-empty pieces of it, so a restoring rank reads the top
 manifest plus the few indexes its tensors live in (see [Note: the top manifest stays small]
-in `_format/manifest.py`)::
+in `_format/manifest.py`; names in `_format/layout.py`)::
 
     {"format": "trainingd-rank-index", "format_version": 2, "step": N, "rank": r,
      "file": {"name": "rank-00003.bin", "size": int, "crc32": int,
@@ -36,15 +36,9 @@ from typing import Any, NamedTuple
 
 from ckpt_manager._format.checksum import crc32, parse_algorithm
 from ckpt_manager._format.dtypes import item_size
-from ckpt_manager._format.manifest import (
-    FileEntry,
-    Manifest,
-    Piece,
-    check_no_overlap,
-    check_tensor_place,
-    index_file_name,
-    parse_piece,
-)
+from ckpt_manager._format.layout import index_file_name
+from ckpt_manager._format.manifest import Manifest, check_tensor_place
+from ckpt_manager._format.pieces import FileEntry, Piece, check_no_overlap, parse_piece
 from ckpt_manager.errors import CorruptCheckpointError
 
 __all__ = [
@@ -149,10 +143,6 @@ class RankIndex:
             rank_local_trees=list(rank_local_trees),
             rank_local=local,
         )
-
-    def with_file(self, file: IndexedFile) -> RankIndex:
-        """The same index with the shard file's final size and checksum."""
-        return dataclasses.replace(self, file=file)
 
     def to_json(self) -> bytes:
         """Serialise (compact UTF-8 JSON)."""

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from ckpt_manager._format.dtypes import ITEM_SIZES
-from ckpt_manager._format.manifest import PIECE_ALIGN_BYTES
+from ckpt_manager._format.layout import PIECE_ALIGN_BYTES
 
 __all__ = [
     "MAGIC",

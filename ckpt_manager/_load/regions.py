@@ -15,7 +15,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ckpt_manager._format.manifest import Piece, index_file_name, step_dir
+from ckpt_manager._format.layout import index_file_name, step_dir
+from ckpt_manager._format.pieces import Piece
 from ckpt_manager._format.rank_index import RankIndex, check_rank_index, piece_of
 from ckpt_manager._format.shard_file import dtype_from_name
 from ckpt_manager._load.reshard import Region, fill_region

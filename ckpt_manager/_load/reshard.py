@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ckpt_manager._format.manifest import Piece
+from ckpt_manager._format.pieces import Piece
 from ckpt_manager.errors import CorruptCheckpointError
 
 __all__ = ["Region", "fill_region"]

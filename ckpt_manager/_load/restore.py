@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from ckpt_manager._format.manifest import Manifest, Piece, index_file_name, step_dir
+from ckpt_manager._format.layout import index_file_name, step_dir
+from ckpt_manager._format.manifest import Manifest
+from ckpt_manager._format.pieces import Piece
 from ckpt_manager._format.rank_index import RankIndex, check_rank_index, piece_of
 from ckpt_manager._format.shard_file import dtype_from_name
 from ckpt_manager._format.tree import is_sharded, placement_of
@@ -141,14 +143,19 @@ class _Loader:
         if self.m.complete:
             if self.rank >= len(self.m.rank_local):
                 return None
-            return dict(self.m.rank_local[self.rank])
-        if self.rank >= self.m.world_size:
-            return None
-        own = self.index(self.rank)
-        return {
-            "trees": list(own.rank_local_trees),
-            "tensors": {k: {"dtype": d, "piece": p} for k, (d, p) in own.rank_local.items()},
-        }
+            mine = dict(self.m.rank_local[self.rank])
+        else:
+            if self.rank >= self.m.world_size:
+                return None
+            own = self.index(self.rank)
+            mine = {
+                "trees": list(own.rank_local_trees),
+                "tensors": {k: {"dtype": d, "piece": p} for k, (d, p) in own.rank_local.items()},
+            }
+        # A saved rank records each RankLocal subtree the tree names; only a rank `ckptctl
+        # reshard` added past the saved world records none (format 2 has an index for every
+        # rank): like a rank past a format-1 manifest's `rank_local`, it keeps its template.
+        return mine if mine["trees"] else None
 
     def _local_record(self, key: str, rl: dict[str, Any]) -> tuple[torch.dtype, Piece]:
         rec = rl["tensors"].get(key)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import structlog
 
-from ckpt_manager._format.manifest import MANIFEST_NAME, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
 from ckpt_manager._retention.base import RetentionPolicy, StepInfo, plan_deletions
 from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.steps import (

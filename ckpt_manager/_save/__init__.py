@@ -6,8 +6,9 @@ persistent writer process, then finalized across ranks (agreement, then one mani
     request.py      SaveRequest: one save on one rank; its explicit SaveState machine
                     STAGING -> WRITING -> OK | FAILED, guarded transitions, one lock.
     pipeline.py     LocalPipeline: one rank's staging buffers, staging thread and writer.
-    plan.py         PlanCache: the shard file's layout and piece records, reused while the
-                    state keeps its keys, dtypes, shapes and placements.
+    plan.py         what a rank writes (leaves_to_write) and its shard file's plan
+                    (piece_records; PlanCache reuses layout and records while the state
+                    keeps its keys, dtypes, shapes and placements).
     staging.py      Slab (memfd shared memory reused across saves; huge pages where shmem
                     THP is `advise`), copy_into_slab (copies and checksums chunk by chunk),
                     BackgroundThread (the staging thread).
@@ -18,7 +19,9 @@ persistent writer process, then finalized across ranks (agreement, then one mani
     writer_proc.py  WriterProcess: trainer-side handle (start, submit, poll, stop, kill).
     finalize.py     Finalizer: saves in flight; agree, commit or fail across ranks, report
                     (collectives issued in one maybe_finalize call, read in a later one).
-    commit.py       per-rank contributions and reports, the coordinator's top manifest
-                    (format 2, from the reports alone) and its exclusive commit; format 1's
-                    merge for `ckptctl reshard`.
+    report.py       a rank's contribution (prepare_rank: its pending index and the draft
+                    of its report) and the report it sends the coordinator (rank_report,
+                    encoded and decoded for the gather).
+    commit.py       the coordinator's commit: the format-2 top manifest from the reports
+                    alone (build_top_manifest), published by `_store/publish.py`.
 """

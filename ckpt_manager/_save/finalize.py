@@ -16,7 +16,7 @@ PUT, reading back a manifest found there) takes milliseconds to seconds on an ob
 It runs on the coordinator's finalizer thread (`ckpt-finalize`, a `CommitJob`); the training
 threads only learn its outcome from a later poll round. Each rank's report was pickled by
 its staging job ([Note: the report is encoded before the files are durable] in
-`commit.py`); the poll that first sees OK only frames it.
+`report.py`); the poll that first sees OK only frames it.
 
 [Note: a non-blocking finalize never waits for a peer] `maybe_finalize` (`run(blocking=
 False)`) issues its collectives with `async_op=True` and reads each one in a later call, so
@@ -83,16 +83,12 @@ from typing import Any, NamedTuple
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Pending, Status
-from ckpt_manager._save.commit import (
-    CommitOutcome,
-    CommitResult,
-    commit_step,
-    decode_report,
-    encode_report,
-)
+from ckpt_manager._save.commit import commit_step
+from ckpt_manager._save.report import decode_report, encode_report
 from ckpt_manager._save.request import Limits, SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread
 from ckpt_manager._save.writer_proc import WriterProcess
+from ckpt_manager._store.publish import CommitOutcome, CommitResult
 from ckpt_manager._store.steps import remove_uncommitted_step
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._types import SaveObserver, SaveReport, SaveResult
@@ -301,7 +297,7 @@ class Finalizer:
         nbytes = 0
         if status == Status.OK:
             # The bulk was pickled by the staging job; this frames it ([Note: the report is
-            # encoded before the files are durable] in commit.py).
+            # encoded before the files are durable] in report.py).
             if self._report is None:
                 try:
                     self._report = encode_report(request.contribution, request.report_body)

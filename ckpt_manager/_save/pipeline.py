@@ -18,9 +18,9 @@ from typing import Any
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._format.checksum import SAVE_ALGORITHM, checksum
-from ckpt_manager._format.manifest import step_dir
-from ckpt_manager._save.commit import encode_report_body
+from ckpt_manager._format.layout import step_dir
 from ckpt_manager._save.device_copy import copy_to_pinned_slab
+from ckpt_manager._save.report import encode_report_body
 from ckpt_manager._save.request import SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread, Slab, copy_into_slab
 from ckpt_manager._save.writer import write_shard_retrying
@@ -116,7 +116,7 @@ class LocalPipeline:
         Object stores upload whole parts after the copy, so they gain nothing from it.
         """
         try:
-            if not self._build_contribution(request):
+            if not self._build_pending_index(request):
                 return
             slab = self._allocate(request)
             if slab is None:
@@ -132,7 +132,7 @@ class LocalPipeline:
             request.handed_off.set()
 
     @staticmethod
-    def _build_contribution(request: SaveRequest) -> bool:
+    def _build_pending_index(request: SaveRequest) -> bool:
         """Build the request's contribution (its pending index); False (and the request
         failed) if that raised.
 
@@ -143,10 +143,10 @@ class LocalPipeline:
         dispatch (the write message carries the index), and nothing reads the contribution
         before the request reaches WRITING.
         """
-        build = request.build_contribution
+        build = request.build_pending_index
         if build is None:
             return True
-        request.build_contribution = None
+        request.build_pending_index = None
         try:
             request.contribution.update(build())
         except Exception as err:
@@ -159,7 +159,7 @@ class LocalPipeline:
     def _encode_report_body(request: SaveRequest) -> bool:
         """Pickle the bulk of the rank's report before the request can reach OK; False (and
         the request failed) if that raised. [Note: the report is encoded before the files
-        are durable] in `commit.py`."""
+        are durable] in `report.py`."""
         try:
             request.report_body = encode_report_body(request.contribution)
         except Exception as err:

@@ -104,8 +104,9 @@ class SaveRequest:
     file_name: str | None
     """Shard file name relative to the step folder (None: nothing to write)."""
     contribution: dict[str, Any]
-    """This rank's manifest part (filled in by `build_contribution` when that is set)."""
-    build_contribution: Callable[[], dict[str, Any]] | None = None
+    """This rank's part of the commit (`report.prepare_rank`; filled in by
+    `build_pending_index` when that is set)."""
+    build_pending_index: Callable[[], dict[str, Any]] | None = None
     """Builds `contribution` on the staging thread, before anything is dispatched (None:
     built already). [Note: the rank's index is built off the training thread]"""
     slab: Slab | None = None
@@ -131,7 +132,7 @@ class SaveRequest:
     report_body: bytes | None = None
     """The bulk of this rank's report (tensors, tree, metrics), pickled by the staging job
     before the request can reach OK ([Note: the report is encoded before the files are
-    durable] in `_save/commit.py`)."""
+    durable] in `_save/report.py`)."""
     checksum: int | None = None
     """The staged file's checksum by `checksum.SAVE_ALGORITHM`, computed by the staging copy
     (set before `handed_off`; None until then)."""

@@ -51,7 +51,7 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from ckpt_manager._format.manifest import FileEntry
+from ckpt_manager._format.pieces import FileEntry
 from ckpt_manager._store.backend_errors import is_transient
 from ckpt_manager._store.indexes import write_finished_index
 from ckpt_manager._store.storage import Storage

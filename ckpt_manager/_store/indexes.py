@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 
 from ckpt_manager._format.checksum import crc32
-from ckpt_manager._format.manifest import FileEntry, Manifest, index_file_name, step_dir
+from ckpt_manager._format.layout import index_file_name, step_dir
+from ckpt_manager._format.manifest import Manifest
+from ckpt_manager._format.pieces import FileEntry
 from ckpt_manager._format.rank_index import RankIndex, assemble, check_rank_index
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError

@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 import structlog
 
-from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.root_catalog import (
     CatalogEntry,

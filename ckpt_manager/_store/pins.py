@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from ckpt_manager._format.manifest import MANIFEST_NAME, PINS_DIR, parse_step_dir, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, PINS_DIR, parse_step_dir, step_dir
 from ckpt_manager._store.root_catalog import set_pinned
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import StepNotFoundError

@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 import structlog
 
 from ckpt_manager._format.checksum import checksum
-from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, parse_step_dir, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, parse_step_dir, step_dir
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.pins import is_pinned
 from ckpt_manager._store.root_catalog import record_commit, remove_steps
 from ckpt_manager._store.storage import Storage

@@ -17,7 +17,8 @@ well under a second.
     export.py       consolidated torch / safetensors files.
     export_sharded.py  Hugging Face sharded safetensors + index (`--max-shard-size`).
     export_dcp.py   a torch DCP checkpoint directory (`--format dcp`).
-    reshard.py      a new checkpoint for another world size.
+    reshard.py      a new checkpoint for another world size, written like a save (format
+                    2) under the destination's lease and published by the one commit path.
     stream.py       a stored tensor as bounded chunks of row-major bytes.
     sink.py         where a produced file goes: local disk or any fsspec URL.
 """

@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--world-size",
         type=int,
         metavar="N",
-        help="reshard into a checkpoint of N rank files under --to",
+        help="reshard into a committed checkpoint of N rank files under --to (holds --to's "
+        "lease while writing: refused while a live run holds it)",
     )
     p.add_argument(
         "--only",

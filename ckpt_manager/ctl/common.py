@@ -13,7 +13,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.indexes import complete_manifest
 from ckpt_manager._store.options import S3Options
 from ckpt_manager._store.steps import list_step_dirs, read_manifest

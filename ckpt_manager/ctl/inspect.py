@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
 from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.steps import list_step_dirs, read_manifest, verify_files
@@ -25,14 +26,24 @@ __all__ = ["StepCheck", "render_manifest", "show_json", "verify_steps"]
 
 
 def show_json(storage: Storage, m: Manifest) -> dict[str, Any]:
-    """`show --json`: summary fields plus the manifest exactly as stored (validated)."""
+    """`show --json`: summary fields plus the manifest exactly as stored (validated).
+
+    The stored document is read again (one GET): a format-1 manifest is read, never
+    serialised, and a tool may have re-indented one.
+
+    Raises:
+        CorruptCheckpointError: the stored manifest no longer validates.
+        StorageError: the read failed.
+    """
+    stored = storage.read(f"{step_dir(m.step)}/{MANIFEST_NAME}")
+    Manifest.from_json(stored, expected_step=m.step)
     return {
         "step": m.step,
         "committed_at": iso_local(m.committed_unix_s),
         "bytes": m.num_bytes,
         "strategy": strategy_of(m),
         "pinned": m.step in pinned_steps(storage),
-        "manifest": json.loads(m.to_json()),
+        "manifest": json.loads(stored),
     }
 
 

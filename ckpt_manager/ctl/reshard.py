@@ -1,43 +1,79 @@
 """Reshard a committed step for another world size: a new checkpoint of N rank files.
 
-The output is an ordinary committed step (same layout, shard format and manifest, built
-with `format.plan_layout`, `commit.build_contribution` / `merge_manifest`), so
-`CheckpointManager.restore` on N ranks reads it like one it wrote itself:
+The output is an ordinary committed step, written the way a save writes one (format 2: a
+shard file and an index object per new rank, then a small top manifest) with the save path's
+own building blocks (`shard_file.plan_layout`, `plan.piece_records`, `report.prepare_rank`,
+`indexes.write_finished_index`, `commit.build_top_manifest`), and committed through the one
+commit path, `publish.publish_manifest` (lease fence, exclusive manifest write, root catalog
+record). `CheckpointManager.restore` on N ranks reads it like one it wrote itself:
 
 * sharded tensors: new rank r holds flat range `[r*c, (r+1)*c)` of the flattened whole,
   `c = ceil(numel / N)` (empty ranges are not stored);
 * replicated tensors: rank 0, whole;
 * RankLocal subtrees: new rank r gets saved rank r's (ranks beyond the saved world get
-  none and keep their template's values on restore; saved ranks beyond N are dropped).
+  none, an index without RankLocal subtrees, and keep their template's values on restore;
+  saved ranks beyond N are dropped).
 
 Each rank file is streamed into a local temporary (bounded memory, see [Note: bounded
 memory] in `ctl/stream.py`), checksummed while written, and published; the manifest is
 written last, exclusively, which commits the step at the destination.
+
+[Note: a reshard holds the destination's lease] The destination is a checkpoint root like
+any other: one writer at a time (`_store/lease.py`). `write_resharded` takes its lease as a
+holder of its own (run id `ckptctl-reshard`, this host and pid) before it touches the step
+folder, keeps it refreshed while it writes, fences the manifest write with it, and releases
+it at the end, whatever happened. Taking it follows the manager's rule: a released lease or
+a provably dead holder is taken at once; a holder that refreshes while we watch (a live run)
+refuses the reshard with `LeaseHeldError` naming it (run id, host, pid); one that does not
+refresh for its ttl is taken over. So a reshard never races a run's writer on the same root,
+and a run started on the destination meanwhile is refused, naming the reshard.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import torch
 
-from ckpt_manager._format.checksum import crc32
-from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, shard_file_name, step_dir
-from ckpt_manager._format.shard_file import dtype_from_name, plan_layout
+from ckpt_manager._format.checksum import SAVE_ALGORITHM, checksum
+from ckpt_manager._format.layout import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._format.manifest import Manifest
+from ckpt_manager._format.rank_index import RankReport
+from ckpt_manager._format.shard_file import FileLayout, dtype_from_name, plan_layout
 from ckpt_manager._format.tree import Flattened, LeafKind, TensorLeaf
-from ckpt_manager._save.commit import build_contribution, merge_manifest
+from ckpt_manager._save.commit import build_top_manifest
+from ckpt_manager._save.plan import piece_records
+from ckpt_manager._save.report import prepare_rank, written_report
+from ckpt_manager._store.indexes import write_finished_index
+from ckpt_manager._store.lease import Lease, describe_holder, holder_is_provably_dead, read_lease
+from ckpt_manager._store.publish import CommitResult, publish_manifest
 from ckpt_manager._store.steps import remove_uncommitted_step
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.render import Progress
 from ckpt_manager.ctl.stream import TensorSource, stream_range, tensor_bytes
-from ckpt_manager.errors import ObjectExistsError
+from ckpt_manager.errors import CheckpointError, ObjectExistsError
 
-__all__ = ["ReshardPlan", "plan_reshard", "write_resharded"]
+__all__ = [
+    "RESHARD_LEASE_TTL_S",
+    "RESHARD_RUN_ID",
+    "ReshardPlan",
+    "destination_lease",
+    "plan_reshard",
+    "write_resharded",
+]
+
+RESHARD_RUN_ID = "ckptctl-reshard"
+"""The run id a reshard's lease records ([Note: a reshard holds the destination's lease])."""
+RESHARD_LEASE_TTL_S = 120.0
+"""The reshard's lease lifetime without refresh: the manager's default `lease_ttl_s`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,14 +166,14 @@ def _write_file(
     storage: Storage,
     m: Manifest,
     parts: tuple[_Part, ...],
+    layout: FileLayout,
     out: BinaryIO,
     chunk_bytes: int,
     progress: Progress,
-) -> tuple[Any, int, int]:
-    layout = plan_layout(
-        [(p.leaf.key, p.leaf.tensor.dtype, tuple(p.leaf.tensor.shape)) for p in parts]
-    )
-    crc = crc32(layout.header)
+) -> tuple[int, int]:
+    """Stream one new rank's shard file into `out`; returns its size and checksum (by
+    `checksum.SAVE_ALGORITHM`, what its index names)."""
+    crc = checksum(SAVE_ALGORITHM, layout.header)
     out.write(layout.header)
     written = len(layout.header)
     prefetch = 3 if storage.is_object_store else 0
@@ -148,7 +184,7 @@ def _write_file(
             gap = slot.offset - written
             if gap:
                 out.write(b"\x00" * gap)
-                crc = crc32(b"\x00" * gap, crc)
+                crc = checksum(SAVE_ALGORITHM, b"\x00" * gap, crc)
                 written += gap
             for chunk in stream_range(
                 storage,
@@ -162,11 +198,45 @@ def _write_file(
             ):
                 data = tensor_bytes(chunk)
                 out.write(data)
-                crc = crc32(data, crc)
+                crc = checksum(SAVE_ALGORITHM, data, crc)
                 written += len(data)
                 progress.advance(len(data))
     assert written == layout.total_bytes, (written, layout.total_bytes)
-    return layout, written, crc
+    return written, crc
+
+
+@contextlib.contextmanager
+def destination_lease(
+    dest: Storage,
+    *,
+    ttl_s: float = RESHARD_LEASE_TTL_S,
+    on_wait: Callable[[str], None] | None = None,
+) -> Iterator[Lease]:
+    """Hold the destination root's lease for the block ([Note: a reshard holds the
+    destination's lease]); released at the end, whatever happened.
+
+    Args:
+        dest: the destination root.
+        ttl_s: this holder's lease lifetime without refresh.
+        on_wait: told (one line) when another holder's lease must be watched first.
+
+    Raises:
+        LeaseHeldError: a live run holds the root (the message names it).
+        StorageError: the lease cannot be read or written.
+    """
+    held = read_lease(dest)
+    if held is not None and not holder_is_provably_dead(held) and on_wait is not None:
+        wait_s = max(ttl_s, float(held.get("ttl_s") or 0.0))
+        on_wait(
+            f"{dest.root_uri} is held by {describe_holder(held)}; watching its lease for up "
+            f"to {wait_s:.0f} s (a live run refreshes it: refused; an expired one is taken over)"
+        )
+    lease = Lease(dest, RESHARD_RUN_ID, ttl_s)
+    lease.acquire()
+    try:
+        yield lease
+    finally:
+        lease.release()
 
 
 def write_resharded(
@@ -177,52 +247,97 @@ def write_resharded(
     *,
     chunk_bytes: int,
     progress: Progress,
+    on_lease_wait: Callable[[str], None] | None = None,
 ) -> Manifest:
-    """Write the resharded step under `dest` and commit it (manifest last, exclusive).
+    """Write the resharded step under `dest` and commit it, holding `dest`'s lease.
+
+    Args:
+        source: the source root.
+        m: the source step's complete manifest.
+        dest: the destination root.
+        plan: `plan_reshard(m, N)`.
+        chunk_bytes: read chunk (memory stays within a few of these).
+        progress: told bytes and files as they are written.
+        on_lease_wait: see `destination_lease`.
+
+    Returns:
+        The committed manifest.
 
     Raises:
+        LeaseHeldError: a live run holds the destination (nothing is written).
+        LeaseLostError: the lease was taken over while writing (nothing is committed).
         ObjectExistsError: the step is already committed at the destination.
-        StorageError: a read or write failed (nothing is committed then).
+        CheckpointError: a read or write failed (nothing is committed then).
     """
-    folder = step_dir(m.step)
-    if dest.exists(f"{folder}/{MANIFEST_NAME}"):
-        raise ObjectExistsError(17, f"{dest.root_uri}: step {m.step} is already committed there")
-    # A leftover of an interrupted earlier attempt is never committed: start clean.
-    if not remove_uncommitted_step(dest, m.step):  # committed since the look above
-        raise ObjectExistsError(17, f"{dest.root_uri}: step {m.step} is already committed there")
-    contributions = []
-    for r in range(plan.world_size):
-        parts = plan.parts[r]
-        skeleton = Flattened(m.tree, plan.rank_local_trees[r], [p.leaf for p in parts])
-        name = shard_file_name(r) if parts else None
-        fd, tmp = tempfile.mkstemp(prefix=f"ckptctl-rank{r}-", dir=_tmp_dir(dest))
+    with destination_lease(dest, on_wait=on_lease_wait) as lease:
+        if dest.exists(f"{step_dir(m.step)}/{MANIFEST_NAME}"):
+            raise _already_committed(dest, m.step)
+        # A leftover of an interrupted earlier attempt is never committed: start clean.
+        if not remove_uncommitted_step(dest, m.step):  # committed since the look above
+            raise _already_committed(dest, m.step)
+        reports = [
+            _write_rank(source, m, dest, plan, r, chunk_bytes=chunk_bytes, progress=progress)
+            for r in range(plan.world_size)
+        ]
+        manifest = build_top_manifest(
+            step=m.step,
+            run_id=m.run_id,
+            created_unix_s=m.created_unix_s,
+            committed_unix_s=time.time(),
+            reports=reports,
+        )
+        outcome = publish_manifest(dest, manifest, fence=lease.confirm)
+    if outcome.result is CommitResult.COMMITTED:
+        return manifest
+    if outcome.result is CommitResult.CONFLICT:
+        raise _already_committed(dest, m.step) from outcome.conflict
+    if outcome.conflict is not None:  # FENCED: the lease was taken over
+        raise outcome.conflict
+    raise CheckpointError(f"{dest.root_uri}: step {m.step} was not committed: {outcome.cause}")
+
+
+def _write_rank(
+    source: Storage,
+    m: Manifest,
+    dest: Storage,
+    plan: ReshardPlan,
+    rank: int,
+    *,
+    chunk_bytes: int,
+    progress: Progress,
+) -> RankReport:
+    """New rank `rank`'s shard file and index, written as its writer would; its report."""
+    parts = plan.parts[rank]
+    leaves = [p.leaf for p in parts]
+    name = shard_file_name(rank) if parts else None
+    layout = plan_layout([(x.key, x.tensor.dtype, tuple(x.tensor.shape)) for x in leaves])
+    contribution = prepare_rank(
+        step=m.step,
+        rank=rank,
+        flat=Flattened(m.tree, plan.rank_local_trees[rank], leaves),
+        records=piece_records(leaves, layout, name),
+        file_name=name,
+        metrics=m.metrics,
+    )
+    size = crc = 0
+    if name is not None:
+        fd, tmp = tempfile.mkstemp(prefix=f"ckptctl-rank{rank}-", dir=_tmp_dir(dest))
         try:
             with os.fdopen(fd, "wb") as out:
-                layout, size, crc = _write_file(source, m, parts, out, chunk_bytes, progress)
-            if name is not None:
-                dest.put_file(tmp, f"{folder}/{name}")
+                size, crc = _write_file(source, m, parts, layout, out, chunk_bytes, progress)
+            dest.put_file(tmp, f"{step_dir(m.step)}/{name}")
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        contribution = build_contribution(
-            r, skeleton, [p.leaf for p in parts], layout, name, m.metrics
-        )
-        contribution.update(size=size if name else 0, crc32=crc if name else 0)
-        contributions.append(contribution)
-        progress.advance(num_files=1)
-    merged = merge_manifest(
-        step=m.step,
-        run_id=m.run_id,
-        created_unix_s=m.created_unix_s,
-        committed_unix_s=time.time(),
-        contributions=contributions,
+    index = write_finished_index(dest, contribution["index_json"], size, crc)
+    progress.advance(num_files=1)
+    return written_report(contribution, size=size, checksum=crc, index=index)
+
+
+def _already_committed(dest: Storage, step: int) -> ObjectExistsError:
+    return ObjectExistsError(
+        errno.EEXIST, f"{dest.root_uri}: step {step} is already committed there"
     )
-    saved_world = len(m.rank_local)
-    merged = dataclasses.replace(
-        merged, rank_local=merged.rank_local[: min(saved_world, plan.world_size)]
-    )
-    dest.write(f"{folder}/{MANIFEST_NAME}", merged.to_json(), exclusive=True)
-    return merged
 
 
 def _tmp_dir(dest: Storage) -> str | None:

@@ -1,5 +1,9 @@
 """`ckptctl restore`: verify a step, then consolidate it (torch / safetensors / DCP) or reshard it.
 
+Resharding (`--world-size N`, `ctl/reshard.py`) writes a committed step under another
+checkpoint root, holding that root's lease while it writes: it is refused while a live run
+holds the destination.
+
 Consolidated outputs: one torch or safetensors file (`ctl/export.py`), Hugging Face sharded
 safetensors with their index (`--max-shard-size`, `ctl/export_sharded.py`) or a torch DCP
 directory (`--format dcp`, `ctl/export_dcp.py`); the last two are local directories.
@@ -135,7 +139,13 @@ def run_restore(req: RestoreRequest, flags: StorageFlags) -> Iterator[str]:
         progress = Progress(plan.num_bytes, req.world_size)
         try:
             write_resharded(
-                source, manifest, dest, plan, chunk_bytes=req.chunk_bytes, progress=progress
+                source,
+                manifest,
+                dest,
+                plan,
+                chunk_bytes=req.chunk_bytes,
+                progress=progress,
+                on_lease_wait=lambda line: print(f"ckptctl restore: note: {line}", file=sys.stderr),
             )
         finally:
             progress.close()

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ckpt_manager._format.manifest import Manifest, Piece
+from ckpt_manager._format.manifest import Manifest
+from ckpt_manager._format.pieces import Piece
 from ckpt_manager._format.shard_file import dtype_from_name
 from ckpt_manager._load.reshard import Region, fill_region
 from ckpt_manager._load.restore import read_piece

@@ -21,7 +21,8 @@ from ckpt_manager import (
     RankLocal,
     SaveFailedError,
 )
-from ckpt_manager._format.manifest import FORMAT_VERSION, MANIFEST_NAME, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
+from ckpt_manager._format.manifest import FORMAT_VERSION
 from ckpt_manager._save.finalize import OWN_WRITE_POLL_S
 from ckpt_manager._save.writer import FAULT_ENV
 from ckpt_manager._store.indexes import complete_manifest

@@ -16,7 +16,7 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, SaveFailedError
 from ckpt_manager._config import DEFAULT_S3_SPREAD_PREFIXES
-from ckpt_manager._format.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from ckpt_manager._save.writer import FAULT_ENV
 from tests.ckpt_manager.save.test_commit import commit_with_lost_reply
 from tests.support.dist import free_port

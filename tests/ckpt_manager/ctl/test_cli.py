@@ -15,7 +15,7 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
 from ckpt_manager._format.dtypes import ITEM_SIZES, item_size
-from ckpt_manager._format.manifest import Piece
+from ckpt_manager._format.pieces import Piece
 from ckpt_manager.ctl.cli import main
 from ckpt_manager.ctl.common import StorageFlags, nearest_steps
 from ckpt_manager.ctl.errors import UsageError

@@ -19,7 +19,7 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
 from ckpt_manager._config import DEFAULT_S3_SPREAD_PREFIXES
-from ckpt_manager._format.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from ckpt_manager._store.lease import LEASE_NAME
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.cli import main

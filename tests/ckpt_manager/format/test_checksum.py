@@ -20,14 +20,9 @@ from ckpt_manager._format.checksum import (
     checksum,
     parse_algorithm,
 )
-from ckpt_manager._format.manifest import (
-    CHECKSUM_FIELD,
-    MANIFEST_NAME,
-    FileEntry,
-    index_file_name,
-    shard_file_name,
-    step_dir,
-)
+from ckpt_manager._format.layout import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
+from ckpt_manager._format.manifest import CHECKSUM_FIELD
+from ckpt_manager._format.pieces import FileEntry
 from ckpt_manager._store.steps import read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CorruptCheckpointError

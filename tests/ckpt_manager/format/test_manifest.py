@@ -1,7 +1,9 @@
 """The manifest's own checksum and the extent checks that keep a bad manifest from restoring.
 
-Torch-free like the module under test: manifests are built from `Manifest` / `Piece` and
-damaged as bytes or as parsed JSON, the way bit rot or an operator's edit would.
+Torch-free like the modules under test: format-1 manifests (every piece inline, read by
+`_format/legacy_v1.py`) are built from `Manifest` / `Piece`, serialised as the format-1
+writer did (`_v1_writer.py`), and damaged as bytes or as parsed JSON, the way bit rot or an
+operator's edit would. The format-2 top manifest's own checks are in `test_rank_index.py`.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from typing import Any
 
 import pytest
 
-from ckpt_manager._format.manifest import CHECKSUM_FIELD, FileEntry, Manifest, Piece
+from ckpt_manager._format.manifest import CHECKSUM_FIELD, Manifest
+from ckpt_manager._format.pieces import FileEntry, Piece
 from ckpt_manager.errors import CorruptCheckpointError
+from tests.ckpt_manager.format._v1_writer import v1_manifest_bytes
 
 _FILE = "rank-00000.bin"
 
@@ -44,12 +48,14 @@ def _manifest() -> Manifest:
             },
         },
         rank_local=({"trees": [], "tensors": {}},),
+        format_version=1,
+        complete=True,
     )
 
 
 def _legacy_doc() -> dict[str, Any]:
     """The manifest as written before manifests carried their checksum."""
-    doc = json.loads(_manifest().to_json())
+    doc = json.loads(v1_manifest_bytes(_manifest()))
     doc.pop(CHECKSUM_FIELD, None)
     return doc
 
@@ -59,7 +65,7 @@ def _parse(doc: dict[str, Any]) -> Manifest:
 
 
 def test_written_manifest_carries_its_checksum_and_reads_back() -> None:
-    data = _manifest().to_json()
+    data = v1_manifest_bytes(_manifest())
     assert isinstance(json.loads(data)[CHECKSUM_FIELD], int)
     assert Manifest.from_json(data, expected_step=5) == _manifest()
 
@@ -73,7 +79,7 @@ def test_written_manifest_carries_its_checksum_and_reads_back() -> None:
     ],
 )
 def test_changed_content_under_an_intact_checksum_is_corrupt(old: bytes, new: bytes) -> None:
-    data = _manifest().to_json()
+    data = v1_manifest_bytes(_manifest())
     assert data.count(old) == 1
     with pytest.raises(CorruptCheckpointError, match=r"step 5: manifest checksum") as caught:
         Manifest.from_json(data.replace(old, new), expected_step=5)
@@ -82,7 +88,7 @@ def test_changed_content_under_an_intact_checksum_is_corrupt(old: bytes, new: by
 
 
 def test_changed_checksum_is_corrupt() -> None:
-    doc = json.loads(_manifest().to_json())
+    doc = json.loads(v1_manifest_bytes(_manifest()))
     doc[CHECKSUM_FIELD] ^= 1 << 3
     with pytest.raises(CorruptCheckpointError, match=r"step 5: manifest checksum"):
         _parse(doc)
@@ -93,12 +99,19 @@ def test_changed_checksum_is_corrupt() -> None:
 
 def test_reformatted_manifest_with_the_same_content_still_verifies() -> None:
     # Pretty-printed by a tool (`python -m json.tool` keeps the keys' order).
-    pretty = json.dumps(json.loads(_manifest().to_json()), indent=2).encode() + b"\n"
+    pretty = json.dumps(json.loads(v1_manifest_bytes(_manifest())), indent=2).encode() + b"\n"
     assert Manifest.from_json(pretty, expected_step=5) == _manifest()
 
 
 def test_manifest_without_checksum_still_reads() -> None:
     assert _parse(_legacy_doc()) == _manifest()
+
+
+def test_a_format_1_manifest_is_read_never_written() -> None:
+    read = Manifest.from_json(v1_manifest_bytes(_manifest()), expected_step=5)
+    assert (read.format_version, read.complete) == (1, True)
+    with pytest.raises(ValueError, match="format-1 manifest is read, never written"):
+        read.to_json()
 
 
 def _set(path: str, value: Any) -> dict[str, Any]:

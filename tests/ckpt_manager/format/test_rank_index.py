@@ -7,14 +7,9 @@ import json
 import pytest
 
 from ckpt_manager._format.checksum import crc32
-from ckpt_manager._format.manifest import (
-    FORMAT_VERSION,
-    FileEntry,
-    Manifest,
-    Piece,
-    index_file_name,
-    rank_runs,
-)
+from ckpt_manager._format.layout import index_file_name
+from ckpt_manager._format.manifest import FORMAT_VERSION, Manifest, rank_runs
+from ckpt_manager._format.pieces import FileEntry, Piece
 from ckpt_manager._format.rank_index import (
     DEFAULT_CHECKSUM_ALGORITHM,
     IndexedFile,

@@ -1,8 +1,8 @@
 """A checkpoint written by the format-version-1 code still lists, verifies, shows and restores.
 
-The fixture (`tests/ckpt_manager/fixtures/v1_checkpoint/`) was written by
-`fixtures/make_v1_checkpoint.py` with the code of commit e253ed2; its values are rebuilt here
-from that script's `rank_state`.
+The fixture (`tests/ckpt_manager/fixtures/v1_checkpoint/`) was written by the code of commit
+e253ed2 (see `fixtures/fixture_state.py`); its values are rebuilt here from
+`fixture_state.rank_state`, and the same state written in today's format restores the same.
 """
 
 from __future__ import annotations
@@ -15,11 +15,13 @@ import pytest
 import torch
 
 from ckpt_manager._load.restore import load_state
+from ckpt_manager._store.publish import CommitResult
+from ckpt_manager._store.root_catalog import read_catalog
 from ckpt_manager._store.steps import read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.cli import main
 from tests.ckpt_manager.conftest import Shard
-from tests.ckpt_manager.fixtures.make_v1_checkpoint import HERE, STEP, rank_state
+from tests.ckpt_manager.fixtures.fixture_state import HERE, STEP, rank_state, write_current_format
 
 
 @pytest.fixture
@@ -46,10 +48,16 @@ def test_ckptctl_lists_shows_and_verifies_it(
     assert "flat" in shown
     assert "loss" in shown
     assert main(["verify", str(root), str(STEP)]) == 0
+    capsys.readouterr()
+    # `show --json` prints the stored document: format 1 is read, never re-serialised.
+    assert main(["show", str(root), str(STEP), "--json"]) == 0
+    stored = json.loads(capsys.readouterr().out)["manifest"]
+    assert stored == json.loads(next(root.glob("step-*/manifest.json")).read_bytes())
+    assert stored["format_version"] == 1
 
 
-def test_each_rank_restores_its_state_bitwise(root: pathlib.Path) -> None:
-    storage = Storage(str(root), {})
+def _assert_each_rank_restores_bitwise(storage: Storage) -> None:
+    """Both saved ranks restore their `rank_state` into a template of zeros (-1 seeds)."""
     manifest = read_manifest(storage, STEP)
     verify_files(storage, manifest, sorted(manifest.files), check_crc=True)
     for rank in range(2):
@@ -58,6 +66,7 @@ def test_each_rank_restores_its_state_bitwise(root: pathlib.Path) -> None:
         template["model"]["w"].zero_()
         template["flat"].local.zero_()
         template["box"].local.zero_()
+        template["rng"].value["seed"].fill_(-1)
         got = load_state(storage, manifest, rank, template)
         assert torch.equal(got["model"]["w"], want["model"]["w"])
         assert torch.equal(got["flat"].local, want["flat"].local)
@@ -65,6 +74,10 @@ def test_each_rank_restores_its_state_bitwise(root: pathlib.Path) -> None:
         assert torch.equal(got["rng"]["seed"], want["rng"].value["seed"])
         assert got["rng"]["pos"] == rank
         assert got["meta"] == want["meta"]
+
+
+def test_each_rank_restores_its_state_bitwise(root: pathlib.Path) -> None:
+    _assert_each_rank_restores_bitwise(Storage(str(root), {}))
 
 
 def test_it_restores_consolidated_and_resharded(root: pathlib.Path) -> None:
@@ -77,3 +90,15 @@ def test_it_restores_consolidated_and_resharded(root: pathlib.Path) -> None:
     target = Shard(torch.zeros(4), (10,), (3,), (3, 7))
     got = load_state(storage, manifest, 0, {"flat": target})
     assert torch.equal(got["flat"].local, torch.arange(3, 7, dtype=torch.float32) * 0.5)
+
+
+def test_the_same_state_written_today_is_format_2_and_restores_the_same(
+    tmp_path: pathlib.Path,
+) -> None:
+    current = tmp_path / "current"
+    outcome = write_current_format(str(current))
+    assert outcome.result is CommitResult.COMMITTED, outcome
+    doc = json.loads(next(current.glob("step-*/manifest.json")).read_bytes())
+    assert doc["format_version"] == 2
+    assert [e.step for e in read_catalog(Storage(str(current))).entries.values()] == [STEP]
+    _assert_each_rank_restores_bitwise(Storage(str(current), {}))

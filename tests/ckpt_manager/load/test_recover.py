@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, CorruptCheckpointError
-from ckpt_manager._format.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from ckpt_manager._store.steps import read_manifest
 from ckpt_manager._store.storage import Storage
 from tests.ckpt_manager.conftest import Shard
-from tests.ckpt_manager.fixtures.make_v1_checkpoint import HERE as V1_CHECKPOINT
-from tests.ckpt_manager.fixtures.make_v1_checkpoint import STEP as V1_STEP
+from tests.ckpt_manager.fixtures.fixture_state import HERE as V1_CHECKPOINT
+from tests.ckpt_manager.fixtures.fixture_state import STEP as V1_STEP
 
 
 def _flip_byte(path: pathlib.Path, offset: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointError, CheckpointManager, SaveResult
-from ckpt_manager._format.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, shard_file_name, step_dir
 from tests.ckpt_manager._states import assert_restored, mutate, sample_state, snapshot
 from tests.ckpt_manager.conftest import Reports, Shard
 

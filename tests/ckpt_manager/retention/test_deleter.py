@@ -23,7 +23,7 @@ from ckpt_manager import (
     KeepLast,
     RetentionPolicy,
 )
-from ckpt_manager._format.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, shard_file_name, step_dir
 from ckpt_manager._retention.deleter import Deleter
 from ckpt_manager._save.writer import FAULT_ENV
 from ckpt_manager._store.pins import pin_step, pinned_steps, unpin_step

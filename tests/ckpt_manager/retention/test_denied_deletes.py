@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
-from ckpt_manager._format.manifest import MANIFEST_NAME, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
 from ckpt_manager._retention.deleter import MAX_WAIT_S
 
 CHATTR = shutil.which("chattr")

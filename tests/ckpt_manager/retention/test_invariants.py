@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
 from ckpt_manager._coord import Coordinator
-from ckpt_manager._format.manifest import shard_file_name, step_dir
+from ckpt_manager._format.layout import shard_file_name, step_dir
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._retention.deleter import Deleter
 from ckpt_manager._store.pins import pin_committed_step, unpin_step

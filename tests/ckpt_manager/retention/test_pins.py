@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, StepNotFoundError
-from ckpt_manager._format.manifest import MANIFEST_NAME, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
 from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.steps import committed_steps, delete_step, read_manifest
 from ckpt_manager._store.storage import Storage

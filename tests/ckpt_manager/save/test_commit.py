@@ -20,7 +20,7 @@ from ckpt_manager import (
     SaveFailedError,
     StepNotFoundError,
 )
-from ckpt_manager._format.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
 from ckpt_manager._save import finalize
 from ckpt_manager._store.storage import Storage
 
@@ -49,7 +49,7 @@ def test_step_never_written_twice_and_stale_attempt_removed(tmp_path: pathlib.Pa
 _SECOND_LAUNCH = """
 import shutil, sys, torch
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
-from ckpt_manager._format.manifest import step_dir
+from ckpt_manager._format.layout import step_dir
 root, other, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
 with CheckpointManager(other, cfg, run_id="job") as mgr:

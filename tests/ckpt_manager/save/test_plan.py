@@ -9,8 +9,7 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
 from ckpt_manager._format.tree import LeafKind, TensorLeaf, flatten
-from ckpt_manager._save.commit import leaves_to_write
-from ckpt_manager._save.plan import PlanCache
+from ckpt_manager._save.plan import PlanCache, leaves_to_write
 
 
 def _leaves(state: dict[str, object]) -> list[TensorLeaf]:

@@ -1,10 +1,10 @@
 """A 64-simulated-rank commit in one process: index objects, the coordinator's commit, and a
 restore of one rank that reads only the indexes and bytes it needs (format 2, issue #18).
 
-Each simulated rank goes through the save path's own functions (flatten, the shard layout,
-`piece_records`, `prepare_rank`, `write_finished_index`, `rank_report`); the coordinator's
-`commit_step` turns the 64 reports into the top manifest. Reads are counted at the `Storage`
-layer (the real reads, wrapped), not by mocking the loader.
+Each simulated rank goes through the save path's own functions (`_simulated.save_rank_state`:
+flatten, the shard layout, `piece_records`, `prepare_rank`, `write_finished_index`); the
+coordinator's `commit_step` turns the 64 reports into the top manifest. Reads are counted at
+the `Storage` layer (the real reads, wrapped), not by mocking the loader.
 """
 
 from __future__ import annotations
@@ -16,23 +16,16 @@ import pytest
 import torch
 
 from ckpt_manager import RankLocal
-from ckpt_manager._format.checksum import SAVE_ALGORITHM, checksum
-from ckpt_manager._format.manifest import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
-from ckpt_manager._format.shard_file import plan_layout
+from ckpt_manager._format.layout import MANIFEST_NAME, index_file_name, shard_file_name
 from ckpt_manager._format.tree import flatten
 from ckpt_manager._load.restore import load_state
-from ckpt_manager._save.commit import (
-    CommitResult,
-    commit_step,
-    leaves_to_write,
-    piece_records,
-    prepare_rank,
-    rank_report,
-)
-from ckpt_manager._save.writer import write_shard
-from ckpt_manager._store.indexes import complete_manifest, write_finished_index
+from ckpt_manager._save.commit import commit_step
+from ckpt_manager._save.plan import leaves_to_write
+from ckpt_manager._store.indexes import complete_manifest
+from ckpt_manager._store.publish import CommitResult
 from ckpt_manager._store.steps import read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
+from tests.ckpt_manager._simulated import save_rank_state
 from tests.ckpt_manager.conftest import Shard
 
 WORLD = 64
@@ -76,46 +69,14 @@ def rank_state(rank: int, *, zero: bool = False) -> dict[str, Any]:
 
 def save_rank(storage: Storage, rank: int, spread_prefixes: int = 0) -> Any:
     """What one rank's trainer and writer do for a save; returns its report."""
-    flat = flatten(rank_state(rank))
-    leaves = leaves_to_write(flat, rank)
-    layout = plan_layout([(x.key, x.tensor.dtype, tuple(x.tensor.shape)) for x in leaves])
-    name = shard_file_name(rank, spread_prefixes) if leaves else None
-    records = piece_records(leaves, layout, name)
-    contribution = prepare_rank(
+    return save_rank_state(
+        storage,
         step=STEP,
         rank=rank,
-        flat=flat,
-        records=records,
-        file_name=name,
+        state=rank_state(rank),
         metrics={"loss": 0.25},
         spread_prefixes=spread_prefixes,
     )
-    size = crc = 0
-    if name is not None:
-        data = bytearray(layout.total_bytes)
-        data[: len(layout.header)] = layout.header
-        for slot, leaf in zip(layout.slots, leaves, strict=True):
-            raw = leaf.tensor.contiguous().view(torch.uint8).numpy().tobytes()
-            data[slot.offset : slot.offset + slot.nbytes] = raw
-        crc = checksum(SAVE_ALGORITHM, memoryview(data))  # the staging copy's, in a save
-        size = write_shard(
-            storage,
-            f"{step_dir(STEP)}/{name}",
-            memoryview(data),
-            chunk_bytes=1 << 20,
-            concurrency=1,
-        )
-    index = write_finished_index(
-        storage, contribution["index_json"], size, crc, spread_prefixes=spread_prefixes
-    )
-    contribution.update(
-        size=size,
-        crc32=crc,
-        checksum_algorithm=SAVE_ALGORITHM.value,
-        index_size=index.size,
-        index_crc32=index.crc32,
-    )
-    return rank_report(contribution)
 
 
 @pytest.fixture(scope="module")

@@ -15,18 +15,13 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
 from ckpt_manager._config import DEFAULT_S3_SPREAD_PREFIXES
-from ckpt_manager._format.manifest import (
-    MANIFEST_NAME,
-    SPREAD_FIELD,
-    Manifest,
-    index_file_name,
-    shard_file_name,
-    step_dir,
-)
+from ckpt_manager._format.layout import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
+from ckpt_manager._format.manifest import SPREAD_FIELD, Manifest
 from ckpt_manager._load.regions import StepRegions
 from ckpt_manager._load.restore import load_state
-from ckpt_manager._save.commit import CommitResult, commit_step
+from ckpt_manager._save.commit import commit_step
 from ckpt_manager._store.indexes import complete_manifest
+from ckpt_manager._store.publish import CommitResult
 from ckpt_manager._store.steps import delete_step, read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.cli import main as ckptctl

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, SaveFailedError, SaveResult
-from ckpt_manager._format.manifest import FileEntry, index_file_name, shard_file_name, step_dir
+from ckpt_manager._format.layout import index_file_name, shard_file_name, step_dir
+from ckpt_manager._format.pieces import FileEntry
 from ckpt_manager._format.rank_index import IndexedFile, RankIndex
 from ckpt_manager._save.writer import FAULT_ENV, write_shard_retrying
 from ckpt_manager._store.lease import LEASE_NAME

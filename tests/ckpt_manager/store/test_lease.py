@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, LeaseHeldError
-from ckpt_manager._format.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, shard_file_name, step_dir
 from ckpt_manager._store.lease import LEASE_NAME, read_lease
 from tests.ckpt_manager._states import wait_until
 

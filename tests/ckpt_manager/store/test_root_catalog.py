@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, KeepLast
-from ckpt_manager._format.manifest import MANIFEST_NAME, Manifest, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, index_file_name, step_dir
+from ckpt_manager._format.manifest import Manifest
+from ckpt_manager._format.pieces import FileEntry
 from ckpt_manager._store import root_catalog
 from ckpt_manager._store.listing import list_steps
 from ckpt_manager._store.pins import is_pinned, pin_committed_step, unpin_step
@@ -43,6 +45,7 @@ def _save_steps(uri: str, steps: list[int], **config: Any) -> Storage:
 
 
 def _tiny_manifest(step: int, **metrics: Any) -> bytes:
+    """A valid top manifest of 4 ranks with nothing in it (no index is read here)."""
     return Manifest(
         step=step,
         world_size=4,
@@ -51,7 +54,7 @@ def _tiny_manifest(step: int, **metrics: Any) -> bytes:
         committed_unix_s=1001.0 + step,
         versions={},
         metrics=metrics or {"loss": 1.0 / step},
-        files={},
+        files={index_file_name(r): FileEntry(0, 0) for r in range(4)},
         tree=None,
         tensors={},
         rank_local=(),
@@ -138,7 +141,7 @@ def test_a_step_committed_without_a_catalog_update_is_found_and_added(
 ) -> None:
     storage = _save_steps(str(tmp_path), [1])
     # A coordinator killed between the manifest PUT and the catalog update.
-    monkeypatch.setattr("ckpt_manager._save.commit.record_commit", lambda *a, **k: False)
+    monkeypatch.setattr("ckpt_manager._store.publish.record_commit", lambda *a, **k: False)
     _save_steps(str(tmp_path), [2, 3])
     assert _catalogued(storage) == [1]
     listing = list_steps(storage)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, StepNotFoundError
-from ckpt_manager._format.manifest import MANIFEST_NAME, shard_file_name, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, shard_file_name, step_dir
 from ckpt_manager._store.steps import (
     committed_steps,
     delete_step,
