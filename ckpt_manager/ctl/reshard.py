@@ -140,7 +140,7 @@ def _write_file(
     crc = crc32(layout.header)
     out.write(layout.header)
     written = len(layout.header)
-    prefetch = 3 if storage.is_object_store else 0
+    prefetch = storage.capabilities.read_prefetch
     with ThreadPoolExecutor(
         max_workers=max(1, prefetch), thread_name_prefix="ckptctl-read"
     ) as pool:
@@ -227,7 +227,7 @@ def write_resharded(
 
 def _tmp_dir(dest: Storage) -> str | None:
     """Temporaries beside a local destination (same disk), else the system temp folder."""
-    if dest.is_local:
+    if dest.capabilities.local_paths:
         os.makedirs(dest.path(), exist_ok=True)
         return dest.path()
     return None
