@@ -16,8 +16,9 @@ Package layout (one line per sub-package; each sub-package's docstring lists its
       _load/        load path: restore one step, collective recover with fallback, reshard
       _format/      what the bytes mean: manifest, rank index, state tree, shard file,
                     dtypes, checksums, DTensor pieces, names (imports none of its siblings)
-      _store/       where bytes go: storage front, S3 options, multipart, step folders,
-                    root catalog, listing, pins, lease, index I/O (imports only `_format`)
+      _store/       where bytes go: the storage front over its backends (local disk, S3, any
+                    fsspec filesystem), S3 options, step folders, root catalog, listing,
+                    pins, lease, index I/O (imports only `_format`)
       _retention/   which steps to keep: policies, the root's retention record, the deleter
       ctl/          the `ckptctl` CLI and its UsageError (the engine never imports it)
 

@@ -1,6 +1,6 @@
 """What every `ckptctl` command shares: storage options, opening a root, resolving steps.
 
-Storage itself (paths, fsspec, error translation) lives in `_store/storage.py` and S3 options
+Storage itself (paths, backends, error translation) lives in `_store/storage.py` and S3 options
 in `_store/options.py`; this module only maps command-line flags onto those and turns the few
 failures an operator can fix (unknown scheme, missing bucket, missing path, no credentials)
 into one-line messages.

@@ -23,22 +23,31 @@ import hashlib
 import posixpath
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import fsspec.core
 
 from ckpt_manager._store.backends.base import Capabilities
 from ckpt_manager.errors import ObjectExistsError, VersionMismatchError
 
-__all__ = ["FsspecBackend", "content_version", "drain", "open_filesystem"]
+__all__ = [
+    "REMOTE_READ_CONCURRENCY",
+    "REMOTE_READ_PREFETCH",
+    "FsspecBackend",
+    "content_version",
+    "drain",
+    "open_filesystem",
+]
 
 # Object stores served by this generic backend (S3 has its own): remote, so transient
 # errors are waited out and reads prefetched, as on S3.
 _OBJECT_STORE_PROTOCOLS = frozenset({"gs", "gcs", "az", "abfs", "abfss"})
 _PROCESS_LOCAL_PROTOCOLS = frozenset({"memory"})
 _CONDITIONAL_LOCK = threading.Lock()  # conditional writes on stores without a server check
-_REMOTE_READ_PREFETCH = 3
-_REMOTE_READ_CONCURRENCY = 32
+REMOTE_READ_PREFETCH = 3
+"""Ranged reads kept in flight ahead of a streaming reader on a remote store."""
+REMOTE_READ_CONCURRENCY = 32
+"""Small independent reads (existence probes, manifests) run at once on a remote store."""
 
 
 def content_version(data: bytes) -> str:
@@ -87,6 +96,8 @@ class FsspecBackend:
     """Registry name."""
     schemes: ClassVar[tuple[str, ...]] = ()
     """None of its own: the registry's fallback for every scheme no other backend serves."""
+    fixed_capabilities: ClassVar[Capabilities | None] = None
+    """A subclass's capabilities; None: derived from the filesystem's protocol."""
 
     def __init__(self, fs: Any, root: str) -> None:
         """Wrap an opened filesystem.
@@ -98,10 +109,10 @@ class FsspecBackend:
         self.fs: Any = fs
         """The fsspec filesystem."""
         self._root = root
-        self._capabilities = self._capabilities_of(_protocols(fs))
+        self._capabilities = self.fixed_capabilities or self._capabilities_of(_protocols(fs))
 
     @classmethod
-    def open(cls, root_uri: str, storage_options: Mapping[str, Any]) -> FsspecBackend:
+    def open(cls, root_uri: str, storage_options: Mapping[str, Any]) -> Self:
         """The backend for `root_uri`, opened with fsspec.
 
         Raises:
@@ -117,8 +128,8 @@ class FsspecBackend:
             local_paths=False,
             remote=remote,
             progressive_write=False,
-            read_prefetch=_REMOTE_READ_PREFETCH if remote else 0,
-            read_concurrency=_REMOTE_READ_CONCURRENCY if remote else 1,
+            read_prefetch=REMOTE_READ_PREFETCH if remote else 0,
+            read_concurrency=REMOTE_READ_CONCURRENCY if remote else 1,
             # The process mutex covers every writer only where no other process can write.
             race_free_exclusive_create=not shared,
             race_free_conditional_write=not shared,

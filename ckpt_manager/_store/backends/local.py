@@ -18,7 +18,7 @@ import os
 import shutil
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 from fsspec.implementations.local import LocalFileSystem
 
@@ -27,17 +27,6 @@ from ckpt_manager._store.backends.direct_write import write_at_start
 from ckpt_manager._store.backends.fsspec import FsspecBackend, content_version, open_filesystem
 
 __all__ = ["LocalBackend"]
-
-_CAPABILITIES = Capabilities(
-    local_paths=True,
-    remote=False,
-    progressive_write=True,
-    read_prefetch=0,
-    read_concurrency=1,
-    race_free_exclusive_create=True,
-    race_free_conditional_write=True,
-    shared_across_processes=True,
-)
 
 
 def _fsync_dir(path: str) -> None:
@@ -55,9 +44,20 @@ class LocalBackend(FsspecBackend):
     """Registry name."""
     schemes: ClassVar[tuple[str, ...]] = ("file", "local")
     """Plain paths have the scheme `file` (see `backends.uri_scheme`)."""
+    fixed_capabilities: ClassVar[Capabilities | None] = Capabilities(
+        local_paths=True,
+        remote=False,
+        progressive_write=True,
+        read_prefetch=0,
+        read_concurrency=1,
+        race_free_exclusive_create=True,
+        race_free_conditional_write=True,
+        shared_across_processes=True,
+    )
+    """POSIX: link, rename and flock decide races; staged buffers written as they fill."""
 
     @classmethod
-    def open(cls, root_uri: str, storage_options: Mapping[str, Any]) -> LocalBackend:
+    def open(cls, root_uri: str, storage_options: Mapping[str, Any]) -> Self:
         """The backend for a local path or `file://` URI.
 
         Raises:
@@ -74,10 +74,6 @@ class LocalBackend(FsspecBackend):
         for scheme in LocalBackend.schemes:
             uri = uri.removeprefix(f"{scheme}://")
         return uri
-
-    @staticmethod
-    def _capabilities_of(protocols: frozenset[str]) -> Capabilities:
-        return _CAPABILITIES
 
     def write(
         self,

@@ -19,29 +19,23 @@ from __future__ import annotations
 import contextlib
 import errno
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from collections.abc import Iterable
+from typing import ClassVar
 
 import fsspec.asyn
 
 from ckpt_manager._store.backend_errors import is_conditional_conflict, is_precondition_failed
 from ckpt_manager._store.backends.base import Capabilities
-from ckpt_manager._store.backends.fsspec import FsspecBackend, drain, open_filesystem
+from ckpt_manager._store.backends.fsspec import (
+    REMOTE_READ_CONCURRENCY,
+    REMOTE_READ_PREFETCH,
+    FsspecBackend,
+    drain,
+)
 from ckpt_manager._store.backends.multipart import abort_upload, list_uploads, upload_buffer
 from ckpt_manager.errors import ObjectExistsError, VersionMismatchError
 
 __all__ = ["S3Backend"]
-
-_CAPABILITIES = Capabilities(
-    local_paths=False,
-    remote=True,
-    progressive_write=False,
-    read_prefetch=3,
-    read_concurrency=32,
-    race_free_exclusive_create=True,
-    race_free_conditional_write=True,
-    shared_across_processes=True,
-)
 
 
 class S3Backend(FsspecBackend):
@@ -50,20 +44,18 @@ class S3Backend(FsspecBackend):
     name: ClassVar[str] = "s3"
     """Registry name."""
     schemes: ClassVar[tuple[str, ...]] = ("s3", "s3a")
-    """URI schemes served by s3fs."""
-
-    @classmethod
-    def open(cls, root_uri: str, storage_options: Mapping[str, Any]) -> S3Backend:
-        """The backend for an `s3://` URI (options: s3fs's, see `_store/options.py`).
-
-        Raises:
-            ValueError: the URI cannot be resolved (s3fs missing, bad options).
-        """
-        return cls(*open_filesystem(root_uri, storage_options))
-
-    @staticmethod
-    def _capabilities_of(protocols: frozenset[str]) -> Capabilities:
-        return _CAPABILITIES
+    """URI schemes served by s3fs (storage options: s3fs's, see `_store/options.py`)."""
+    fixed_capabilities: ClassVar[Capabilities | None] = Capabilities(
+        local_paths=False,
+        remote=True,
+        progressive_write=False,
+        read_prefetch=REMOTE_READ_PREFETCH,
+        read_concurrency=REMOTE_READ_CONCURRENCY,
+        race_free_exclusive_create=True,
+        race_free_conditional_write=True,
+        shared_across_processes=True,
+    )
+    """Race-free conditions decided by the server; remote, so prefetched and retried."""
 
     def write(
         self,

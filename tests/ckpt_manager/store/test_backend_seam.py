@@ -4,19 +4,21 @@ which store a root is on.
 Outside `ckpt_manager/_store/backends/`, no module of `ckpt_manager` may compare anything
 against a protocol name (`"s3"`, `"file"`, `"memory"`, ...: directly, inside a literal tuple or
 set, in a `match` case or a `startswith("s3://")`), hold a literal collection of protocol
-names, read `.protocol` / `.is_local` / `.is_object_store`, or import a filesystem
-implementation (`s3fs`, fsspec's `LocalFileSystem`). Callers ask `Storage.capabilities`
-instead; adding a backend is then one file in `backends/` plus its registration line.
+names, read `.protocol` / `.is_local` / `.is_object_store`, import a filesystem
+implementation (`s3fs`, fsspec's `LocalFileSystem`) or a backend module itself (only the
+registry, `ckpt_manager._store.backends`, is importable from outside). Callers ask
+`Storage.capabilities` instead; adding a backend is then one file in `backends/` plus its
+registration line.
 """
 
 from __future__ import annotations
 
 import ast
-import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[3] / "ckpt_manager"
+from tests.ckpt_manager.test_layering import _modules
+
 BACKENDS_PACKAGE = "ckpt_manager._store.backends"
 
 # Protocol names of fsspec filesystems a checkpoint root could be on (fsspec's registry has
@@ -48,18 +50,6 @@ PROTOCOL_ATTRIBUTES = frozenset({"protocol", "is_local", "is_object_store"})
 FILESYSTEM_MODULES = ("s3fs", "gcsfs", "adlfs", "fsspec.implementations")
 FILESYSTEM_CLASSES = frozenset({"LocalFileSystem", "S3FileSystem", "MemoryFileSystem"})
 _PREFIX_METHODS = frozenset({"startswith", "endswith", "removeprefix", "removesuffix"})
-
-
-def _module_name(path: pathlib.Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
-def _modules() -> dict[str, ast.Module]:
-    return {_module_name(p): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def _protocol_literal(node: ast.AST) -> str | None:
@@ -109,6 +99,8 @@ def _violations_in(module: str, tree: ast.Module) -> list[str]:
             for target in targets:
                 if target.startswith(FILESYSTEM_MODULES) or target in FILESYSTEM_CLASSES:
                     problems.append(f"{where}: imports {target}")
+                elif target.startswith(BACKENDS_PACKAGE + "."):
+                    problems.append(f"{where}: imports {target} (use the registry)")
     return problems
 
 
@@ -183,6 +175,12 @@ def test_the_backends_package_exists() -> None:
             "ckpt_manager._store.storage",
             "def f():\n    import s3fs\n",
             "ckpt_manager._store.storage:2: imports s3fs",
+        ),
+        (
+            "ckpt_manager._store.lease",
+            "from ckpt_manager._store.backends.s3 import S3Backend\n",
+            "ckpt_manager._store.lease:1: imports ckpt_manager._store.backends.s3 "
+            "(use the registry)",
         ),
     ],
 )
