@@ -29,11 +29,11 @@ without one).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ckpt_manager._store.backends.base import BackendFactory, Capabilities, StorageBackend
-from ckpt_manager._store.backends.fsspec import FsspecBackend
+from ckpt_manager._store.backends.fsspec import FsspecBackend, open_filesystem
 from ckpt_manager._store.backends.local import LocalBackend
 from ckpt_manager._store.backends.s3 import S3Backend
 
@@ -76,10 +76,28 @@ def backend_for(uri: str) -> BackendFactory:
 def open_backend(root_uri: str, storage_options: Mapping[str, Any]) -> StorageBackend:
     """Open `root_uri` with the backend that serves its scheme.
 
+    A scheme no backend registers is opened with fsspec; if the filesystem it names is one
+    a registered backend serves (a `LocalFileSystem` subclass under a protocol of its own),
+    that backend gets it, else the generic one.
+
     Raises:
         ValueError: the URI cannot be opened (unknown protocol, missing driver, bad options).
     """
-    return backend_for(root_uri).open(root_uri, storage_options)
+    backend = backend_for(root_uri)
+    if backend is not _FALLBACK:
+        return backend.open(root_uri, storage_options)
+    fs, root = open_filesystem(root_uri, storage_options)
+    for candidate in _fsspec_based():
+        if candidate.serves_filesystem(fs):
+            return candidate(fs, root)
+    return FsspecBackend(fs, root)
+
+
+def _fsspec_based() -> Iterator[type[FsspecBackend]]:
+    """The registered backends built on an fsspec filesystem."""
+    for backend in _REGISTERED:
+        if isinstance(backend, type) and issubclass(backend, FsspecBackend):
+            yield backend
 
 
 def serves_s3(uri: str) -> bool:

@@ -37,6 +37,7 @@ __all__ = [
     "content_version",
     "drain",
     "open_filesystem",
+    "protocols_of",
 ]
 
 # Object stores served by this generic backend (S3 has its own): remote, so transient
@@ -74,7 +75,8 @@ def open_filesystem(root_uri: str, storage_options: Mapping[str, Any]) -> tuple[
     return fs, root.rstrip("/") or "/"
 
 
-def _protocols(fs: Any) -> frozenset[str]:
+def protocols_of(fs: Any) -> frozenset[str]:
+    """Every protocol name an fsspec filesystem answers to."""
     found = fs.protocol if isinstance(fs.protocol, tuple | list) else (fs.protocol,)
     return frozenset(map(str, found))
 
@@ -109,7 +111,7 @@ class FsspecBackend:
         self.fs: Any = fs
         """The fsspec filesystem."""
         self._root = root
-        self._capabilities = self.fixed_capabilities or self._capabilities_of(_protocols(fs))
+        self._capabilities = self.fixed_capabilities or self._capabilities_of(protocols_of(fs))
 
     @classmethod
     def open(cls, root_uri: str, storage_options: Mapping[str, Any]) -> Self:
@@ -119,6 +121,12 @@ class FsspecBackend:
             ValueError: the URI cannot be resolved to a filesystem.
         """
         return cls(*open_filesystem(root_uri, storage_options))
+
+    @classmethod
+    def serves_filesystem(cls, fs: Any) -> bool:
+        """Whether this backend is the one for an opened filesystem reached through an
+        unregistered scheme (see `backends.open_backend`); the generic one serves any."""
+        return True
 
     @staticmethod
     def _capabilities_of(protocols: frozenset[str]) -> Capabilities:

@@ -68,6 +68,11 @@ class LocalBackend(FsspecBackend):
             raise ValueError(f"cannot open checkpoint root {root_uri!r}: not a local path")
         return cls(fs, root)
 
+    @classmethod
+    def serves_filesystem(cls, fs: Any) -> bool:
+        """fsspec's local filesystem, also a subclass under a protocol of its own."""
+        return isinstance(fs, LocalFileSystem)
+
     @staticmethod
     def path_of(uri: str) -> str:
         """The path a local URI names (`file:///data` -> `/data`; a plain path as given)."""

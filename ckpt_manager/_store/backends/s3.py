@@ -20,7 +20,7 @@ import contextlib
 import errno
 import time
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import fsspec.asyn
 
@@ -31,6 +31,7 @@ from ckpt_manager._store.backends.fsspec import (
     REMOTE_READ_PREFETCH,
     FsspecBackend,
     drain,
+    protocols_of,
 )
 from ckpt_manager._store.backends.multipart import abort_upload, list_uploads, upload_buffer
 from ckpt_manager.errors import ObjectExistsError, VersionMismatchError
@@ -56,6 +57,11 @@ class S3Backend(FsspecBackend):
         shared_across_processes=True,
     )
     """Race-free conditions decided by the server; remote, so prefetched and retried."""
+
+    @classmethod
+    def serves_filesystem(cls, fs: Any) -> bool:
+        """s3fs (whose protocols are `s3` and `s3a`)."""
+        return bool(protocols_of(fs) & set(cls.schemes))
 
     def write(
         self,

@@ -46,6 +46,23 @@ def test_every_registered_backend_runs_the_contract_suite() -> None:
     assert registered == set(BACKEND_OF_FIXTURE.values())
 
 
+def test_a_registered_filesystem_under_another_scheme_keeps_its_backend(
+    tmp_path: pathlib.Path,
+) -> None:
+    # `slowfile://` is fsspec's LocalFileSystem under a protocol of its own: local disk, so
+    # the local backend (rename, flock, parent folders made), not the generic one.
+    from ckpt_manager._store.backends.local import LocalBackend
+    from tests.support import slow_fs
+
+    slow_fs.register()
+    st = Storage(f"{slow_fs.PROTOCOL}://{tmp_path / 'slow'}")
+    assert isinstance(st.backend, LocalBackend)
+    assert st.capabilities.local_paths
+    st.write_if("new/folder/doc", b"made", expected_version=None)
+    assert st.read("new/folder/doc") == b"made"
+    assert not Storage(f"memory://{tmp_path}").capabilities.local_paths
+
+
 def test_the_root_is_served_by_its_registered_backend(backend_root: Root) -> None:
     backend = _storage(backend_root).backend
     assert getattr(type(backend), "name", None) == BACKEND_OF_FIXTURE[backend_root.fixture]
