@@ -85,8 +85,8 @@ def write_shard_retrying(
     failure of a remote store (`backend_errors.is_transient`: unreachable, timeouts,
     throttling, 5xx) is retried with backoff (1 s doubling to 30 s; `Storage.retrying`) for
     up to `retry_for_s`, which the trainer sets inside its `write_timeout_s`; refusals (4xx)
-    and local-disk errors fail at once. The upload
-    restarts from the first byte: parts of a failed attempt were aborted with it.
+    and local-disk errors fail at once. The upload restarts from the first byte: parts of a
+    failed attempt were aborted with it.
 
     Args:
         on_retry: called with the error and the delay before each retry (for logging).

@@ -10,8 +10,10 @@ callers ask its `capabilities`, never the protocol.
                     of a local file, listing, deletion, aborting uploads),
                     [Note: the backend contract], Capabilities, BackendFactory.
     fsspec.py       FsspecBackend: any fsspec filesystem (`memory://`, `gs://`, ...), the
-                    fallback for every scheme not registered below, and the base of the
-                    two backends that follow; check-then-write under a process mutex.
+                    fallback for every scheme not registered below (unless the filesystem
+                    it opens is one a registered backend serves: `open_backend`), and the
+                    base of the two backends that follow; check-then-write under a
+                    process mutex.
     local.py        LocalBackend: temp file + fsync + rename/link, O_DIRECT, flock.
     s3.py           S3Backend: uploads from the buffer, If-None-Match / If-Match, aborting
                     incomplete uploads, SeaweedFS's folder keys.
