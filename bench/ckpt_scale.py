@@ -386,7 +386,7 @@ def seed_steps(storage: Any, num_steps: int) -> float:
     started = time.perf_counter()
     blobs = {(s + 1) * 100: _tiny_manifest((s + 1) * 100) for s in range(num_steps)}
     names = {s: f"{step_dir(s)}/{MANIFEST_NAME}" for s in blobs}
-    if storage.is_local:
+    if storage.capabilities.local_paths:
         for s, blob in blobs.items():  # plain writes: fsync per seeded file is not the subject
             os.makedirs(os.path.dirname(storage.path(names[s])), exist_ok=True)
             with open(storage.path(names[s]), "wb") as f:
@@ -394,7 +394,7 @@ def seed_steps(storage: Any, num_steps: int) -> float:
     else:
         items = list(blobs.items())
         for i in range(0, len(items), 1000):
-            storage.fs.pipe({storage.path(names[s]): b for s, b in items[i : i + 1000]})
+            storage.backend.fs.pipe({storage.path(names[s]): b for s, b in items[i : i + 1000]})
     entries = {
         s: entry_from_manifest(Manifest.from_json(b), manifest_bytes=len(b))
         for s, b in blobs.items()
@@ -440,7 +440,7 @@ def measure_list(backend: Backend, num_steps: int, *, compare: bool = True) -> d
         storage.remove(CATALOG_NAME)
         without = one_list()  # reads every manifest, then writes the catalog again
         repaired = storage.exists(CATALOG_NAME)
-    if not storage.is_object_store:  # the server's data goes with it; memory:// must be freed
+    if not storage.capabilities.remote:  # the server's data goes with it; memory:// must be freed
         storage.remove_tree("")
     best = min(with_catalog)
     return {

@@ -52,7 +52,7 @@ if path == "new":
     write_shard(storage, "step-1/shard.bin", view, chunk_bytes=chunk, concurrency=concurrency)
 else:  # the code of Storage._write_s3 before #13 item 9
     crc32(view)
-    storage.fs.pipe_file(
+    storage.backend.fs.pipe_file(
         storage.path("step-1/shard.bin"),
         bytes(view),
         mode="overwrite",

@@ -80,7 +80,7 @@ def _slab(nbytes: int) -> tuple[int, mmap.mmap]:
 
 
 def _direct_write(directory: str, data: memoryview) -> None:
-    from ckpt_manager._store.direct_write import write_at_start
+    from ckpt_manager._store.backends.direct_write import write_at_start
 
     fd, path = tempfile.mkstemp(dir=directory, prefix="save-cpu-floor-")
     try:

@@ -19,9 +19,10 @@ Package layout (one line per sub-package; each sub-package's docstring lists its
       _format/      what the bytes mean: layout names, manifest (format 1 read only), rank
                     index, state tree, shard file, dtypes, checksums, DTensor pieces, names
                     (imports none of its siblings)
-      _store/       where bytes go: storage front, S3 options, multipart, step folders,
-                    root catalog, listing, pins, lease, index I/O, the one manifest
-                    publication (imports only `_format`)
+      _store/       where bytes go: the storage front over its backends (local disk, S3, any
+                    fsspec filesystem), S3 options, step folders, root catalog, listing,
+                    pins, lease, index I/O, the one manifest publication (imports only
+                    `_format`)
       _retention/   which steps to keep: the policy registry, one module per policy, the
                     root's retention record, the deleter
       ctl/          the `ckptctl` CLI and its UsageError (the engine never imports it)

@@ -102,7 +102,7 @@ class CheckpointManager:
         self.config = config if config is not None else CheckpointConfig()
         self._storage = Storage(root_uri, self.config.storage_options)
         if (
-            not self._storage.shared_across_processes
+            not self._storage.capabilities.shared_across_processes
             and self.config.async_mode is not AsyncMode.SYNC
         ):
             raise ValueError(

@@ -173,7 +173,7 @@ class Deleter:
                     continue  # restored from since the plan was made
                 self._delete_step(s)
         # Uploads of writers killed mid-upload, under folders that may hold nothing else
-        # (see [Note: orphaned multipart uploads] in `_store/multipart.py`); no save is in
+        # (see [Note: orphaned multipart uploads] in `_store/backends/multipart.py`); no save is in
         # flight, and the grace period covers a writer of another rank still winding down.
         if self._saving() or self._stop.is_set():
             return

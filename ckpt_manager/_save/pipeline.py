@@ -110,7 +110,8 @@ class LocalPipeline:
     def _stage_and_dispatch(self, request: SaveRequest) -> None:
         """Staging-thread job (inline in sync mode): copy, then hand to the writer.
 
-        [Note: streamed writes] To local disk, a writer process gets the request before the
+        [Note: streamed writes] To local disk (a store with
+        `capabilities.progressive_write`), a writer process gets the request before the
         copy starts and writes each part of the file as soon as it is staged (progress
         messages every 32 MiB), so the write overlaps the copy instead of following it.
         Object stores upload whole parts after the copy, so they gain nothing from it.
@@ -170,7 +171,7 @@ class LocalPipeline:
     def _streams(self, request: SaveRequest) -> bool:
         return (
             self._config.async_mode is not AsyncMode.SYNC
-            and self._storage.is_local
+            and self._storage.capabilities.progressive_write
             and request.file_name is not None
         )
 

@@ -49,18 +49,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import Any
 
 from ckpt_manager._format.pieces import FileEntry
-from ckpt_manager._store.backend_errors import is_transient
 from ckpt_manager._store.indexes import write_finished_index
 from ckpt_manager._store.storage import Storage
 
 __all__ = ["FAULT_ENV", "main", "write_shard", "write_shard_retrying"]
 
 FAULT_ENV = "CKPT_MANAGER_WRITER_FAULT"
-_MAX_RETRY_DELAY_S = 30.0
-_T = TypeVar("_T")
 
 
 def write_shard_retrying(
@@ -77,7 +74,7 @@ def write_shard_retrying(
     spread_prefixes: int = 0,
 ) -> tuple[int, FileEntry | None]:
     """`write_shard` to an object store, retried while the store is only unreachable; then
-    the rank's index object (`index_json`: `rank_index.write_finished_index`, recording the
+    the rank's index object (`index_json`: `indexes.write_finished_index`, recording the
     shard's size and its staged `checksum`), retried the same way within the same
     `retry_for_s`. Returns the shard's size and the index's entry (None without
     `index_json`).
@@ -85,55 +82,31 @@ def write_shard_retrying(
     [Note: a store outage is waited out, not failed] botocore's own retries give up within
     seconds, so without this a restart of the object store or a network blip fails every
     save in flight, and `max_consecutive_save_failures` saves later the run. A transient
-    failure (`backend_errors.is_transient`: unreachable, timeouts, throttling, 5xx) is retried with
-    backoff (1 s doubling to 30 s) for up to `retry_for_s`, which the trainer sets inside
-    its `write_timeout_s`; refusals (4xx) and local-disk errors fail at once. The upload
-    restarts from the first byte: parts of a failed attempt were aborted with it.
+    failure of a remote store (`backend_errors.is_transient`: unreachable, timeouts,
+    throttling, 5xx) is retried with backoff (1 s doubling to 30 s; `Storage.retrying`) for
+    up to `retry_for_s`, which the trainer sets inside its `write_timeout_s`; refusals (4xx)
+    and local-disk errors fail at once. The upload restarts from the first byte: parts of a
+    failed attempt were aborted with it.
 
     Args:
         on_retry: called with the error and the delay before each retry (for logging).
     """
     deadline = time.monotonic() + retry_for_s
-    size = _retrying(
-        storage,
-        deadline,
-        on_retry,
+    size = storage.retrying(
         lambda: write_shard(storage, name, data, chunk_bytes=chunk_bytes, concurrency=concurrency),
+        deadline=deadline,
+        on_retry=on_retry,
     )
     if index_json is None:
         return size, None
-    index = _retrying(
-        storage,
-        deadline,
-        on_retry,
+    index = storage.retrying(
         lambda: write_finished_index(
             storage, index_json, size, checksum, spread_prefixes=spread_prefixes
         ),
+        deadline=deadline,
+        on_retry=on_retry,
     )
     return size, index
-
-
-def _retrying(
-    storage: Storage,
-    deadline: float,
-    on_retry: Callable[[BaseException, float], None] | None,
-    action: Callable[[], _T],
-) -> _T:
-    """`action()`, retried on transient object-store errors until `deadline` (see [Note: a
-    store outage is waited out, not failed])."""
-    delay = 1.0
-    while True:
-        try:
-            return action()
-        except Exception as err:
-            if not storage.is_object_store or not is_transient(err):
-                raise
-            if time.monotonic() + delay > deadline:
-                raise
-            if on_retry is not None:
-                on_retry(err, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, _MAX_RETRY_DELAY_S)
 
 
 def write_shard(

@@ -3,17 +3,20 @@
 It imports only `_format` (what the bytes mean) among its siblings: both paths and the CLI
 build on it, never the other way round. Torch-free, so `ckptctl list/show/verify` start fast.
 
-    storage.py      Storage: every URL/path operation (fsspec), atomic + exclusive writes,
-                    conditional writes (read_with_version / write_if),
-                    multipart uploads, error translation.
-    multipart.py    S3 uploads straight from a buffer (no copy), aborted on failure;
-                    listing and aborting incomplete uploads left by killed writers.
+    storage.py      Storage, the front every caller uses: names validated and joined to
+                    the root, backend errors translated, transient failures of remote
+                    stores retried (`retrying`), `capabilities` (callers ask these, never
+                    the protocol).
+    backends/       the backend seam (base.py: the StorageBackend Protocol, Capabilities)
+                    and one module per store: local.py (rename/link, O_DIRECT, flock),
+                    s3.py (uploads from the buffer, If-None-Match / If-Match; its
+                    multipart.py), fsspec.py (any other fsspec filesystem, memory://
+                    included); the registry picks one by URI scheme. The only place that
+                    knows protocols (an ast test enforces it).
     backend_errors.py  backend errors into the StorageError tree; transient, precondition
                     and version-conflict replies of object stores.
     options.py      S3Options: fsspec options for s3:// roots, shared by the daemon's
                     start-up checks and `ckptctl`.
-    direct_write.py large local writes with O_DIRECT from page-aligned slabs, buffered tail
-                    and fallback.
     indexes.py      rank index objects on storage: the writer's write with the shard file's
                     final size and checksum, checked reads, complete_manifest for tools.
     steps.py        the step folders: listing steps, manifest reading, file verification,

@@ -1,10 +1,11 @@
 """Backend errors at the storage edge: translation into the `StorageError` tree, and what
 the replies of an object store mean (transient, a failed condition, a version conflict).
 
-`storage.py` is the only caller for translation; `is_transient` is also read by the writer,
-which waits out transient failures ([Note: a store outage is waited out, not failed] in
-`_save/writer.py`). Nothing here imports botocore: errors are recognised by class name and
-by the botocore-style `response` dict, so aiobotocore and other S3 clients work alike.
+`storage.py` is the only caller for translation, and reads `is_transient` to wait out
+transient failures of remote stores (`Storage.retrying`; [Note: a store outage is waited
+out, not failed] in `_save/writer.py`); the S3 backend reads the condition replies.
+Nothing here imports botocore: errors are recognised by class name and by the
+botocore-style `response` dict, so aiobotocore and other S3 clients work alike.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The daemon (its start-up checks and the manager's `storage_options`) and `ckptctl` (its global
 `--endpoint-url/--profile/--region/--anon` flags) both describe an S3 endpoint; this module is
 the only one that turns such a description into s3fs's keyword arguments, so a new option or
-an object-store quirk is handled once.
+an object-store quirk is handled once. Which URIs are S3 roots is the backend registry's
+answer (`_store/backends/`), not a list kept here.
 """
 
 from __future__ import annotations
@@ -12,17 +13,10 @@ import dataclasses
 import os
 from typing import Any
 
-__all__ = ["ENDPOINT_ENV", "S3_SCHEMES", "S3Options", "uri_scheme"]
+__all__ = ["ENDPOINT_ENV", "S3Options"]
 
-S3_SCHEMES = ("s3", "s3a")
-"""URI schemes served by s3fs."""
 ENDPOINT_ENV = "AWS_ENDPOINT_URL"
 """The AWS SDKs' standard variable for an S3-compatible endpoint."""
-
-
-def uri_scheme(uri: str) -> str:
-    """The scheme of `uri` (`file` for a plain path)."""
-    return uri.split("://", 1)[0] if "://" in uri else "file"
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -61,7 +55,10 @@ class S3Options:
     @staticmethod
     def serves(uri: str) -> bool:
         """Whether `uri` is an S3 root (`s3://`, `s3a://`), which these options describe."""
-        return uri_scheme(uri) in S3_SCHEMES
+        # Imported here: the registry loads fsspec, which `import ckpt_manager` does not need.
+        from ckpt_manager._store.backends import serves_s3
+
+        return serves_s3(uri)
 
     def fsspec_options(self, uri: str) -> dict[str, Any]:
         """fsspec options for `uri`: these S3 settings for `s3://` URIs, nothing for others."""

@@ -126,7 +126,7 @@ def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:
     first guarantees a step folder is never written twice. For the same reason every
     incomplete multipart upload under the root is aborted: no writer of this run exists yet,
     so each one was left by a writer killed mid-upload (see [Note: orphaned multipart
-    uploads] in `multipart.py`).
+    uploads] in `backends/multipart.py`).
 
     Returns:
         `(newest committed step, its commit time)`, or None when nothing is committed.
@@ -181,7 +181,7 @@ def remove_uncommitted_step(storage: Storage, step: int) -> bool:
 
     The incomplete multipart uploads under the folder are aborted first: the caller has made
     sure no writer still writes there (a writer killed mid-upload leaves its upload behind;
-    see [Note: orphaned multipart uploads] in `multipart.py`).
+    see [Note: orphaned multipart uploads] in `backends/multipart.py`).
 
     Returns:
         True when the folder is gone (or never existed), False when it holds a manifest and

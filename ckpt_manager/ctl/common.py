@@ -1,6 +1,6 @@
 """What every `ckptctl` command shares: storage options, opening a root, resolving steps.
 
-Storage itself (paths, fsspec, error translation) lives in `_store/storage.py` and S3 options
+Storage itself (paths, backends, error translation) lives in `_store/storage.py` and S3 options
 in `_store/options.py`; this module only maps command-line flags onto those and turns the few
 failures an operator can fix (unknown scheme, missing bucket, missing path, no credentials)
 into one-line messages.
@@ -105,21 +105,8 @@ def open_root(uri: str, flags: StorageFlags, *, must_exist: bool = True) -> Stor
             f"{uri}: {hint} (use a local path or s3://bucket/prefix): {err.__cause__ or err}"
         ) from err
     if must_exist and not storage.exists(""):
-        raise StorageError(2, f"{uri}: {_missing_what(storage)}")
+        raise StorageError(2, f"{uri}: {storage.describe_missing_root()}")
     return storage
-
-
-def _missing_what(storage: Storage) -> str:
-    if storage.is_object_store:
-        bucket = storage.root.split("/", 1)[0]
-        try:
-            bucket_exists = bool(storage.fs.exists(bucket))
-        except Exception:  # a bucket we may not list reads as missing here, same advice
-            bucket_exists = False
-        if not bucket_exists:
-            return f"bucket {bucket!r} does not exist (or these credentials cannot see it)"
-        return "no such prefix in the bucket (no checkpoint was written there)"
-    return "no such file or directory"
 
 
 def nearest_steps(steps: Sequence[int], step: int, count: int = 3) -> list[int]:
@@ -164,22 +151,24 @@ def resolve_step(storage: Storage, spec: str | int | None) -> tuple[int, Manifes
 
 
 def committed_of(storage: Storage, steps: Sequence[int]) -> list[int]:
-    """The steps (ascending) whose manifest exists, probed in parallel on object stores."""
+    """The steps (ascending) whose manifest exists, probed in parallel on remote stores."""
     names = [f"{step_dir(s)}/{MANIFEST_NAME}" for s in steps]
     found = parallel_map(storage.exists, names, storage)
     return [s for s, ok in zip(steps, found, strict=True) if ok]
 
 
 def parallel_map(fn: Any, items: Sequence[Any], storage: Storage) -> list[Any]:
-    """`[fn(x) for x in items]`, on a thread pool for object stores (latency-bound reads).
+    """`[fn(x) for x in items]`, on a thread pool where the store's reads are latency-bound
+    (`capabilities.read_concurrency` threads at most).
 
     Exceptions are returned in place of results, so one bad item never hides the others.
     """
-    if not storage.is_object_store or len(items) < 2:
+    workers = min(storage.capabilities.read_concurrency, len(items))
+    if workers < 2:
         return [_call(fn, x) for x in items]
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=min(32, len(items)), thread_name_prefix="ckptctl") as pool:
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptctl") as pool:
         return list(pool.map(lambda x: _call(fn, x), items))
 
 

@@ -142,7 +142,7 @@ class Streamer:
         self.m = m
         self.chunk_bytes = chunk_bytes
         self.progress = progress
-        self.prefetch = 3 if storage.is_object_store else 0
+        self.prefetch = storage.capabilities.read_prefetch
 
     def write_tensor(self, src: TensorSource, out: Any) -> None:
         with ThreadPoolExecutor(

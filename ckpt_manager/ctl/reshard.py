@@ -176,7 +176,7 @@ def _write_file(
     crc = checksum(SAVE_ALGORITHM, layout.header)
     out.write(layout.header)
     written = len(layout.header)
-    prefetch = 3 if storage.is_object_store else 0
+    prefetch = storage.capabilities.read_prefetch
     with ThreadPoolExecutor(
         max_workers=max(1, prefetch), thread_name_prefix="ckptctl-read"
     ) as pool:
@@ -342,7 +342,7 @@ def _already_committed(dest: Storage, step: int) -> ObjectExistsError:
 
 def _tmp_dir(dest: Storage) -> str | None:
     """Temporaries beside a local destination (same disk), else the system temp folder."""
-    if dest.is_local:
+    if dest.capabilities.local_paths:
         os.makedirs(dest.path(), exist_ok=True)
         return dest.path()
     return None

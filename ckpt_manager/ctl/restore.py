@@ -24,6 +24,7 @@ import sys
 from collections.abc import Iterator
 
 from ckpt_manager._format.manifest import Manifest
+from ckpt_manager._store.backends import local_path
 from ckpt_manager._store.steps import verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import StorageFlags, open_root, resolve_step
@@ -98,7 +99,7 @@ class RestoreRequest:
                 raise UsageError("--max-shard-size applies to --format safetensors only")
             parse_size(self.max_shard_size)
         local_dir = self.format == OutputFormat.DCP or self.max_shard_size is not None
-        if local_dir and "://" in self.to and not self.to.startswith("file://"):
+        if local_dir and local_path(self.to) is None:
             raise UsageError(
                 f"--to {self.to}: this format writes a directory on local disk; write it "
                 "locally and copy it"
@@ -133,7 +134,7 @@ def run_restore(req: RestoreRequest, flags: StorageFlags) -> Iterator[str]:
     if kind is OutputFormat.CHECKPOINT:
         assert req.world_size is not None
         dest = open_root(req.to, flags, must_exist=False)
-        if dest.protocol == source.protocol and dest.root == source.root:
+        if dest.same_root_as(source):
             raise UsageError("--to is the source root: write the resharded step elsewhere")
         plan = plan_reshard(manifest, req.world_size)
         progress = Progress(plan.num_bytes, req.world_size)
@@ -191,7 +192,8 @@ def _export_directory(
     req: RestoreRequest, source: Storage, manifest: Manifest, sel: Selection, total: int
 ) -> str:
     """DCP or sharded safetensors: a local directory, empty unless `--force`."""
-    directory = req.to.removeprefix("file://")
+    directory = local_path(req.to)
+    assert directory is not None  # RestoreRequest refused other destinations
     if os.path.isfile(directory):
         raise UsageError(f"--to {directory}: is a file; this format writes a directory")
     if os.path.isdir(directory) and os.listdir(directory):

@@ -53,13 +53,13 @@ class OutputFile:
         """The destination's folder."""
         if not overwrite and self.storage.exists(self.name):
             raise UsageError(f"--to {uri}: the file exists; pass --force to overwrite it")
-        if self.storage.is_local:
+        if self.storage.capabilities.local_paths:
             os.makedirs(self.storage.path(), exist_ok=True)
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[str]:
         """A local path to write the whole file to; published when the block exits cleanly."""
-        if self.storage.is_local:
+        if self.storage.capabilities.local_paths:
             tmp = f"{self.storage.path(self.name)}.tmp-{uuid.uuid4().hex[:12]}"
         else:
             fd, tmp = tempfile.mkstemp(prefix="ckptctl-", suffix=f"-{self.name}")

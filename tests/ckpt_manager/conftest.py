@@ -15,7 +15,10 @@ import torch
 
 from ckpt_manager._types import SaveReport
 
-BACKENDS = ["local", "memory", "moto", "seaweed"]
+# Each `backend_root` fixture and the registered backend (`_store/backends/`) it runs the
+# storage contract suite over; every registered backend needs at least one (a test checks).
+BACKEND_OF_FIXTURE = {"local": "local", "memory": "fsspec", "moto": "s3", "seaweed": "s3"}
+BACKENDS = list(BACKEND_OF_FIXTURE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +37,8 @@ class Root:
 
     uri: str
     storage_options: dict[str, Any]
+    fixture: str = ""
+    """The `backend_root` parameter that made it (`local`, `memory`, `moto`, `seaweed`)."""
 
 
 class Reports:
@@ -53,20 +58,20 @@ def backend_root(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Root
     """The same root contract on local disk, memory://, moto S3 and SeaweedFS."""
     name = request.param
     if name == "local":
-        yield Root(str(tmp_path / "ckpt"), {})
+        yield Root(str(tmp_path / "ckpt"), {}, name)
     elif name == "memory":
         uri = f"memory://ckpt-{uuid.uuid4().hex}"
-        yield Root(uri, {})
+        yield Root(uri, {}, name)
         import fsspec
 
         with contextlib.suppress(FileNotFoundError):
             fsspec.filesystem("memory").rm(uri.removeprefix("memory://"), recursive=True)
     elif name == "moto":
         target = request.getfixturevalue("s3")
-        yield Root(f"{target.uri}/ckpt", dict(target.storage_options))
+        yield Root(f"{target.uri}/ckpt", dict(target.storage_options), name)
     else:
         target = request.getfixturevalue("seaweed")
-        yield Root(f"{target.uri}/ckpt-{uuid.uuid4().hex[:8]}", dict(target.storage_options))
+        yield Root(f"{target.uri}/ckpt-{uuid.uuid4().hex[:8]}", dict(target.storage_options), name)
 
 
 @pytest.fixture

@@ -203,7 +203,7 @@ def _incomplete_uploads(target: Any, prefix: str) -> list[str]:
 
 
 def test_writer_sigkilled_mid_upload_leaves_no_incomplete_upload(s3: Any) -> None:
-    # [Note: orphaned multipart uploads] in `_store/multipart.py`. A slow link (4 MiB/s)
+    # [Note: orphaned multipart uploads] in `_store/backends/multipart.py`. A slow link (4 MiB/s)
     # keeps the 24 MiB shard's upload in flight for seconds; the writer is killed from
     # outside once the server has its upload, and the failed save must abort it.
     prefix = f"killed-{uuid.uuid4().hex[:8]}"

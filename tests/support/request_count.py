@@ -19,6 +19,7 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ckpt_manager._store.backends.s3 import S3Backend
 from ckpt_manager._store.storage import Storage
 
 __all__ = ["RequestCounter", "count_requests"]
@@ -90,7 +91,7 @@ def _counted(counter: RequestCounter, name: str, method: Callable[..., Any]) -> 
 @contextlib.contextmanager
 def count_requests(storage: Storage) -> Iterator[RequestCounter]:
     """Count what `storage` (this instance) does inside the block."""
-    is_s3 = storage.protocol in ("s3", "s3a")
+    is_s3 = isinstance(storage.backend, S3Backend)
     counter = RequestCounter(is_s3=is_s3)
     for name in _COUNTED:
         setattr(storage, name, _counted(counter, name, getattr(storage, name)))
@@ -100,8 +101,8 @@ def count_requests(storage: Storage) -> Iterator[RequestCounter]:
         counter.http[event_name.rsplit(".", 1)[-1]] += 1
 
     if is_s3:
-        storage.fs.connect()  # the client exists only after the first request otherwise
-        events = storage.fs.s3.meta.events
+        storage.backend.fs.connect()  # the client exists only after the first request otherwise
+        events = storage.backend.fs.s3.meta.events
         events.register("before-send.s3", on_send)
     try:
         yield counter

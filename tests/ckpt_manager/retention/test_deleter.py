@@ -182,12 +182,12 @@ def test_gc_of_uncommitted_leftovers_keeps_a_folder_committed_meanwhile(
 def test_gc_aborts_incomplete_uploads_past_the_grace_period(seaweed: Any) -> None:
     # A writer killed mid-upload leaves an upload that no folder listing shows; the GC aborts
     # it once it is older than the grace period, never before ([Note: orphaned multipart
-    # uploads] in `_store/multipart.py`). SeaweedFS dates uploads (moto says 2010 for all).
+    # uploads] in `_store/backends/multipart.py`). SeaweedFS dates uploads (moto says 2010 for all).
     st = Storage(f"{seaweed.uri}/gc-uploads-{uuid.uuid4().hex[:8]}", seaweed.storage_options)
-    bucket, root_key, _ = st.fs.split_path(st.root)
+    bucket, root_key, _ = st.backend.fs.split_path(st.root)
     sync(
-        st.fs.loop,
-        st.fs._call_s3,
+        st.backend.fs.loop,
+        st.backend.fs._call_s3,
         "create_multipart_upload",
         Bucket=bucket,
         Key=f"{root_key}/{step_dir(3)}/{shard_file_name(0)}",
@@ -195,8 +195,8 @@ def test_gc_aborts_incomplete_uploads_past_the_grace_period(seaweed: Any) -> Non
 
     def num_uploads() -> int:
         out = sync(
-            st.fs.loop,
-            st.fs._call_s3,
+            st.backend.fs.loop,
+            st.backend.fs._call_s3,
             "list_multipart_uploads",
             Bucket=bucket,
             Prefix=f"{root_key}/",

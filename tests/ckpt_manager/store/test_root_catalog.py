@@ -218,7 +218,7 @@ def test_concurrent_writers_lose_no_entry(tmp_path: pathlib.Path) -> None:
 @pytest.mark.s3
 def test_list_of_50_steps_on_s3_takes_a_constant_number_of_requests(s3: S3Target) -> None:
     storage = Storage(f"{s3.uri}/runs", s3.storage_options)
-    storage.fs.pipe(
+    storage.backend.fs.pipe(
         {storage.path(f"{step_dir(s)}/{MANIFEST_NAME}"): _tiny_manifest(s) for s in range(1, 51)}
     )
     flags = RetentionFlags()

@@ -1,14 +1,27 @@
-"""Storage contract: one suite on local disk, memory://, moto S3 and SeaweedFS."""
+"""Storage contract: one suite over every registered backend (`_store/backends/`): local
+disk, `memory://` (the generic fsspec backend), moto S3 and SeaweedFS (the S3 backend).
+
+The tests that start with `test_capability_` check each `Capabilities` field against what
+the store does, so a backend that claims a capability it lacks fails here.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import subprocess
+import sys
+import textwrap
 import threading
+import time
+from collections.abc import Iterator
 
 import pytest
 
 from ckpt_manager._format.names import validate_relative_name
+from ckpt_manager._store import storage as storage_module
+from ckpt_manager._store.backends import registered_backends
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import (
     ObjectExistsError,
@@ -16,13 +29,43 @@ from ckpt_manager.errors import (
     StorageError,
     VersionMismatchError,
 )
-from tests.ckpt_manager.conftest import Root
+from tests.ckpt_manager.conftest import BACKEND_OF_FIXTURE, Root
 
 pytestmark = pytest.mark.s3
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _storage(root: Root) -> Storage:
     return Storage(root.uri, root.storage_options)
+
+
+def test_every_registered_backend_runs_the_contract_suite() -> None:
+    # A backend added to the registry without a `backend_root` fixture fails here.
+    registered = {b.name for b in registered_backends()}
+    assert registered == set(BACKEND_OF_FIXTURE.values())
+
+
+def test_a_registered_filesystem_under_another_scheme_keeps_its_backend(
+    tmp_path: pathlib.Path,
+) -> None:
+    # `slowfile://` is fsspec's LocalFileSystem under a protocol of its own: local disk, so
+    # the local backend (rename, flock, parent folders made), not the generic one.
+    from ckpt_manager._store.backends.local import LocalBackend
+    from tests.support import slow_fs
+
+    slow_fs.register()
+    st = Storage(f"{slow_fs.PROTOCOL}://{tmp_path / 'slow'}")
+    assert isinstance(st.backend, LocalBackend)
+    assert st.capabilities.local_paths
+    st.write_if("new/folder/doc", b"made", expected_version=None)
+    assert st.read("new/folder/doc") == b"made"
+    assert not Storage(f"memory://{tmp_path}").capabilities.local_paths
+
+
+def test_the_root_is_served_by_its_registered_backend(backend_root: Root) -> None:
+    backend = _storage(backend_root).backend
+    assert getattr(type(backend), "name", None) == BACKEND_OF_FIXTURE[backend_root.fixture]
 
 
 def test_write_read_roundtrip_and_ranges(backend_root: Root) -> None:
@@ -167,8 +210,8 @@ def test_put_file_publishes_whole_and_streams_multipart(
     assert st.size("out/big.bin") == len(payload)
     st.put_file(str(again), "out/big.bin")
     assert st.read("out/big.bin") == b"second"
-    if st.is_local:  # no temporaries left next to the published file
-        assert os.listdir(tmp_path / "ckpt" / "out") == ["big.bin"]
+    if st.capabilities.local_paths:  # no temporaries left next to the published file
+        assert os.listdir(os.path.dirname(st.path("out/big.bin"))) == ["big.bin"]
 
 
 def test_put_file_across_filesystems_copies_then_moves(tmp_path: pathlib.Path) -> None:
@@ -201,7 +244,190 @@ def test_backend_errors_are_translated(tmp_path: object) -> None:
         "config_kwargs": {"connect_timeout": 1, "retries": {"max_attempts": 1}},
     }
     st = Storage("s3://bucket/x", options)
-    assert st.is_object_store
-    st.fs.retries = 1
+    assert st.capabilities.remote
+    st.backend.fs.retries = 1
     with pytest.raises(StorageError, match="failed"):
         st.read("obj")
+
+
+def test_same_root_as_compares_the_store_and_the_path(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    assert st.same_root_as(Storage(backend_root.uri, backend_root.storage_options))
+    assert not st.same_root_as(Storage(f"{backend_root.uri}/other", backend_root.storage_options))
+    # The same path on another store is another root.
+    elsewhere = "memory://" if st.capabilities.local_paths else "file://"
+    assert not st.same_root_as(Storage(f"{elsewhere}{st.root}"))
+
+
+def test_describe_missing_root_names_what_is_missing(backend_root: Root) -> None:
+    st = Storage(f"{backend_root.uri}/never-written", backend_root.storage_options)
+    assert not st.exists("")
+    reason = st.describe_missing_root()
+    if st.capabilities.remote:  # the bucket is there, the prefix is not
+        assert reason == "no such prefix in the bucket (no checkpoint was written there)"
+    else:
+        assert reason == "no such file or directory"
+
+
+def test_capability_local_paths_are_real_files(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    st.write("cap/obj.bin", b"on this host?")
+    if st.capabilities.local_paths:
+        with open(st.path("cap/obj.bin"), "rb") as f:
+            assert f.read() == b"on this host?"
+    else:
+        assert not os.path.exists(st.path("cap/obj.bin"))
+
+
+def test_capability_progressive_write_sends_parts_as_they_become_final(
+    backend_root: Root,
+) -> None:
+    st = _storage(backend_root)
+    payload = bytearray(os.urandom(3 << 20))
+    half = len(payload) // 2
+    name = "cap/staged.bin"
+    seen: list[tuple[bool, int]] = []  # (published, bytes in a temporary), after each count
+
+    def observe() -> tuple[bool, int]:
+        temporaries = 0
+        if st.capabilities.local_paths:
+            folder = os.path.dirname(st.path(name))
+            for entry in os.listdir(folder) if os.path.isdir(folder) else []:
+                if entry.startswith("staged.bin.tmp-"):
+                    temporaries += os.path.getsize(os.path.join(folder, entry))
+        return st.exists(name), temporaries
+
+    def counts() -> Iterator[int]:
+        yield half
+        seen.append(observe())  # the consumer took the first count and asks for the next
+        yield len(payload)
+        seen.append(observe())
+
+    st.write(name, memoryview(payload), staged=counts())
+    assert st.read(name) == bytes(payload)
+    assert [published for published, _ in seen] == [False, False]
+    if st.capabilities.progressive_write:
+        assert st.capabilities.local_paths, "observe a progressive write on this store too"
+        assert seen[0][1] >= half, seen
+        assert seen[1][1] == len(payload), seen
+    else:  # nothing was written before the last count
+        assert [temporaries for _, temporaries in seen] == [0, 0]
+
+
+def test_capability_remote_stores_wait_out_transient_failures(
+    backend_root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    st = _storage(backend_root)
+    slept: list[float] = []
+    monkeypatch.setattr(storage_module.time, "sleep", slept.append)
+    calls: list[int] = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ConnectionError("connection reset by peer")
+        return "done"
+
+    retried: list[str] = []
+    deadline = time.monotonic() + 60
+    if st.capabilities.remote:
+        assert st.retrying(flaky, deadline=deadline, on_retry=lambda e, d: retried.append(str(e)))
+        assert retried == ["connection reset by peer"]
+        assert slept == [1.0]
+    else:
+        with pytest.raises(ConnectionError):
+            st.retrying(flaky, deadline=deadline)
+        assert len(calls) == 1
+    # A refusal is never retried, on any store.
+    calls.clear()
+
+    def refused() -> None:
+        calls.append(1)
+        raise PermissionError("access denied")
+
+    with pytest.raises(PermissionError):
+        st.retrying(refused, deadline=deadline)
+    assert len(calls) == 1
+
+
+def test_capability_read_hints_fit_the_store(backend_root: Root) -> None:
+    caps = _storage(backend_root).capabilities
+    # Remote reads are latency-bound: prefetched and concurrent; local ones are not.
+    assert (caps.read_prefetch > 0) == caps.remote
+    assert (caps.read_concurrency > 1) == caps.remote
+
+
+_RACER = textwrap.dedent(
+    """
+    import json, sys
+    from ckpt_manager._store.storage import Storage
+    from ckpt_manager.errors import ObjectExistsError, VersionMismatchError
+
+    uri, options, who = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    st = Storage(uri, options)
+    st.exists("warm-up")  # client and event loop set up before the start
+    print("ready", flush=True)
+    sys.stdin.readline()  # the start: every racer is ready
+    won = {}
+    try:
+        st.write_if("race/doc", f"doc {who}".encode(), expected_version=None)
+        won["doc"] = True
+    except VersionMismatchError:
+        won["doc"] = False
+    try:
+        st.write("race/marker", f"marker {who}".encode(), exclusive=True)
+        won["marker"] = True
+    except ObjectExistsError:
+        won["marker"] = False
+    print(json.dumps(won))
+    """
+)
+
+
+def test_capability_other_processes_share_the_root_and_race_fairly(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    caps = st.capabilities
+    num = 2
+    racers = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                _RACER,
+                backend_root.uri,
+                json.dumps(backend_root.storage_options),
+                str(i),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        for i in range(num)
+    ]
+    for racer in racers:
+        assert racer.stdout is not None
+        assert racer.stdout.readline().strip() == "ready"
+    for racer in racers:
+        assert racer.stdin is not None
+        racer.stdin.write("go\n")
+        racer.stdin.flush()
+    results = []
+    for racer in racers:
+        out, err = racer.communicate(timeout=120)
+        assert racer.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    doc_winners = [i for i, r in enumerate(results) if r["doc"]]
+    marker_winners = [i for i, r in enumerate(results) if r["marker"]]
+    if not caps.shared_across_processes:
+        # Each process has a store of its own: every racer wins, none is seen here.
+        assert len(doc_winners) == len(marker_winners) == num
+        assert not st.exists("race/doc")
+        assert not st.exists("race/marker")
+        return
+    # Race-free: exactly one racer wins each; otherwise a late one may overwrite an early one.
+    assert len(doc_winners) == 1 if caps.race_free_conditional_write else doc_winners, results
+    assert len(marker_winners) == 1 if caps.race_free_exclusive_create else marker_winners
+    assert st.read("race/doc") in {f"doc {i}".encode() for i in doc_winners}
+    assert st.read("race/marker") in {f"marker {i}".encode() for i in marker_winners}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 from fsspec.asyn import sync
 
-from ckpt_manager._store.multipart import (
+from ckpt_manager._store.backends.multipart import (
     MAX_PARTS,
     MIN_PART_BYTES,
     BufferReader,
@@ -29,7 +30,7 @@ from tests.support.proxy import ThrottledProxy
 pytestmark = pytest.mark.s3
 
 MIB = 1 << 20
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[4])
 
 
 @pytest.fixture
@@ -52,9 +53,13 @@ def slab() -> Iterator[memoryview]:
 
 
 def _uploads(storage: Storage) -> list[dict[str, Any]]:
-    bucket, key, _ = storage.fs.split_path(storage.root)
+    bucket, key, _ = storage.backend.fs.split_path(storage.root)
     out = sync(
-        storage.fs.loop, storage.fs._call_s3, "list_multipart_uploads", Bucket=bucket, Prefix=key
+        storage.backend.fs.loop,
+        storage.backend.fs._call_s3,
+        "list_multipart_uploads",
+        Bucket=bucket,
+        Prefix=key,
     )
     return list(out.get("Uploads", []))
 
@@ -99,7 +104,7 @@ def test_slab_write_uploads_multipart_and_reads_back(
     storage = _storage(request, server)
     storage.write("step-1/shard.bin", slab, chunk_bytes=5 * MIB, concurrency=2)
     assert storage.read("step-1/shard.bin") == bytes(slab)
-    info = storage.fs.info(storage.path("step-1/shard.bin"))
+    info = storage.backend.fs.info(storage.path("step-1/shard.bin"))
     assert str(info["ETag"]).strip('"').endswith("-3")  # a multipart object of 3 parts
     storage.write("step-1/small.bin", slab[:1000], chunk_bytes=5 * MIB)  # one PUT
     assert storage.read("step-1/small.bin") == bytes(slab[:1000])
@@ -119,11 +124,11 @@ def test_failed_multipart_upload_is_aborted(s3: Any, slab: memoryview) -> None:
 def test_abort_uploads_keeps_young_ones_and_other_folders(seaweed: Any) -> None:
     # SeaweedFS reports when each upload started (moto reports a fixed date in 2010).
     storage = Storage(f"{seaweed.uri}/sweep-{uuid.uuid4().hex[:8]}", seaweed.storage_options)
-    bucket, root_key, _ = storage.fs.split_path(storage.root)
+    bucket, root_key, _ = storage.backend.fs.split_path(storage.root)
     for key in ("step-1/a.bin", "step-10/a.bin", "step-2/a.bin"):
         sync(
-            storage.fs.loop,
-            storage.fs._call_s3,
+            storage.backend.fs.loop,
+            storage.backend.fs._call_s3,
             "create_multipart_upload",
             Bucket=bucket,
             Key=f"{root_key}/{key}",

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from ckpt_manager._format import checksum
-from ckpt_manager._store import direct_write
-from ckpt_manager._store.direct_write import DIRECT_ALIGN, write_at_start
+from ckpt_manager._store.backends import direct_write
+from ckpt_manager._store.backends.direct_write import DIRECT_ALIGN, write_at_start
 from ckpt_manager._store.storage import Storage
 
 SIZE = (6 << 20) + 1234  # over the O_DIRECT threshold, not a whole number of blocks
