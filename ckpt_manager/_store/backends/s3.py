@@ -94,7 +94,7 @@ class S3Backend(FsspecBackend):
             # names the condition; servers that omit it (SeaweedFS) come back as a plain
             # EINVAL, and an untranslated botocore error is possible too: every 412 on an
             # exclusive write means "the object exists" (see [Note: an existing manifest is
-            # read back] in `_save/commit.py`).
+            # read back] in `_store/publish.py`).
             if exclusive and is_precondition_failed(err):
                 raise FileExistsError(str(err)) from err
             raise
