@@ -10,7 +10,7 @@ Ranks are child processes of torch's elastic agent, which runs inside the daemon
 each rank its own port (N scrape targets, health split across processes) and we do not use
 prometheus_client's multiprocess mode (no custom collectors, `pid` labels that churn on every
 elastic restart, mmap files per process). Instead each rank records into plain Python numbers
-(`daemon._telemetry.RankTelemetry`: a dict update and a `bisect` per event, no locks, no
+(`daemon.rank.telemetry.RankTelemetry`: a dict update and a `bisect` per event, no locks, no
 Prometheus objects) and, at most every `publish_interval_s` and at step boundaries, writes one
 small JSON snapshot of its cumulative values to `<run_dir>/ranks/local-<k>.json` (temp file +
 `os.replace`, so a reader never sees half a file). The daemon owns the only `CollectorRegistry`;
