@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     job = build(JobContext(rank=0, world_size=1, seed=0))
     run_dir = Path(tempfile.mkdtemp(prefix="trainingd-bench-"))
-    telemetry = RankTelemetry(snapshot_path(run_dir, 0), rank=0, local_rank=0, world_size=1)
+    telemetry = RankTelemetry(snapshot_path(run_dir, 0), rank=0, world_size=1)
     observer = _Switch()
     model = FullyShardedDataParallel(
         job.model,

@@ -38,7 +38,7 @@ from daemon.config import DaemonConfig
 from daemon.errors import ConfigError
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
 from daemon.rundir.control import RankControl
-from daemon.rundir.snapshot import snapshot_path
+from daemon.rundir.snapshot import RankPhase, snapshot_path
 
 __all__ = ["elastic_entry", "main", "run_rank"]
 
@@ -103,13 +103,12 @@ def run_rank(
         else RankTelemetry(
             snapshot_path(run_dir, local_rank),
             rank=rank,
-            local_rank=local_rank,
             world_size=world_size,
             restart=restart,
             publish_interval_s=cfg.observability.publish_interval_s,
         )
     )
-    telemetry.heartbeat("starting")
+    telemetry.heartbeat(RankPhase.STARTING)
     # Under the daemon, stop requests come as files; SIGTERM keeps its default action so the
     # elastic agent can end a rank at once when it restarts the group. Under plain torchrun the
     # rank turns SIGTERM/SIGINT into a graceful stop (torchrun forwards them to its workers).
@@ -124,7 +123,7 @@ def run_rank(
         job = load_job(cfg.train.job)(
             JobContext(rank=rank, world_size=world_size, seed=cfg.train.seed)
         )
-        telemetry.heartbeat("loading")
+        telemetry.heartbeat(RankPhase.LOADING)
         log.info("device_selected", device=str(device), backend=dist.get_backend())
         result = run_training(cfg, job, telemetry=telemetry, control=control, device=device)
         log.info(
@@ -150,7 +149,7 @@ def run_rank(
             "sample": result.sample,
         }
     finally:
-        telemetry.heartbeat("exited")
+        telemetry.heartbeat(RankPhase.EXITED)
         if dist.is_initialized():
             dist.destroy_process_group()
         watch.close()

@@ -213,7 +213,7 @@ class _Signals:
             os._exit(128 + signum)
         self.stop_signal = name
         self._notifier.send(STOPPING=1, STATUS=f"{name}: saving a final checkpoint")
-        request_stop(self._run_dir)
+        request_stop(self._run_dir, name)
         log.warning("stop_requested", signal=name, note="a second signal exits at once")
 
     def _on_checkpoint(self, signum: int, frame: FrameType | None) -> None:

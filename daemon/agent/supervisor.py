@@ -32,6 +32,7 @@ from daemon.agent.progress import ProgressSink
 from daemon.observe.collector import RankView, SnapshotAggregator
 from daemon.observe.state import NodePhase, NodeState
 from daemon.observe.status import StatusBoard
+from daemon.rundir.snapshot import RankPhase
 
 __all__ = ["Supervisor"]
 
@@ -45,27 +46,33 @@ _EXTEND_WINDOW_S = 60.0
 every 5 s, and only after progress ([Note: extend systemd's timeouts only while the node makes
 progress] in `notify.py`)."""
 
-_LOADING = {"starting", "loading", "restoring"}
-_TRAINING = {"training"}
-_SAVING = {"stopping", "finishing"}
+_LOADING = frozenset({RankPhase.STARTING, RankPhase.LOADING, RankPhase.RESTORING})
+_SAVING = frozenset({RankPhase.STOPPING, RankPhase.FINISHING})
 
 
 def derive_phase(views: list[RankView], local_ranks: int) -> tuple[NodePhase, int | None]:
-    """Node phase and lowest step from the current incarnation's rank views."""
+    """Node phase and lowest step from the current incarnation's rank views.
+
+    A rank that is `finished` or `exited` has left its group: the phase comes from the ranks
+    still in it. None left: the group has ended and the next one, if any, is forming
+    (`rendezvous`, as when their processes are gone; a node whose run ended is set to `stopped`
+    by the daemon itself, which derived phases never override).
+    """
     if not views:
         return NodePhase.RENDEZVOUS, None
     newest = max(v.restart for v in views)
     current = [v for v in views if v.restart == newest]
     steps = [int(v.gauge("trainingd_train_step") or 0) for v in current]
     step = min(steps) if steps else None
-    phases = {v.phase for v in current}
+    in_group = [v for v in current if not v.phase.done]
+    if not in_group:
+        return NodePhase.RENDEZVOUS, step
+    phases = {v.phase for v in in_group}
     if len(current) < local_ranks or phases & _LOADING:
         return NodePhase.LOADING, step
     if phases & _SAVING:
         return NodePhase.CHECKPOINTING, step
-    if phases <= _TRAINING:
-        return NodePhase.TRAINING, step
-    return NodePhase.CHECKPOINTING, step
+    return NodePhase.TRAINING, step
 
 
 class Supervisor:
@@ -132,7 +139,7 @@ class Supervisor:
         return [
             hb
             for v in views
-            if v.phase not in ("exited",)
+            if v.phase is not RankPhase.EXITED
             and (hb := v.gauge("trainingd_rank_heartbeat_timestamp_seconds")) is not None
         ]
 

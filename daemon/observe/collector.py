@@ -28,7 +28,7 @@ from prometheus_client.registry import Collector
 
 from daemon.metrics import CATALOG, DAEMON_STATES, MetricKind, MetricSpec, Scope
 from daemon.observe.state import NodePhase, NodeState
-from daemon.rundir.snapshot import read_snapshot, snapshot_path
+from daemon.rundir.snapshot import RankPhase, read_snapshot, snapshot_path
 
 if TYPE_CHECKING:
     from daemon.config import DaemonConfig
@@ -66,10 +66,8 @@ class RankView:
     """`TORCHELASTIC_RESTART_COUNT` of that process."""
     world_size: int
     """Ranks in the job as that process saw it."""
-    phase: str
-    """The rank's phase (`starting`, `restoring`, `training`, `checkpointing`, `stopping`, ...)."""
-    published_unix_s: float
-    """When the snapshot was written."""
+    phase: RankPhase
+    """Where the rank is (`starting`, `loading`, `restoring`, `training`, `stopping`, ...)."""
     counters: dict[str, dict[str, float]]
     """Counter values by name and label value, including earlier incarnations."""
     gauges: dict[str, dict[str, float]]
@@ -151,8 +149,7 @@ class SnapshotAggregator:
                         pid=int(data["pid"]),
                         restart=int(data["restart"]),
                         world_size=int(data["world_size"]),
-                        phase=str(data["phase"]),
-                        published_unix_s=float(data["published_unix_s"]),
+                        phase=data["phase"],
                         counters=_add_counters(
                             self._base_counters.get(local_rank, {}), data["counters"]
                         ),

@@ -7,8 +7,10 @@ State machine (`NodePhase`):
 
     starting -> rendezvous -> loading -> training <-> checkpointing
         any -> draining (first SIGTERM/SIGINT) -> stopped
-    A worker-group restart goes back to rendezvous; `ready` stays false until every local rank
-    has finished its restore again.
+    A worker group that ended (its ranks finished or exited) goes back to rendezvous: a restart
+    or the next membership round follows, or the daemon stops; `ready` stays false until every
+    local rank has finished its restore again. The supervisor derives the phase from the rank
+    phases (`daemon.agent.supervisor.derive_phase`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ class NodePhase(enum.StrEnum):
     STARTING = "starting"
     """Config validated, HTTP server up, no worker started yet."""
     RENDEZVOUS = "rendezvous"
-    """Workers started (or restarted) and joining the job; no rank has reported yet."""
+    """Workers started (or restarted) and joining the job, no rank has reported yet; or the
+    ranks left their group (finished or exited) and the next one has not reported yet."""
     LOADING = "loading"
     """Some local rank is building its model or restoring a checkpoint."""
     TRAINING = "training"

@@ -130,7 +130,7 @@ class StatusBoard:
                     "local_rank": v.local_rank,
                     "pid": v.pid,
                     "restart": v.restart,
-                    "phase": v.phase,
+                    "phase": v.phase.value,
                     "step": int(v.gauge("trainingd_train_step") or 0),
                     "heartbeat_age_s": _age(
                         now, v.gauge("trainingd_rank_heartbeat_timestamp_seconds")

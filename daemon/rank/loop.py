@@ -64,6 +64,7 @@ from daemon.rank.save_failures import SaveFailurePolicy
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
 from daemon.rank.throughput import gpu_memory, mfu_ratio, peak_flops
 from daemon.rundir.control import RankControl
+from daemon.rundir.snapshot import RankPhase
 
 if TYPE_CHECKING:
     from sharding import DistributedOptimizer, FullyShardedDataParallel
@@ -346,7 +347,7 @@ class _Training:
         from ckpt_manager import RankLocal
 
         telemetry, manager = self.telemetry, self.manager
-        telemetry.heartbeat("restoring")
+        telemetry.heartbeat(RankPhase.RESTORING)
         t0 = time.perf_counter()
         if _checkpoint_exists(manager):
             _materialize_optimizer_state(self.model, self.optimizer, self.job, self.device)
@@ -383,7 +384,7 @@ class _Training:
         )
         telemetry.set("trainingd_ckpt_consecutive_save_failures", self.failures.consecutive)
         telemetry.set("trainingd_train_step", self.step)
-        telemetry.heartbeat("training")
+        telemetry.heartbeat(RankPhase.TRAINING)
         log.info(
             "training",
             start_step=self.step,
@@ -527,7 +528,7 @@ class _Training:
     def drain(self) -> None:
         """Every save in flight must commit before the process exits."""
         manager, step = self.manager, self.step
-        self.telemetry.heartbeat("stopping" if self.stopped else "finishing")
+        self.telemetry.heartbeat(RankPhase.STOPPING if self.stopped else RankPhase.FINISHING)
         final_metrics = {"loss": self.last_loss or 0.0}
         if self.saved_step != step:
             self.failures.guard(
@@ -541,7 +542,7 @@ class _Training:
             manager.wait_until_finished()
         manager.check_for_errors()
         self.telemetry.update_checkpoints(manager.stats())
-        self.telemetry.heartbeat("finished")
+        self.telemetry.heartbeat(RankPhase.FINISHED)
 
 
 def _sample(model: Any, job: JobSpec, rank: int) -> str | None:

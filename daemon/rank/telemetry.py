@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.metrics import spec
-from daemon.rundir.snapshot import SNAPSHOT_SCHEMA, write_snapshot
+from daemon.rundir.snapshot import SNAPSHOT_SCHEMA, RankPhase, write_snapshot
 
 if TYPE_CHECKING:
     from ckpt_manager import ManagerStats, SaveReport
@@ -47,7 +47,6 @@ class RankTelemetry:
             publishing (read back with `snapshot()`; a rank with no reader at all uses
             `NullTelemetry`).
         rank: global rank.
-        local_rank: rank on this node.
         world_size: ranks in the job.
         restart: `TORCHELASTIC_RESTART_COUNT` of this incarnation.
         publish_interval_s: minimum time between two unforced publishes.
@@ -59,7 +58,6 @@ class RankTelemetry:
         path: Path | None,
         *,
         rank: int,
-        local_rank: int,
         world_size: int,
         restart: int = 0,
         publish_interval_s: float = 0.5,
@@ -70,7 +68,6 @@ class RankTelemetry:
             "schema": SNAPSHOT_SCHEMA,
             "pid": os.getpid(),
             "rank": rank,
-            "local_rank": local_rank,
             "world_size": world_size,
             "restart": restart,
         }
@@ -80,7 +77,7 @@ class RankTelemetry:
         self._counters: dict[str, dict[str, float]] = {}
         self._gauges: dict[str, dict[str, float]] = {}
         self._histograms: dict[str, dict[str, _Histogram]] = {}
-        self._phase = "starting"
+        self._phase = RankPhase.STARTING
         self._last_publish = float("-inf")
         self.started_unix_s = clock()
         """When this rank process started recording (for `trainingd_rank_recovery_seconds`)."""
@@ -127,7 +124,7 @@ class RankTelemetry:
         with self._lock:
             self._histograms.setdefault(name, {})[label] = _Histogram(counts=counts, total=total)
 
-    def heartbeat(self, phase: str | None = None) -> None:
+    def heartbeat(self, phase: RankPhase | None = None) -> None:
         """Mark the loop alive (and change phase); publishes at once when the phase changes."""
         changed = phase is not None and phase != self._phase
         if phase is not None:
@@ -136,8 +133,8 @@ class RankTelemetry:
         self.publish(force=changed)
 
     @property
-    def phase(self) -> str:
-        """The rank's current phase (`starting`, `restoring`, `training`, `stopping`, ...)."""
+    def phase(self) -> RankPhase:
+        """The rank's current phase."""
         return self._phase
 
     # --- engine observers --------------------------------------------------------------------
@@ -186,8 +183,7 @@ class RankTelemetry:
         with self._lock:
             return {
                 **self._identity,
-                "phase": self._phase,
-                "published_unix_s": self._clock(),
+                "phase": self._phase.value,
                 "counters": {k: dict(v) for k, v in self._counters.items()},
                 "gauges": {k: dict(v) for k, v in self._gauges.items()},
                 "histograms": {
@@ -239,7 +235,7 @@ class NullTelemetry:
     def set_histogram(self, name: str, values: dict[float, int], label: str = "") -> None:
         """Do nothing (`RankTelemetry.set_histogram` sets a histogram to an engine's counts)."""
 
-    def heartbeat(self, phase: str | None = None) -> None:
+    def heartbeat(self, phase: RankPhase | None = None) -> None:
         """Do nothing (`RankTelemetry.heartbeat` marks the loop alive)."""
 
     def on_collective(self, op: str, num_bytes: int, seconds: float) -> None:

@@ -2,8 +2,9 @@
 
 The daemon cannot call into its ranks, and a signal it forwards could reach a rank that is not
 yet listening. So requests are *files* in `<run_dir>/control/`, level-triggered and cheap to poll
-(two `stat` calls per step): `stop` exists once a stop was requested; `checkpoint` holds a counter
-the daemon increments on every SIGUSR1. A rank also turns its own SIGTERM/SIGINT/SIGUSR1 into the
+(two `stat` calls per step): `stop` exists once a stop was requested and holds the name of the
+signal that asked for it (empty for a membership change); `checkpoint` holds a counter the daemon
+increments on every SIGUSR1. A rank also turns its own SIGTERM/SIGINT/SIGUSR1 into the
 same requests when no daemon supervises it (plain `torchrun` forwards signals to workers).
 
 Ranks act on a request only after agreeing on it: the loop sums the local flags across all ranks
@@ -27,11 +28,20 @@ def _control_dir(run_dir: Path) -> Path:
     return run_dir / "control"
 
 
-def request_stop(run_dir: Path) -> None:
-    """Ask every local rank to finish its step, save a final checkpoint and exit."""
+def request_stop(run_dir: Path, signal_name: str | None = None) -> None:
+    """Ask every local rank to finish its step, save a final checkpoint and exit.
+
+    Args:
+        run_dir: the per-run directory.
+        signal_name: the signal that stopped the daemon (`SIGTERM`), which the ranks log;
+            None when no signal did (a node waits to join an elastic job).
+    """
     path = _control_dir(run_dir)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "stop").touch()
+    # Written whole before it appears: a rank that sees the file reads the name with it.
+    tmp = path / f".stop.{os.getpid()}.tmp"
+    tmp.write_text(signal_name or "")
+    os.replace(tmp, path / "stop")
 
 
 def clear_stop(run_dir: Path) -> None:
@@ -73,7 +83,7 @@ class RankControl:
         self._checkpoint = threading.Event()
         self._seen_counter = self._read_counter()
         self.stop_signal: str | None = None
-        """Name of the signal that asked this rank to stop, if one did."""
+        """Name of the signal that asked this rank, or its daemon, to stop; None: none did."""
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR1, self._on_checkpoint_signal)
             if graceful_signals:
@@ -95,17 +105,26 @@ class RankControl:
         except (OSError, ValueError):
             return 0
 
+    def _check_stop_file(self) -> None:
+        if self._dir is None or self._stop.is_set() or not (self._dir / "stop").exists():
+            return
+        try:
+            name = (self._dir / "stop").read_text().strip()
+        except OSError:
+            name = ""  # the request stands even when its signal's name cannot be read
+        if self.stop_signal is None and name:
+            self.stop_signal = name
+        self._stop.set()
+
     def stop_requested(self) -> bool:
         """Whether a stop was requested (checkpoint requests are left for `poll`)."""
-        if self._dir is not None and not self._stop.is_set() and (self._dir / "stop").exists():
-            self._stop.set()
+        self._check_stop_file()
         return self._stop.is_set()
 
     def poll(self) -> tuple[bool, bool]:
         """`(stop, checkpoint)` requested locally since the last poll (checkpoint is consumed)."""
         if self._dir is not None:
-            if not self._stop.is_set() and (self._dir / "stop").exists():
-                self._stop.set()
+            self._check_stop_file()
             counter = self._read_counter()
             if counter != self._seen_counter:
                 self._seen_counter = counter

@@ -16,7 +16,7 @@ from daemon.agent.supervisor import derive_phase
 from daemon.observe.collector import NodeCollector, SnapshotAggregator, make_registry
 from daemon.observe.state import NodePhase, NodeState
 from daemon.rank.telemetry import RankTelemetry
-from daemon.rundir.snapshot import snapshot_path
+from daemon.rundir.snapshot import RankPhase, snapshot_path
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -87,15 +87,12 @@ def test_health_verdict_uses_supervisor_and_rank_heartbeats() -> None:
 def test_phase_is_derived_from_the_current_incarnation(tmp_path: Path) -> None:
     agg = SnapshotAggregator(tmp_path, 2)
     assert derive_phase(agg.refresh(), 2) == (NodePhase.RENDEZVOUS, None)
-    tels = [
-        RankTelemetry(snapshot_path(tmp_path, k), rank=k, local_rank=k, world_size=2)
-        for k in range(2)
-    ]
-    tels[0].heartbeat("restoring")
+    tels = [RankTelemetry(snapshot_path(tmp_path, k), rank=k, world_size=2) for k in range(2)]
+    tels[0].heartbeat(RankPhase.RESTORING)
     assert derive_phase(agg.refresh(), 2)[0] is NodePhase.LOADING
     for t in tels:
         t.set("trainingd_train_step", 3)
-        t.heartbeat("training")
+        t.heartbeat(RankPhase.TRAINING)
     assert derive_phase(agg.refresh(), 2) == (NodePhase.TRAINING, 3)
-    tels[1].heartbeat("finishing")
+    tels[1].heartbeat(RankPhase.FINISHING)
     assert derive_phase(agg.refresh(), 2)[0] is NodePhase.CHECKPOINTING

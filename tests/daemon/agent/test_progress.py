@@ -24,7 +24,7 @@ from daemon.observe.collector import SnapshotAggregator
 from daemon.observe.state import NodeState
 from daemon.observe.status import StatusBoard
 from daemon.rank.telemetry import RankTelemetry
-from daemon.rundir.snapshot import snapshot_path
+from daemon.rundir.snapshot import RankPhase, snapshot_path
 from tests.daemon._daemon_proc import REPO, TRAININGD, wait_for
 
 STATUS_LINE = re.compile(
@@ -67,7 +67,7 @@ def test_progress_events_every_log_every_s_with_the_status_fields(tmp_path: Path
         max_steps=50, ckpt_uri=str(tmp_path), clock=lambda: clock[0], list_checkpoints=list
     )
     state = NodeState(local_ranks=1)
-    tel = RankTelemetry(snapshot_path(tmp_path, 0), rank=0, local_rank=0, world_size=1)
+    tel = RankTelemetry(snapshot_path(tmp_path, 0), rank=0, world_size=1)
     events = ProgressEvents(board, every_s=10.0)
     aggregator = SnapshotAggregator(tmp_path, 1)
 
@@ -77,7 +77,7 @@ def test_progress_events_every_log_every_s_with_the_status_fields(tmp_path: Path
         tel.set("trainingd_train_loss", 2.0 - step / 100)
         tel.set("trainingd_ckpt_last_committed_step", step // 10 * 10)
         tel.inc("trainingd_train_tokens_total", 64)
-        tel.heartbeat("training")
+        tel.heartbeat(RankPhase.TRAINING)
         tel.publish(force=True)
         views = aggregator.refresh()
         status = state.update(step=step, restarts=0)

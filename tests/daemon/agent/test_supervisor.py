@@ -17,12 +17,58 @@ import pytest
 from daemon._lifecycle import group_in_my_session, kill_group, pid_alive
 from daemon.agent.notify import Notifier
 from daemon.agent.progress import format_progress, read_progress
-from daemon.agent.supervisor import Supervisor
+from daemon.agent.supervisor import Supervisor, derive_phase
 from daemon.observe.collector import RankView, SnapshotAggregator
 from daemon.observe.state import NodePhase, NodeState, NodeStatus
 from daemon.observe.status import StatusBoard
 from daemon.rank.telemetry import RankTelemetry
-from daemon.rundir.snapshot import snapshot_path
+from daemon.rundir.snapshot import RankPhase, snapshot_path
+
+# What a node shows while all its ranks are in one phase: every `RankPhase` has a row, so a new
+# phase cannot fall through to some default.
+NODE_PHASE_OF = {
+    RankPhase.STARTING: NodePhase.LOADING,
+    RankPhase.LOADING: NodePhase.LOADING,
+    RankPhase.RESTORING: NodePhase.LOADING,
+    RankPhase.TRAINING: NodePhase.TRAINING,
+    RankPhase.STOPPING: NodePhase.CHECKPOINTING,
+    RankPhase.FINISHING: NodePhase.CHECKPOINTING,
+    # Left the group: not saving any more (this read `checkpointing` before), not ready.
+    RankPhase.FINISHED: NodePhase.RENDEZVOUS,
+    RankPhase.EXITED: NodePhase.RENDEZVOUS,
+}
+
+
+def _views(tmp_path: Path, *phases: RankPhase) -> list[RankView]:
+    for k, phase in enumerate(phases):
+        tel = RankTelemetry(snapshot_path(tmp_path, k), rank=k, world_size=len(phases))
+        tel.set("trainingd_train_step", 7)
+        tel.heartbeat(phase)
+    return SnapshotAggregator(tmp_path, len(phases)).refresh()
+
+
+def test_every_rank_phase_has_a_node_phase() -> None:
+    assert set(NODE_PHASE_OF) == set(RankPhase)
+
+
+@pytest.mark.parametrize("phase", list(RankPhase))
+def test_node_phase_of_ranks_all_in_one_phase(tmp_path: Path, phase: RankPhase) -> None:
+    assert derive_phase(_views(tmp_path, phase, phase), 2) == (NODE_PHASE_OF[phase], 7)
+
+
+@pytest.mark.parametrize("done", [RankPhase.FINISHED, RankPhase.EXITED])
+def test_finished_or_exited_ranks_count_no_more_but_a_saving_peer_does(
+    tmp_path: Path, done: RankPhase
+) -> None:
+    # One rank committed and left, its peer still commits its final save: still checkpointing.
+    views = _views(tmp_path, done, RankPhase.FINISHING)
+    assert derive_phase(views, 2) == (NodePhase.CHECKPOINTING, 7)
+    # Once both left: not checkpointing, and so not ready.
+    state = NodeState(local_ranks=2)
+    state.update(phase=NodePhase.TRAINING)
+    phase, _ = derive_phase(_views(tmp_path, done, done), 2)
+    assert phase is NodePhase.RENDEZVOUS
+    assert not state.update(phase=phase).ready
 
 
 @pytest.fixture
@@ -67,11 +113,11 @@ def test_ready_once_watchdog_only_while_ranks_beat_and_progress_line(
     )
     sup.tick(now=0.0)  # no rank yet: rendezvous, still healthy
     assert state.status().phase is NodePhase.RENDEZVOUS
-    tel = RankTelemetry(snapshot_path(tmp_path, 0), rank=0, local_rank=0, world_size=1)
+    tel = RankTelemetry(snapshot_path(tmp_path, 0), rank=0, world_size=1)
     tel.set("trainingd_train_step", 7)
     tel.set("trainingd_train_loss", 2.5)
     tel.inc("trainingd_train_tokens_total", 100)
-    tel.heartbeat("training")
+    tel.heartbeat(RankPhase.TRAINING)
     sup.tick(now=1.0)
     sup.tick(now=1.1)
     assert state.status().ready
@@ -108,7 +154,6 @@ def test_start_timeout_is_extended_only_while_the_restore_reads(
     tel = RankTelemetry(
         snapshot_path(tmp_path, 0),
         rank=0,
-        local_rank=0,
         world_size=1,
         publish_interval_s=0.0,
         clock=lambda: 1.7e9 + next(beats),
@@ -117,7 +162,7 @@ def test_start_timeout_is_extended_only_while_the_restore_reads(
     def extensions() -> int:
         return sum(m.startswith("EXTEND_TIMEOUT_USEC=") for m in _received(sock))
 
-    tel.heartbeat("restoring")
+    tel.heartbeat(RankPhase.RESTORING)
     sup.tick(now=0.0)
     assert state.status().phase is NodePhase.LOADING
     assert extensions() == 1
@@ -131,7 +176,7 @@ def test_start_timeout_is_extended_only_while_the_restore_reads(
     tel.heartbeat()  # the read returned
     sup.tick(now=125.0)
     assert extensions() == 1
-    tel.heartbeat("training")
+    tel.heartbeat(RankPhase.TRAINING)
     sup.tick(now=130.0)
     assert state.status().ready
     assert extensions() == 0  # training: systemd's start is over, nothing to extend

@@ -18,7 +18,7 @@ from daemon.metrics import CATALOG, MetricKind, MetricSpec, Scope, build_info_la
 from daemon.observe.collector import NodeCollector, SnapshotAggregator, config_values, make_registry
 from daemon.observe.state import NodePhase, NodeState
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
-from daemon.rundir.snapshot import snapshot_path
+from daemon.rundir.snapshot import RankPhase, snapshot_path
 from tests.support.metric_names import ISSUE_METRICS
 
 REQUIRED = set(ISSUE_METRICS)
@@ -108,7 +108,7 @@ def _report(result: SaveResult) -> SaveReport:
 
 
 def _record_some_work(tel: RankTelemetry) -> None:
-    tel.heartbeat("training")
+    tel.heartbeat(RankPhase.TRAINING)
     tel.inc("trainingd_train_steps_total")
     tel.set("trainingd_train_step", 10)
     tel.observe("trainingd_train_step_duration_seconds", 0.1)  # exactly an edge: le="0.1"
@@ -141,9 +141,7 @@ def _value(
 
 def test_rank_snapshots_become_labelled_series(tmp_path: Path) -> None:
     for local in (0, 1):
-        tel = RankTelemetry(
-            snapshot_path(tmp_path, local), rank=2 + local, local_rank=local, world_size=4
-        )
+        tel = RankTelemetry(snapshot_path(tmp_path, local), rank=2 + local, world_size=4)
         _record_some_work(tel)
         # Local rank 1 disagrees on a job value: only local rank 0's is exported.
         tel.set("trainingd_train_loss", 2.5 + local)
@@ -239,12 +237,12 @@ def test_counters_stay_monotonic_across_a_worker_restart(tmp_path: Path) -> None
     path = snapshot_path(tmp_path, 0)
     state = NodeState(local_ranks=1)
     collector = NodeCollector(SnapshotAggregator(tmp_path, 1), state, {"version": "x"}, run_id="r")
-    first = RankTelemetry(path, rank=0, local_rank=0, world_size=1)
+    first = RankTelemetry(path, rank=0, world_size=1)
     first.inc("trainingd_train_steps_total", 5)
     first.observe("trainingd_train_step_duration_seconds", 0.3)
     first.publish(force=True)
     assert _value(_scrape(collector), "trainingd_train_steps_total", run_id="r") == 5
-    second = RankTelemetry(path, rank=0, local_rank=0, world_size=1, restart=1)
+    second = RankTelemetry(path, rank=0, world_size=1, restart=1)
     second._identity["pid"] = os.getpid() + 1  # a new incarnation of local rank 0
     second.inc("trainingd_train_steps_total", 2)
     second.observe("trainingd_train_step_duration_seconds", 0.3)
@@ -256,14 +254,12 @@ def test_counters_stay_monotonic_across_a_worker_restart(tmp_path: Path) -> None
 
 def test_publish_is_rate_limited_and_atomic(tmp_path: Path) -> None:
     now = [100.0]
-    tel = RankTelemetry(
-        snapshot_path(tmp_path, 0), rank=0, local_rank=0, world_size=1, publish_interval_s=60
-    )
+    tel = RankTelemetry(snapshot_path(tmp_path, 0), rank=0, world_size=1, publish_interval_s=60)
     assert tel.publish()
     assert not tel.publish()
     assert tel.publish(force=True)
     assert [p.name for p in (tmp_path / "ranks").iterdir()] == ["local-0.json"]
-    off = RankTelemetry(None, rank=0, local_rank=0, world_size=1, clock=lambda: now[0])
+    off = RankTelemetry(None, rank=0, world_size=1, clock=lambda: now[0])
     off.inc("trainingd_train_steps_total")
     assert not off.publish(force=True)
     assert off.snapshot()["counters"]["trainingd_train_steps_total"] == {"": 1.0}
@@ -281,6 +277,6 @@ def test_null_telemetry_mirrors_rank_telemetry() -> None:
     assert isinstance(null.started_unix_s, float)
     null.inc("trainingd_train_steps_total")
     null.observe("trainingd_train_step_duration_seconds", 0.1)
-    null.heartbeat("training")
+    null.heartbeat(RankPhase.TRAINING)
     null.on_collective("all_gather", 1024, 0.001)
     assert not null.publish(force=True)

@@ -6,6 +6,7 @@ from ckpt_manager import CommittedCheckpoint, StorageError
 from daemon.observe.collector import RankView
 from daemon.observe.state import NodePhase, NodeState
 from daemon.observe.status import HISTORY_POINTS, StatusBoard, format_duration
+from daemon.rundir.snapshot import RankPhase
 
 
 def _view(step: int, loss: float, tokens: float, failed_saves: float = 0.0) -> RankView:
@@ -15,8 +16,7 @@ def _view(step: int, loss: float, tokens: float, failed_saves: float = 0.0) -> R
         pid=1,
         restart=0,
         world_size=1,
-        phase="training",
-        published_unix_s=0.0,
+        phase=RankPhase.TRAINING,
         counters={
             "trainingd_train_tokens_total": {"": tokens},
             "trainingd_ckpt_saves_total": {"failed": failed_saves},
