@@ -11,7 +11,7 @@ TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
 # System tools some tests need, from Debian packages: promtool and prometheus (tests/dashboards),
 # chromium (the status page test, tests/daemon/test_status_page.py), systemd-analyze (the unit
-# file test), tmux (the live status line test, tests/daemon/test_progress.py).
+# file test), tmux (the live status line test, tests/daemon/agent/test_progress.py).
 SYSTEM_TOOLS := promtool prometheus chromium systemd-analyze tmux
 SYSTEM_PACKAGES := prometheus chromium systemd tmux
 

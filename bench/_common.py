@@ -107,7 +107,7 @@ def stdout_to_stderr() -> None:
 def tied_gpt_config(spec: Mapping[str, Any]) -> Any:
     """The benches' GPT shape from a rank spec (`seq_len`, `layers`, `heads`, `d_model`), with
     tied embeddings (imported here, inside the rank process, like torch)."""
-    from daemon.gpt import GPTConfig
+    from daemon import GPTConfig
 
     return GPTConfig(
         seq_len=spec["seq_len"],

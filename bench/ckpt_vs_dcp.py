@@ -1,6 +1,6 @@
 """Benchmark: our checkpoint manager vs torch DCP at its best, raw writes and plain s3fs.
 
-One invocation, 2 gloo ranks, each training its own GPT replica (`daemon.gpt`, AdamW) sized so
+One invocation, 2 gloo ranks, each training its own GPT replica (`daemon.jobs.gpt`, AdamW) sized so
 that parameters plus optimizer state are at least `--size-mib` per rank (default 512 MiB).
 Every rank's state is distinct: DCP gets rank-tagged keys (it silently deduplicates equal
 keys), our manager gets each tensor as that rank's shard of a `(world, ...)` tensor.
@@ -95,7 +95,7 @@ class _Trainer:
     def __init__(self, spec: dict[str, Any], rank: int) -> None:
         import torch
 
-        from daemon.gpt import GPT, GPTConfig
+        from daemon import GPT, GPTConfig
 
         d_model = _width_for(spec["size_mib"])
         self.cfg = GPTConfig(
@@ -121,7 +121,7 @@ class _Trainer:
     def forward_backward(self) -> float:
         import torch.distributed as dist
 
-        from daemon.gpt import lm_loss
+        from daemon import lm_loss
 
         b = self.batches[self.num_steps % len(self.batches)]
         loss = lm_loss(self.model(b[:, :-1]), b[:, 1:])

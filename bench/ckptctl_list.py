@@ -40,7 +40,7 @@ def _populate(uri: str, options: dict[str, Any], steps: int) -> float:
     import torch
 
     from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
-    from daemon.gpt import GPT, GPTConfig
+    from daemon import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, num_layers=4, num_heads=2, d_model=16))

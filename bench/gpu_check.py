@@ -52,7 +52,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # Runnable as `python bench/gpu_check.py` from a plain checkout (no install needed).
 sys.path.insert(0, str(REPO))
 
-from daemon.gpt import GPT, Block, GPTConfig, lm_loss  # noqa: E402
+from daemon import GPT, Block, GPTConfig, lm_loss  # noqa: E402
 from sharding import FullyShardedDataParallel, ShardingConfig, Strategy  # noqa: E402
 
 PARTS = ("parity", "staging", "resume", "metrics")

@@ -32,8 +32,8 @@ from typing import Any
 def _scraper(run_dir: str, interval_s: float, stop: Any) -> None:
     from prometheus_client import generate_latest
 
-    from daemon._collector import NodeCollector, SnapshotAggregator, make_registry
-    from daemon._state import NodeState
+    from daemon.observe.collector import NodeCollector, SnapshotAggregator, make_registry
+    from daemon.observe.state import NodeState
 
     state = NodeState(local_ranks=1)
     registry = make_registry(
@@ -60,10 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
-    from daemon._telemetry import RankTelemetry, snapshot_path
-    from daemon.data import ShardedLoader
-    from daemon.default_job import build
-    from daemon.job import JobContext
+    from daemon.jobs.default_job import build
+    from daemon.jobs.job import JobContext
+    from daemon.rank.data import ShardedLoader
+    from daemon.rank.telemetry import RankTelemetry
+    from daemon.rundir.snapshot import snapshot_path
     from sharding import DeferredInit, FullyShardedDataParallel, ShardingConfig, Strategy
 
     torch.set_num_threads(args.threads)
@@ -73,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     job = build(JobContext(rank=0, world_size=1, seed=0))
     run_dir = Path(tempfile.mkdtemp(prefix="trainingd-bench-"))
-    telemetry = RankTelemetry(snapshot_path(run_dir, 0), rank=0, local_rank=0, world_size=1)
+    telemetry = RankTelemetry(snapshot_path(run_dir, 0), rank=0, world_size=1)
     observer = _Switch()
     model = FullyShardedDataParallel(
         job.model,

@@ -31,7 +31,7 @@ from _common import median
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from daemon.gpt import GPT, Block, GPTConfig, lm_loss
+    from daemon import GPT, Block, GPTConfig, lm_loss
     from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
     from sharding._param import ManagedParameter, engine_access
 

@@ -106,7 +106,7 @@ def _trace_fsdp2(module: Any, sample: _Sampler) -> None:
 def _rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from daemon.gpt import GPT, lm_loss
+    from daemon import GPT, lm_loss
 
     _common.stdout_to_stderr()
     if spec["mmap_threshold"]:

@@ -1,6 +1,6 @@
 """Benchmark: our sharding engine vs torch FSDP2 and torch DDP, at 2 and 4 ranks, fp32 and bf16.
 
-One invocation trains the same GPT (`daemon.gpt`, same seed, same data, same AdamW) under
+One invocation trains the same GPT (`daemon.jobs.gpt`, same seed, same data, same AdamW) under
 several configurations, each a set of runs in fresh spawned gloo ranks (so peak RSS is the
 run's own):
 
@@ -92,7 +92,7 @@ def _init_gpt(module: Any) -> None:
     import torch
     from torch import nn
 
-    from daemon.gpt import GPT
+    from daemon import GPT
 
     with torch.no_grad():
         module.apply(GPT._init_weights)
@@ -111,7 +111,7 @@ def _wrap(
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
-    from daemon.gpt import Block
+    from daemon import Block
 
     bf16 = spec["dtype"] == "bf16"
 
@@ -203,7 +203,7 @@ def _rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
     import torch
     import torch.distributed as dist
 
-    from daemon.gpt import GPT, lm_loss
+    from daemon import GPT, lm_loss
 
     _common.stdout_to_stderr()
     cfg = _common.tied_gpt_config(spec)

@@ -34,7 +34,7 @@ def _rank_main(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
     import torch
     import torch.distributed as dist
 
-    from daemon.gpt import GPT, Block, lm_loss
+    from daemon import GPT, Block, lm_loss
     from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
 
     _common.stdout_to_stderr()

@@ -4,42 +4,71 @@
 knows Prometheus, systemd and the elastic launcher. This import name is ours: trainingd never
 depends on the unrelated `python-daemon` distribution (a test pins that `daemon` resolves here).
 
-Module plan:
-    cli.py           `trainingd` console script: `run`, `config show`.
-    config.py        frozen per-component settings (`DaemonConfig` and its four sections).
-    _config_load.py  TOML + `TRAININGD_*` + flags -> `DaemonConfig`; precedence, messages.
-    _preflight.py    start-up checks (job importable, storage reachable and writable, the
-                     device available) -> exit 2.
-    _device.py       `device` auto|cpu|cuda -> this rank's torch device and collective backend.
-    _run.py          the daemon process: HTTP server, signals, supervisor, elastic agent.
-    _elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
-    _supervisor.py   supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
-    _progress.py     the live status line on a terminal, `progress` log events off it.
-    _relay.py        on a terminal: the ranks' output, redirected to files, printed by the daemon.
-    _state.py        `NodeState` / `NodePhase`: starting -> rendezvous -> loading -> training
-                     <-> checkpointing; any -> draining -> stopped.
-    _http.py         one port: /metrics, /healthz, /readyz.
-    _notify.py       sd_notify over a datagram socket (no dependency); `TimeoutExtender`:
-                     EXTEND_TIMEOUT_USEC only after progress.
-    _lifecycle.py    rank process groups, parent watch: workers never outlive the daemon.
-    _control.py      stop / checkpoint requests as files the ranks poll.
-    metrics.py       the metric catalog (names, types, units, buckets, labels).
-    _telemetry.py    rank-side recording and snapshot files.
-    _throughput.py   per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
-    _collector.py    node-side aggregation of rank snapshots at scrape time.
-    worker.py        rank entry point (elastic agent or plain torchrun).
-    _loop.py         the training loop: data -> forward/backward -> step -> metrics -> ckpt.
-    job.py           the job seam: `JobSpec`, `JobContext`, `Dataset`, `load_job`.
-    _init_from.py    `--init-from` / `JobSpec.init_from`: Hugging Face safetensors (sharded with
-                     an index, or one file) checked against the model, then each rank reads
-                     only its shards' byte ranges before step 0.
-    data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
-    default_job.py   the embedded default job: byte-level GPT on a generated corpus, and the
-                     sample of text it writes at the end of a completed run.
-    gpt.py           the default job's byte-level GPT and `generate` (also used by tests and
-                     benchmarks).
-    _logging.py      structlog configuration shared by every process of a run.
-    errors.py        the daemon's error tree.
+A node runs two kinds of process, and the folders follow them: one daemon process (`agent/`,
+reporting through `observe/`) and one rank process per local rank (`rank/`). They share no
+memory and never call each other; they talk through files in the run directory (`rundir/`).
+
+    daemon/
+      __init__.py        the public names (`JobSpec`, `GPT`, `DaemonConfig`, ...).
+      cli.py             `trainingd` console script (`run`, `config show`): the daemon process's
+                         entry, which hands the agent the rank entry point.
+      worker.py          the rank process's entry: `elastic_entry` (what the elastic agent runs
+                         in every rank) and `python -m daemon.worker` (plain torchrun).
+      default_job.py     `--job daemon.default_job:build`, the default job's documented name.
+      config.py          frozen per-component settings (`DaemonConfig` and its four sections).
+      _config_load.py    TOML + `TRAININGD_*` + flags -> `DaemonConfig`; precedence, messages.
+      _logging.py        structlog configuration shared by every process of a run.
+      errors.py          the daemon's error tree.
+      _version.py        the installed distribution's version.
+      metrics.py         the metric catalog (names, types, units, buckets, labels, scopes):
+                         ranks record into it, the daemon's collector exports it.
+      _device.py         `device` auto|cpu|cuda -> this rank's torch device and collective
+                         backend; the start-up check of the setting.
+      _lifecycle.py      process groups: ranks never outlive the daemon, their writers never
+                         outlive them (the rank leads its group, the daemon kills dead groups).
+      _storage.py        the checkpoint root's fsspec options from the config.
+      rundir/            the run directory, the only channel between the two processes:
+        control.py       stop / checkpoint requests (daemon writes, ranks poll).
+        snapshot.py      the rank snapshot file (ranks write, the daemon reads).
+      jobs/              what is trained (both processes import it):
+        job.py           the job seam: `JobSpec`, `JobContext`, `Dataset`, `load_job`.
+        default_job.py   the embedded default job: byte-level GPT on a generated corpus, and
+                         the sample of text it writes at the end of a completed run.
+        gpt.py           the default job's byte-level GPT and `generate`.
+        init_from.py     `--init-from` / `JobSpec.init_from`: safetensors checked against the
+                         model, each rank reading only its shards' byte ranges.
+      agent/             the daemon process:
+        run.py           `trainingd run` from start-up checks to exit code.
+        preflight.py     start-up checks -> exit 2.
+        elastic.py       the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
+        supervisor.py    supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
+        http.py          one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
+        status_page.py   the status page's HTML.
+        progress.py      the live status line on a terminal, `progress` log events off it.
+        relay.py         on a terminal: the ranks' output, printed by the daemon.
+        notify.py        sd_notify; `TimeoutExtender`: EXTEND_TIMEOUT_USEC only after progress.
+      observe/           what the daemon process knows about its node and reports:
+        state.py         `NodeState` / `NodePhase`: the node's lifecycle.
+        collector.py     rank snapshots read at scrape time; the Prometheus collector.
+        status.py        `StatusBoard`: the status page's and `/api/status`'s data.
+      rank/              the rank process:
+        loop.py          the training loop: data -> forward/backward -> step -> metrics -> ckpt.
+        data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
+        telemetry.py     rank-side metric recording, published as the rank's snapshot.
+        throughput.py    per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
+        save_failures.py the save failure policy: report, keep training, give up after N.
+
+Layering (who may import whom; every import counts, `tests/daemon/test_layering.py` checks it):
+    shared modules   (config, _config_load, _logging, errors, _version, metrics, _device,
+                     _lifecycle, _storage): only each other.
+    rundir/, jobs/   shared modules only.
+    rank/, worker    shared, rundir/, jobs/; never agent/ or observe/.
+    observe/         shared, rundir/; never rank/ or agent/.
+    agent/           shared, rundir/, jobs/, observe/; never rank/ or worker.
+    cli              shared, agent/, worker: the one place both sides meet, to hand the agent
+                     its rank entry point.
+So the two processes depend only on what they share: the run directory's files, the metric
+catalog, the config and the job (CONTRACTS.md, "The daemon and its ranks").
 """
 
 from __future__ import annotations
@@ -52,20 +81,20 @@ from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon.config import DaemonConfig
 
 if TYPE_CHECKING:
-    from daemon.gpt import GPT, Block, GPTConfig, lm_loss
-    from daemon.job import Dataset, JobContext, JobSpec
+    from daemon.jobs.gpt import GPT, Block, GPTConfig, lm_loss
+    from daemon.jobs.job import Dataset, JobContext, JobSpec
 
 # [Note: torch is imported lazily] `trainingd --help` / `--version` import this package; the
 # names below import torch, so they load on first use (PEP 562) and the console script answers
 # at once. A test pins that `daemon.cli` imports no torch.
 _LAZY = {
-    "GPT": "daemon.gpt",
-    "Block": "daemon.gpt",
-    "GPTConfig": "daemon.gpt",
-    "lm_loss": "daemon.gpt",
-    "Dataset": "daemon.job",
-    "JobContext": "daemon.job",
-    "JobSpec": "daemon.job",
+    "GPT": "daemon.jobs.gpt",
+    "Block": "daemon.jobs.gpt",
+    "GPTConfig": "daemon.jobs.gpt",
+    "lm_loss": "daemon.jobs.gpt",
+    "Dataset": "daemon.jobs.job",
+    "JobContext": "daemon.jobs.job",
+    "JobSpec": "daemon.jobs.job",
 }
 
 

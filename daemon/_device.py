@@ -4,7 +4,7 @@
 rank `r` owns GPU `r` (`torch.cuda.set_device`), the training process group is NCCL and the
 checkpoint manager keeps its own gloo group for its CPU-side agreement (see
 `ckpt_manager/_coord.py`). `trainingd run` checks the setting before any rank starts
-(`cuda_problem`, via `daemon/_preflight.py`), so a node without CUDA fails with exit code 2 and
+(`cuda_problem`, via `daemon/agent/preflight.py`), so a node without CUDA fails with exit code 2 and
 one line instead of a rank traceback.
 """
 

@@ -123,9 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "config":
         sys.stdout.write(dump_toml(cfg))
         return 0
-    from daemon._run import run_daemon
+    # The composition root of the daemon process: the agent launches the rank entry point
+    # it is handed here, so neither side imports the other (`daemon/__init__.py`, layering).
+    from daemon.agent.run import run_daemon
+    from daemon.worker import elastic_entry
 
-    return run_daemon(cfg, started=started)
+    return run_daemon(cfg, elastic_entry, started=started)
 
 
 if __name__ == "__main__":

@@ -18,24 +18,31 @@ import hashlib
 import math
 import re
 
+from ckpt_manager import AsyncMode
 from ckpt_manager.retention import RetentionOptions
 from daemon._logging import LogFormat
 
 __all__ = [
-    "AsyncMode",
     "CheckpointSettings",
     "DaemonConfig",
     "Device",
     "LaunchSettings",
     "ObservabilitySettings",
     "Precision",
-    "Strategy",
+    "StrategyName",
     "TrainSettings",
 ]
 
 
-class Strategy(enum.StrEnum):
-    """Sharding strategy names: the values of `sharding.Strategy`, and `hybrid`."""
+class StrategyName(enum.StrEnum):
+    """The names `strategy` accepts: the four of `sharding.Strategy`, and `hybrid`.
+
+    Not `sharding.Strategy` itself, for two reasons: `hybrid` is no engine strategy but ZeRO-3
+    with a shard group size (see `DaemonConfig.shard_group_size_at`), and importing `sharding`
+    imports torch, which the configuration must not (`trainingd --help` and `config show` answer
+    without it). The rank turns a name into the engine's enum with `engine_strategy`; a test
+    pins that the names are the engine's values plus `hybrid`.
+    """
 
     NO_SHARD = "no_shard"
     """Replicated weights, all-reduced gradients (DDP)."""
@@ -52,8 +59,8 @@ class Strategy(enum.StrEnum):
 
     @property
     def engine_strategy(self) -> str:
-        """The `sharding.Strategy` value this name runs (`hybrid` is ZeRO-3)."""
-        return Strategy.OPTIM_GRADS_PARAMS.value if self is Strategy.HYBRID else self.value
+        """The value of the `sharding.Strategy` this name runs (`hybrid` is ZeRO-3)."""
+        return StrategyName.OPTIM_GRADS_PARAMS.value if self is StrategyName.HYBRID else self.value
 
 
 class Precision(enum.StrEnum):
@@ -67,17 +74,6 @@ class Precision(enum.StrEnum):
     """Full precision."""
     BFLOAT16 = "bfloat16"
     """bf16: fp32's exponent range, half the bytes; main weights stay fp32."""
-
-
-class AsyncMode(enum.StrEnum):
-    """Checkpoint writer modes (the values of `ckpt_manager.AsyncMode`)."""
-
-    PERSISTENT = "persistent"
-    """One long-lived writer process per rank."""
-    TEMPORAL = "temporal"
-    """A fresh writer process per save."""
-    SYNC = "sync"
-    """Inline in the training loop."""
 
 
 class Device(enum.StrEnum):
@@ -194,7 +190,7 @@ class TrainSettings:
     or `s3://`; overrides the job's `init_from`; empty: none."""
     max_steps: int = 300
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
-    strategy: Strategy = Strategy.OPTIM_GRADS_PARAMS
+    strategy: StrategyName = StrategyName.OPTIM_GRADS_PARAMS
     """Sharding strategy: `no_shard`, `optim`, `optim_grads`, `optim_grads_params` (ZeRO-3)
     or `hybrid` (ZeRO-3 sharded within each node, replicated across nodes)."""
     param_dtype: Precision = Precision.FLOAT32
@@ -238,7 +234,7 @@ class TrainSettings:
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "micro_batches", "lr", "threads_per_rank")
         _non_negative(self, "shard_group_size")
-        if self.shard_group_size and self.strategy is Strategy.NO_SHARD:
+        if self.shard_group_size and self.strategy is StrategyName.NO_SHARD:
             raise ValueError(
                 f"shard_group_size={self.shard_group_size} with strategy=no_shard: no_shard "
                 "replicates everything; use strategy=hybrid (or optim_grads_params) or "
@@ -406,14 +402,14 @@ class DaemonConfig:
         (`hybrid` does as told).
         """
         tc = self.train
-        if tc.strategy is Strategy.NO_SHARD:
+        if tc.strategy is StrategyName.NO_SHARD:
             return None
         size = tc.shard_group_size
         if size == 0:
             per_node = self.launch.nproc_per_node
             multi_node = world_size > per_node
-            within_node = tc.strategy is Strategy.HYBRID or (
-                tc.strategy is Strategy.OPTIM_GRADS_PARAMS and multi_node and per_node > 1
+            within_node = tc.strategy is StrategyName.HYBRID or (
+                tc.strategy is StrategyName.OPTIM_GRADS_PARAMS and multi_node and per_node > 1
             )
             size = per_node if within_node else world_size
         return None if size >= world_size else size

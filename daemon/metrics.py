@@ -1,27 +1,31 @@
-"""The metric catalog of trainingd and the per-node collector that serves it.
+"""The metric catalog of trainingd: every family a node exports, declared once.
 
 Every series a trainingd node exports is declared here, once, as a `MetricSpec`: its full name
 (`trainingd_<subsystem>_<name>_<unit>`, base units, counters ending in `_total`), its type, its
 help text, its labels and, for histograms, bucket edges chosen for the quantity (never the web
-defaults). Dashboards, alerts and tests import `CATALOG` instead of repeating names.
+defaults). Ranks record under these names (`daemon/rank/telemetry.py`), the daemon's collector
+exports them (`daemon/observe/collector.py`); dashboards, alerts and tests import `CATALOG`
+instead of repeating names.
 
 [Note: one endpoint per node, ranks publish snapshots]
 Ranks are child processes of torch's elastic agent, which runs inside the daemon. We do not give
 each rank its own port (N scrape targets, health split across processes) and we do not use
 prometheus_client's multiprocess mode (no custom collectors, `pid` labels that churn on every
 elastic restart, mmap files per process). Instead each rank records into plain Python numbers
-(`daemon._telemetry.RankTelemetry`: a dict update and a `bisect` per event, no locks, no
-Prometheus objects) and, at most every `publish_interval_s` and at step boundaries, writes one
-small JSON snapshot of its cumulative values to `<run_dir>/ranks/local-<k>.json` (temp file +
-`os.replace`, so a reader never sees half a file). The daemon owns the only `CollectorRegistry`;
-`NodeCollector.collect()` reads the snapshots at scrape time and labels each rank's series with
-`rank`/`local_rank`. Why files and not a socket or a queue: they survive the elastic agent
-restarting the workers (the daemon never has to re-wire anything), a crashed rank's last values
-stay readable, the rank never blocks on a slow scraper, and the same directory works under plain
-`torchrun`. Staleness is bounded by the publish interval. Counters stay monotonic across worker
-restarts: when a snapshot's `pid` changes, the collector folds the previous incarnation's last
-values into a per-local-rank base (the increments of a crashed rank's last unpublished interval
-are lost; Prometheus' `rate()` is correct either way).
+(`daemon.rank.telemetry.RankTelemetry`: a dict update and a `bisect` per event, under one
+uncontended lock because the engines' observers may report from their own threads, such as the
+checkpoint manager's finalize thread; no Prometheus objects) and, at most every
+`publish_interval_s` and at step boundaries, writes one small JSON snapshot of its cumulative
+values to `<run_dir>/ranks/local-<k>.json` (temp file + `os.replace`, so a reader never sees half a
+file; `daemon/rundir/snapshot.py`). The daemon owns the only `CollectorRegistry`;
+`daemon.observe.collector.NodeCollector.collect()` reads the snapshots at scrape time and labels
+each rank's series with `rank`/`local_rank`. Why files and not a socket or a queue: they survive
+the elastic agent restarting the workers (the daemon never has to re-wire anything), a crashed
+rank's last values stay readable, the rank never blocks on a slow scraper, and the same directory
+works under plain `torchrun`. Staleness is bounded by the publish interval. Counters stay monotonic
+across worker restarts: when a snapshot's `pid` changes, the collector folds the previous
+incarnation's last values into a per-local-rank base (the increments of a crashed rank's last
+unpublished interval are lost; Prometheus' `rate()` is correct either way).
 
 [Note: labels and scopes] Every series carries `run_id` (`DaemonConfig.run_id`, the same on
 all nodes of a run), so dashboards and alerts group by run and two runs scraped as one job are

@@ -2,8 +2,8 @@
 
 Under `trainingd run` the daemon's in-process elastic agent calls `elastic_entry(cfg, run_dir,
 daemon_pid, restart_offset, relayed)` in a spawned process (one agent per membership round,
-`daemon/_elastic.py`; `relayed`: the daemon prints this rank's output on its terminal, see
-`daemon/_relay.py`). Under plain torchrun, run the module with the same config
+`daemon/agent/elastic.py`; `relayed`: the daemon prints this rank's output on its terminal, see
+`daemon/agent/relay.py`). Under plain torchrun, run the module with the same config
 flags as `trainingd run` (a run directory enables the snapshot/control files):
 
     torchrun --nproc-per-node 2 -m daemon.worker --max-steps 100 --ckpt-uri /tmp/ck
@@ -32,12 +32,13 @@ import structlog
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from daemon._config_load import add_config_flags, load_config
-from daemon._control import RankControl
 from daemon._lifecycle import ParentWatch, become_group_leader
 from daemon._logging import LogFormat, bind_process_context, configure_logging
-from daemon._telemetry import NullTelemetry, RankTelemetry, snapshot_path
 from daemon.config import DaemonConfig
 from daemon.errors import ConfigError
+from daemon.rank.telemetry import NullTelemetry, RankTelemetry
+from daemon.rundir.control import RankControl
+from daemon.rundir.snapshot import RankPhase, snapshot_path
 
 __all__ = ["elastic_entry", "main", "run_rank"]
 
@@ -74,8 +75,8 @@ def run_rank(
     import torch.distributed as dist
 
     from daemon._device import process_group_backend, resolve_device
-    from daemon._loop import run_training
-    from daemon.job import JobContext, load_job
+    from daemon.jobs.job import JobContext, load_job
+    from daemon.rank.loop import run_training
 
     become_group_leader()
     watch = ParentWatch(parent_pid).start()
@@ -102,13 +103,12 @@ def run_rank(
         else RankTelemetry(
             snapshot_path(run_dir, local_rank),
             rank=rank,
-            local_rank=local_rank,
             world_size=world_size,
             restart=restart,
             publish_interval_s=cfg.observability.publish_interval_s,
         )
     )
-    telemetry.heartbeat("starting")
+    telemetry.heartbeat(RankPhase.STARTING)
     # Under the daemon, stop requests come as files; SIGTERM keeps its default action so the
     # elastic agent can end a rank at once when it restarts the group. Under plain torchrun the
     # rank turns SIGTERM/SIGINT into a graceful stop (torchrun forwards them to its workers).
@@ -123,7 +123,7 @@ def run_rank(
         job = load_job(cfg.train.job)(
             JobContext(rank=rank, world_size=world_size, seed=cfg.train.seed)
         )
-        telemetry.heartbeat("loading")
+        telemetry.heartbeat(RankPhase.LOADING)
         log.info("device_selected", device=str(device), backend=dist.get_backend())
         result = run_training(cfg, job, telemetry=telemetry, control=control, device=device)
         log.info(
@@ -149,7 +149,7 @@ def run_rank(
             "sample": result.sample,
         }
     finally:
-        telemetry.heartbeat("exited")
+        telemetry.heartbeat(RankPhase.EXITED)
         if dist.is_initialized():
             dist.destroy_process_group()
         watch.close()

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from daemon import default_job
-from daemon.job import Dataset, JobContext, JobSpec
+from daemon.jobs import default_job
+from daemon.jobs.job import Dataset, JobContext, JobSpec
 
 GATE_DIR_ENV = "E2E_GATE_DIR"
 """Directory of the gate: ranks write `held-rank<N>` there; the test creates `open`."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
-from daemon.gpt import Block, lm_loss
+from daemon import Block, lm_loss
 from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
 from tests.sharding._helpers import Setup, batch, make_model
 

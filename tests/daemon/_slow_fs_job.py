@@ -10,8 +10,8 @@ runs the default job on a local root whose checkpoint reads are as slow as
 
 from __future__ import annotations
 
-from daemon import default_job
-from daemon.job import JobContext, JobSpec
+from daemon.jobs import default_job
+from daemon.jobs.job import JobContext, JobSpec
 from tests.support import slow_fs
 
 slow_fs.register()

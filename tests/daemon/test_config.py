@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_manager import AnyOf, KeepBest, KeepEvery, KeepInterval, KeepLast, MetricMode
+from ckpt_manager import AnyOf, AsyncMode, KeepBest, KeepEvery, KeepInterval, KeepLast, MetricMode
 from daemon._config_load import config_keys, config_reference, dump_toml, load_config
-from daemon.config import AsyncMode, DaemonConfig, Device, Precision, Strategy
+from daemon.config import DaemonConfig, Device, Precision, StrategyName
 from daemon.errors import ConfigError
 
 BIN = Path(sys.executable).parent
@@ -25,7 +26,7 @@ def _write(tmp_path: Path, text: str) -> Path:
 
 def test_defaults_are_valid_and_run_id_is_derived_from_job_and_root(tmp_path: Path) -> None:
     cfg = load_config({}, env={})
-    assert cfg.train.strategy is Strategy.OPTIM_GRADS_PARAMS
+    assert cfg.train.strategy is StrategyName.OPTIM_GRADS_PARAMS
     assert Path(cfg.checkpoint.ckpt_uri).is_absolute()
     same = load_config({"ckpt_uri": cfg.checkpoint.ckpt_uri}, env={})
     assert same.run_id == cfg.run_id
@@ -157,14 +158,21 @@ def test_every_key_has_a_docstring_flag_and_reference_row() -> None:
     assert all(row.count("|") >= 5 and not row.endswith("|  |") for row in ref.splitlines())
 
 
-def test_enum_values_match_the_engines() -> None:
-    import ckpt_manager._config
+def test_enums_are_the_engines_or_named_apart_from_them() -> None:
+    import ckpt_manager
     import sharding
+    from daemon import config
 
-    # `hybrid` is the daemon's name for ZeRO-3 sharded within a node.
-    assert {s.engine_strategy for s in Strategy} == {s.value for s in sharding.Strategy}
-    assert {s.value for s in Strategy} - {s.value for s in sharding.Strategy} == {"hybrid"}
-    assert {m.value for m in AsyncMode} == {m.value for m in ckpt_manager._config.AsyncMode}
+    # The writer mode is the engine's own enum, parsed by value.
+    assert config.CheckpointSettings().async_mode is ckpt_manager.AsyncMode.PERSISTENT
+    assert load_config({"async_mode": "SYNC"}, env={}).checkpoint.async_mode is AsyncMode.SYNC
+    # No enum of the config shadows an engine's by name ...
+    engine_names = set(sharding.__all__) | set(ckpt_manager.__all__)
+    own = {n for n in config.__all__ if isinstance(getattr(config, n), enum.EnumMeta)}
+    assert not own & engine_names, own & engine_names
+    # ... and the strategy names are the engine's values plus `hybrid` (ZeRO-3 within a node).
+    assert {s.engine_strategy for s in StrategyName} == {s.value for s in sharding.Strategy}
+    assert {s.value for s in StrategyName} - {s.value for s in sharding.Strategy} == {"hybrid"}
     for precision in Precision:  # each names a dtype the engine's policy accepts
         dtype = getattr(torch, precision.value)
         sharding.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)

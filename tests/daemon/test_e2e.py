@@ -163,6 +163,8 @@ def test_trains_scrapes_notifies_and_stops_cleanly_on_sigterm(
     assert d.wait(120) == 128 + signal.SIGTERM, d.logs()
     stops = d.find("stopping")
     assert stops, d.logs()
+    # Each rank names the signal that stopped its daemon (it logged null before).
+    assert {e["signal"] for e in stops} == {"SIGTERM"}, stops
     stop_step = int(stops[0]["step"])
     assert stop_step < int(_ENDLESS)
     assert committed_steps(root)[-1] == stop_step  # the final checkpoint, at the stop step

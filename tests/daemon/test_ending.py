@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from daemon.default_job import MODEL, sample
-from daemon.gpt import GPT
+from daemon import GPT
+from daemon.jobs.default_job import MODEL, sample
 from tests.daemon._daemon_proc import (
     DaemonProc,
     ckptctl_restore,

@@ -3,7 +3,8 @@
 A real daemon restores a real checkpoint from `slowfile://` (`tests/support/slow_fs.py`): a local
 root whose checkpoint reads sleep, or wait while a pause file exists. The heartbeat timeout is
 three seconds, so a restore of several times that would fail liveness if ranks beat only on
-phase changes (they beat on every read: [Note: ranks beat while restoring] in `daemon/_loop.py`).
+phase changes (they beat on every read: [Note: ranks beat while restoring] in
+`daemon/rank/loop.py`).
 
 `/healthz` names the node phase only (`loading` covers the model build as well as the restore),
 so the test reads which phase the rank itself is in from its snapshot file, and judges
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon._telemetry import read_snapshot, snapshot_path
+from daemon.rundir.snapshot import read_snapshot, snapshot_path
 from tests.daemon._daemon_proc import DaemonProc, wait_for
 from tests.support import slow_fs
 

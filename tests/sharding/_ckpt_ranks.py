@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from daemon.gpt import lm_loss
+from daemon import lm_loss
 from sharding import Strategy
 from tests.sharding._helpers import (
     Setup,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from daemon.gpt import GPT, Block, GPTConfig, lm_loss
+from daemon import GPT, Block, GPTConfig, lm_loss
 from sharding import DeferredInit, FullyShardedDataParallel, ShardingConfig, Strategy
 from tests.sharding._helpers import SEQ, VOCAB, batch
 from tests.sharding._memory_ranks import _fix_mmap_threshold, _reset_peak, _status_bytes

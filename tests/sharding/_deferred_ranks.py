@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from daemon.gpt import lm_loss
+from daemon import lm_loss
 from sharding import FullyShardedDataParallel, Strategy
 from tests.sharding._helpers import Setup, batch, global_batch, make_model, single_thread, wrap
 

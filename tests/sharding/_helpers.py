@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from daemon.gpt import GPT, Block, GPTConfig, lm_loss
+from daemon import GPT, Block, GPTConfig, lm_loss
 from sharding import (
     FullyShardedDataParallel,
     NoSyncMode,

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from daemon.gpt import Block, lm_loss
+from daemon import Block, lm_loss
 from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
 from tests.sharding._helpers import Setup, batch, make_model, snapshot
 

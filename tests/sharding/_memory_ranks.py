@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from daemon.gpt import Block, GPTConfig, lm_loss
+from daemon import Block, GPTConfig, lm_loss
 from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
 from tests.sharding._helpers import VOCAB, TinyGPT, batch
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from daemon.gpt import Block, lm_loss
+from daemon import Block, lm_loss
 from sharding import FullyShardedDataParallel, ShardingConfig, ShardingStatsSnapshot, Strategy
 from sharding._param import engine_access
 from tests.sharding._helpers import Setup, batch, make_model

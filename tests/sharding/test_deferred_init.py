@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from daemon.gpt import GPT, Block, lm_loss
+from daemon import GPT, Block, lm_loss
 from sharding import DeferredInit, FullyShardedDataParallel, ShardingConfig, Strategy
 from sharding.errors import DeferredInitError
 from tests.sharding._deferred_init_ranks import (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daemon.gpt import Block, lm_loss
+from daemon import Block, lm_loss
 from sharding import FullyShardedDataParallel, ShardedTensor, ShardingConfig, Strategy
 from sharding.errors import (
     DeferredInitError,

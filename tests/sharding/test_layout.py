@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daemon.gpt import GPT, Block, GPTConfig
+from daemon import GPT, Block, GPTConfig
 from sharding._layout import build_layout, detect_unit_classes
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from daemon.gpt import lm_loss
+from daemon import lm_loss
 from sharding import Strategy, no_decay_groups
 from sharding.errors import StateDictLayoutError
 from tests.sharding._helpers import Setup, batch, make_model, wrap

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from daemon.gpt import Block, GPTConfig
+from daemon import Block, GPTConfig
 from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
 from tests.sharding._helpers import (
     Setup,

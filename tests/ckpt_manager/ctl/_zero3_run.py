@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, RankLocal
-from daemon.gpt import GPT, Block, GPTConfig, lm_loss
+from daemon import GPT, Block, GPTConfig, lm_loss
 from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
 from tests.support.dist import run_on_ranks
 from tests.support.s3 import MotoS3, S3Target

@@ -19,7 +19,7 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager, RankLocal
 from ckpt_manager.ctl.cli import main
-from daemon.gpt import GPT
+from daemon import GPT
 from tests.ckpt_manager.ctl._zero3_run import CFG, Run, wrap, zero3_run
 from tests.support.dist import run_on_ranks
 from tests.support.s3 import MotoS3

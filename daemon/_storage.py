@@ -1,0 +1,34 @@
+"""The checkpoint root's fsspec options, from the configuration (both processes use them).
+
+The daemon lists and checks the root (`agent/preflight.py`, `agent/run.py`, the status page's
+checkpoint list); every rank opens it through `ckpt_manager` (`rank/loop.py`). Both must talk to
+the same endpoint, so both take the options from here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckpt_manager import S3Options
+from daemon.config import DaemonConfig
+from daemon.errors import StartupCheckError
+
+__all__ = ["s3_endpoint", "s3_storage_options"]
+
+
+def s3_endpoint(cfg: DaemonConfig) -> S3Options:
+    """The S3 endpoint of the checkpoint root: from config, else `$AWS_ENDPOINT_URL`, else AWS.
+
+    Raises:
+        StartupCheckError: `$AWS_ENDPOINT_URL` has no http(s) scheme (the config's own
+            `s3_endpoint_url` is validated when the config is loaded).
+    """
+    try:
+        return S3Options.with_environment_endpoint(cfg.checkpoint.s3_endpoint_url or None)
+    except ValueError as err:
+        raise StartupCheckError(f"$AWS_ENDPOINT_URL: {err}") from None
+
+
+def s3_storage_options(cfg: DaemonConfig) -> dict[str, Any]:
+    """fsspec options for the checkpoint root (empty unless it is an `s3://` URI)."""
+    return s3_endpoint(cfg).fsspec_options(cfg.checkpoint.ckpt_uri)

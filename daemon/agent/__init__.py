@@ -1,0 +1,21 @@
+"""The daemon process: one per node, it launches the local ranks and watches them.
+
+Module plan:
+    run.py          `trainingd run` from start-up checks to exit code: HTTP server, signals,
+                    supervisor, elastic agent; the exit codes.
+    preflight.py    start-up checks (job importable, storage reachable and writable, lease free,
+                    the device available, `--init-from` fits) -> exit 2.
+    elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
+    supervisor.py   supervisor thread: node phase and readiness, sd_notify, orphan reaping,
+                    shutdown budget, progress.
+    http.py         one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
+    status_page.py  the status page's HTML (one file, no build step).
+    progress.py     the live status line on a terminal, `progress` log events off it.
+    relay.py        on a terminal: the ranks' output, redirected to files, printed by the daemon.
+    notify.py       sd_notify over a datagram socket (no dependency); `TimeoutExtender`:
+                    EXTEND_TIMEOUT_USEC only after progress.
+
+The agent never imports the rank side (`daemon/rank/`, `daemon/worker.py`): it is handed the
+rank entry point by `daemon/cli.py` and talks to the ranks through the run directory
+(`daemon/rundir/`). See the layering in `daemon/__init__.py`.
+"""

@@ -1,0 +1,326 @@
+"""The rank group under torch's elastic agent, in membership rounds.
+
+torch's `elastic_launch` runs one agent and closes the rendezvous when it returns, for every
+node. That fits a fixed `--nnodes N`: a stopped node ends the run everywhere, and the other nodes
+exit 75 so that their supervisor restarts them into the next rendezvous. An elastic job
+(`--nnodes MIN:MAX`, MIN < MAX) must go on instead, so this module keeps one rendezvous handler
+for the daemon's whole life and runs one `LocalElasticAgent` per *membership round*:
+
+    round: rendezvous (>= MIN nodes, last call for more) -> ranks restore the newest committed
+    checkpoint (resharded to this world size) and train -> the round ends when the ranks return
+
+[Note: membership changes end a round gracefully]
+A round whose ranks return *stopped* without a signal on this node ended for a membership
+change, and the next round starts at once:
+- shrink: a peer was stopped (SIGTERM: every rank agreed on the step and committed a final
+  checkpoint). The peer leaves the rendezvous open (it closes it only when the job is done), its
+  heartbeats stop, and the c10d rendezvous drops it after `keep_alive_interval x
+  keep_alive_max_attempt` (`_KEEP_ALIVE_S` x `_KEEP_ALIVE_ATTEMPTS`); the remaining nodes form
+  the next round once MIN are present and `rdzv_last_call_s` has passed. A peer that *died*
+  (SIGKILL) makes the ranks here fail in their next collective; the agent restarts them into a
+  new rendezvous within its `max_restarts` budget, as for any failure, from the last periodic
+  checkpoint.
+- grow: a node that arrives while a round runs waits in the rendezvous's wait list. torch's
+  agent would see it (`num_nodes_waiting() > 0`) and kill the ranks mid-step, losing every step
+  since the last checkpoint. `MembershipWatch` answers 0 to the agent instead and writes the stop
+  request the ranks poll: they agree on the next step, commit a checkpoint there and return, and
+  the next round takes the waiting node in.
+A round that reaches `max_steps` closes the rendezvous (so waiting nodes learn the job is done);
+a node stopped by a signal leaves it open for the others.
+
+The restart budget spans the daemon's life: each round's agent gets what the earlier rounds left
+of `max_restarts`, and ranks number their incarnations across rounds (`restart_offset`), so the
+restarts gauge counts failures only, never membership changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import (
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+)
+from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+from daemon.agent.relay import RankOutputRelay, RelayLogsSpecs
+from daemon.config import DaemonConfig
+from daemon.rundir.control import clear_stop
+
+__all__ = ["ElasticLauncher", "LaunchOutcome", "MembershipWatch"]
+
+log = structlog.get_logger("trainingd.elastic")
+
+_KEEP_ALIVE_S = 2
+"""Rendezvous heartbeat interval of each node (torch's default is 5 s)."""
+_KEEP_ALIVE_ATTEMPTS = 3
+"""Missed heartbeats after which the rendezvous drops a node: a node gone without a word is
+noticed after about 6 s (torch's default: 15 s)."""
+_MONITOR_INTERVAL_S = 0.2
+"""How often the agent checks its ranks and, in an elastic job, the rendezvous's wait list."""
+_AGENT_SHUTDOWN_S = 10
+"""SIGTERM-to-SIGKILL grace the agent gives ranks it stops."""
+
+Entry = Callable[..., dict[str, Any] | None]
+"""A rank entry point: `entry(cfg, run_dir, daemon_pid, restart_offset, relayed)` -> its summary
+(`daemon.worker.elastic_entry`; torch's `@record` types its result as optional)."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LaunchOutcome:
+    """How this node's rank groups ended."""
+
+    rounds: list[list[dict[str, Any]]]
+    """Every membership round's rank results (local rank order), oldest first."""
+    rendezvous_error: str | None = None
+    """Set when a later round could not form (host gone, fewer than MIN nodes, job closed)."""
+
+    @property
+    def last(self) -> list[dict[str, Any]]:
+        """The last round's rank results (empty if none returned)."""
+        return self.rounds[-1] if self.rounds else []
+
+    def summary_results(self) -> list[dict[str, Any]]:
+        """The last round's rank results, counted from the first round's start.
+
+        The run's summary speaks of the whole run: steps from where the first round restored,
+        tokens of every round; how it ended (final step, loss, stopped) is the last round's.
+        """
+        last = [dict(r) for r in self.last]
+        if not last or len(self.rounds) < 2:
+            return last
+        start = min((int(r.get("start_step", 0)) for r in self.rounds[0]), default=0)
+        for r in last:
+            r["start_step"] = start
+        earlier = sum(int(r.get("tokens") or 0) for rnd in self.rounds[:-1] for r in rnd)
+        last[0]["tokens"] = int(last[0].get("tokens") or 0) + earlier
+        return last
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the last round stopped before `max_steps` (or never formed)."""
+        return self.rendezvous_error is not None or any(r.get("stopped") for r in self.last)
+
+
+class MembershipWatch(RendezvousHandler):
+    """A rendezvous handler that turns "a node is waiting to join" into a graceful stop.
+
+    Everything is delegated to `inner`, except `num_nodes_waiting`: the first time in a round
+    that nodes wait, it calls `on_waiting(count)` (which asks the ranks to save and stop at the
+    next step) and it always answers 0, so the agent never kills the ranks mid-step for a
+    membership change ([Note: membership changes end a round gracefully]).
+
+    Args:
+        inner: the real (c10d) handler.
+        on_waiting: called with the number of waiting nodes, once per round.
+    """
+
+    def __init__(self, inner: RendezvousHandler, on_waiting: Callable[[int], None]) -> None:
+        self._inner = inner
+        self._on_waiting = on_waiting
+        self._lock = threading.Lock()
+        self._asked = False
+
+    def arm(self) -> None:
+        """Start a new round: the next waiting node triggers `on_waiting` again."""
+        with self._lock:
+            self._asked = False
+
+    def num_nodes_waiting(self) -> int:
+        """Always 0 to the agent; a waiting node triggers `on_waiting` once per round."""
+        waiting = self._inner.num_nodes_waiting()
+        with self._lock:
+            first = waiting > 0 and not self._asked
+            self._asked = self._asked or first
+        if first:
+            self._on_waiting(waiting)
+        return 0
+
+    @property
+    def use_agent_store(self) -> bool:
+        """As the inner handler."""
+        return bool(self._inner.use_agent_store)
+
+    def get_backend(self) -> str:
+        """As the inner handler."""
+        return self._inner.get_backend()
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """As the inner handler."""
+        return self._inner.next_rendezvous()
+
+    def is_closed(self) -> bool:
+        """As the inner handler."""
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        """As the inner handler."""
+        self._inner.set_closed()  # type: ignore[no-untyped-call]
+
+    def get_run_id(self) -> str:
+        """As the inner handler."""
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        """As the inner handler."""
+        return self._inner.shutdown()
+
+
+def _rendezvous_parameters(cfg: DaemonConfig, endpoint: str) -> RendezvousParameters:
+    lc = cfg.launch
+    host = endpoint.rsplit(":", 1)[0]
+    loopback = host in ("127.0.0.1", "localhost", "::1", "[::1]")
+    return RendezvousParameters(
+        backend="c10d",
+        endpoint=endpoint,
+        run_id=cfg.rdzv_id,
+        min_nodes=lc.min_nodes,
+        max_nodes=lc.max_nodes,
+        local_addr="127.0.0.1" if loopback else None,
+        # Node 0 hosts the rendezvous store; said explicitly so two daemons on one host agree.
+        is_host=lc.node_rank == 0,
+        join_timeout=lc.rdzv_timeout_s,
+        timeout=lc.rdzv_timeout_s,
+        last_call_timeout=lc.rdzv_last_call_s,
+        keep_alive_interval=_KEEP_ALIVE_S,
+        keep_alive_max_attempt=_KEEP_ALIVE_ATTEMPTS,
+    )
+
+
+class ElasticLauncher:
+    """Runs this node's rank groups in membership rounds until the job ends for this node.
+
+    Args:
+        cfg: effective configuration.
+        run_dir: per-run directory (agent logs under `elastic/`, control files).
+        entry: the rank entry point, called as
+            `entry(cfg, run_dir, daemon_pid, restart_offset, relayed)`.
+        endpoint: `host:port` of the c10d rendezvous store.
+        on_waiting: elastic jobs only: called when a node waits to join (ask the ranks to stop).
+        relay: on a terminal, the daemon's relay of the ranks' output (their stdout/stderr go
+            to files it prints above the live line, `relay.py`); None leaves them as they are.
+    """
+
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        run_dir: Path,
+        entry: Entry,
+        endpoint: str,
+        on_waiting: Callable[[int], None],
+        relay: RankOutputRelay | None = None,
+    ) -> None:
+        self._cfg = cfg
+        self._relay = relay
+        self._run_dir = run_dir
+        self._entry = entry
+        # The daemon drives SIGTERM/SIGINT itself (final checkpoint within its own budget); the
+        # agent keeps only SIGQUIT, its "stop the workers now" path (as `elastic_launch` sets).
+        os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
+        self._params = _rendezvous_parameters(cfg, endpoint)
+        inner = get_rendezvous_handler(self._params)
+        self._watch = MembershipWatch(inner, on_waiting) if cfg.launch.elastic else None
+        self._handler: RendezvousHandler = self._watch or inner
+
+    def run(self, stopping: Callable[[], bool]) -> LaunchOutcome:
+        """Run rounds until the job is done, this node is stopped, or a round cannot form.
+
+        Args:
+            stopping: whether a signal asked this node to stop (no further round then).
+
+        Raises:
+            ChildFailedError: the ranks failed more often than `max_restarts` allows.
+            RendezvousError: the first rendezvous failed (timeout, unreachable store).
+        """
+        elastic = self._cfg.launch.elastic
+        rounds: list[list[dict[str, Any]]] = []
+        restart_offset, restarts_left = 0, self._cfg.launch.max_restarts
+        # A fixed-size job closes the rendezvous whatever happens, as torch's launcher does; an
+        # elastic one only once it is done, so nodes that stay can form the next round.
+        close = not elastic
+        try:
+            while True:
+                if self._watch is not None:
+                    self._watch.arm()
+                try:
+                    results = self._round(restart_offset, restarts_left)
+                except RendezvousError as err:
+                    if not rounds:
+                        raise
+                    log.warning("rendezvous_failed", error=f"{type(err).__name__}: {err}")
+                    return LaunchOutcome(rounds=rounds, rendezvous_error=str(err))
+                rounds.append(results)
+                incarnation = max((int(r.get("restart", 0)) for r in results), default=0)
+                restarts_left -= incarnation - restart_offset
+                restart_offset = incarnation
+                stopped = any(r.get("stopped") for r in results)
+                if not stopped:
+                    close = True
+                if not (elastic and stopped) or stopping():
+                    return LaunchOutcome(rounds=rounds)
+                # The stop was for a membership change, not for this node: withdraw the request
+                # (a signal that came meanwhile is checked right after) and form the next round.
+                clear_stop(self._run_dir)
+                if stopping():
+                    return LaunchOutcome(rounds=rounds)
+                step = max((int(r.get("final_step", 0)) for r in results), default=0)
+                log.info("membership_round", after_step=step, min_nodes=self._params.min_nodes)
+        except SignalException:
+            # The agent's own SIGQUIT path: like torch's launcher, leave the rendezvous open
+            # (closing it would end the job for every node, for good).
+            close = False
+            raise
+        finally:
+            if close:
+                self._handler.shutdown()
+
+    def _logs_specs(self) -> LogsSpecs:
+        log_dir = str(self._run_dir / "elastic")
+        if self._relay is None:
+            return DefaultLogsSpecs(log_dir=log_dir)
+        return RelayLogsSpecs(log_dir, self._relay)
+
+    def _round(self, restart_offset: int, max_restarts: int) -> list[dict[str, Any]]:
+        lc = self._cfg.launch
+        spec = WorkerSpec(
+            role="trainer",
+            local_world_size=lc.nproc_per_node,
+            entrypoint=self._entry,
+            args=(
+                self._cfg,
+                str(self._run_dir),
+                os.getpid(),
+                restart_offset,
+                self._relay is not None,
+            ),
+            rdzv_handler=self._handler,
+            max_restarts=max(0, max_restarts),
+            monitor_interval=_MONITOR_INTERVAL_S,
+            local_addr=self._params.local_addr,
+        )
+        agent = LocalElasticAgent(
+            spec=spec,
+            logs_specs=self._logs_specs(),
+            start_method="spawn",
+            shutdown_timeout=_AGENT_SHUTDOWN_S,
+        )
+        result: RunResult | None = agent.run()
+        if result is None:
+            # torch ends a node that waited as a spare when the job closed the rendezvous.
+            raise RendezvousError("the rendezvous closed while this node waited to join")
+        if result.is_failed():
+            raise ChildFailedError(name="trainer", failures=result.failures)
+        return [result.return_values[k] for k in sorted(result.return_values)]

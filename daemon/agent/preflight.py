@@ -1,0 +1,162 @@
+"""Start-up checks run by `trainingd run` before any rank starts.
+
+Each check raises `StartupCheckError` with one line saying what is wrong and how to fix it; the
+CLI turns it into exit code 2 (systemd's `RestartPreventExitStatus=2` stops a restart loop on a
+config that can never work). Checks: the job can be imported, the checkpoint root is reachable
+and writable (a probe file is written and removed; for S3 the endpoint must accept a TCP
+connection within a few seconds and the bucket must exist), no other live process holds the
+root's lease (the one line names its host, pid, run id and last refresh; see
+`ckpt_manager.check_root_lease`), the per-run directory is writable, the configured device
+exists (`--device cuda` on a node without CUDA, or more ranks than GPUs), and `--init-from`
+weights fit the job's model (names, shapes, dtypes: `daemon/jobs/init_from.py`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ckpt_manager import CheckpointError, LeaseHeldError, check_root_lease
+from daemon._device import cuda_problem
+from daemon._storage import s3_endpoint, s3_storage_options
+from daemon.config import DaemonConfig
+from daemon.errors import StartupCheckError
+
+__all__ = ["check_startup"]
+
+_CONNECT_TIMEOUT_S = 3.0
+
+
+def _check_job(cfg: DaemonConfig) -> None:
+    module_name, _, attr = cfg.train.job.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise StartupCheckError(
+            f"job={cfg.train.job!r}: cannot import {module_name}: {err}"
+        ) from None
+    if not callable(getattr(module, attr, None)):
+        raise StartupCheckError(f"job={cfg.train.job!r}: {module_name} has no callable {attr!r}")
+
+
+def _check_local_dir(path: Path, what: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".trainingd-probe-{uuid.uuid4().hex}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise StartupCheckError(f"{what} {path} is not writable: {reason}") from None
+
+
+def _check_s3(cfg: DaemonConfig) -> None:
+    uri = cfg.checkpoint.ckpt_uri
+    endpoint = s3_endpoint(cfg).endpoint_url
+    if endpoint:
+        parts = urlsplit(endpoint)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            with socket.create_connection((parts.hostname, port), timeout=_CONNECT_TIMEOUT_S):
+                pass
+        except OSError as err:
+            reason = err.strerror or type(err).__name__
+            raise StartupCheckError(
+                f"s3_endpoint_url={endpoint!r} is unreachable ({reason}); "
+                "check the address or start the object store"
+            ) from None
+    import s3fs
+
+    options = s3_storage_options(cfg)
+    options["config_kwargs"] = {
+        "connect_timeout": _CONNECT_TIMEOUT_S,
+        "read_timeout": 10,
+        "retries": {"max_attempts": 1},
+    }
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    bucket = uri.removeprefix("s3://").split("/", 1)[0]
+    try:
+        exists = fs.exists(bucket)
+    except Exception as err:  # botocore raises many unrelated types; report any as one line
+        raise StartupCheckError(f"ckpt_uri={uri!r}: cannot reach the bucket: {err}") from None
+    if not exists:
+        raise StartupCheckError(f"ckpt_uri={uri!r}: bucket {bucket!r} does not exist; create it")
+
+
+def _check_lease(cfg: DaemonConfig) -> None:
+    uri = cfg.checkpoint.ckpt_uri
+    try:
+        # A node (re)joining an elastic job finds the lease held by the job's own coordinator.
+        joining = cfg.run_id if cfg.launch.elastic else None
+        check_root_lease(uri, s3_storage_options(cfg), joining_run_id=joining)
+    except LeaseHeldError as err:
+        raise StartupCheckError(f"ckpt_uri={uri!r}: {err}") from None
+    except CheckpointError as err:
+        raise StartupCheckError(f"ckpt_uri={uri!r}: cannot read its lease: {err}") from None
+
+
+def _resuming(cfg: DaemonConfig) -> bool:
+    """Whether the root holds a committed step (a resumed run ignores `--init-from`)."""
+    from ckpt_manager import latest_committed_step
+
+    try:
+        return latest_committed_step(cfg.checkpoint.ckpt_uri, s3_storage_options(cfg)) is not None
+    except CheckpointError:
+        return False  # an unreadable root is reported by the storage checks below
+
+
+def _check_init_from(cfg: DaemonConfig) -> None:
+    """`--init-from` against the job's model, from the safetensors headers only.
+
+    The job is built once here, its tensors on the meta device (no memory), so a mismatch
+    ends the run with exit 2 before any rank starts (falls back to the CPU for a job whose
+    construction cannot run on meta tensors).
+    """
+    import torch
+
+    from daemon.errors import JobError
+    from daemon.jobs.init_from import check_source, storage_options_for
+    from daemon.jobs.job import JobContext, load_job
+
+    uri = cfg.train.init_from
+    context = JobContext(rank=0, world_size=cfg.launch.nproc_per_node, seed=cfg.train.seed)
+    try:
+        build = load_job(cfg.train.job)
+        try:
+            with torch.device("meta"):
+                job = build(context)
+        except Exception:  # any job code may refuse meta tensors: build it for real
+            job = build(context)
+        check_source(
+            job.model,
+            uri,
+            job.init_key_map,
+            storage_options_for(uri, cfg.checkpoint.s3_endpoint_url),
+        )
+    except JobError as err:
+        raise StartupCheckError(str(err)) from None
+
+
+def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
+    """Run every start-up check.
+
+    Raises:
+        StartupCheckError: the first failing check, as one line.
+    """
+    problem = cuda_problem(cfg.train.device, cfg.launch.nproc_per_node)
+    if problem is not None:
+        raise StartupCheckError(problem)
+    _check_job(cfg)
+    if cfg.train.init_from and not _resuming(cfg):
+        _check_init_from(cfg)
+    uri = cfg.checkpoint.ckpt_uri
+    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
+    if scheme == "file":
+        _check_local_dir(Path(uri.removeprefix("file://")), "checkpoint root")
+    elif scheme == "s3":
+        _check_s3(cfg)
+    _check_lease(cfg)
+    _check_local_dir(run_dir, "run directory")

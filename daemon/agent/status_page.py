@@ -1,0 +1,124 @@
+"""The status page served at `/`: one self-contained HTML document (no CDN, no build step).
+
+It draws everything from `/api/status` (see `daemon/observe/status.py`), fetched on load and
+then every `REFRESH_MS`: step/ETA, an inline-SVG loss curve, throughput, the committed
+checkpoints, per-rank heartbeats and the last error. Elements carry ids (`step`, `eta`,
+`loss-curve`, `checkpoints`, `ranks`, `last-error`) so tests and scripts can read the rendered
+page.
+"""
+
+from __future__ import annotations
+
+__all__ = ["PAGE", "REFRESH_MS"]
+
+REFRESH_MS = 2000
+"""How often the page re-reads `/api/status`."""
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<title>trainingd status</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222;background:#fafafa}
+h1{font-size:1.3em;margin:0 0 .5em} h2{font-size:1.05em;margin:1.2em 0 .4em}
+.cards{display:flex;gap:1em;flex-wrap:wrap}
+.card{background:#fff;border:1px solid #ddd;border-radius:6px;padding:.6em 1em;min-width:9em}
+.card b{display:block;font-size:1.4em}
+table{border-collapse:collapse;background:#fff} td,th{border:1px solid #ddd;padding:.25em .7em}
+th{background:#f0f0f0;text-align:left} td.n{text-align:right;font-variant-numeric:tabular-nums}
+svg{background:#fff;border:1px solid #ddd;border-radius:6px}
+#last-error{color:#a00} .muted{color:#777}
+</style></head>
+<body data-loaded="0">
+<h1>trainingd <span id="phase" class="muted">connecting...</span></h1>
+<div class="cards">
+ <div class="card">step<b id="step">-</b></div>
+ <div class="card">ETA<b id="eta">-</b></div>
+ <div class="card">loss<b id="loss">-</b></div>
+ <div class="card">throughput<b id="throughput">-</b></div>
+ <div class="card">restarts<b id="restarts">-</b></div>
+</div>
+<h2>Loss</h2>
+<svg id="loss-curve" width="720" height="240" viewBox="0 0 720 240" data-points="0">
+ <polyline id="loss-line" fill="none" stroke="#1f6feb" stroke-width="1.5" points=""></polyline>
+ <text id="loss-max" x="4" y="14" font-size="11" fill="#777"></text>
+ <text id="loss-min" x="4" y="234" font-size="11" fill="#777"></text>
+</svg>
+<h2>Checkpoints <span id="ckpt-uri" class="muted"></span></h2>
+<table id="checkpoints"><thead><tr><th>step</th><th>size</th><th>age</th></tr></thead>
+<tbody></tbody></table>
+<h2>Ranks</h2>
+<table id="ranks"><thead><tr><th>rank</th><th>local</th><th>pid</th><th>phase</th>
+<th>step</th><th>restart</th><th>heartbeat age</th></tr></thead><tbody></tbody></table>
+<h2>Last error</h2><div id="last-error" class="muted">none</div>
+<script>
+"use strict";
+const $ = (id) => document.getElementById(id);
+function dur(s) {
+  if (s === null || s === undefined) return "-";
+  s = Math.round(s);
+  const h = Math.floor(s / 3600), m = Math.floor(s % 3600 / 60), r = s % 60;
+  return (h ? h + "h " : "") + (h || m ? m + "m " : "") + r + "s";
+}
+function bytes(n) {
+  const u = ["B", "KiB", "MiB", "GiB", "TiB"]; let i = 0;
+  while (n >= 1024 && i < u.length - 1) { n /= 1024; i++; }
+  return n.toFixed(i ? 1 : 0) + " " + u[i];
+}
+function rows(tbody, items, cells) {
+  tbody.replaceChildren(...items.map((it) => {
+    const tr = document.createElement("tr");
+    for (const [text, num] of cells(it)) {
+      const td = document.createElement("td"); td.textContent = text;
+      if (num) td.className = "n"; tr.appendChild(td);
+    }
+    return tr;
+  }));
+}
+function curve(points) {
+  const svg = $("loss-curve"), W = 720, H = 240, P = 20;
+  svg.dataset.points = String(points.length);
+  if (points.length < 2) { $("loss-line").setAttribute("points", ""); return; }
+  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+  const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
+  const sx = (x) => P + (W - 2 * P) * (x - x0) / Math.max(1e-9, x1 - x0);
+  const sy = (y) => H - P - (H - 2 * P) * (y - y0) / Math.max(1e-9, y1 - y0);
+  $("loss-line").setAttribute("points",
+    points.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" "));
+  $("loss-max").textContent = y1.toFixed(4);
+  $("loss-min").textContent = y0.toFixed(4) + "  (steps " + x0 + "-" + x1 + ")";
+}
+function render(s) {
+  $("phase").textContent = s.node.phase || "starting";
+  $("step").textContent = "step " + (s.step === null ? "-" : s.step) + "/" + s.max_steps;
+  $("eta").textContent = dur(s.eta_s);
+  const last = s.loss.length ? s.loss[s.loss.length - 1][1] : null;
+  $("loss").textContent = last === null ? "-" : last.toFixed(4);
+  $("throughput").textContent = Math.round(s.tokens_per_s).toLocaleString("en") + " tok/s";
+  $("restarts").textContent = String(s.node.restarts ?? 0);
+  curve(s.loss);
+  const ck = s.checkpoints;
+  $("ckpt-uri").textContent = ck.uri + (ck.error ? " (" + ck.error + ")" : "");
+  rows($("checkpoints").tBodies[0], s.checkpoints.committed.slice().reverse(),
+    (c) => [[String(c.step), true], [bytes(c.size_bytes), true], [dur(c.age_s) + " ago", true]]);
+  rows($("ranks").tBodies[0], s.ranks, (r) => [[String(r.rank), true], [String(r.local_rank), true],
+    [String(r.pid), true], [r.phase, false], [String(r.step), true], [String(r.restart), true],
+    [r.heartbeat_age_s === null ? "-" : r.heartbeat_age_s.toFixed(1) + " s", true]]);
+  const e = s.last_error;
+  const ago = e ? " (" + dur(s.now_unix_s - e.unix_s) + " ago)" : "";
+  $("last-error").textContent = e ? e.message + ago : "none";
+}
+async function refresh() {
+  try {
+    const resp = await fetch("/api/status", {cache: "no-store"});
+    render(await resp.json());
+    document.body.dataset.loaded = "1";
+  } catch (err) {
+    $("phase").textContent = "unreachable (" + err + ")";
+  }
+}
+refresh();
+setInterval(refresh, __REFRESH_MS__);
+</script>
+</body></html>
+""".replace("__REFRESH_MS__", str(REFRESH_MS))

@@ -1,0 +1,238 @@
+"""What the status page (`/`) and `/api/status` show: progress, loss history, checkpoints.
+
+`StatusBoard` is fed by the supervisor thread (`observe`, every tick, with the same rank views
+`/metrics` uses) and read by HTTP handler threads (`snapshot`). It keeps what no single
+snapshot holds: the loss history (one point per new step seen, the last `HISTORY_POINTS`),
+a tokens/s and steps/s estimate over a sliding window, and the last error seen on this node.
+
+The checkpoint list comes from ckpt_manager's torch-free `committed_checkpoints`, read by the
+board's own thread at most every `CHECKPOINT_REFRESH_S`, so a slow object store never blocks
+an HTTP request: handlers only copy the last list.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from ckpt_manager import CheckpointError, CommittedCheckpoint, committed_checkpoints
+from daemon.observe.collector import RankView
+from daemon.observe.state import NodeStatus
+
+__all__ = ["CHECKPOINT_REFRESH_S", "HISTORY_POINTS", "StatusBoard", "format_duration"]
+
+log = structlog.get_logger("trainingd.status")
+
+HISTORY_POINTS = 1000
+"""Loss points kept for the curve (oldest dropped first)."""
+CHECKPOINT_REFRESH_S = 3.0
+"""How often the board re-reads the checkpoint root's committed steps."""
+_RATE_WINDOW_S = 10.0
+
+
+def _counter(view: RankView, name: str, label: str = "") -> float:
+    return view.counters.get(name, {}).get(label, 0.0)
+
+
+class StatusBoard:
+    """The node's progress as the status page shows it; thread-safe.
+
+    Args:
+        max_steps: the run's target step (for step N/M and the ETA).
+        ckpt_uri: the checkpoint root to list.
+        storage_options: fsspec options for that root.
+        clock: Unix time source (tests).
+        list_checkpoints: replaces `committed_checkpoints` (tests).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_steps: int,
+        ckpt_uri: str,
+        storage_options: dict[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
+        list_checkpoints: Callable[[], list[CommittedCheckpoint]] | None = None,
+    ) -> None:
+        self.max_steps = max_steps
+        """The run's target step."""
+        self._ckpt_uri = ckpt_uri
+        self._list = list_checkpoints or (
+            lambda: committed_checkpoints(ckpt_uri, storage_options, known=self._checkpoints)
+        )
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._loss: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY_POINTS)
+        self._samples: collections.deque[tuple[float, float, int]] = collections.deque()
+        self._ranks: list[dict[str, Any]] = []
+        self._node: dict[str, Any] = {}
+        self._checkpoints: list[CommittedCheckpoint] = []
+        self._checkpoints_error: str | None = None
+        self._last_error: dict[str, Any] | None = None
+        self._restarts = 0
+        self._failed_saves = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._refresh_checkpoints, name="trainingd-status", daemon=True
+        )
+
+    def start(self) -> StatusBoard:
+        """Start the checkpoint-listing thread; returns self."""
+        self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the checkpoint-listing thread."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=timeout_s)
+
+    def note_error(self, message: str) -> None:
+        """Record `message` as the node's last error (shown on the page)."""
+        with self._lock:
+            self._last_error = {"message": message, "unix_s": self._clock()}
+
+    def observe(self, views: list[RankView], status: NodeStatus) -> None:
+        """Take in one supervisor tick: loss point, rates, rank heartbeats, errors."""
+        now = self._clock()
+        tokens = sum(_counter(v, "trainingd_train_tokens_total") for v in views)
+        failed = sum(_counter(v, "trainingd_ckpt_saves_total", "failed") for v in views)
+        loss = next((x for v in views if (x := v.gauge("trainingd_train_loss")) is not None), None)
+        step = status.step
+        with self._lock:
+            if (
+                step is not None
+                and loss is not None
+                and (not self._loss or self._loss[-1][0] < step)
+            ):
+                self._loss.append((step, loss))
+            self._samples.append((now, tokens, step or 0))
+            while len(self._samples) > 2 and now - self._samples[0][0] > _RATE_WINDOW_S:
+                self._samples.popleft()
+            if status.restarts > self._restarts:
+                self._restarts = status.restarts
+                self._last_error = {
+                    "message": f"worker group restarted (restart {status.restarts}); "
+                    "see the rank logs above the restart",
+                    "unix_s": now,
+                }
+            if failed > self._failed_saves:
+                self._failed_saves = failed
+                self._last_error = {"message": "a checkpoint save failed", "unix_s": now}
+            self._ranks = [
+                {
+                    "rank": v.rank,
+                    "local_rank": v.local_rank,
+                    "pid": v.pid,
+                    "restart": v.restart,
+                    "phase": v.phase.value,
+                    "step": int(v.gauge("trainingd_train_step") or 0),
+                    "heartbeat_age_s": _age(
+                        now, v.gauge("trainingd_rank_heartbeat_timestamp_seconds")
+                    ),
+                }
+                for v in sorted(views, key=lambda v: v.local_rank)
+            ]
+            self._node = {
+                "phase": status.phase.value,
+                "step": status.step,
+                "ready": status.ready,
+                "world_size": status.world_size,
+                "restarts": status.restarts,
+                "start_unix_s": status.start_unix_s,
+            }
+
+    def rates(self) -> tuple[float, float]:
+        """Tokens/s and steps/s over the last few seconds (0 until two samples)."""
+        with self._lock:
+            return self._rates()
+
+    def _rates(self) -> tuple[float, float]:
+        if len(self._samples) < 2:
+            return 0.0, 0.0
+        (t0, tok0, s0), (t1, tok1, s1) = self._samples[0], self._samples[-1]
+        if t1 <= t0:
+            return 0.0, 0.0
+        return max(0.0, (tok1 - tok0) / (t1 - t0)), max(0.0, (s1 - s0) / (t1 - t0))
+
+    def eta_s(self) -> float | None:
+        """Seconds to `max_steps` at the current steps/s (None until it is known)."""
+        with self._lock:
+            return self._eta_s(self._rates()[1])
+
+    def _eta_s(self, steps_per_s: float) -> float | None:
+        remaining = self.max_steps - (self._node.get("step") or 0)
+        return remaining / steps_per_s if steps_per_s > 0 and remaining > 0 else None
+
+    def snapshot(self) -> dict[str, Any]:
+        """The JSON body of `/api/status` (see README, Status page)."""
+        now = self._clock()
+        with self._lock:
+            tokens_per_s, steps_per_s = self._rates()
+            step = self._node.get("step")
+            eta = self._eta_s(steps_per_s)
+            return {
+                "now_unix_s": now,
+                "node": dict(self._node),
+                "step": step,
+                "max_steps": self.max_steps,
+                "eta_s": None if eta is None else round(eta, 1),
+                "tokens_per_s": round(tokens_per_s, 1),
+                "steps_per_s": round(steps_per_s, 3),
+                "loss": [[s, x] for s, x in self._loss],
+                "ranks": [dict(r) for r in self._ranks],
+                "checkpoints": {
+                    "uri": self._ckpt_uri,
+                    "error": self._checkpoints_error,
+                    "committed": [
+                        {
+                            "step": c.step,
+                            "size_bytes": c.size_bytes,
+                            "age_s": round(now - c.committed_unix_s, 1),
+                        }
+                        for c in self._checkpoints
+                    ],
+                },
+                "last_error": None if self._last_error is None else dict(self._last_error),
+                "endpoints": ["/", "/api/status", "/metrics", "/healthz", "/readyz"],
+            }
+
+    def refresh_checkpoints(self) -> None:
+        """List the root's committed steps now (the board's thread calls this; tests too)."""
+        try:
+            found, error = self._list(), None
+        except CheckpointError as err:
+            found, error = None, str(err)
+        with self._lock:
+            if found is not None:
+                self._checkpoints = found
+            self._checkpoints_error = error
+
+    def _refresh_checkpoints(self) -> None:
+        while True:
+            try:
+                self.refresh_checkpoints()
+            except Exception:  # the page must not lose its thread to one odd listing
+                log.exception("status_checkpoint_listing_failed")
+            if self._stop.wait(CHECKPOINT_REFRESH_S):
+                return
+
+
+def format_duration(seconds: float | None) -> str:
+    """`1h 2m 3s` style (the page's `dur()` in JS), `-` when unknown."""
+    if seconds is None:
+        return "-"
+    total = round(seconds)
+    hours, minutes, secs = total // 3600, total % 3600 // 60, total % 60
+    out = f"{hours}h " if hours else ""
+    out += f"{minutes}m " if hours or minutes else ""
+    return out + f"{secs}s"
+
+
+def _age(now: float, then: float | None) -> float | None:
+    return None if then is None else round(now - then, 2)

@@ -1,0 +1,15 @@
+"""The rank process: one per local rank, started by the elastic agent or a plain `torchrun`.
+
+Its entry point is `daemon/worker.py` (`elastic_entry`, `python -m daemon.worker`).
+
+Module plan:
+    loop.py           the training loop: data -> forward/backward -> step -> metrics -> ckpt.
+    data.py           `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
+    telemetry.py      rank-side metric recording, published as the rank's snapshot file.
+    throughput.py     per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
+    save_failures.py  the run's save failure policy: report, keep training, give up after N.
+
+The rank side never imports the agent side (`daemon/agent/`, `daemon/observe/`): it hears from
+the daemon only through the run directory (`daemon/rundir/`). See the layering in
+`daemon/__init__.py`.
+"""

@@ -1,0 +1,558 @@
+"""The training loop of one rank: data -> forward/backward -> step -> metrics -> checkpoint.
+
+Composes the two engines exactly as CONTRACTS.md describes: `sharding` wraps the model and owns
+the optimizer; `ckpt_manager` receives plain state dicts. The state saved at a step is
+
+    {"model": model.sharded_state_dict(),          # ShardedTensor leaves: each rank its piece
+     "optimizer": optimizer.sharded_state_dict(),
+     "scheduler": scheduler.state_dict(),          # plain JSON values, replicated
+     "data": loader.state_dict(),                  # global position, identical on every rank
+     "rng": RankLocal({"torch": ..., "python": ...})}   # per rank
+
+and a restore puts back every piece, so a resumed run is bitwise the run that was not stopped
+(CPU, fp32): same weights, optimizer moments, LR, data order and RNG streams.
+
+[Note: one all-reduce per step agrees on stop and checkpoint]
+After the optimizer step each rank all-reduces `[loss, stop, checkpoint]` (sum). The loss becomes
+the global mean; a stop or checkpoint request seen by any rank is seen by all at the same step,
+which the collective `save()` requires. One tiny collective per step is the whole cost.
+
+[Note: one host read per step] Reading a device tensor on the host (`float(loss)`, `.item()`)
+blocks until the GPU has caught up, so the host cannot queue the next kernels ahead of it. The
+micro-batch losses are summed on the device; the agreed `[loss, stop, checkpoint]` and the
+gradient norm come back together in one `.tolist()` after the all-reduce, the step's only
+read (the stop decision needs it every step). `tests/daemon/rank/test_loop_host_syncs.py` counts.
+
+Checkpoint calls go through `SaveFailurePolicy` (`save_failures.py`): a failed save is
+reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
+The final save of the drain is retried once and must commit, else the run fails.
+
+On CUDA (`device`, see `daemon/_device.py`) the model lives on the rank's GPU before the engine
+wraps it, batches come from pinned host memory and are copied with `non_blocking=True` (the
+copy overlaps the host's work on the next micro-batch), and the per-step agreement tensor lives
+on the device, as NCCL requires. The CUDA RNG state is saved with the CPU one.
+
+A run that reached `max_steps` ends with the job's `sample` (if it has one): every rank takes
+part in gathering the full weights (`full_state_dict`, collective), rank 0 calls the hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import random
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import structlog
+import torch
+import torch.distributed as dist
+
+from daemon.config import DaemonConfig
+from daemon.jobs.init_from import (
+    InitSource,
+    check_source,
+    expected_tensors,
+    load_into,
+    storage_options_for,
+)
+from daemon.jobs.job import JobSpec
+from daemon.rank.data import ShardedLoader
+from daemon.rank.save_failures import SaveFailurePolicy
+from daemon.rank.telemetry import NullTelemetry, RankTelemetry
+from daemon.rank.throughput import gpu_memory, mfu_ratio, peak_flops
+from daemon.rundir.control import RankControl
+from daemon.rundir.snapshot import RankPhase
+
+if TYPE_CHECKING:
+    from sharding import DistributedOptimizer, FullyShardedDataParallel
+
+__all__ = ["LoopResult", "make_optimizer", "run_training"]
+
+log = structlog.get_logger("trainingd.loop")
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class LoopResult:
+    """How a rank's training loop ended."""
+
+    start_step: int
+    """Step restored from (0 for a fresh run)."""
+    final_step: int
+    """Last completed step."""
+    stopped: bool
+    """True when a stop request ended the loop before `max_steps`."""
+    last_loss: float | None
+    """Global mean loss of the last step run by this process."""
+    num_tokens: int
+    """Tokens this rank trained on in this process (for the run's tokens/s summary)."""
+    sample: str | None = None
+    """The job's `sample` of the trained model (rank 0 of a run that reached `max_steps`)."""
+
+
+def _lr_lambda(cfg: DaemonConfig) -> Any:
+    warmup, total = cfg.train.warmup_steps, max(cfg.train.max_steps, 1)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    state = {"torch": torch.get_rng_state(), "python": [version, list(internal), gauss]}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    # A checkpoint written on the CPU has no CUDA stream: the device keeps its seeded one.
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+
+def _checkpoint_config(cfg: DaemonConfig) -> Any:
+    from ckpt_manager import CheckpointConfig, S3Options
+    from daemon._storage import s3_storage_options
+
+    ck = cfg.checkpoint
+    options = s3_storage_options(cfg)
+    return CheckpointConfig(
+        async_mode=ck.async_mode,
+        # The `keep_*` keys, read by ckpt_manager's registry (None: keep every checkpoint).
+        retention=ck.retention.policy(),
+        storage_options=options,
+        # Only S3 gains from spreading; None keeps plain names on every other root.
+        spread_prefixes=ck.s3_spread_prefixes if S3Options.serves(ck.ckpt_uri) else None,
+    )
+
+
+def _checkpoint_exists(manager: Any) -> bool:
+    # Rank 0 decides, so every rank takes the same path through the collectives below.
+    flag = [manager.latest_step() is not None if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(flag, src=0)
+    return bool(flag[0])
+
+
+def make_optimizer(
+    model: FullyShardedDataParallel, *, lr: float, weight_decay: float
+) -> DistributedOptimizer:
+    """AdamW over the wrapped model in two groups (`sharding.no_decay_groups`).
+
+    Matrices decay by `weight_decay`; biases, norm weights and embeddings (a tied LM head
+    included) do not, as GPT-2/nanoGPT train. Both groups are saved with the optimizer
+    state, so a resume restores them exactly.
+    """
+    from sharding import no_decay_groups
+
+    groups = no_decay_groups(model, weight_decay)
+    return model.make_optimizer(torch.optim.AdamW, groups, lr=lr, weight_decay=weight_decay)
+
+
+def _materialize_optimizer_state(
+    model: Any, optimizer: Any, job: JobSpec, device: torch.device
+) -> None:
+    """Give the optimizer its state tensors so a restore template has places for them.
+
+    [Note: the restore template needs optimizer state] `restore(into=template)` fills only the
+    leaves the template has, and a torch optimizer creates its state (AdamW: step, exp_avg,
+    exp_avg_sq) lazily at the first step: a template taken before any step would silently
+    restore no optimizer state. One step on zero gradients (the loss times 0, on the dataset's
+    first samples) creates every state tensor; the restore then overwrites all of it, weights
+    and param groups included, so nothing of this step survives.
+    """
+    samples = [job.train_data[i] for i in range(min(2, len(job.train_data)))]
+    inputs = torch.stack([x for x, _ in samples]).to(device)
+    targets = torch.stack([y for _, y in samples]).to(device)
+    loss = job.loss_fn(model(inputs), targets) * 0.0
+    loss.backward()  # type: ignore[no-untyped-call]
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _init_source(cfg: DaemonConfig, job: JobSpec, expected: dict[str, Any]) -> InitSource | None:
+    """The checked `--init-from` / `JobSpec.init_from` source, or None (`jobs/init_from.py`)."""
+    uri = cfg.train.init_from or job.init_from
+    if not uri:
+        return None
+    options = storage_options_for(uri, cfg.checkpoint.s3_endpoint_url)
+    return check_source(expected, uri, job.init_key_map, options)
+
+
+def run_training(
+    cfg: DaemonConfig,
+    job: JobSpec,
+    *,
+    telemetry: RankTelemetry | NullTelemetry,
+    control: RankControl,
+    device: torch.device | None = None,
+) -> LoopResult:
+    """Train this rank until `max_steps` or an agreed stop; the process group must exist.
+
+    Args:
+        cfg: the effective configuration.
+        job: model, data and loss from the job callable.
+        telemetry: where metrics go (`NullTelemetry`: record nothing).
+        control: stop and checkpoint requests.
+        device: where the model and batches live (None: the CPU); on CUDA the process group
+            must be NCCL and `torch.cuda.set_device(device)` done.
+    """
+    run = _Training(cfg, job, telemetry, control, torch.device("cpu") if device is None else device)
+    with run.manager:
+        run.restore_or_initialize()
+        run.start()
+        while run.step < cfg.train.max_steps and not run.stopped:
+            run.train_step()
+        run.drain()
+    # The job's sample of the trained model (a completed run only).
+    sample = None
+    if not run.stopped and job.sample is not None:
+        sample = _sample(run.model, job, run.rank)
+    return LoopResult(
+        start_step=run.start_step,
+        final_step=run.step,
+        stopped=run.stopped,
+        last_loss=run.last_loss,
+        num_tokens=run.num_tokens,
+        sample=sample,
+    )
+
+
+class _Agreement(NamedTuple):
+    """What every rank agreed on after a step.
+
+    See [Note: one all-reduce per step agrees on stop and checkpoint].
+    """
+
+    loss: float
+    """Global mean loss of the step."""
+    stop: bool
+    """Some rank was asked to stop."""
+    checkpoint: bool
+    """Some rank was asked for a checkpoint."""
+    grad_norm: float
+    """Global gradient norm before clipping (read in the same host read)."""
+
+
+class _Training:
+    """One rank's training run: the engines it built and where it is; `run_training` drives it.
+
+    Building it wraps the model (`sharding`), makes the optimizer, LR schedule, loader and
+    checkpoint manager; each method is one stage of the loop, in the order `run_training`
+    calls them.
+    """
+
+    def __init__(
+        self,
+        cfg: DaemonConfig,
+        job: JobSpec,
+        telemetry: RankTelemetry | NullTelemetry,
+        control: RankControl,
+        device: torch.device,
+    ) -> None:
+        from ckpt_manager import CheckpointManager
+        from sharding import (
+            DeferredInit,
+            FullyShardedDataParallel,
+            MixedPrecisionPolicy,
+            ShardingConfig,
+            Strategy,
+        )
+
+        tc = cfg.train
+        self.cfg, self.job, self.device = cfg, job, device
+        self.telemetry, self.control = telemetry, control
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # Elastic jobs keep the global batch at any world size ([Note: an elastic job keeps its
+        # global batch] in `daemon/config.py`); fixed ones accumulate `micro_batches`.
+        self.micro_batches = cfg.micro_batches_at(self.world)
+        # `--init-from` weights are checked against the unsharded model's tensors, taken here.
+        self._init_expected = expected_tensors(job.model) if tc.init_from or job.init_from else {}
+        precision = MixedPrecisionPolicy(
+            param_dtype=getattr(torch, tc.param_dtype.value),
+            reduce_dtype=getattr(torch, tc.reduce_dtype.value),
+            output_dtype=torch.float32,  # the job's loss sees fp32 logits
+        )
+        # A meta-device model is materialized by the engine, unit by unit, on `device`.
+        on_meta = any(p.is_meta for p in job.model.parameters())
+        self.model = FullyShardedDataParallel(
+            job.model if on_meta else job.model.to(device),
+            ShardingConfig(
+                strategy=Strategy(tc.strategy.engine_strategy),
+                # [Note: hybrid by default across nodes] in `daemon/config.py`.
+                shard_group_size=cfg.shard_group_size_at(self.world),
+                unit_modules=job.unit_modules,
+                max_inflight_reductions=tc.max_inflight_reductions,
+                mixed_precision=precision,
+                deferred_init=DeferredInit(seed=tc.seed, init_fn=job.init_fn),
+            ),
+            device=device,
+            observer=telemetry,
+        )
+        self.optimizer = make_optimizer(self.model, lr=tc.lr, weight_decay=tc.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer.optimizer, _lr_lambda(cfg)
+        )
+        self.loader = ShardedLoader(
+            job.train_data,
+            batch_size=tc.batch_size,
+            rank=self.rank,
+            world_size=self.world,
+            seed=tc.seed,
+            pin_memory=device.type == "cuda",
+        )
+        self.manager = CheckpointManager(
+            cfg.checkpoint.ckpt_uri, _checkpoint_config(cfg), run_id=cfg.run_id, observer=telemetry
+        )
+        self.tokens_per_step = tc.batch_size * self.micro_batches * job.tokens_per_sample
+        # [Note: MFU] in `daemon/rank/throughput.py`: None (no peak known) exports no MFU.
+        self.peak = peak_flops(device, tc.peak_flops) if job.flops_per_token > 0 else None
+        self.step = self.start_step = self.saved_step = 0
+        self.last_loss: float | None = None
+        self.stopped = False
+        self.num_tokens = 0
+
+    def state(self) -> dict[str, Any]:
+        """The state saved at a step (see the module docstring)."""
+        from ckpt_manager import RankLocal
+
+        return {
+            "model": self.model.sharded_state_dict(),
+            "optimizer": self.optimizer.sharded_state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+            "rng": RankLocal(_rng_state(self.device)),
+        }
+
+    # --- before the first step ----------------------------------------------------------------
+    def restore_or_initialize(self) -> None:
+        """Restore the latest committed checkpoint, else load `--init-from` weights if any."""
+        from ckpt_manager import RankLocal
+
+        telemetry, manager = self.telemetry, self.manager
+        telemetry.heartbeat(RankPhase.RESTORING)
+        t0 = time.perf_counter()
+        if _checkpoint_exists(manager):
+            _materialize_optimizer_state(self.model, self.optimizer, self.job, self.device)
+        # [Note: ranks beat while restoring] Every read from storage beats the heartbeat
+        # behind /healthz (published at most every `publish_interval_s`), so a restore of any
+        # length stays healthy while bytes arrive, and one stuck in a read goes stale after
+        # `heartbeat_timeout_s`; the supervisor extends systemd's start timeout on the same beats.
+        restored = manager.restore(
+            step=None, into=self.state(), on_progress=lambda _progress: telemetry.heartbeat()
+        )
+        if restored is not None:
+            self.step = restored.step
+            self.model.load_sharded_state_dict(restored.state["model"])
+            self.optimizer.load_sharded_state_dict(restored.state["optimizer"])
+            self.scheduler.load_state_dict(restored.state["scheduler"])
+            self.loader.load_state_dict(restored.state["data"])
+            rng = restored.state["rng"]
+            rng = rng.value if isinstance(rng, RankLocal) else rng
+            if rng is not None:
+                _set_rng_state(rng, self.device)
+            log.info("restored", ckpt_step=self.step, seconds=round(time.perf_counter() - t0, 3))
+            telemetry.observe("trainingd_ckpt_restore_seconds", time.perf_counter() - t0)
+        elif (init := _init_source(self.cfg, self.job, self._init_expected)) is not None:
+            init_bytes = load_into(self.model, init)
+            log.info("initialized_from", uri=init.source.uri, num_bytes=init_bytes)
+        self.start_step = self.saved_step = self.step
+
+    def start(self) -> None:
+        """Report the start of training and agree on a stop requested before the first step."""
+        telemetry = self.telemetry
+        # Counts failures from the restored state on (it reads the manager's last commit).
+        self.failures = SaveFailurePolicy(
+            self.manager, self.cfg.checkpoint.max_consecutive_save_failures
+        )
+        telemetry.set("trainingd_ckpt_consecutive_save_failures", self.failures.consecutive)
+        telemetry.set("trainingd_train_step", self.step)
+        telemetry.heartbeat(RankPhase.TRAINING)
+        log.info(
+            "training",
+            start_step=self.step,
+            max_steps=self.cfg.train.max_steps,
+            world_size=self.world,
+            shard_group_size=self.model.shard_group_size,
+            micro_batches=self.micro_batches,
+        )
+        # A stop requested before the first step (e.g. during a restart of the group while the
+        # node drains) ends the run here, at the restored step, without training further.
+        early = torch.tensor([float(self.control.stop_requested())], device=self.device)
+        dist.all_reduce(early)
+        self.stopped = bool(early[0] > 0)
+        if self.stopped:
+            log.info("stopping", step=self.step, signal=self.control.stop_signal)
+
+    # --- one step -----------------------------------------------------------------------------
+    def train_step(self) -> None:
+        """Data -> forward/backward -> optimizer step -> agreement -> metrics -> checkpoint."""
+        step_start = time.perf_counter()
+        batches = self.next_batches()
+        data_s = time.perf_counter() - step_start
+        loss_sum = self.forward_backward(batches)
+        grad_norm, lr = self.optimizer_step()
+        agreed = self.agree(loss_sum, grad_norm)
+        self.last_loss, self.stopped = agreed.loss, agreed.stop
+        step_s = time.perf_counter() - step_start
+        self.record_step(batches, agreed, lr=lr, data_s=data_s, step_s=step_s)
+        self.maybe_checkpoint(agreed)
+        self.telemetry.heartbeat()
+        max_steps = self.cfg.train.max_steps
+        if self.rank == 0 and (self.step % 10 == 0 or self.step == max_steps):
+            loss = round(agreed.loss, 4)
+            log.info("step", step=self.step, loss=loss, lr=lr, step_s=round(step_s, 4))
+        if self.stopped:
+            log.info("stopping", step=self.step, signal=self.control.stop_signal)
+
+    def next_batches(self) -> list[tuple[torch.Tensor, ...]]:
+        """This step's micro-batches, on the device (copies from pinned memory overlap)."""
+        return [
+            tuple(t.to(self.device, non_blocking=True) for t in self.loader.next_batch())
+            for _ in range(self.micro_batches)
+        ]
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+        """Accumulate gradients over the micro-batches (reduced on the last); the loss sum.
+
+        The loss stays on the device ([Note: one host read per step]).
+        """
+        loss_sum = torch.zeros((), device=self.device)
+        for i, (inputs, targets) in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                loss = self.job.loss_fn(self.model(inputs), targets) / len(batches)
+                loss.backward()  # type: ignore[no-untyped-call]
+            loss_sum += loss.detach()
+        return loss_sum
+
+    def optimizer_step(self) -> tuple[torch.Tensor, float]:
+        """Clip, step the optimizer and the LR schedule; the gradient norm and the LR used."""
+        tc = self.cfg.train
+        grad_norm = self.optimizer.clip_grad_norm_(tc.grad_clip if tc.grad_clip > 0 else math.inf)
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.manager.before_optimizer_step()  # an async save's snapshot copy must be done
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.scheduler.step()
+        self.step += 1
+        return grad_norm, lr
+
+    def agree(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> _Agreement:
+        """All-reduce the loss and the stop and checkpoint requests; one host read for all.
+
+        See [Note: one all-reduce per step agrees on stop and checkpoint].
+        """
+        stop_local, ckpt_local = self.control.poll()
+        # [Note: one host read per step]; a pageable host->device copy with non_blocking
+        # is staged at once, without waiting for the stream (a blocking one would).
+        flags = torch.tensor([float(stop_local), float(ckpt_local)])
+        agreed = torch.cat([loss_sum.float().reshape(1), flags.to(self.device, non_blocking=True)])
+        dist.all_reduce(agreed)
+        loss_total, stop_count, ckpt_count, grad_norm_value = torch.cat(
+            [agreed, grad_norm.float().reshape(1)]
+        ).tolist()
+        return _Agreement(
+            loss=loss_total / self.world,
+            stop=stop_count > 0,
+            checkpoint=ckpt_count > 0,
+            grad_norm=grad_norm_value,
+        )
+
+    def record_step(
+        self,
+        batches: list[tuple[torch.Tensor, ...]],
+        agreed: _Agreement,
+        *,
+        lr: float,
+        data_s: float,
+        step_s: float,
+    ) -> None:
+        """The step's metrics: progress, timings, tokens, MFU, memory, loss, engine stats."""
+        telemetry = self.telemetry
+        telemetry.inc("trainingd_train_steps_total")
+        telemetry.set("trainingd_train_step", self.step)
+        telemetry.observe("trainingd_train_step_duration_seconds", step_s)
+        telemetry.observe("trainingd_train_data_loading_seconds", data_s)
+        step_tokens = self.tokens_per_step or sum(int(b[0].numel()) for b in batches)
+        self.num_tokens += step_tokens
+        telemetry.inc("trainingd_train_tokens_total", step_tokens)
+        telemetry.set("trainingd_train_tokens_per_second", step_tokens / step_s)
+        if self.peak is not None:
+            mfu = mfu_ratio(step_tokens / step_s, self.job.flops_per_token, self.peak)
+            telemetry.set("trainingd_train_mfu_ratio", mfu)
+        for name, num_bytes in gpu_memory(self.device).items():
+            telemetry.set(name, num_bytes)
+        telemetry.set("trainingd_train_loss", agreed.loss)
+        telemetry.set("trainingd_train_grad_norm", agreed.grad_norm)
+        telemetry.set("trainingd_train_learning_rate", lr)
+        if self.step == self.start_step + 1:
+            recovery = time.time() - telemetry.started_unix_s
+            telemetry.set("trainingd_rank_recovery_seconds", recovery)
+        telemetry.update_sharding(self.model.stats.snapshot())
+
+    def maybe_checkpoint(self, agreed: _Agreement) -> None:
+        """Save when due (schedule, request, stop, last step); let finished saves commit."""
+        every, step = self.cfg.checkpoint.ckpt_every, self.step
+        due = (every and step % every == 0) or step == self.cfg.train.max_steps
+        if due or agreed.checkpoint or agreed.stop:
+            self.failures.guard(
+                functools.partial(
+                    self.manager.save, step, self.state(), metrics={"loss": agreed.loss}
+                )
+            )
+            self.saved_step = step
+            log.info("checkpoint_scheduled", ckpt_step=step, loss=round(agreed.loss, 4))
+        self.failures.guard(self.manager.maybe_finalize)
+        self.telemetry.update_checkpoints(self.manager.stats())
+        self.telemetry.set("trainingd_ckpt_consecutive_save_failures", self.failures.consecutive)
+
+    # --- after the last step ------------------------------------------------------------------
+    def drain(self) -> None:
+        """Every save in flight must commit before the process exits."""
+        manager, step = self.manager, self.step
+        self.telemetry.heartbeat(RankPhase.STOPPING if self.stopped else RankPhase.FINISHING)
+        final_metrics = {"loss": self.last_loss or 0.0}
+        if self.saved_step != step:
+            self.failures.guard(
+                functools.partial(manager.save, step, self.state(), metrics=final_metrics)
+            )
+        self.failures.guard(manager.wait_until_finished)
+        if step != self.start_step and manager.stats().last_committed_step != step:
+            # The final save failed (tolerated above like any other): try once more, and fail
+            # the run if that fails too, rather than exit 0 with the last steps unsaved.
+            manager.save(step, self.state(), metrics=final_metrics)
+            manager.wait_until_finished()
+        manager.check_for_errors()
+        self.telemetry.update_checkpoints(manager.stats())
+        self.telemetry.heartbeat(RankPhase.FINISHED)
+
+
+def _sample(model: Any, job: JobSpec, rank: int) -> str | None:
+    """Gather the full weights (every rank) and run the job's sample hook on rank 0.
+
+    The checkpoints are committed by now: a hook that fails is logged and shows nothing, the
+    run still counts as finished.
+    """
+    assert job.sample is not None
+    weights = model.full_state_dict()
+    if rank != 0:
+        return None
+    t0 = time.perf_counter()
+    try:
+        text = job.sample(weights)
+    except Exception:
+        log.exception("sample_failed")
+        return None
+    log.info("sample_generated", seconds=round(time.perf_counter() - t0, 3), chars=len(text))
+    return text

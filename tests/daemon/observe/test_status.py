@@ -1,0 +1,79 @@
+"""The status board behind `/api/status`: loss history, rates/ETA, errors, checkpoint listing."""
+
+from __future__ import annotations
+
+from ckpt_manager import CommittedCheckpoint, StorageError
+from daemon.observe.collector import RankView
+from daemon.observe.state import NodePhase, NodeState
+from daemon.observe.status import HISTORY_POINTS, StatusBoard, format_duration
+from daemon.rundir.snapshot import RankPhase
+
+
+def _view(step: int, loss: float, tokens: float, failed_saves: float = 0.0) -> RankView:
+    return RankView(
+        rank=0,
+        local_rank=0,
+        pid=1,
+        restart=0,
+        world_size=1,
+        phase=RankPhase.TRAINING,
+        counters={
+            "trainingd_train_tokens_total": {"": tokens},
+            "trainingd_ckpt_saves_total": {"failed": failed_saves},
+        },
+        gauges={
+            "trainingd_train_loss": {"": loss},
+            "trainingd_train_step": {"": float(step)},
+            "trainingd_rank_heartbeat_timestamp_seconds": {"": 99.0},
+        },
+        histograms={},
+    )
+
+
+def test_history_is_bounded_one_point_per_new_step_with_rates_and_eta() -> None:
+    clock = [100.0]
+    state = NodeState(local_ranks=1)
+    board = StatusBoard(
+        max_steps=HISTORY_POINTS * 4,
+        ckpt_uri="/x",
+        clock=lambda: clock[0],
+        list_checkpoints=lambda: [CommittedCheckpoint(10, 2048, 90.0)],
+    )
+    for step in range(1, HISTORY_POINTS + 11):
+        status = state.update(phase=NodePhase.TRAINING, step=step)
+        board.observe([_view(step, 1.0 / step, 100.0 * step)], status)
+        board.observe([_view(step, 1.0 / step, 100.0 * step)], status)  # same step: no point
+        clock[0] += 0.1
+    board.refresh_checkpoints()
+    s = board.snapshot()
+    assert len(s["loss"]) == HISTORY_POINTS
+    assert s["loss"][0][0] == 11
+    assert s["loss"][-1] == [HISTORY_POINTS + 10, 1.0 / (HISTORY_POINTS + 10)]
+    assert abs(s["tokens_per_s"] - 1000.0) < 20  # 100 tokens per step, 10 steps/s
+    assert abs(s["eta_s"] - (3 * HISTORY_POINTS - 10) / 10) < 5
+    assert s["ranks"][0]["heartbeat_age_s"] is not None
+    age_s = round(clock[0] - 90.0, 1)
+    assert s["checkpoints"]["committed"] == [{"step": 10, "size_bytes": 2048, "age_s": age_s}]
+    assert s["last_error"] is None
+
+
+def test_restarts_failed_saves_and_listing_errors_are_reported() -> None:
+    state = NodeState(local_ranks=1)
+
+    def broken() -> list[CommittedCheckpoint]:
+        raise StorageError("cannot list /x")
+
+    board = StatusBoard(max_steps=10, ckpt_uri="/x", list_checkpoints=broken)
+    board.observe([_view(1, 1.0, 1.0, failed_saves=1.0)], state.update(step=1))
+    assert board.snapshot()["last_error"]["message"] == "a checkpoint save failed"
+    board.observe([_view(1, 1.0, 1.0, failed_saves=1.0)], state.update(restarts=1))
+    assert "restart 1" in board.snapshot()["last_error"]["message"]
+    board.refresh_checkpoints()
+    assert board.snapshot()["checkpoints"]["error"] == "cannot list /x"
+
+
+def test_format_duration_matches_the_page() -> None:
+    assert format_duration(None) == "-"
+    assert format_duration(5.4) == "5s"
+    assert format_duration(3725) == "1h 2m 5s"
+    assert format_duration(120) == "2m 0s"
