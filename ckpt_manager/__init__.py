@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     )
     from ckpt_manager._store.lease import check_root_lease
     from ckpt_manager._store.options import S3Options
+    from ckpt_manager._store.probe import check_root_writable
     from ckpt_manager._store.steps import (
         CommittedCheckpoint,
         committed_checkpoints,
@@ -120,6 +121,7 @@ __all__ = [
     "StepNotFoundError",
     "StorageError",
     "check_root_lease",
+    "check_root_writable",
     "committed_checkpoints",
     "latest_committed_step",
 ]
@@ -130,6 +132,7 @@ _HOME = {
     "CheckpointManager": "_manager",
     "S3Options": "_store.options",
     "check_root_lease": "_store.lease",
+    "check_root_writable": "_store.probe",
     "CommittedCheckpoint": "_store.steps",
     "committed_checkpoints": "_store.steps",
     "latest_committed_step": "_store.steps",

@@ -14,14 +14,18 @@ weights fit the job's model (names, shapes, dtypes: `daemon/jobs/init_from.py`).
 from __future__ import annotations
 
 import importlib
-import socket
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from ckpt_manager import CheckpointError, LeaseHeldError, check_root_lease
+from ckpt_manager import (
+    CheckpointError,
+    LeaseHeldError,
+    StorageError,
+    check_root_lease,
+    check_root_writable,
+)
 from daemon._device import cuda_problem
-from daemon._storage import s3_endpoint, s3_storage_options
+from daemon._storage import s3_storage_options
 from daemon.config import DaemonConfig
 from daemon.errors import StartupCheckError
 
@@ -53,37 +57,13 @@ def _check_local_dir(path: Path, what: str) -> None:
         raise StartupCheckError(f"{what} {path} is not writable: {reason}") from None
 
 
-def _check_s3(cfg: DaemonConfig) -> None:
+def _check_root(cfg: DaemonConfig) -> None:
     uri = cfg.checkpoint.ckpt_uri
-    endpoint = s3_endpoint(cfg).endpoint_url
-    if endpoint:
-        parts = urlsplit(endpoint)
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        try:
-            with socket.create_connection((parts.hostname, port), timeout=_CONNECT_TIMEOUT_S):
-                pass
-        except OSError as err:
-            reason = err.strerror or type(err).__name__
-            raise StartupCheckError(
-                f"s3_endpoint_url={endpoint!r} is unreachable ({reason}); "
-                "check the address or start the object store"
-            ) from None
-    import s3fs
-
-    options = s3_storage_options(cfg)
-    options["config_kwargs"] = {
-        "connect_timeout": _CONNECT_TIMEOUT_S,
-        "read_timeout": 10,
-        "retries": {"max_attempts": 1},
-    }
-    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
-    bucket = uri.removeprefix("s3://").split("/", 1)[0]
     try:
-        exists = fs.exists(bucket)
-    except Exception as err:  # botocore raises many unrelated types; report any as one line
-        raise StartupCheckError(f"ckpt_uri={uri!r}: cannot reach the bucket: {err}") from None
-    if not exists:
-        raise StartupCheckError(f"ckpt_uri={uri!r}: bucket {bucket!r} does not exist; create it")
+        # Each store checks in its own way (`ckpt_manager.check_root_writable`).
+        check_root_writable(uri, s3_storage_options(cfg), timeout_s=_CONNECT_TIMEOUT_S)
+    except StorageError as err:
+        raise StartupCheckError(f"ckpt_uri={uri!r}: {err}") from None
 
 
 def _check_lease(cfg: DaemonConfig) -> None:
@@ -152,11 +132,6 @@ def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
     _check_job(cfg)
     if cfg.train.init_from and not _resuming(cfg):
         _check_init_from(cfg)
-    uri = cfg.checkpoint.ckpt_uri
-    scheme = uri.split("://", 1)[0] if "://" in uri else "file"
-    if scheme == "file":
-        _check_local_dir(Path(uri.removeprefix("file://")), "checkpoint root")
-    elif scheme == "s3":
-        _check_s3(cfg)
+    _check_root(cfg)
     _check_lease(cfg)
     _check_local_dir(run_dir, "run directory")

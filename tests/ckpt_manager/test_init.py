@@ -52,6 +52,7 @@ EXPECTED = [
     "StepNotFoundError",
     "StorageError",
     "check_root_lease",
+    "check_root_writable",
     "committed_checkpoints",
     "latest_committed_step",
 ]

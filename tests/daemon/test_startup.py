@@ -46,7 +46,7 @@ def _bad_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
                 "--s3-endpoint-url",
                 f"http://127.0.0.1:{closed}",
             ],
-            f"s3_endpoint_url='http://127.0.0.1:{closed}' is unreachable",
+            f"S3 endpoint 'http://127.0.0.1:{closed}' is unreachable",
         ),
         "unwritable path": (
             ["--ckpt-uri", str(a_file / "ckpt")],

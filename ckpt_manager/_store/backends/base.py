@@ -228,3 +228,14 @@ class BackendFactory(Protocol):
             ValueError: the URI cannot be opened by this backend.
         """
         ...
+
+    def probe(self, root_uri: str, storage_options: Mapping[str, Any], *, timeout_s: float) -> None:
+        """Start-up check that `root_uri` can take a checkpoint, answered within about
+        `timeout_s` (a tool checks this before it starts work that would fail later).
+
+        Raises:
+            StorageError: one line an operator can act on (the folder is not writable, the
+                endpoint does not answer, the bucket does not exist).
+            ValueError: the URI cannot be opened by this backend.
+        """
+        ...

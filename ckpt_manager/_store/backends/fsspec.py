@@ -123,6 +123,12 @@ class FsspecBackend:
         return cls(*open_filesystem(root_uri, storage_options))
 
     @classmethod
+    def probe(cls, root_uri: str, storage_options: Mapping[str, Any], *, timeout_s: float) -> None:
+        """The root opens. A generic filesystem has no probe that is both quick and writes
+        nothing; its first real write reports what is wrong, as a `StorageError`."""
+        cls.open(root_uri, storage_options)
+
+    @classmethod
     def serves_filesystem(cls, fs: Any) -> bool:
         """Whether this backend is the one for an opened filesystem reached through an
         unregistered scheme (see `backends.open_backend`); the generic one serves any."""

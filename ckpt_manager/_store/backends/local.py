@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import shutil
@@ -25,6 +26,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ckpt_manager._store.backends.base import Capabilities
 from ckpt_manager._store.backends.direct_write import write_at_start
 from ckpt_manager._store.backends.fsspec import FsspecBackend, content_version, open_filesystem
+from ckpt_manager.errors import StorageError
 
 __all__ = ["LocalBackend"]
 
@@ -67,6 +69,22 @@ class LocalBackend(FsspecBackend):
         if not isinstance(fs, LocalFileSystem):
             raise ValueError(f"cannot open checkpoint root {root_uri!r}: not a local path")
         return cls(fs, root)
+
+    @classmethod
+    def probe(cls, root_uri: str, storage_options: Mapping[str, Any], *, timeout_s: float) -> None:
+        """The folder exists or can be made, and a probe file can be written and removed."""
+        folder = cls.path_of(root_uri)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            probe = os.path.join(folder, f".trainingd-probe-{uuid.uuid4().hex}")
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.unlink(probe)
+        except OSError as err:
+            reason = err.strerror or type(err).__name__
+            raise StorageError(
+                err.errno or errno.EIO, f"checkpoint root {folder} is not writable: {reason}"
+            ) from None
 
     @classmethod
     def serves_filesystem(cls, fs: Any) -> bool:

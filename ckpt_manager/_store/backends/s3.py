@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import socket
 import time
-from collections.abc import Iterable
+import urllib.parse
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import fsspec.asyn
@@ -34,7 +36,7 @@ from ckpt_manager._store.backends.fsspec import (
     protocols_of,
 )
 from ckpt_manager._store.backends.multipart import abort_upload, list_uploads, upload_buffer
-from ckpt_manager.errors import ObjectExistsError, VersionMismatchError
+from ckpt_manager.errors import ObjectExistsError, StorageError, VersionMismatchError
 
 __all__ = ["S3Backend"]
 
@@ -57,6 +59,44 @@ class S3Backend(FsspecBackend):
         shared_across_processes=True,
     )
     """Race-free conditions decided by the server; remote, so prefetched and retried."""
+
+    @classmethod
+    def probe(cls, root_uri: str, storage_options: Mapping[str, Any], *, timeout_s: float) -> None:
+        """The endpoint accepts a TCP connection and the bucket exists, each asked once
+        with `timeout_s` (botocore's own defaults retry for minutes)."""
+        client_kwargs = dict(storage_options.get("client_kwargs") or {})
+        endpoint = str(client_kwargs.get("endpoint_url") or "")
+        if endpoint:
+            parts = urllib.parse.urlsplit(endpoint)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            try:
+                with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+                    pass
+            except OSError as err:
+                reason = err.strerror or type(err).__name__
+                raise StorageError(
+                    err.errno or errno.EHOSTUNREACH,
+                    f"S3 endpoint {endpoint!r} is unreachable ({reason}); check the address or "
+                    "start the object store",
+                ) from None
+        quick = {
+            **storage_options,
+            "skip_instance_cache": True,
+            "config_kwargs": {
+                **dict(storage_options.get("config_kwargs") or {}),
+                "connect_timeout": timeout_s,
+                "read_timeout": max(timeout_s, 10.0),
+                "retries": {"max_attempts": 1},
+            },
+        }
+        backend = cls.open(root_uri, quick)
+        bucket = backend.root.split("/", 1)[0]
+        try:
+            exists = bool(backend.fs.exists(bucket))
+        except Exception as err:  # botocore raises many unrelated types; report any as one
+            raise StorageError(errno.EIO, f"cannot reach the bucket {bucket!r}: {err}") from None
+        if not exists:
+            raise StorageError(errno.ENOENT, f"bucket {bucket!r} does not exist; create it")
 
     @classmethod
     def serves_filesystem(cls, fs: Any) -> bool:

@@ -14,6 +14,7 @@ registration line.
 from __future__ import annotations
 
 import ast
+import pathlib
 
 import pytest
 
@@ -196,3 +197,20 @@ def test_the_backends_may_branch_on_the_protocol() -> None:
     modules = _modules()
     modules[f"{BACKENDS_PACKAGE}.s3"] = ast.parse("import s3fs\nSCHEMES = ('s3', 's3a')\n")
     assert seam_violations(modules) == seam_violations(_modules())
+
+
+def _daemon_modules() -> dict[str, ast.Module]:
+    package = pathlib.Path(__file__).resolve().parents[3] / "daemon"
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = ast.parse(path.read_text())
+    return found
+
+
+def test_the_daemon_does_not_ask_which_store_a_root_is_on_either() -> None:
+    # The daemon checks, lists and opens roots through ckpt_manager's public API only
+    # (`check_root_writable`, `S3Options.serves`, `committed_checkpoints`, ...).
+    assert seam_violations(_daemon_modules()) == []
