@@ -31,6 +31,8 @@ build on it, never the other way round. Torch-free, so `ckptctl list/show/verify
                     folders (manifests read only for steps it lacks), and the catalog repair.
     lease.py        Lease on the root: conditional take/refresh/release, takeover only after
                     expiry on our own clock or a provably dead holder, fencing (confirm).
+    probe.py        check_root_writable: a root's quick start-up check, each backend's own
+                    `probe` (a probe file on local disk; endpoint and bucket on S3).
     publish.py      publish_manifest, the one commit path (the save's coordinator and
                     `ckptctl reshard`): lease fence, exclusive manifest write (an existing
                     manifest read back: ours or a CONFLICT), root catalog record;
