@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import ast
 import pathlib
-from collections.abc import Iterator
 
 import pytest
+
+from tests.support.imports import all_imports, is_package, module_level_imports, parse_package
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "ckpt_manager"
 
@@ -57,14 +58,6 @@ TORCH_ALLOWED = {
 }
 
 
-def _module_name(path: pathlib.Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def _part(module: str) -> str:
     """The layering unit of a module inside ckpt_manager (`ckpt_manager` itself: `__init__`)."""
     parts = module.split(".")
@@ -74,51 +67,11 @@ def _part(module: str) -> str:
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {_module_name(p): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
+    return parse_package(PACKAGE)
 
 
-def _imported(node: ast.AST, module: str) -> Iterator[str]:
-    if isinstance(node, ast.Import):
-        for alias in node.names:
-            yield alias.name
-    elif isinstance(node, ast.ImportFrom):
-        if node.level:  # relative import: resolve against the importing module's package
-            base = module.split(".")[: -node.level] if node.level else []
-            target = ".".join([*base, node.module] if node.module else base)
-        else:
-            target = node.module or ""
-        yield target
-        # `from ckpt_manager._store import storage` imports the submodule `storage`.
-        for alias in node.names:
-            yield f"{target}.{alias.name}"
-
-
-def _all_imports(tree: ast.Module, module: str) -> set[str]:
-    return {name for node in ast.walk(tree) for name in _imported(node, module)}
-
-
-def _module_level_imports(tree: ast.Module, module: str) -> set[str]:
-    """Imports that run when the module is imported (not inside functions or TYPE_CHECKING)."""
-    found: set[str] = set()
-
-    def visit(body: list[ast.stmt]) -> None:
-        for stmt in body:
-            if isinstance(stmt, ast.If):
-                test = ast.unparse(stmt.test)
-                if "TYPE_CHECKING" not in test:
-                    visit(stmt.body)
-                visit(stmt.orelse)
-            elif isinstance(stmt, ast.Try):
-                visit(stmt.body)
-                for handler in stmt.handlers:
-                    visit(handler.body)
-                visit(stmt.orelse)
-                visit(stmt.finalbody)
-            elif isinstance(stmt, ast.Import | ast.ImportFrom):
-                found.update(_imported(stmt, module))
-
-    visit(tree.body)
-    return found
+def _is_package(module: str) -> bool:
+    return is_package(module, PACKAGE.parent)
 
 
 def layering_violations(modules: dict[str, ast.Module]) -> list[str]:
@@ -130,7 +83,7 @@ def layering_violations(modules: dict[str, ast.Module]) -> list[str]:
         if allowed is None:
             problems.append(f"{module}: part {part!r} has no layering rule; add it to ALLOWED")
             continue
-        for name in sorted(_all_imports(tree, module)):
+        for name in sorted(all_imports(tree, module, is_package=_is_package(module))):
             if not name.startswith("ckpt_manager.") or name not in modules:
                 continue
             other = _part(name)
@@ -141,7 +94,7 @@ def layering_violations(modules: dict[str, ast.Module]) -> list[str]:
 
 def torch_violations(modules: dict[str, ast.Module]) -> list[str]:
     """Torch-free `_format` / `_store` / `ctl` modules whose import (transitively) loads torch."""
-    edges = {m: _module_level_imports(t, m) for m, t in modules.items()}
+    edges = {m: module_level_imports(t, m, is_package=_is_package(m)) for m, t in modules.items()}
 
     def closure(start: str) -> set[str]:
         seen, todo = {start}, [start]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import ast
 import pathlib
-from collections.abc import Iterator
 
 import pytest
+
+from tests.support.imports import all_imports, is_package, parse_package
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "daemon"
@@ -50,14 +51,6 @@ RANK_SIDE = {"rank", "worker"}
 AGENT_SIDE = {"agent", "observe", "cli"}
 
 
-def _module_name(path: pathlib.Path) -> str:
-    rel = path.relative_to(PACKAGE.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
-
-
 def _part(module: str) -> str:
     """The layering unit of a module inside daemon (`daemon` itself: `__init__`)."""
     parts = module.split(".")
@@ -65,34 +58,14 @@ def _part(module: str) -> str:
 
 
 def _modules() -> dict[str, ast.Module]:
-    return {_module_name(p): ast.parse(p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))}
-
-
-def _imported(node: ast.AST, module: str, is_package: bool) -> Iterator[str]:
-    if isinstance(node, ast.Import):
-        for alias in node.names:
-            yield alias.name
-    elif isinstance(node, ast.ImportFrom):
-        if node.level:  # relative: resolve against the importing module's package
-            package = module.split(".") if is_package else module.split(".")[:-1]
-            base = package[: len(package) - node.level + 1]
-            target = ".".join([*base, node.module] if node.module else base)
-        else:
-            target = node.module or ""
-        yield target
-        # `from daemon.rank import loop` imports the submodule `loop`.
-        for alias in node.names:
-            yield f"{target}.{alias.name}"
+    return parse_package(PACKAGE)
 
 
 def _imports(modules: dict[str, ast.Module]) -> dict[str, set[str]]:
     """Each module's imports of other daemon modules (every import statement counts)."""
     found = {}
     for module, tree in modules.items():
-        is_package = f"{module}.__init__" not in modules and any(
-            m.startswith(f"{module}.") for m in modules
-        )
-        names = {n for node in ast.walk(tree) for n in _imported(node, module, is_package)}
+        names = all_imports(tree, module, is_package=is_package(module, REPO))
         found[module] = {n for n in names if n in modules and n != module}
     return found
 

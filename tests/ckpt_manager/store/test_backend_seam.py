@@ -18,8 +18,10 @@ import pathlib
 
 import pytest
 
-from tests.ckpt_manager.test_layering import _modules
+from tests.support.imports import parse_package
 
+REPO = pathlib.Path(__file__).resolve().parents[3]
+PACKAGE = REPO / "ckpt_manager"
 BACKENDS_PACKAGE = "ckpt_manager._store.backends"
 
 # Protocol names of fsspec filesystems a checkpoint root could be on (fsspec's registry has
@@ -116,12 +118,12 @@ def seam_violations(modules: dict[str, ast.Module]) -> list[str]:
 
 
 def test_only_the_backends_know_the_protocol() -> None:
-    assert seam_violations(_modules()) == []
+    assert seam_violations(parse_package(PACKAGE)) == []
 
 
 def test_the_backends_package_exists() -> None:
     # The exemption above must name a real package, or the test would pass vacuously.
-    assert BACKENDS_PACKAGE in _modules()
+    assert BACKENDS_PACKAGE in parse_package(PACKAGE)
 
 
 @pytest.mark.parametrize(
@@ -188,29 +190,18 @@ def test_the_backends_package_exists() -> None:
 def test_a_protocol_branch_outside_the_backends_is_reported(
     module: str, source: str, expected: str
 ) -> None:
-    modules = _modules()
+    modules = parse_package(PACKAGE)
     modules[module] = ast.parse(source)
     assert expected in seam_violations(modules)
 
 
 def test_the_backends_may_branch_on_the_protocol() -> None:
-    modules = _modules()
+    modules = parse_package(PACKAGE)
     modules[f"{BACKENDS_PACKAGE}.s3"] = ast.parse("import s3fs\nSCHEMES = ('s3', 's3a')\n")
-    assert seam_violations(modules) == seam_violations(_modules())
-
-
-def _daemon_modules() -> dict[str, ast.Module]:
-    package = pathlib.Path(__file__).resolve().parents[3] / "daemon"
-    found = {}
-    for path in sorted(package.rglob("*.py")):
-        parts = list(path.relative_to(package.parent).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        found[".".join(parts)] = ast.parse(path.read_text())
-    return found
+    assert seam_violations(modules) == seam_violations(parse_package(PACKAGE))
 
 
 def test_the_daemon_does_not_ask_which_store_a_root_is_on_either() -> None:
     # The daemon checks, lists and opens roots through ckpt_manager's public API only
     # (`check_root_writable`, `S3Options.serves`, `committed_checkpoints`, ...).
-    assert seam_violations(_daemon_modules()) == []
+    assert seam_violations(parse_package(REPO / "daemon")) == []
