@@ -122,3 +122,15 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Target]:
         yield server.default_target()
     finally:
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_defaults_after_each_test() -> Iterator[None]:
+    """Every test starts from structlog's defaults: a command run in-process (`ckptctl`'s
+    `main`, `configure_logging`) configures structlog globally, and a filtering wrapper left
+    at WARNING would hide the `info` events a later test captures with
+    `structlog.testing.capture_logs` (which replaces the processors, not the wrapper)."""
+    yield
+    import structlog
+
+    structlog.reset_defaults()
