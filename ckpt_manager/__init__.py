@@ -31,8 +31,10 @@ A save's life (states named as in the code):
                all are OK or one FAILED) -> REPORTS (gather to the coordinator) -> COMMIT
                (the coordinator publishes the manifest; `CommitResult` COMMITTED, FAILED,
                CONFLICT or FENCED reaches every rank)
-    FAILED on any rank or a commit that is not COMMITTED -> SaveFailedError on every rank;
-    the attempt's folder is removed unless it holds a manifest (never a committed step)
+    FAILED on any rank or a commit that is not COMMITTED -> STOPPED (every rank's writer
+    stopped) -> CAUSES (every rank's cause, or the coordinator's outcome, to every rank) ->
+    SaveFailedError on every rank; the attempt's folder is removed unless it holds a manifest
+    (never a committed step)
 """
 
 from __future__ import annotations
