@@ -39,8 +39,10 @@ A save's life (states named as in the code):
                `_store/publish.publish_manifest`, the one commit path, which `ckptctl
                reshard` takes too; `CommitResult` COMMITTED, FAILED, CONFLICT or FENCED
                reaches every rank)
-    FAILED on any rank or a commit that is not COMMITTED -> SaveFailedError on every rank;
-    the attempt's folder is removed unless it holds a manifest (never a committed step)
+    FAILED on any rank or a commit that is not COMMITTED -> STOPPED (every rank's writer
+    stopped) -> CAUSES (every rank's cause, or the coordinator's outcome, to every rank) ->
+    SaveFailedError on every rank; the attempt's folder is removed unless it holds a manifest
+    (never a committed step)
 """
 
 from __future__ import annotations

@@ -6,16 +6,17 @@ deadlock when one side blocks (KempnerForge#104). The group is created once by t
 (a collective: every rank constructs the manager) with the finalize timeout, so every
 collective here fails with an error instead of hanging when a peer is dead or stuck.
 
-[Note: collectives the training thread does not wait for] `max_async` and `gather_bytes_async`
-issue a collective with `async_op=True` and return a `Pending` handle: `ready()` never
-blocks (it asks the work whether it completed), `result()` waits (bounded by the group
-timeout) and raises the same `CheckpointError` a blocking call would. The group timeout still
-holds: gloo completes a work that outlives it with a timeout error (a dead peer's work with a
-connection error, at once), and `ready()` also turns True once the timeout (plus a grace) has
-passed, so a caller that polls learns of it on its next call. A caller that issues async
-collectives must issue every collective of that group in the same order on every rank, so
-the finalizer has a group of its own (the manager makes one `Coordinator` for it, one for
-start-up and restore): a restore's collectives never interleave with a poll in flight.
+[Note: collectives the training thread does not wait for] `max_async`, `gather_bytes_async`
+and `all_gather_bytes_async` issue a collective with `async_op=True` and return a `Pending`
+handle: `ready()` never blocks (it asks the work whether it completed), `result()` waits
+(bounded by the group timeout) and raises the same `CheckpointError` a blocking call would.
+The group timeout still holds: gloo completes a work that outlives it with a timeout error (a
+dead peer's work with a connection error, at once), and `ready()` also turns True once the
+timeout (plus a grace) has passed, so a caller that polls learns of it on its next call. A
+caller that issues async collectives must issue every collective of that group in the same
+order on every rank, so the finalizer has a group of its own (the manager makes one
+`Coordinator` for it, one for start-up and restore): a restore's collectives never
+interleave with a poll in flight.
 
 With no process group (a single process) every call is local and trivial.
 """
@@ -26,7 +27,7 @@ import contextlib
 import datetime
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import torch
 
@@ -159,21 +160,39 @@ class Coordinator:
             ValueError: `payload` is longer than `size`.
             CheckpointError: the collective could not be issued (the group is broken).
         """
+        return self._bytes_async(payload, size, everyone=False)
+
+    def all_gather_bytes_async(self, payload: bytes, size: int) -> Pending[list[bytes]]:
+        """Issue an all-gather of every rank's `payload` (each at most `size` bytes, which
+        every rank passes alike); read it later: the payloads by rank, on every rank.
+
+        Raises:
+            ValueError: `payload` is longer than `size`.
+            CheckpointError: the collective could not be issued (the group is broken).
+        """
+        return cast("Pending[list[bytes]]", self._bytes_async(payload, size, everyone=True))
+
+    def _bytes_async(
+        self, payload: bytes, size: int, *, everyone: bool
+    ) -> Pending[list[bytes] | None]:
         if len(payload) > size:
             raise ValueError(f"payload of {len(payload)} bytes exceeds the agreed {size}")
+        what = "all_gather" if everyone else "gather"
         if self._group is None:
-            return Pending(self, "gather", None, lambda: [payload])
+            return Pending(self, what, None, lambda: [payload])
         # Fixed-size buffers (gloo gathers equal sizes): a length prefix, the payload, zeros.
         framed = len(payload).to_bytes(_LENGTH_BYTES, "little") + payload
         buf = torch.zeros(size + _LENGTH_BYTES, dtype=torch.uint8)
         buf[: len(framed)] = torch.frombuffer(bytearray(framed), dtype=torch.uint8)
-        outs = (
-            [torch.empty_like(buf) for _ in range(self.world_size)] if self.is_coordinator else None
-        )
+        receives = everyone or self.is_coordinator
+        outs = [torch.empty_like(buf) for _ in range(self.world_size)] if receives else None
         try:
-            work = self._dist.gather(buf, outs, dst=0, group=self._group, async_op=True)
+            if everyone:
+                work = self._dist.all_gather(outs, buf, group=self._group, async_op=True)
+            else:
+                work = self._dist.gather(buf, outs, dst=0, group=self._group, async_op=True)
         except RuntimeError as err:
-            raise self._guard("gather", err) from err
+            raise self._guard(what, err) from err
 
         def unframe() -> list[bytes] | None:
             if outs is None:
@@ -185,7 +204,7 @@ class Coordinator:
                 got.append(raw[_LENGTH_BYTES : _LENGTH_BYTES + n])
             return got
 
-        return Pending(self, "gather", work, unframe)
+        return Pending(self, what, work, unframe)
 
     def max_flag(self, flag: int) -> int:
         """MAX of an integer over ranks."""

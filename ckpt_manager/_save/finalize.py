@@ -3,8 +3,8 @@
 The manager queues every `SaveRequest` here (`pending`, oldest first). `run()` takes the
 oldest, MAX-agrees its status over the checkpoint group (OK < WRITING < FAILED), and then
 commits it (gather the reports, the coordinator writes the manifest exclusively, every rank
-learns the outcome) or fails it on every rank (gather causes, stop writers, remove the
-attempt, raise `SaveFailedError`). A folder that holds a manifest is never removed: when the
+learns the outcome) or fails it on every rank (stop writers, remove the attempt, exchange
+the causes, raise `SaveFailedError`). A folder that holds a manifest is never removed: when the
 commit finds another attempt's manifest there (`CommitResult.CONFLICT`), every rank raises
 `SaveFailedError` chained to `CommitConflictError` and the folder stays as it is. Each
 finished request becomes a `SaveReport` for the observer. See [Note: finalize at a step
@@ -42,9 +42,29 @@ a call acts on the state of that moment, not on the one the previous call saw. E
 is taken from a completed round's result, which is identical on every rank, so every rank
 issues the same collectives in the same order, whenever each reads them; the finalizer's
 group is its own ([Note: collectives the training thread does not wait for] in `_coord.py`).
-The happy path holds no blocking collective; only the failure paths block (gathering the
-causes, stopping the writers, removing the attempt, broadcasting a failed commit's outcome
-with its cause and conflict error), as does the blocking finalize.
+No path of a non-blocking call blocks in a collective, a failed save's included ([Note: a
+failed save is cleaned up in rounds too]); only the blocking finalize waits on its rounds.
+
+[Note: a failed save is cleaned up in rounds too] Each rank reads a round in whichever call
+finds it complete *on that rank*; on a loaded machine a peer's gloo thread may not have
+marked the same round complete when the peer polls, and the peer goes on into the next
+training step's collectives. A rank that read "FAILED" (or a commit that did not happen)
+and then sat in a blocking collective of this group would wait for that peer, and the peer
+for it in the training group, until the group's timeout (300 s by default), which breaks
+the group and fails every later save: a run under `trainingd` stalled that way on a loaded
+machine (`tests/ckpt_manager/save/test_finalize.py` makes a rank miss the round). So a
+failure takes two more rounds like the others, read whenever each rank reads them:
+
+    STOPPED  issued once this rank stopped its writer: MAX of [FAILED, id, -id, body bytes,
+             0, 0]. Complete means every writer is stopped, so the coordinator then removes
+             the attempt (never a folder another commit's manifest holds); the MAX sizes:
+    CAUSES   an all-gather of each rank's body: its cause (JSON; null if its own part had not
+             failed) or, after a failed commit, the coordinator's `CommitOutcome` (pickled, as
+             torch's object collectives do, between the ranks of one run), each behind a
+             byte saying whether the coordinator kept the folder. Then every rank raises.
+
+The failure still reaches every rank, with every rank's cause, a call or two after the
+round that said so; two ranks may raise it in different calls, never for different saves.
 
 [Note: a blocking finalize polls the agreement] `run(blocking=True)` (a `save()` that needs
 a slot, `wait_until_finished`, `close`, `AsyncMode.SYNC`) runs the same phases and rounds,
@@ -74,7 +94,10 @@ while its commit may still write).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
+import json
+import pickle
 import struct
 import threading
 import time
@@ -114,6 +137,15 @@ class Phase(enum.Enum):
     """The reports' gather to the coordinator."""
     COMMIT = "commit"
     """Poll rounds until the coordinator's commit has an outcome."""
+    STOPPED = "stopped"
+    """A failed save: one round once every rank stopped its writer ([Note: a failed save is
+    cleaned up in rounds too])."""
+    CAUSES = "causes"
+    """A failed save: every rank's cause, or the coordinator's commit outcome, to every rank."""
+
+
+_RAW_PHASES = (Phase.REPORTS, Phase.CAUSES)
+"""Phases whose round is a gather of bytes, not a poll."""
 
 
 class _Code:
@@ -122,6 +154,23 @@ class _Code:
     RUNNING = 0
     COMMITTED = 1
     NOT_COMMITTED = 2
+
+
+@dataclasses.dataclass
+class _Failure:
+    """The clean-up of a failed save in progress on this rank."""
+
+    body: bytes
+    """What this rank tells the others: its cause (JSON), or the coordinator's pickled
+    `CommitOutcome` after a failed commit (empty on the other ranks)."""
+    outcome: CommitOutcome | None = None
+    """The coordinator's outcome of a commit that did not happen (None: a write failed)."""
+    commit: bool = False
+    """The commit failed (the writes had all succeeded)."""
+    size: int = 0
+    """The largest body (agreed by the STOPPED round)."""
+    kept: bool = False
+    """The coordinator kept the attempt's folder (a removal failed, or a manifest holds it)."""
 
 
 class _Poll(NamedTuple):
@@ -228,6 +277,7 @@ class Finalizer:
         self._report_size = 0  # the agreed (MAX) report size, for the gather
         self._job: CommitJob | None = None  # the coordinator's commit of it
         self._commit_started = 0.0  # monotonic time its agreement completed
+        self._failure: _Failure | None = None  # its clean-up, once it failed
         # The coordinator's commits run here.
         self._thread: BackgroundThread | None = None
 
@@ -255,7 +305,7 @@ class Finalizer:
             except CheckpointError as err:
                 self._abandon(request, str(err))
                 raise SaveFailedError(request.step, {self._coord.rank: str(err)}) from err
-            if self._phase is not Phase.REPORTS:
+            if self._phase not in _RAW_PHASES:
                 result = _Poll.of(request.request_id, result)
                 if not result.consistent:
                     cause = (
@@ -286,6 +336,12 @@ class Finalizer:
             # This rank was OK in the agreeing round, so its report was encoded.
             assert self._report is not None
             return self._coord.gather_bytes_async(self._report, self._report_size)
+        if self._failure is not None:  # [Note: a failed save is cleaned up in rounds too]
+            failure = self._failure
+            if self._phase is Phase.STOPPED:
+                return self._coord.max_async([Status.FAILED, rid, -rid, len(failure.body), 0, 0])
+            flagged = (b"\x01" if failure.kept else b"\x00") + failure.body
+            return self._coord.all_gather_bytes_async(flagged, 1 + failure.size)
         if self._phase is Phase.COMMIT:
             code, when, job = _Code.RUNNING, 0, self._job
             if job is not None and job.done.is_set():
@@ -317,12 +373,18 @@ class Finalizer:
         if self._phase is Phase.REPORTS:
             self._start_commit(request, result)
             return True
+        if self._phase is Phase.CAUSES:
+            self._failed(request, result)  # raises
         poll: _Poll = result
+        if self._phase is Phase.STOPPED:
+            self._remove_failed_attempt(request, poll.report_nbytes)
+            return True
         if self._phase is Phase.AGREE:
             if poll.status == Status.WRITING:
                 return False
             if poll.status == Status.FAILED:
-                self._fail(request)  # raises
+                self._begin_failure(request)
+                return True
             self._commit_started = time.monotonic()
             self._report_size = poll.report_nbytes
             self._phase = Phase.REPORTS
@@ -332,7 +394,7 @@ class Finalizer:
         if poll.code == _Code.COMMITTED:
             self._committed(request, poll.committed_unix_s)
         else:
-            self._commit_failed(request)  # raises
+            self._begin_commit_failure()
         return True
 
     def _wait_locally(self, request: SaveRequest) -> None:
@@ -371,18 +433,58 @@ class Finalizer:
         self._stop_local_writer(request)
         self._retire(request, SaveResult.FAILED, 0.0)
 
-    def _fail(self, request: SaveRequest) -> None:
-        local = request.error if request.error is not None else None
-        causes = {r: c for r, c in enumerate(self._coord.all_gather(local)) if c is not None}
+    def _begin_failure(self, request: SaveRequest) -> None:
+        """A write failed somewhere: stop this rank's writer, then the STOPPED round."""
+        local = request.error  # this rank's cause as the agreement found it (None: no failure)
         self._stop_local_writer(request)
         if self._config.async_mode is AsyncMode.TEMPORAL and request.writer is not None:
             request.writer.kill()
-        removed = True
-        self._coord.barrier()  # every writer of this request is stopped
+        self._failure = _Failure(body=json.dumps(local).encode())
+        self._phase = Phase.STOPPED
+
+    def _begin_commit_failure(self) -> None:
+        """The coordinator did not commit: its outcome goes to every rank (after STOPPED:
+        the writes are all done, so that round stops nothing)."""
+        outcome = self._job.outcome if self._job is not None else None
+        body = pickle.dumps(outcome) if outcome is not None else b""
+        self._failure = _Failure(body=body, outcome=outcome, commit=True)
+        self._phase = Phase.STOPPED
+
+    def _remove_failed_attempt(self, request: SaveRequest, size: int) -> None:
+        """Every writer is stopped: the coordinator removes the failed attempt's folder."""
+        failure = self._failure
+        assert failure is not None
+        failure.size = size
         if self._coord.is_coordinator:
-            removed = self._remove_attempt(request.step)
-        if not self._coord.broadcast(removed):
+            outcome = failure.outcome
+            if outcome is not None and outcome.result in (
+                CommitResult.CONFLICT,
+                CommitResult.FENCED,
+            ):
+                failure.kept = True  # the folder is the other commit's, or the root another run's
+            else:
+                failure.kept = not self._remove_attempt(request.step)
+        self._phase = Phase.CAUSES
+
+    def _failed(self, request: SaveRequest, payloads: Sequence[bytes]) -> None:
+        """Every rank's cause (or the coordinator's outcome) arrived: retire and raise."""
+        failure = self._failure
+        assert failure is not None
+        if payloads[0][:1] == b"\x01":
             self.unclean_steps.add(request.step)
+        if failure.commit:
+            # Pickled by this run's coordinator ([Note: a failed save is cleaned up in rounds
+            # too]), never read from storage.
+            outcome = pickle.loads(payloads[0][1:])
+            assert isinstance(outcome, CommitOutcome)
+            cause = f"commit failed on the coordinator: {outcome.cause}"
+            request.fail(cause)
+            self._retire(request, SaveResult.FAILED, time.monotonic() - self._commit_started)
+            # Every rank raises the same SaveFailedError; on a conflict its __cause__ is the
+            # CommitConflictError, when fenced the LeaseLostError, else there is none.
+            raise SaveFailedError(request.step, {0: cause}) from outcome.conflict
+        said = [json.loads(p[1:]) for p in payloads]
+        causes = {r: str(c) for r, c in enumerate(said) if c is not None}
         request.fail("; ".join(f"rank {r}: {c}" for r, c in sorted(causes.items())))
         self._retire(request, SaveResult.FAILED, 0.0)
         raise SaveFailedError(request.step, causes)
@@ -440,34 +542,13 @@ class Finalizer:
         if not self.pending:
             self._on_idle()
 
-    def _commit_failed(self, request: SaveRequest) -> None:
-        """Every rank learns why the coordinator did not commit (a blocking broadcast: only
-        this failure path carries the cause and the conflict error), then raises."""
-        outcome = self._job.outcome if self._job is not None else None
-        outcome = self._coord.broadcast(outcome)
-        assert isinstance(outcome, CommitOutcome)
-        cause = f"commit failed on the coordinator: {outcome.cause}"
-        if outcome.result in (CommitResult.CONFLICT, CommitResult.FENCED):
-            # The folder is the other commit's, or the root is another run's now.
-            removed = False
-        else:
-            removed = self._remove_attempt(request.step) if self._coord.is_coordinator else True
-            removed = self._coord.broadcast(removed)
-        if not removed:
-            self.unclean_steps.add(request.step)
-        request.fail(cause)
-        self._retire(request, SaveResult.FAILED, time.monotonic() - self._commit_started)
-        # Every rank raises the same SaveFailedError; on a conflict its __cause__ is the
-        # CommitConflictError, when fenced the LeaseLostError (broadcast from the
-        # coordinator), else there is none.
-        raise SaveFailedError(request.step, {0: cause}) from outcome.conflict
-
     def _retire(self, request: SaveRequest, result: SaveResult, finalize_s: float) -> None:
         if self.pending and self.pending[0] is request:
             self.pending.popleft()
         # The next request starts from AGREE (a round of this one still in flight is dropped:
         # only a broken group leaves one, and nothing is issued on it again).
         self._phase, self._round, self._report, self._job = Phase.AGREE, None, None, None
+        self._failure = None
         if request.writer is not None and self._config.async_mode is AsyncMode.TEMPORAL:
             request.writer.stop(self._config.writer_start_timeout_s)  # reap the one-shot writer
         latency = time.monotonic() - request.started

@@ -2,6 +2,15 @@
 
 Writers fail at chosen steps through the writer's fault hook (an environment variable read by
 the writer processes the ranks start), so which saves fail is exact, not a matter of timing.
+Which call finds a failure does vary with the machine's speed (a `maybe_finalize` a step or
+two after the write failed, possibly a call apart on the two ranks, or the `save()` that makes
+room for the next step); what the tests assert does not: saves commit in order, one at a time
+(`max_inflight` 1), so the failures, their count in a row and the committed steps are the same
+on every machine. Under load a rank that found a failure one call before its peer used to wait
+for it in a checkpoint collective while the peer waited in the next training step, until the
+300 s group timeout ([Note: a failed save is cleaned up in rounds too] in
+`ckpt_manager/_save/finalize.py`; `tests/ckpt_manager/save/test_finalize.py` makes that order
+happen every time).
 """
 
 from __future__ import annotations
