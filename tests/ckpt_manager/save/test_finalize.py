@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ckpt_manager import CheckpointConfig, CheckpointManager, RankLocal, SaveFailedError
 from ckpt_manager._coord import Pending, Status
-from ckpt_manager._format.manifest import MANIFEST_NAME, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
 from ckpt_manager._save.writer import FAULT_ENV
 from tests.support.dist import run_on_ranks
 
