@@ -13,10 +13,10 @@ from ckpt_manager import S3Options
 from daemon.config import DaemonConfig
 from daemon.errors import StartupCheckError
 
-__all__ = ["s3_endpoint", "s3_storage_options"]
+__all__ = ["s3_storage_options"]
 
 
-def s3_endpoint(cfg: DaemonConfig) -> S3Options:
+def _s3_endpoint(cfg: DaemonConfig) -> S3Options:
     """The S3 endpoint of the checkpoint root: from config, else `$AWS_ENDPOINT_URL`, else AWS.
 
     Raises:
@@ -31,4 +31,4 @@ def s3_endpoint(cfg: DaemonConfig) -> S3Options:
 
 def s3_storage_options(cfg: DaemonConfig) -> dict[str, Any]:
     """fsspec options for the checkpoint root (empty unless it is an `s3://` URI)."""
-    return s3_endpoint(cfg).fsspec_options(cfg.checkpoint.ckpt_uri)
+    return _s3_endpoint(cfg).fsspec_options(cfg.checkpoint.ckpt_uri)
