@@ -15,7 +15,8 @@ IDLE --forward--> FORWARD --first grad at the output--> BACKWARD --end of graph-
 * root pre-backward (once per backward): wait on any deferred weight gather left (a unit
   that did not run forward), queue the end-of-graph callback; ZeRO-3 issues the last
   forward unit ahead.
-* unit pre-backward: make room in the reduce queue for the unit's reductions before its
+* unit pre-backward: if it fires before the root's (the unit's output is the wrapper's, and
+  its hook was registered first), do the root pre-backward first; then make room in the reduce queue for the unit's reductions before its
   gradients are allocated ([Note: reduce memory] in `_reduce.py`), unshard with backward
   (reverse) prefetch.
 * unit post-backward: once every forward call of the unit has run backward, (ZeRO-3)
@@ -206,6 +207,11 @@ class Engine:
 
     def unit_pre_backward(self, index: int) -> None:
         """The gradient of unit `index`'s output is complete."""
+        if self.state is not TrainingState.BACKWARD and self._backward_expected:
+            # The unit's output is (part of) the wrapper's: its hook was registered first, so
+            # it fires before `root_pre_backward`. The backward starts here, or the unit's
+            # backward would read weights that are released or still being gathered.
+            self.root_pre_backward()
         # Room for this unit's reductions before its gradients are allocated: [Note: reduce
         # memory] in `_reduce.py`.
         if self.state is TrainingState.BACKWARD:
