@@ -45,7 +45,11 @@ PRELOAD = (
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
     "ckpt_manager",
+    # The package exports lazily: importing it alone loads none of the engine.
+    "ckpt_manager._manager",
     "sharding",
+    # The GPT model and loss many rank functions train (the package exports lazily too).
+    "daemon.jobs.gpt",
 )
 """Modules the fork server imports once, so no rank imports them again (see the Note above)."""
 
