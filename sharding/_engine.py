@@ -16,9 +16,9 @@ IDLE --forward--> FORWARD --first grad at the output--> BACKWARD --end of graph-
   that did not run forward), queue the end-of-graph callback; ZeRO-3 issues the last
   forward unit ahead.
 * unit pre-backward: if it fires before the root's (the unit's output is the wrapper's, and
-  its hook was registered first), do the root pre-backward first; then make room in the reduce queue for the unit's reductions before its
-  gradients are allocated ([Note: reduce memory] in `_reduce.py`), unshard with backward
-  (reverse) prefetch.
+  its hook was registered first), do the root pre-backward first; then make room in the
+  reduce queue for the unit's reductions before its gradients are allocated ([Note: reduce
+  memory] in `_reduce.py`), unshard with backward (reverse) prefetch.
 * unit post-backward: once every forward call of the unit has run backward, (ZeRO-3)
   release its weights, then hand its gradients to the reduce pipeline.
 * end of graph: finish units that never reported (unused, no differentiable input), then the
