@@ -461,13 +461,17 @@ class CheckpointManager:
             self._finalize_calls.append(time.monotonic() - t0)
 
     def wait_until_finished(self) -> None:
-        """Block until every save in flight is committed or failed (collective).
+        """Block until every save in flight is committed or failed (collective), and every
+        memory snapshot is recorded.
 
         Raises:
             SaveFailedError: a save failed on some rank.
+            CheckpointError: a memory-only snapshot of this rank failed.
         """
         self._check_open()
         self._final.run(blocking=True)
+        if self._snapshots is not None:
+            self._snapshots.collect(settle_s=self.config.staging_timeout_s)
         if self._deleter is not None:
             self._deleter.flush(self.config.finalize_timeout_s)
 
