@@ -471,7 +471,7 @@ class CheckpointManager:
         self._check_open()
         self._final.run(blocking=True)
         if self._snapshots is not None:
-            self._snapshots.collect(settle_s=self.config.staging_timeout_s)
+            self._snapshots.collect(self.config.staging_timeout_s, everything=True)
         if self._deleter is not None:
             self._deleter.flush(self.config.finalize_timeout_s)
 

@@ -89,13 +89,14 @@ class Snapshots:
         """Memory-only requests whose copy may still run (the optimizer-step fence)."""
         return [r for r, _ in self._inflight if not r.durable and not r.copied.is_set()]
 
-    def collect(self, settle_s: float = 0.0) -> None:
+    def collect(self, settle_s: float = 0.0, *, everything: bool = False) -> None:
         """Record the snapshots whose staging is over, oldest first.
 
         Args:
             settle_s: wait up to this long for a job whose copy is done to finish (its meta
                 write, or its hand-off to the writer: moments), so that `save()` does not
                 take another slot for want of it.
+            everything: wait (up to `settle_s` each) for every job, copied or not.
 
         Raises:
             CheckpointError: a memory-only snapshot failed (e.g. its tmpfs is full); the
@@ -103,7 +104,7 @@ class Snapshots:
         """
         if settle_s > 0:
             for request, _ in self._inflight:
-                if request.copied.is_set():
+                if everything or request.copied.is_set():
                     request.handed_off.wait(settle_s)
         failures = []
         while self._inflight and self._inflight[0][0].handed_off.is_set():
