@@ -7,26 +7,36 @@
      "layout": hex, "global_layout": hex,                 (`plan.layout_fingerprints`)
      "tree": skeleton, "rank_local_trees": [skeleton, ...],  (`_format/tree.py`)
      "tensors": {key: [kind, dtype, shape, global_shape, global_offset | null,
-                       flat_range | null, offset, nbytes], ...}}   (flatten order)
+                       flat_range | null, offset, nbytes], ...},   (flatten order)
+     "meta_checksum": int}     CRC-32C of the canonical JSON (sorted keys) of the rest
 
 The skeleton holds the non-tensor values (loader position, counters, RNG seeds as ints);
 tensors are named by key and found in the payload through `tensors`. `SlotMeta.parse` checks
-the shape of everything a restore uses, so a meta that a bit flip broke is refused with a
-reason instead of raising in the middle of a load.
+the shape of everything a restore uses, and the meta's own checksum (the skeleton's values
+are restored from it, so a flipped bit there must not pass either), so a meta that a bit
+flip broke is refused with a reason instead of raising in the middle of a load or restoring a
+wrong value.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, NamedTuple
 
-from ckpt_manager._format.checksum import ChecksumAlgorithm, parse_algorithm
+from ckpt_manager._format.checksum import ChecksumAlgorithm, checksum, parse_algorithm
 from ckpt_manager._memory.plan import MemoryPlan, TensorRecord
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "SlotMeta", "build_meta"]
 
 FORMAT = "trainingd-memory-slot"
 FORMAT_VERSION = 1
+_SELF_CHECK = "meta_checksum"
+
+
+def _meta_checksum(body: dict[str, Any]) -> int:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return checksum(ChecksumAlgorithm.CRC32C, canonical)
 
 
 class SlotMeta(NamedTuple):
@@ -57,6 +67,9 @@ class SlotMeta(NamedTuple):
                 f"not a {FORMAT} v{FORMAT_VERSION} meta (format {raw.get('format')!r} "
                 f"v{raw.get('format_version')!r})"
             )
+        body = {k: v for k, v in raw.items() if k != _SELF_CHECK}
+        if raw.get(_SELF_CHECK) != _meta_checksum(body):
+            raise ValueError("meta checksum mismatch")
         try:
             records = {
                 str(key): _record(value, int(raw["payload_bytes"]))
@@ -119,7 +132,7 @@ def build_meta(
     rank_local_trees: list[Any],
 ) -> dict[str, Any]:
     """The meta of a complete payload (see the module docstring)."""
-    return {
+    body = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "run_id": run_id,
@@ -137,3 +150,5 @@ def build_meta(
         "rank_local_trees": rank_local_trees,
         "tensors": {key: list(record) for key, record in plan.records.items()},
     }
+    # Tuples here are lists once parsed: the same JSON text, so the same checksum.
+    return {**body, _SELF_CHECK: _meta_checksum(body)}

@@ -226,8 +226,9 @@ class LocalPipeline:
 
     def _allocate(self, request: SaveRequest) -> Slab | None:
         """The request's staging buffer (None: allocation failed, the request too; or an
-        extra memory slot could not be allocated: the snapshot is skipped, a durable request
-        fails)."""
+        extra memory slot could not be allocated for a memory-only request: it is skipped).
+        A durable request whose extra slot could not be allocated skips its snapshot and is
+        staged in a plain buffer."""
         t0 = time.monotonic()
         job = request.memory
         try:
@@ -241,11 +242,14 @@ class LocalPipeline:
                     job.flat, job.durable, request.layout
                 )
                 request.slab = self._memory_slab_for(job, job.plan.payload.total_bytes)
-                if request.slab is None:
-                    request.tensors, job.ext_tensors, job.flat = [], [], None
-                    if request.durable:
-                        request.fail(f"memory snapshot skipped: {job.skipped}")
-                    return None
+                if request.slab is None:  # an extra slot that did not fit: snapshot skipped
+                    job.ext_tensors, job.flat = [], None
+                    if not request.durable:
+                        request.tensors = []
+                        return None
+                    # The durable write goes on from a plain staging buffer.
+                    request.memory = None
+                    request.slab = self._slab_for(request.slot, request.layout.total_bytes)
         except Exception as err:
             request.tensors = []
             if job is not None:

@@ -50,7 +50,8 @@ class Snapshots:
             pending: the durable saves in flight (their slots are pinned).
         """
         pinned = {job.slot for _, job in self._inflight}
-        pinned |= {r.memory.slot for r in pending if r.memory is not None}
+        # `memory` may be dropped meanwhile by the staging thread (a skipped extra slot).
+        pinned |= {job.slot for r in pending if (job := r.memory) is not None}
         choice = self.tier.choose(pinned)
         if choice is None:
             return None

@@ -125,6 +125,23 @@ def test_a_restore_without_template_returns_whole_tensors(tmp_path: pathlib.Path
     assert result.state["n"] == [1, (2, "x")]
 
 
+def test_a_meta_with_a_changed_value_is_refused(tmp_path: pathlib.Path) -> None:
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, memory=MemoryTierConfig(str(memory)))
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"t": torch.ones(3) * step, "position": step}, durable=False)
+    (meta,) = [p for p in memory.glob("*.json") if json.loads(p.read_text())["step"] == 2]
+    text = meta.read_text()
+    assert text.count('["position",["v",2]]') == 1
+    meta.write_text(text.replace('["position",["v",2]]', '["position",["v",3]]'))
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        result = mgr.restore()
+    assert result is not None
+    assert (result.step, result.source, result.state["position"]) == (1, "memory", 1)
+
+
 @pytest.fixture
 def tiny_tmpfs(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
     """A 256 KiB tmpfs (root only; skipped, saying so, where it cannot be mounted)."""
