@@ -14,7 +14,11 @@ Package layout (one line per sub-package; each sub-package's docstring lists its
                     steps (public module, imported explicitly: it needs torch DCP)
       retention.py  retention as configuration keys, one `keep_*` key per policy parameter
                     (public module, imported explicitly: trainingd's `[checkpoint]` keys)
-      _save/        save path: request state machine, staging, writer process, finalize, commit
+      _save/        save path: request state machine, staging, writer process, finalize, commit,
+                    the memory snapshots of saves
+      _memory/      the memory tier: slot files on a tmpfs (the staging copy of every save is
+                    a snapshot there), their metas, the restore agreement and the local load
+                    (imports `_format`, `_coord`, `_config`)
       _load/        load path: restore one step, collective recover with fallback, reshard
       _format/      what the bytes mean: layout names, manifest (format 1 read only), rank
                     index, state tree, shard file, dtypes, checksums, DTensor pieces, names
@@ -43,6 +47,12 @@ A save's life (states named as in the code):
     stopped) -> CAUSES (every rank's cause, or the coordinator's outcome, to every rank) ->
     SaveFailedError on every rank; the attempt's folder is removed unless it holds a manifest
     (never a committed step)
+
+With the memory tier (`CheckpointConfig(memory=MemoryTierConfig(directory))`) every save's
+staging buffer is a memory slot; `save(..., durable=False)` is the snapshot alone (no
+`SaveState` beyond STAGING, nothing agreed). Restore order: the newest step every rank holds
+complete and verified in memory, then the newest committed step that verifies ([Note: the
+memory tier] in `_memory/__init__.py`).
 """
 
 from __future__ import annotations
@@ -51,7 +61,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ckpt_manager._config import AsyncMode, CheckpointConfig
+    from ckpt_manager._config import AsyncMode, CheckpointConfig, MemoryTierConfig
     from ckpt_manager._manager import CheckpointManager
     from ckpt_manager._retention.base import AnyOf, RetentionPolicy, StepInfo
     from ckpt_manager._retention.policies import (
@@ -108,6 +118,7 @@ __all__ = [
     "LeaseHeldError",
     "LeaseLostError",
     "ManagerStats",
+    "MemoryTierConfig",
     "MetricMode",
     "RankLocal",
     "RestoreProgress",
@@ -131,6 +142,7 @@ __all__ = [
 _HOME = {
     "AsyncMode": "_config",
     "CheckpointConfig": "_config",
+    "MemoryTierConfig": "_config",
     "CheckpointManager": "_manager",
     "S3Options": "_store.options",
     "check_root_lease": "_store.lease",

@@ -1,4 +1,4 @@
-"""Configuration of the checkpoint manager: `AsyncMode` and `CheckpointConfig`."""
+"""Configuration of the checkpoint manager: `AsyncMode`, `MemoryTierConfig`, `CheckpointConfig`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ckpt_manager._format.layout import MAX_SPREAD_PREFIXES
 from ckpt_manager._retention.base import RetentionPolicy
 from ckpt_manager._store.options import S3Options
 
-__all__ = ["DEFAULT_S3_SPREAD_PREFIXES", "AsyncMode", "CheckpointConfig"]
+__all__ = ["DEFAULT_S3_SPREAD_PREFIXES", "AsyncMode", "CheckpointConfig", "MemoryTierConfig"]
 
 _MIB = 1 << 20
 DEFAULT_S3_SPREAD_PREFIXES = 16
@@ -29,6 +29,39 @@ class AsyncMode(enum.StrEnum):
     """A fresh writer process per save, gone when the save is written."""
     SYNC = "sync"
     """Inline in `save()`: blocks until the step is committed."""
+
+
+MIN_MEMORY_SLOTS = 2
+"""A memory tier needs two slots per rank: the newest complete one is never overwritten."""
+
+
+# Not kw_only, unlike the other configs: `MemoryTierConfig("/dev/shm/run")` reads well and the
+# daemon builds it from one path.
+@dataclasses.dataclass(frozen=True)
+class MemoryTierConfig:
+    """Where a rank keeps its memory snapshots ([Note: the memory tier] in `_memory/`)."""
+
+    directory: str
+    """An existing directory, on a tmpfs (`/dev/shm`, a Kubernetes in-memory `emptyDir`),
+    owned by the caller: it creates it before the manager starts and removes it when the run
+    ends; the manager creates and reuses its slot files inside (`rank-<r>.slot-<k>`)."""
+    slots: int = MIN_MEMORY_SLOTS
+    """Snapshot slots per rank (at least 2); one more is taken while a durable write still
+    reads a slot the next snapshot would need."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.directory, str) or not self.directory:
+            raise ValueError(
+                f"memory tier directory={self.directory!r}: give the path of an existing "
+                "directory on a tmpfs (e.g. /dev/shm/<run>)"
+            )
+        if isinstance(self.slots, bool) or not isinstance(self.slots, int):
+            raise ValueError(f"memory tier slots={self.slots!r}: use an int of 2 or more")
+        if self.slots < MIN_MEMORY_SLOTS:
+            raise ValueError(
+                f"memory tier slots={self.slots}: use {MIN_MEMORY_SLOTS} or more (the newest "
+                "complete snapshot is never overwritten, so one slot cannot take the next)"
+            )
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -67,6 +100,9 @@ class CheckpointConfig:
     """Sub-prefixes each step's rank objects are spread over (0: plain names; at most 256);
     None: `DEFAULT_S3_SPREAD_PREFIXES` on `s3://` roots, 0 elsewhere ([Note: request
     spreading] in `_format/layout.py`)."""
+    memory: MemoryTierConfig | None = None
+    """The memory tier: every `save()` snapshots the rank's state into a slot file there and
+    `restore()` tries the newest step every rank holds in memory first (None: off)."""
 
     def __post_init__(self) -> None:
         mode: object = self.async_mode
@@ -104,6 +140,10 @@ class CheckpointConfig:
             raise ValueError(
                 f"spread_prefixes={self.spread_prefixes}: use 0 (plain names) to "
                 f"{MAX_SPREAD_PREFIXES}, or None for the default of the root's store"
+            )
+        if self.memory is not None and not isinstance(self.memory, MemoryTierConfig):
+            raise ValueError(
+                f"memory={self.memory!r}: use a MemoryTierConfig(directory=...) or None"
             )
         if self.retention is not None and not callable(getattr(self.retention, "keep", None)):
             raise ValueError("retention must be a RetentionPolicy (an object with keep(steps))")

@@ -16,6 +16,12 @@ Save pipeline of one step (every rank, same steps)::
                                   FAILED -> every rank raises SaveFailedError naming ranks
                                   and causes
 
+With the memory tier (`CheckpointConfig.memory`) the shared memory is a slot file on a tmpfs
+that outlives the rank, the staging copy adds the leaves the shard file leaves out, and the
+slot's meta is written once copied; `save(..., durable=False)` stops there. `restore()` tries
+the newest step every rank holds in memory before the durable tier ([Note: the memory tier]
+in `_memory/`).
+
 [Note: finalize at a step boundary] Agreement runs on the training thread at the same
 control-flow point on every rank (never from a background thread), so the collectives of
 the dedicated gloo group line up without extra barriers; every one is bounded by
@@ -25,7 +31,9 @@ the dedicated gloo group line up without extra barriers; every one is bounded by
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -40,6 +48,8 @@ from ckpt_manager._format.dtensor import unwrap_dtensors, wrap_dtensors
 from ckpt_manager._format.layout import shard_file_name
 from ckpt_manager._format.tree import flatten
 from ckpt_manager._load.recover import restore_agreed
+from ckpt_manager._memory.restore import restore_from_memory
+from ckpt_manager._memory.tier import MemoryTier
 from ckpt_manager._retention.deleter import Deleter
 from ckpt_manager._retention.record import record_retention
 from ckpt_manager._save.device_copy import DeviceFence
@@ -48,6 +58,7 @@ from ckpt_manager._save.pipeline import LocalPipeline
 from ckpt_manager._save.plan import PlanCache, leaves_to_write
 from ckpt_manager._save.report import prepare_rank
 from ckpt_manager._save.request import Limits, SaveRequest
+from ckpt_manager._save.snapshots import Snapshots
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.lease import Lease
 from ckpt_manager._store.steps import committed_steps, drop_dead_attempts
@@ -92,14 +103,25 @@ class CheckpointManager:
         Args:
             root_uri: local path, `file://`, `s3://bucket/prefix`, `memory://` or any fsspec URL.
             config: behaviour; defaults to `CheckpointConfig()`.
-            run_id: identity of this run for the lease (default: random, from rank 0).
-            observer: receives a `SaveReport` per finished save.
+            run_id: identity of this run for the lease (default: random, from rank 0); with
+                the memory tier, also of its snapshots: a restarted rank restores from memory
+                only under the same run id.
+            observer: receives a `SaveReport` per finished save (and, optionally, each memory
+                snapshot: `SaveObserver`).
 
         Raises:
-            ValueError: the root cannot be opened or the config does not fit it.
+            ValueError: the root cannot be opened, the config does not fit it, or the memory
+                tier's directory does not exist.
             LeaseHeldError: another live run holds the root (raised on every rank).
         """
         self.config = config if config is not None else CheckpointConfig()
+        memory = self.config.memory
+        if memory is not None and not os.path.isdir(memory.directory):
+            # Before any collective: a rank that raises later would leave its peers waiting.
+            raise ValueError(
+                f"memory tier directory {memory.directory!r} does not exist: the caller "
+                "creates it (on a tmpfs such as /dev/shm) before the checkpoint manager starts"
+            )
         self._storage = Storage(root_uri, self.config.storage_options)
         if (
             not self._storage.capabilities.shared_across_processes
@@ -121,6 +143,17 @@ class CheckpointManager:
         self.run_id: str = self._coord.broadcast(run_id if run_id else uuid.uuid4().hex)
         """Run identity (rank 0's)."""
         self._log = _log.bind(rank=self.rank)
+        self._memory: MemoryTier | None = None
+        self._snapshots: Snapshots | None = None
+        if memory is not None:
+            self._memory = MemoryTier(
+                memory,
+                rank=self.rank,
+                world_size=self.world_size,
+                run_id=self.run_id,
+                max_extra=self.config.max_inflight,
+            )
+            self._snapshots = Snapshots(self._memory, observer, self.rank, self._log)
         self._limits = Limits(
             self.config.staging_timeout_s,
             self.config.writer_start_timeout_s,
@@ -149,7 +182,9 @@ class CheckpointManager:
             maxlen=FINALIZE_CALLS_KEPT
         )
         self._open_root()
-        self._pipeline = LocalPipeline(self.config, self._storage, self.rank, self._log)
+        self._pipeline = LocalPipeline(
+            self.config, self._storage, self.rank, self._log, self._memory
+        )
         self._plans = PlanCache()  # [Note: the plan cache] in _save/plan.py
 
     # ----------------------------------------------------------------- start-up
@@ -216,33 +251,57 @@ class CheckpointManager:
         self._restoring = step
 
     # ----------------------------------------------------------------- save
-    def save(self, step: int, state: Any, metrics: Mapping[str, Any] | None = None) -> None:
+    def save(
+        self,
+        step: int,
+        state: Any,
+        metrics: Mapping[str, Any] | None = None,
+        *,
+        durable: bool = True,
+    ) -> None:
         """Start saving `state` as `step`; returns once the snapshot is queued.
 
         Every rank calls it with the same step. Tensors must not change until
         `before_optimizer_step()` returns (the copy runs in the background until then).
 
         Args:
-            step: training step (greater than every committed step).
+            step: training step (greater than every committed step and every memory
+                snapshot; a durable save may repeat the newest memory-only step).
             state: nested dicts/lists of tensors, ShardedTensorLike, DTensor (each rank its
                 local shard, replicas once), RankLocal, JSON values.
-            metrics: JSON values stored in the manifest (used by `KeepBest`).
+            metrics: JSON values stored in the manifest (used by `KeepBest`; a memory-only
+                save keeps none).
+            durable: write the step to storage and commit it. False (the memory tier only):
+                the snapshot into a memory slot is all it does: no writer, no manifest, no
+                agreement across ranks.
 
         Raises:
-            ValueError: bad step, metrics or state.
+            ValueError: bad step, metrics or state, or `durable=False` without the memory
+                tier.
             SaveFailedError: an older save that had to be finalized first failed (raised
                 after this save is queued: it goes on), or, in `AsyncMode.SYNC`, this one.
-            CheckpointError: the manager is closed or a collective failed.
+            CheckpointError: the manager is closed, a collective failed, or an earlier memory
+                snapshot of this rank failed (e.g. its tmpfs is full).
         """
         started = time.monotonic()
         self._check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if not isinstance(durable, bool):
+            raise ValueError(f"durable must be True or False, got {durable!r}")
+        if not durable and self._memory is None:
+            raise ValueError(
+                "save(..., durable=False) keeps the step in memory only, and the memory tier "
+                "is off: configure CheckpointConfig(memory=MemoryTierConfig(directory=...)) "
+                "or save with durable=True"
+            )
         metrics = dict(metrics or {})
         try:
             json.dumps(metrics, allow_nan=True)
         except (TypeError, ValueError) as err:
             raise ValueError(f"metrics must be JSON values: {err}") from err
+        if self._snapshots is not None:
+            self._snapshots.collect(settle_s=self.config.staging_timeout_s)
         newest = max([r.step for r in self._pending], default=-1)
         if self._final.last_committed is not None:
             newest = max(newest, self._final.last_committed[0])
@@ -252,6 +311,15 @@ class CheckpointManager:
                 "written twice (to roll back, delete the newer steps first, e.g. with "
                 "`ckptctl prune`, or save under another root)"
             )
+        in_memory = self._memory.newest_step if self._memory is not None else None
+        if in_memory is not None and (step < in_memory or (step == in_memory and not durable)):
+            raise ValueError(
+                f"step {step} is not after the newest memory snapshot {in_memory}: steps "
+                "only go forward"
+            )
+        if not durable:
+            self._snapshot_only(step, state, started)
+            return
         if step in self._final.unclean_steps:
             raise CheckpointError(
                 f"step {step}: the folder of its failed save was not removed (a delete "
@@ -268,6 +336,8 @@ class CheckpointManager:
                 older_failure = err
         request = self._prepare(step, state, metrics, started)
         self._pending.append(request)
+        if self._snapshots is not None and request.memory is not None:
+            self._snapshots.track(request)
         self._pipeline.submit(request)
         request.stall_s += time.monotonic() - started
         if self.config.async_mode is AsyncMode.SYNC:
@@ -278,12 +348,15 @@ class CheckpointManager:
     def _prepare(
         self, step: int, state: Any, metrics: dict[str, Any], started: float
     ) -> SaveRequest:
-        flat = flatten(state)
+        flat = flatten(state, keep_replicas=self._memory is not None)
         leaves = leaves_to_write(flat, self.rank)
         spread = self.config.spread_for(self._storage.root_uri)
         file_name = shard_file_name(self.rank, spread) if leaves else None
         layout, records = self._plans.plan(leaves, file_name)
         slot = next(i for i in range(self.config.max_inflight) if not self._slot_in_use(i))
+        job = None
+        if self._snapshots is not None:
+            job = self._snapshots.begin(step, flat, leaves, self._pending)
         writer = self._pipeline.writer_for_next_save()
         request = SaveRequest(
             request_id=self._next_request_id,
@@ -305,14 +378,32 @@ class CheckpointManager:
                 spread_prefixes=spread,
             ),
             writer=writer,
+            memory=job,
         )
         request.tensors = [x.tensor for x in leaves]
-        request.device_fence = DeviceFence.after_current_work(request.tensors)
+        request.device_fence = DeviceFence.after_current_work(
+            request.tensors if job is None else [x.tensor for x in flat.leaves]
+        )
         self._next_request_id += 1
         return request
 
     def _slot_in_use(self, slot: int) -> bool:
         return any(r.slot == slot for r in self._pending)
+
+    def _snapshot_only(self, step: int, state: Any, started: float) -> None:
+        """`save(..., durable=False)`: the memory snapshot alone."""
+        assert self._snapshots is not None
+        flat = flatten(state, keep_replicas=True)
+        leaves = leaves_to_write(flat, self.rank)
+        spread = self.config.spread_for(self._storage.root_uri)
+        # The payload starts with the durable file's bytes: the same (cached) plan.
+        layout, _ = self._plans.plan(leaves, shard_file_name(self.rank, spread) if leaves else None)
+        job = self._snapshots.begin(step, flat, leaves, self._pending)
+        if job is not None:
+            request = self._snapshots.memory_only(step, started, layout, job)
+            self._pipeline.submit(request)
+            request.stall_s += time.monotonic() - started
+        self._snapshots.tier.last_save_s = time.monotonic() - started
 
     def before_optimizer_step(self) -> None:
         """Fence: return once every snapshot copy is done, so tensors may change.
@@ -324,7 +415,8 @@ class CheckpointManager:
             CheckpointTimeoutError: a copy did not finish (CUDA: was not enqueued) within
                 `staging_timeout_s`.
         """
-        for request in list(self._pending):
+        memory_only = self._snapshots.uncopied() if self._snapshots is not None else []
+        for request in [*self._pending, *memory_only]:
             if request.copied.is_set():
                 continue
             t0 = time.monotonic()
@@ -339,6 +431,8 @@ class CheckpointManager:
                     f"snapshot copy of step {request.step} did not finish within "
                     f"{self.config.staging_timeout_s:.0f} s"
                 )
+        if self._snapshots is not None:
+            self._snapshots.collect()
 
     # ----------------------------------------------------------------- finalize
     def maybe_finalize(self) -> None:
@@ -357,6 +451,8 @@ class CheckpointManager:
             CheckpointError: a checkpoint collective failed (a peer died or timed out).
         """
         self._check_open()
+        if self._snapshots is not None:
+            self._snapshots.collect()
         if not self._pending:
             return
         t0 = time.monotonic()
@@ -366,13 +462,17 @@ class CheckpointManager:
             self._finalize_calls.append(time.monotonic() - t0)
 
     def wait_until_finished(self) -> None:
-        """Block until every save in flight is committed or failed (collective).
+        """Block until every save in flight is committed or failed (collective), and every
+        memory snapshot is recorded.
 
         Raises:
             SaveFailedError: a save failed on some rank.
+            CheckpointError: a memory-only snapshot of this rank failed.
         """
         self._check_open()
         self._final.run(blocking=True)
+        if self._snapshots is not None:
+            self._snapshots.collect(self.config.staging_timeout_s, everything=True)
         if self._deleter is not None:
             self._deleter.flush(self.config.finalize_timeout_s)
 
@@ -402,11 +502,18 @@ class CheckpointManager:
     def stats(self) -> ManagerStats:
         """In-flight count and the last commit."""
         last = self._final.last_committed
+        memory = self._memory
         return ManagerStats(
             inflight=len(self._pending),
             last_committed_step=last[0] if last else None,
             last_committed_unix_s=last[1] if last else None,
             recent_finalize_call_s=tuple(self._finalize_calls),
+            num_memory_snapshots=memory.num_snapshots if memory else 0,
+            num_memory_snapshots_skipped=memory.num_skipped if memory else 0,
+            last_memory_snapshot_bytes=memory.last_snapshot_bytes if memory else 0,
+            last_memory_save_s=memory.last_save_s if memory else 0.0,
+            memory_bytes_held=memory.held_bytes() if memory else 0,
+            newest_memory_step=memory.newest_step if memory else None,
         )
 
     @property
@@ -430,6 +537,12 @@ class CheckpointManager:
     ) -> RestoreResult | None:
         """Restore a step on every rank (collective).
 
+        With the memory tier on and no explicit step, the newest step that every rank holds
+        complete and verified in its memory slots is restored first, from those slots alone
+        (no storage read); otherwise, or when that fails, the durable tier as below, with
+        `fallback_reason` saying why memory was not used. Memory snapshots newer than the
+        step restored are emptied (the run continues from it).
+
         Args:
             step: the step; None restores the newest committed step whose files verify,
                 skipping (with a warning) corrupt ones.
@@ -443,8 +556,8 @@ class CheckpointManager:
                 exception from it counts as a failed read of that step.
 
         Returns:
-            `RestoreResult(step, state)`, or None when no valid checkpoint exists and
-            `step` is None.
+            `RestoreResult(step, state, source, fallback_reason)`, or None when no valid
+            checkpoint exists and `step` is None.
 
         Raises:
             StepNotFoundError: the explicit step is not committed.
@@ -452,21 +565,42 @@ class CheckpointManager:
             CheckpointError: the template does not match the checkpoint.
         """
         self._check_open()
+        if self._snapshots is not None:
+            # A snapshot still being written must not land after the restore sorted the slots;
+            # a failed one was logged, and the restore does not fail for it.
+            with contextlib.suppress(CheckpointError):
+                self._snapshots.collect(self.config.staging_timeout_s, everything=True)
+        template = wrap_dtensors(into) if into is not None else None
+        reason: str | None = None
+        result: RestoreResult | None = None
         try:
-            result = restore_agreed(
-                self._storage,
-                self._coord,
-                step,
-                wrap_dtensors(into) if into is not None else None,
-                verify_checksums=self.config.verify_checksums,
-                on_choose=self._choose_for_restore,
-                on_progress=on_progress,
-            )
+            if self._memory is not None and step is None:
+                memory = restore_from_memory(self._memory, self._coord, template)
+                if memory.step is not None:
+                    self._log.info("ckpt_restored", ckpt_step=memory.step, source="memory")
+                    result = RestoreResult(memory.step, unwrap_dtensors(memory.state), "memory")
+                else:
+                    reason = memory.reason
+                    self._log.warning("ckpt_memory_restore_fallback", reason=reason)
+            if result is None:
+                durable = restore_agreed(
+                    self._storage,
+                    self._coord,
+                    step,
+                    template,
+                    verify_checksums=self.config.verify_checksums,
+                    on_choose=self._choose_for_restore,
+                    on_progress=on_progress,
+                )
+                if durable is not None:
+                    state = unwrap_dtensors(durable.state)
+                    result = RestoreResult(durable.step, state, "durable", reason)
             if result is not None:
-                result = RestoreResult(result.step, unwrap_dtensors(result.state))
                 self._restored_from = result.step  # before `_restoring` is cleared: no gap
         finally:
             self._restoring = None
+        if self._memory is not None:
+            self._memory.after_restore(result.step if result is not None else None)
         if self._deleter is not None:
             self._deleter.arm()  # [Note: retention waits for the run's restore]
         return result

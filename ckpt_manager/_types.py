@@ -11,6 +11,7 @@ import torch
 __all__ = [
     "ALIASES_KEY",
     "FINALIZE_CALLS_KEPT",
+    "MEMORY_SNAPSHOT_HOOK",
     "ManagerStats",
     "RankLocal",
     "RestoreProgress",
@@ -100,10 +101,23 @@ class SaveReport(NamedTuple):
 
 @runtime_checkable
 class SaveObserver(Protocol):
-    """Receives one `SaveReport` per finished save (the daemon maps them to metrics)."""
+    """Receives one `SaveReport` per finished save (the daemon maps them to metrics).
+
+    With the memory tier on, an observer may also define
+    `on_memory_snapshot(step: int, num_bytes: int, seconds: float) -> None`, called on the
+    training thread (at the next `save()`, `before_optimizer_step()` or `maybe_finalize()`)
+    for each completed memory snapshot: its step, its payload's size, and the seconds the
+    training thread spent on it (inside `save()` plus any wait for its copy at the fence). It
+    is optional (looked up by name, not part of the Protocol): observers without it work
+    unchanged.
+    """
 
     def on_save_finished(self, report: SaveReport) -> None:
         """Called on the training thread when a save commits or fails."""
+
+
+MEMORY_SNAPSHOT_HOOK = "on_memory_snapshot"
+"""The optional `SaveObserver` method told of each completed memory snapshot."""
 
 
 FINALIZE_CALLS_KEPT = 1024
@@ -122,6 +136,19 @@ class ManagerStats(NamedTuple):
     recent_finalize_call_s: tuple[float, ...] = ()
     """Training-thread time of each of the last `FINALIZE_CALLS_KEPT` `maybe_finalize()`
     calls that had a save in flight, oldest first (a bench reports their p99)."""
+    num_memory_snapshots: int = 0
+    """Memory snapshots completed by this manager (memory tier; memory-only and durable
+    saves alike)."""
+    num_memory_snapshots_skipped: int = 0
+    """Snapshots skipped because no slot could be taken (each reason is logged once)."""
+    last_memory_snapshot_bytes: int = 0
+    """Payload size of the last completed memory snapshot."""
+    last_memory_save_s: float = 0.0
+    """Training-thread seconds inside the last memory-only `save()` (`durable=False`)."""
+    memory_bytes_held: int = 0
+    """Bytes held by this rank's memory slot files."""
+    newest_memory_step: int | None = None
+    """The newest step snapshotted to memory (or restored) by this manager, or None."""
 
 
 class RestoreResult(NamedTuple):
@@ -131,6 +158,11 @@ class RestoreResult(NamedTuple):
     """The step restored."""
     state: Any
     """The restored state (the template's structure when `into` was given)."""
+    source: str = "durable"
+    """Where it came from: `"memory"` (the memory tier's slots) or `"durable"` (storage)."""
+    fallback_reason: str | None = None
+    """Why the memory tier was not used, when it was tried (None: it was used, or not
+    tried: the tier is off or an explicit step was asked for)."""
 
 
 class RestoreProgress(NamedTuple):

@@ -72,6 +72,10 @@ class Flattened(NamedTuple):
     """Skeletons of the RankLocal subtrees, by index."""
     leaves: list[TensorLeaf]
     """Tensor leaves in traversal order."""
+    replica_leaves: dict[str, TensorLeaf] | None = None
+    """With `flatten(..., keep_replicas=True)`: for each DTensor leaf that this rank holds as
+    a replica (an empty piece in `leaves`, [Note: replicas write once]), the leaf of its
+    actual local shard, by key; the memory tier snapshots those ([Note: the memory tier])."""
 
 
 def is_sharded(value: object) -> bool:
@@ -194,10 +198,11 @@ def _sharded_leaf(value: Any, key: str) -> TensorLeaf:
 
 
 class _Flattener:
-    def __init__(self) -> None:
+    def __init__(self, keep_replicas: bool) -> None:
         self.leaves: list[TensorLeaf] = []
         self.rank_local: list[Any] = []
         self.keys: set[str] = set()
+        self.replicas: dict[str, TensorLeaf] | None = {} if keep_replicas else None
 
     def _claim(self, key: str) -> str:
         if key in self.keys:
@@ -254,6 +259,10 @@ class _Flattener:
                 raise TypeError(f"state leaf {key!r}: a DTensor inside RankLocal")
             piece = dtensor_piece(value, key, for_write=True)
             self.leaves.append(_sharded_leaf(piece, self._claim(key)))
+            if self.replicas is not None and piece.flat_range is not None:
+                held = dtensor_piece(value, key, for_write=False)
+                if held.local.numel() > 0:  # a replica, not a rank outside the mesh
+                    self.replicas[key] = _sharded_leaf(held, key)
             return ["S", key]
         _check_tensor(value, key)
         kind = LeafKind.RANK_LOCAL if in_rank_local else LeafKind.REPLICATED
@@ -262,13 +271,18 @@ class _Flattener:
         return ["T", key]
 
 
-def flatten(state: Any) -> Flattened:
+def flatten(state: Any, *, keep_replicas: bool = False) -> Flattened:
     """Flatten a state (see the module docstring for the skeleton).
+
+    Args:
+        state: the state.
+        keep_replicas: also record the local shard of each DTensor replica
+            (`Flattened.replica_leaves`).
 
     Raises:
         TypeError: an unsupported leaf type (the message names its path).
         ValueError: inconsistent sharded-tensor metadata or colliding keys.
     """
-    f = _Flattener()
+    f = _Flattener(keep_replicas)
     tree = f.visit(state, "", False)
-    return Flattened(tree, f.rank_local, f.leaves)
+    return Flattened(tree, f.rank_local, f.leaves, f.replicas)

@@ -6,12 +6,19 @@ and hands the buffer to a writer: the persistent writer process, a one-shot proc
 (temporal mode) or `write_shard` inline (sync mode). Agreement and commit across ranks stay
 in the manager; this module never runs a collective.
 
-Owns (and `close()` releases): the staging thread, the persistent writer, the slabs.
+With the memory tier on, a request that carries a `SnapshotJob` is staged into its memory
+slot (a slot file's slab) instead, followed by the leaves the durable file leaves out; once
+copied, the slot's meta is written. A memory-only request (`durable=False`) ends there
+([Note: the memory tier] in `_memory/`).
+
+Owns (and `close()` releases): the staging thread, the persistent writer, the slabs (a
+memory slot's file stays: it outlives the process by design).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -19,10 +26,11 @@ from typing import Any
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._format.checksum import SAVE_ALGORITHM, checksum
 from ckpt_manager._format.layout import step_dir
+from ckpt_manager._memory.tier import MemoryTier, SnapshotJob
 from ckpt_manager._save.device_copy import copy_to_pinned_slab
 from ckpt_manager._save.report import encode_report_body
 from ckpt_manager._save.request import SaveRequest, SaveState
-from ckpt_manager._save.staging import BackgroundThread, Slab, copy_into_slab
+from ckpt_manager._save.staging import BackgroundThread, Slab, copy_payload_into_slab
 from ckpt_manager._save.writer import write_shard_retrying
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.indexes import write_finished_index
@@ -35,13 +43,22 @@ __all__ = ["LocalPipeline"]
 class LocalPipeline:
     """Copies a rank's snapshot into shared memory and hands it to the mode's writer."""
 
-    def __init__(self, config: CheckpointConfig, storage: Storage, rank: int, log: Any) -> None:
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        storage: Storage,
+        rank: int,
+        log: Any,
+        memory: MemoryTier | None = None,
+    ) -> None:
         """Start the staging thread (async modes) and the persistent writer (persistent)."""
         self._config = config
         self._storage = storage
         self._rank = rank
         self._log = log
+        self._memory = memory
         self._slabs: list[Slab | None] = [None] * config.max_inflight
+        self._memory_slabs: dict[int, Slab] = {}  # by memory slot
         self._next_slab_id = 0
         self._stager: BackgroundThread | None = None
         self._writer: WriterProcess | None = None
@@ -89,10 +106,11 @@ class LocalPipeline:
         if self._writer is not None:
             self._writer.stop(timeout)
             self._writer = None
-        for slab in self._slabs:
+        for slab in [*self._slabs, *self._memory_slabs.values()]:
             if slab is not None:
                 slab.close()
         self._slabs = [None] * self._config.max_inflight
+        self._memory_slabs = {}
 
     def _slab_for(self, slot: int, nbytes: int) -> Slab:
         """The slot's staging buffer, (re)allocated when too small (staging thread only)."""
@@ -107,6 +125,35 @@ class LocalPipeline:
         self._next_slab_id += 1
         return slab
 
+    def _memory_slab_for(self, job: SnapshotJob, nbytes: int) -> Slab | None:
+        """The memory slot's slab, its file (re)allocated when too small (staging thread
+        only); None: an extra slot could not be allocated (the job is skipped).
+
+        Raises:
+            CheckpointError: a configured slot could not be allocated (a full tmpfs).
+        """
+        assert self._memory is not None
+        slab = self._memory_slabs.get(job.slot)
+        if slab is not None and slab.capacity >= nbytes:
+            return slab
+        if slab is not None:
+            if self._writer is not None:
+                self._writer.drop_slab(slab.slab_id)
+            slab.close()
+            del self._memory_slabs[job.slot]
+        allocated = self._memory.allocate(job, nbytes)
+        if allocated is None:
+            return None
+        fd, capacity = allocated
+        try:
+            slab = Slab(self._next_slab_id, capacity, fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._next_slab_id += 1
+        self._memory_slabs[job.slot] = slab
+        return slab
+
     def _stage_and_dispatch(self, request: SaveRequest) -> None:
         """Staging-thread job (inline in sync mode): copy, then hand to the writer.
 
@@ -117,12 +164,14 @@ class LocalPipeline:
         Object stores upload whole parts after the copy, so they gain nothing from it.
         """
         try:
-            if not self._build_pending_index(request):
+            if request.durable and not self._build_pending_index(request):
                 return
             slab = self._allocate(request)
             if slab is None:
                 return
-            if self._streams(request):
+            if not request.durable:
+                self._copy(request, slab)  # the snapshot is all a memory-only save does
+            elif self._streams(request):
                 self._stage_streamed(request, slab)
             elif self._copy(request, slab) and self._encode_report_body(request):
                 self._dispatch(request)  # a no-op if the save failed meanwhile
@@ -176,13 +225,36 @@ class LocalPipeline:
         )
 
     def _allocate(self, request: SaveRequest) -> Slab | None:
-        """The request's staging buffer (None: allocation failed, the request too)."""
+        """The request's staging buffer (None: allocation failed, the request too; or an
+        extra memory slot could not be allocated for a memory-only request: it is skipped).
+        A durable request whose extra slot could not be allocated skips its snapshot and is
+        staged in a plain buffer."""
         t0 = time.monotonic()
+        job = request.memory
         try:
             # Allocating here, not in save(), keeps even the first save() non-blocking.
-            request.slab = self._slab_for(request.slot, request.layout.total_bytes)
+            if job is None:
+                request.slab = self._slab_for(request.slot, request.layout.total_bytes)
+            else:
+                assert self._memory is not None
+                assert job.flat is not None
+                job.plan, job.ext_tensors = self._memory.plans.plan(
+                    job.flat, job.durable, request.layout
+                )
+                request.slab = self._memory_slab_for(job, job.plan.payload.total_bytes)
+                if request.slab is None:  # an extra slot that did not fit: snapshot skipped
+                    job.ext_tensors, job.flat = [], None
+                    if not request.durable:
+                        request.tensors = []
+                        return None
+                    # The durable write goes on from a plain staging buffer.
+                    request.memory = None
+                    request.slab = self._slab_for(request.slot, request.layout.total_bytes)
         except Exception as err:
             request.tensors = []
+            if job is not None:
+                job.ext_tensors, job.flat = [], None
+                job.error = f"{type(err).__name__}: {err}"
             request.fail(f"snapshot copy failed: {type(err).__name__}: {err}")
             return None
         request.staging_s += time.monotonic() - t0
@@ -191,31 +263,56 @@ class LocalPipeline:
     def _copy(
         self, request: SaveRequest, slab: Slab, on_progress: Callable[[int], None] | None = None
     ) -> bool:
-        """Copy the snapshot into `slab`; False (and the request failed) if that failed."""
+        """Copy the snapshot into `slab` (with the memory tier: the whole payload, then the
+        slot's meta); False (and the request failed) if the copy failed."""
+        job = request.memory
+        layout, tensors, split = request.layout, request.tensors, request.layout.total_bytes
+        if job is not None:
+            assert job.plan is not None
+            layout, tensors = job.plan.payload, [*tensors, *job.ext_tensors]
         try:
             t0 = time.monotonic()
             fence = request.device_fence
             if fence is None:
                 # [Note: the checksum rides on the staging copy] in staging.py
-                request.checksum = copy_into_slab(
-                    slab, request.layout, request.tensors, on_progress, algorithm=SAVE_ALGORITHM
+                request.checksum, payload_checksum = copy_payload_into_slab(
+                    slab, layout, tensors, split, on_progress, algorithm=SAVE_ALGORITHM
                 )
             else:  # [Note: CUDA staging] in device_copy.py
-                copy_to_pinned_slab(slab, request.layout, request.tensors, fence, on_progress)
+                copy_to_pinned_slab(slab, layout, tensors, fence, _up_to(on_progress, split))
                 # The bytes arrived by DMA: one pass over the pinned slab, on this thread.
-                view = slab.view(request.layout.total_bytes)
+                view = slab.view(layout.total_bytes)
                 try:
-                    request.checksum = checksum(SAVE_ALGORITHM, view)
+                    request.checksum = checksum(SAVE_ALGORITHM, view[:split])
+                    payload_checksum = checksum(SAVE_ALGORITHM, view[split:], request.checksum)
                 finally:
                     view.release()
             request.staging_s += time.monotonic() - t0
-            return True
         except Exception as err:
+            if job is not None:
+                job.error = f"snapshot copy failed: {type(err).__name__}: {err}"
             request.fail(f"snapshot copy failed: {type(err).__name__}: {err}")
             return False
         finally:
             request.tensors = []
+            if job is not None:
+                job.ext_tensors = []
             request.copied.set()  # the training loop may now change the tensors
+        if job is not None:
+            self._complete_snapshot(request, job, payload_checksum)
+        return True
+
+    def _complete_snapshot(self, request: SaveRequest, job: SnapshotJob, value: int) -> None:
+        """Write the slot's meta: the snapshot counts from now on. A failure to write it
+        fails a memory-only request; a durable one goes on (its file does not need it)."""
+        assert self._memory is not None
+        try:
+            self._memory.complete(job, SAVE_ALGORITHM, value)
+        except Exception as err:
+            job.flat = None
+            job.error = f"{type(err).__name__}: {err}"
+            if not request.durable:
+                request.fail(f"memory snapshot failed: {job.error}")
 
     def _stage_streamed(self, request: SaveRequest, slab: Slab) -> None:
         """Hand the request to the writer first, then copy, reporting progress."""
@@ -334,6 +431,23 @@ class LocalPipeline:
         finally:
             view.release()
             request.write_s = time.monotonic() - t0
+
+
+def _up_to(on_progress: Callable[[int], None] | None, limit: int) -> Callable[[int], None] | None:
+    """`on_progress` told only of the file's bytes (a payload goes on past them), each count
+    once and rising."""
+    if on_progress is None:
+        return None
+    told = 0
+
+    def progress(upto: int) -> None:
+        nonlocal told
+        upto = min(upto, limit)
+        if upto > told:
+            told = upto
+            on_progress(upto)
+
+    return progress
 
 
 def _staged_checksum(request: SaveRequest) -> int:

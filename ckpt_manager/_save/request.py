@@ -37,6 +37,7 @@ import structlog
 from ckpt_manager._coord import Status
 from ckpt_manager._format.checksum import SAVE_ALGORITHM, ChecksumAlgorithm
 from ckpt_manager._format.shard_file import FileLayout
+from ckpt_manager._memory.tier import SnapshotJob
 from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.staging import Slab
 from ckpt_manager._save.writer_proc import WriterProcess
@@ -136,6 +137,12 @@ class SaveRequest:
     checksum: int | None = None
     """The staged file's checksum by `checksum.SAVE_ALGORITHM`, computed by the staging copy
     (set before `handed_off`; None until then)."""
+    durable: bool = True
+    """Written to storage and committed; False: a memory snapshot only (`memory` is set, and
+    the request never enters the finalizer's queue nor leaves STAGING unless it fails)."""
+    memory: SnapshotJob | None = None
+    """The memory tier's part: the slot the staging copy fills (None: a plain staging
+    buffer, no snapshot)."""
     answered: bool = False
     """The writer has answered this request (it no longer touches its buffer)."""
     abort_sent: bool = False

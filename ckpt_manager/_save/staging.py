@@ -1,6 +1,7 @@
 """Staging: shared-memory buffers for snapshots and the thread that fills them.
 
-A `Slab` is one anonymous shared-memory file (`memfd`) mapped in the trainer and, through
+A `Slab` is one anonymous shared-memory file (`memfd`), or a memory-tier slot file on a
+tmpfs ([Note: the memory tier] in `_memory/`), mapped in the trainer and, through
 fd passing, in the writer: the trainer copies tensors into it (checksumming each chunk as
 it lands: [Note: the checksum rides on the staging copy]), the writer writes it out. Slabs
 are allocated once per in-flight slot and reused across saves while the state fits, so the
@@ -36,6 +37,7 @@ __all__ = [
     "Slab",
     "copy_into_slab",
     "copy_into_slot",
+    "copy_payload_into_slab",
     "shmem_thp_mode",
 ]
 
@@ -46,23 +48,39 @@ _log = structlog.get_logger("ckpt_manager.staging")
 class Slab:
     """A reusable shared-memory staging buffer."""
 
-    def __init__(self, slab_id: int, capacity: int) -> None:
-        """Allocate and populate `capacity` bytes of shared memory."""
+    def __init__(self, slab_id: int, capacity: int, *, fd: int | None = None) -> None:
+        """Allocate and populate `capacity` bytes of shared memory.
+
+        Args:
+            slab_id: unique per manager.
+            capacity: size in bytes.
+            fd: map this file instead of a new memfd (a memory-tier slot file, whose
+                `capacity` bytes the caller allocated with `posix_fallocate`); the slab owns
+                the descriptor from now on.
+        """
         self.slab_id = slab_id
         """Unique per manager; the writer caches mappings by it."""
-        self.capacity = max(_MIN_CAPACITY, capacity)
+        self.capacity = max(_MIN_CAPACITY, capacity) if fd is None else capacity
         """Size in bytes."""
-        self.fd = os.memfd_create(f"trainingd-ckpt-{os.getpid()}-{slab_id}", os.MFD_CLOEXEC)
-        """The memfd (sent to writers)."""
-        os.ftruncate(self.fd, self.capacity)
-        mode = shmem_thp_mode()
-        advised = _map_huge_advised(self.fd, self.capacity) if mode == "advise" else None
+        self.fd = (
+            os.memfd_create(f"trainingd-ckpt-{os.getpid()}-{slab_id}", os.MFD_CLOEXEC)
+            if fd is None
+            else fd
+        )
+        """The memfd or slot file (sent to writers)."""
+        advised = None
+        if fd is None:
+            os.ftruncate(self.fd, self.capacity)
+            if shmem_thp_mode() == "advise":
+                advised = _map_huge_advised(self.fd, self.capacity)
         self.huge_pages_advised = advised is not None
         """Whether the mapping asked for transparent huge pages ([Note: huge-page slabs])."""
         if advised is None:
             # Allocate and map every page now: first-touch faults during the snapshot copy
-            # would make the first save's copy several times slower than a memcpy.
-            os.posix_fallocate(self.fd, 0, self.capacity)
+            # would make the first save's copy several times slower than a memcpy. (A slot
+            # file is allocated already: there this finds every page present.)
+            if fd is None:
+                os.posix_fallocate(self.fd, 0, self.capacity)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             advised = mmap.mmap(self.fd, self.capacity, flags=flags)
         self._mm = advised
@@ -193,11 +211,34 @@ def copy_into_slab(
     `on_progress(n)` is called whenever the first `n` bytes of the file are final, at least
     `progress_bytes` apart, and last with `layout.total_bytes` (a streamed write follows it).
     """
+    return copy_payload_into_slab(
+        slab, layout, tensors, layout.total_bytes, on_progress, progress_bytes, algorithm=algorithm
+    )[0]
+
+
+def copy_payload_into_slab(
+    slab: Slab,
+    layout: FileLayout,
+    tensors: Sequence[torch.Tensor],
+    split_at: int,
+    on_progress: Callable[[int], None] | None = None,
+    progress_bytes: int = 32 << 20,
+    *,
+    algorithm: ChecksumAlgorithm = SAVE_ALGORITHM,
+) -> tuple[int, int]:
+    """`copy_into_slab` for a memory-tier payload: the durable file's bytes `[0, split_at)`
+    then more slots; returns the checksums of the first `split_at` bytes (the file's) and of
+    all `layout.total_bytes` (the payload's), both from the one pass.
+
+    `on_progress` concerns the file only: its last call says `split_at`, before the slots
+    past it are copied.
+    """
     buf = slab.tensor
     if buf is None:
         raise RuntimeError(f"staging buffer {slab.slab_id} is closed")
     header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
     reported = 0
+    split_value: int | None = None
     view = slab.view(layout.total_bytes)
     try:
         with torch.no_grad():
@@ -207,19 +248,28 @@ def copy_into_slab(
             for slot, tensor in zip(layout.slots, tensors, strict=True):
                 if slot.nbytes == 0:
                     continue
+                if split_value is None and slot.offset >= split_at:
+                    value = split_value = checksum(algorithm, view[done:split_at], value)
+                    done = split_at
+                    if on_progress is not None and reported < split_at:
+                        on_progress(split_at)
+                        reported = split_at
                 # Alignment padding: whatever the slab holds there is what the file holds.
                 value = checksum(algorithm, view[done : slot.offset], value)
                 value = _copy_checksummed(buf, view, slot, tensor, algorithm, value)
                 done = end = slot.offset + slot.nbytes
-                if on_progress is not None and end - reported >= progress_bytes:
+                if on_progress is not None and end <= split_at and end - reported >= progress_bytes:
                     on_progress(end)
                     reported = end
+            if split_value is None:
+                value = split_value = checksum(algorithm, view[done:split_at], value)
+                done = split_at
             value = checksum(algorithm, view[done:], value)
     finally:
         view.release()
-    if on_progress is not None and reported < layout.total_bytes:
-        on_progress(layout.total_bytes)
-    return value
+    if on_progress is not None and reported < split_at:
+        on_progress(split_at)
+    return split_value, value
 
 
 FUSED_CHUNK_BYTES = 256 << 10

@@ -37,6 +37,7 @@ EXPECTED = [
     "LeaseHeldError",
     "LeaseLostError",
     "ManagerStats",
+    "MemoryTierConfig",
     "MetricMode",
     "RankLocal",
     "RestoreProgress",

@@ -27,7 +27,9 @@ ALLOWED: dict[str, set[str]] = {
     "_store": _ROOT_BASICS | {"_format"},
     "_retention": _ROOT_BASICS | _BYTES,
     "_load": _ROOT_BASICS | _BYTES | {"_coord"},
-    "_save": _ROOT_BASICS | _BYTES | {"_coord", "_config"},
+    "_save": _ROOT_BASICS | _BYTES | {"_coord", "_config", "_memory"},
+    # The memory tier: slot files, metas, the agreement and the local load. No storage.
+    "_memory": _ROOT_BASICS | {"_format", "_coord", "_config"},
     "ctl": _ROOT_BASICS | _BYTES | {"_load", "_save", "_retention"},
     "errors": set(),
     "_types": set(),
@@ -38,10 +40,12 @@ ALLOWED: dict[str, set[str]] = {
     "dcp": _ROOT_BASICS | _BYTES | {"_load"},
     # The public face of the retention registry's configuration keys (for trainingd's config).
     "retention": {"_retention"},
-    "_manager": _ROOT_BASICS | _BYTES | {"_load", "_save", "_retention", "_coord", "_config"},
+    "_manager": _ROOT_BASICS
+    | _BYTES
+    | {"_load", "_save", "_memory", "_retention", "_coord", "_config"},
     "__init__": _ROOT_BASICS | {"_retention", "_config", "_manager", "_store"},
 }
-SUBPACKAGES = {"_format", "_store", "_retention", "_load", "_save", "ctl"}
+SUBPACKAGES = {"_format", "_store", "_retention", "_load", "_save", "_memory", "ctl"}
 
 # Modules of `_format`, `_store` and `ctl` that make tensors and so may import torch when imported.
 # Everything else there stays torch-free, so `ckptctl list/show/verify` start fast.

@@ -18,6 +18,7 @@ from ckpt_manager import (
     CheckpointConfig,
     CheckpointError,
     CheckpointManager,
+    MemoryTierConfig,
     RankLocal,
     SaveFailedError,
 )
@@ -94,10 +95,16 @@ def _check(
     assert restored["rng"]["seed"].item() == rank * 100 + seed_version
 
 
-def _modes_on_ranks(rank: int, world: int, root: str) -> list[str]:
+def _modes_on_ranks(rank: int, world: int, root: str, memory: str | None = None) -> list[str]:
+    """Every mode: three saves, each restored; with `memory`, the memory tier on (every
+    durable file is then written from a memory slot)."""
     done = []
     for mode in AsyncMode:
-        cfg = CheckpointConfig(async_mode=mode, finalize_timeout_s=60)
+        tier = None
+        if memory is not None:
+            os.makedirs(f"{memory}/{mode.value}", exist_ok=True)
+            tier = MemoryTierConfig(f"{memory}/{mode.value}")
+        cfg = CheckpointConfig(async_mode=mode, finalize_timeout_s=60, memory=tier)
         state = _rank_state(rank, world, 0)
         with CheckpointManager(f"{root}/{mode.value}", cfg, run_id="multi") as mgr:
             for step in range(3):
@@ -108,6 +115,7 @@ def _modes_on_ranks(rank: int, world: int, root: str) -> list[str]:
                 mgr.maybe_finalize()
             mgr.wait_until_finished()
             assert mgr.all_steps() == [0, 1, 2], mode
+            assert mgr.stats().num_memory_snapshots == (0 if memory is None else 3), mode
             for step in range(3):
                 template = _rank_state(rank, world, 99)
                 result = mgr.restore(step, into=template)
@@ -133,12 +141,15 @@ def _modes_then_reshard(rank: int, world: int, root: str, saved_at_2: str) -> li
 def _two_rank_scenarios(rank: int, world: int, modes_root: str, fault_root: str) -> Any:
     """The 2-rank scenarios in one spawn (spawning ranks costs more than any scenario)."""
     modes = _modes_on_ranks(rank, world, modes_root)
+    # The same with the memory tier on: the durable files come from the memory slots.
+    with_memory = _modes_on_ranks(rank, world, f"{fault_root}-memory", f"{fault_root}-shm")
     fault = _writer_fault_on_rank1(rank, world, fault_root)
     conflict = _commit_conflict(rank, world, fault_root)
     straggler = _straggler_on_rank1(rank, world, fault_root)
     late = _late_peer(rank, world, fault_root)  # last: it leaves one group timed out
     return {
         "modes": modes,
+        "modes_with_memory": with_memory,
         "fault": fault,
         "conflict": conflict,
         "straggler": straggler,
@@ -166,6 +177,7 @@ def test_every_mode_at_2_and_3_ranks_and_resharding(
 ) -> None:
     two, three = two_ranks.modes_root, tmp_path / "three"
     assert [o["modes"] for o in two_ranks.out] == [[m.value for m in AsyncMode]] * 2
+    assert [o["modes_with_memory"] for o in two_ranks.out] == [[m.value for m in AsyncMode]] * 2
     saved_at_2 = str(two / AsyncMode.PERSISTENT.value)
     out = run_on_ranks(_modes_then_reshard, 3, str(three), saved_at_2, timeout_s=240)
     assert out == [[*(m.value for m in AsyncMode), "resharded"]] * 3

@@ -1,0 +1,134 @@
+"""The restore agreement: the newest step every rank holds complete and verified in memory.
+
+Each rank lists its slots' metas, keeps those of this run, this world size and (with a
+template) this layout, verifies each payload's checksum (reading memory, not storage), and
+offers the steps that pass; one all-gather on the manager's gloo group exchanges every rank's
+offer (steps with their shared-layout fingerprint, the reasons it refused the others). The
+newest step that every rank offers with the same fingerprint wins. Otherwise the restore falls
+back to the durable tier with one reason, the same on every rank, e.g.
+`first start: no rank holds a memory snapshot`, `rank 1 holds no verified memory step
+(slot 0: checksum mismatch ...)`, `rank 0: world size 3 at snapshot, 2 now`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from ckpt_manager._coord import Coordinator
+from ckpt_manager._memory.load import needs_template, verify_slot
+from ckpt_manager._memory.meta import SlotMeta
+from ckpt_manager._memory.slots import SlotFiles
+
+__all__ = ["Candidate", "Offer", "agree", "local_offer"]
+
+
+class Candidate(NamedTuple):
+    """A verified slot this rank can restore."""
+
+    slot: int
+    """Slot index."""
+    meta: SlotMeta
+    """Its meta."""
+
+
+class Offer(NamedTuple):
+    """What a rank tells the others (small and picklable)."""
+
+    steps: dict[int, str]
+    """Verified steps, each with its snapshot's shared-layout fingerprint."""
+    reasons: list[str]
+    """Why each other slot was refused."""
+    num_slots: int
+    """Slots with a meta (0: this rank has never snapshotted, e.g. a first start)."""
+
+
+def local_offer(
+    files: SlotFiles,
+    *,
+    run_id: str,
+    world_size: int,
+    template_layout: str | None,
+    with_template: bool,
+) -> tuple[Offer, dict[int, Candidate]]:
+    """This rank's offer and its candidates by step.
+
+    Args:
+        files: this rank's slot files.
+        run_id: the run's id (a slot of another run is refused).
+        world_size: the world size now (a snapshot of another is refused).
+        template_layout: the template's layout fingerprint (None: no template).
+        with_template: a template was given (without one, sharded pieces cannot be returned
+            whole).
+    """
+    reasons: list[str] = []
+    candidates: dict[int, Candidate] = {}
+    raw = files.read_metas()
+    for slot, found in sorted(raw.items()):
+        where = f"slot {slot}"
+        if isinstance(found, str):
+            reasons.append(f"{where}: {found}")
+            continue
+        try:
+            meta = SlotMeta.parse(found)
+        except ValueError as err:
+            reasons.append(f"{where}: {err}")
+            continue
+        where = f"slot {slot} (step {meta.step})"
+        refused = _refusal(meta, files.rank, run_id, world_size, template_layout, with_template)
+        if refused is None:
+            refused = verify_slot(files.payload_path(slot), meta)
+        if refused is not None:
+            reasons.append(f"{where}: {refused}")
+            continue
+        if meta.step not in candidates:  # two slots of one step hold the same bytes
+            candidates[meta.step] = Candidate(slot, meta)
+    offer = Offer({step: c.meta.global_layout for step, c in candidates.items()}, reasons, len(raw))
+    return offer, candidates
+
+
+def _refusal(
+    meta: SlotMeta,
+    rank: int,
+    run_id: str,
+    world_size: int,
+    template_layout: str | None,
+    with_template: bool,
+) -> str | None:
+    if meta.run_id != run_id:
+        return f"a snapshot of run {meta.run_id!r}, not of this run {run_id!r}"
+    if meta.rank != rank:
+        return f"a snapshot of rank {meta.rank}"
+    if meta.world_size != world_size:
+        return f"world size {meta.world_size} at snapshot, {world_size} now"
+    if template_layout is not None and meta.layout != template_layout:
+        return "the template's layout (keys, dtypes, shapes, placements) differs"
+    if not with_template and needs_template(meta):
+        return "holds sharded pieces: a restore without a template returns whole tensors"
+    return None
+
+
+def agree(coord: Coordinator, offer: Offer) -> tuple[int | None, str | None]:
+    """Exchange offers (one all-gather); returns `(step, None)` or `(None, reason)`, the
+    same on every rank."""
+    offers: list[Any] = coord.all_gather(tuple(offer))
+    gathered = [Offer(*o) for o in offers]
+    common = set(gathered[0].steps)
+    for other in gathered[1:]:
+        common &= set(other.steps)
+    agreed = [s for s in common if len({o.steps[s] for o in gathered}) == 1]
+    if agreed:
+        return max(agreed), None
+    return None, _reason(gathered, common)
+
+
+def _reason(offers: list[Offer], common: set[int]) -> str:
+    if all(o.num_slots == 0 for o in offers):
+        return "first start: no rank holds a memory snapshot"
+    if common:
+        return f"ranks hold steps {sorted(common)} with different layouts"
+    for rank, offer in enumerate(offers):
+        if not offer.steps:
+            detail = "; ".join(offer.reasons) if offer.reasons else "no snapshot"
+            return f"rank {rank} holds no verified memory step ({detail})"
+    held = "; ".join(f"rank {r}: {sorted(o.steps)}" for r, o in enumerate(offers))
+    return f"no step is held by every rank ({held})"

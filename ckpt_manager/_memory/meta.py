@@ -1,0 +1,154 @@
+"""A memory slot's meta: the JSON written next to a complete payload.
+
+    {"format": "trainingd-memory-slot", "format_version": 1,
+     "run_id": str, "rank": int, "world_size": int, "step": int, "created_unix_s": float,
+     "payload_bytes": int, "durable_bytes": int,
+     "checksum_algorithm": "crc32c", "checksum": int,      (of payload bytes [0, payload_bytes))
+     "layout": hex, "global_layout": hex,                 (`plan.layout_fingerprints`)
+     "tree": skeleton, "rank_local_trees": [skeleton, ...],  (`_format/tree.py`)
+     "tensors": {key: [kind, dtype, shape, global_shape, global_offset | null,
+                       flat_range | null, offset, nbytes], ...},   (flatten order)
+     "meta_checksum": int}     CRC-32C of the canonical JSON (sorted keys) of the rest
+
+The skeleton holds the non-tensor values (loader position, counters, RNG seeds as ints);
+tensors are named by key and found in the payload through `tensors`. `SlotMeta.parse` checks
+the shape of everything a restore uses, and the meta's own checksum (the skeleton's values
+are restored from it, so a flipped bit there must not pass either), so a meta that a bit
+flip broke is refused with a reason instead of raising in the middle of a load or restoring a
+wrong value.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, NamedTuple
+
+from ckpt_manager._format.checksum import ChecksumAlgorithm, checksum, parse_algorithm
+from ckpt_manager._memory.plan import MemoryPlan, TensorRecord
+
+__all__ = ["FORMAT", "FORMAT_VERSION", "SlotMeta", "build_meta"]
+
+FORMAT = "trainingd-memory-slot"
+FORMAT_VERSION = 1
+_SELF_CHECK = "meta_checksum"
+
+
+def _meta_checksum(body: dict[str, Any]) -> int:
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    return checksum(ChecksumAlgorithm.CRC32C, canonical)
+
+
+class SlotMeta(NamedTuple):
+    """A parsed meta (see the module docstring)."""
+
+    run_id: str
+    rank: int
+    world_size: int
+    step: int
+    payload_bytes: int
+    algorithm: ChecksumAlgorithm
+    checksum: int
+    layout: str
+    global_layout: str
+    tree: Any
+    rank_local_trees: list[Any]
+    records: dict[str, TensorRecord]
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any]) -> SlotMeta:
+        """Check and parse a meta.
+
+        Raises:
+            ValueError: not a meta of this format, or a field is missing or malformed.
+        """
+        if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
+            raise ValueError(
+                f"not a {FORMAT} v{FORMAT_VERSION} meta (format {raw.get('format')!r} "
+                f"v{raw.get('format_version')!r})"
+            )
+        body = {k: v for k, v in raw.items() if k != _SELF_CHECK}
+        if raw.get(_SELF_CHECK) != _meta_checksum(body):
+            raise ValueError("meta checksum mismatch")
+        try:
+            records = {
+                str(key): _record(value, int(raw["payload_bytes"]))
+                for key, value in raw["tensors"].items()
+            }
+            trees = raw["rank_local_trees"]
+            if not isinstance(trees, list):
+                raise ValueError("rank_local_trees is not a list")
+            return cls(
+                run_id=str(raw["run_id"]),
+                rank=int(raw["rank"]),
+                world_size=int(raw["world_size"]),
+                step=int(raw["step"]),
+                payload_bytes=int(raw["payload_bytes"]),
+                algorithm=parse_algorithm(raw["checksum_algorithm"]),
+                checksum=int(raw["checksum"]),
+                layout=str(raw["layout"]),
+                global_layout=str(raw["global_layout"]),
+                tree=raw["tree"],
+                rank_local_trees=trees,
+                records=records,
+            )
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"malformed meta: {type(err).__name__}: {err}") from err
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(type(v) is int for v in value):
+        raise ValueError(f"expected a list of ints, got {value!r}")
+    return tuple(value)
+
+
+def _record(value: Any, payload_bytes: int) -> TensorRecord:
+    kind, dtype, shape, global_shape, offset_, flat, offset, nbytes = value
+    record = TensorRecord(
+        str(kind),
+        str(dtype),
+        _ints(shape),
+        _ints(global_shape),
+        None if offset_ is None else _ints(offset_),
+        None if flat is None else (int(flat[0]), int(flat[1])),
+        int(offset),
+        int(nbytes),
+    )
+    if record.offset < 0 or record.nbytes < 0 or record.offset + record.nbytes > payload_bytes:
+        raise ValueError(f"tensor bytes [{record.offset}, +{record.nbytes}) outside the payload")
+    return record
+
+
+def build_meta(
+    *,
+    run_id: str,
+    rank: int,
+    world_size: int,
+    step: int,
+    plan: MemoryPlan,
+    algorithm: ChecksumAlgorithm,
+    checksum: int,
+    tree: Any,
+    rank_local_trees: list[Any],
+) -> dict[str, Any]:
+    """The meta of a complete payload (see the module docstring)."""
+    body = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "run_id": run_id,
+        "rank": rank,
+        "world_size": world_size,
+        "step": step,
+        "created_unix_s": time.time(),
+        "payload_bytes": plan.payload.total_bytes,
+        "durable_bytes": plan.durable_bytes,
+        "checksum_algorithm": algorithm.value,
+        "checksum": checksum,
+        "layout": plan.layout,
+        "global_layout": plan.global_layout,
+        "tree": tree,
+        "rank_local_trees": rank_local_trees,
+        "tensors": {key: list(record) for key, record in plan.records.items()},
+    }
+    # Tuples here are lists once parsed: the same JSON text, so the same checksum.
+    return {**body, _SELF_CHECK: _meta_checksum(body)}

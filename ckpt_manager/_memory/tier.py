@@ -1,0 +1,237 @@
+"""One rank's memory tier: which slot a snapshot takes, what the slots hold, its counters.
+
+The training thread owns the bookkeeping (`choose`, `begin`, `finish`, `after_restore`); the
+staging thread allocates slot files and writes metas (`allocate`, `complete`) for the
+`SnapshotJob` it is copying. See [Note: the memory tier] in `_memory/__init__.py`.
+
+[Note: which slot a snapshot takes] A snapshot never goes to
+  - the slot of the newest complete snapshot (if this one dies half-copied, that one remains),
+  - a pinned slot: one a durable write still reads (its request is in flight), or one a
+    snapshot is still being copied into.
+Among the configured `slots` it takes an empty one, else the one with the oldest step. When
+all of those are excluded (a slow durable write pins one, the newest holds the other), it takes
+an extra slot beyond `slots` (at most `max_inflight` of them) if its file can be allocated;
+if not, that snapshot is skipped (counted, logged once with the reason): the loop never waits
+for a durable write to free a slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import structlog
+
+from ckpt_manager._config import MemoryTierConfig
+from ckpt_manager._format.checksum import ChecksumAlgorithm
+from ckpt_manager._format.tree import Flattened, TensorLeaf
+from ckpt_manager._memory.meta import SlotMeta, build_meta
+from ckpt_manager._memory.plan import MemoryPlan, MemoryPlanCache
+from ckpt_manager._memory.slots import SlotFiles
+from ckpt_manager.errors import CheckpointError
+
+__all__ = ["MemoryTier", "SnapshotJob"]
+
+_log = structlog.get_logger("ckpt_manager")
+
+
+@dataclasses.dataclass(eq=False)
+class SnapshotJob:
+    """The memory part of one save: the slot it fills and how that went."""
+
+    slot: int
+    """The slot being filled."""
+    step: int
+    """The step."""
+    flat: Flattened | None
+    """The flattened state (dropped once the meta is written)."""
+    durable: list[TensorLeaf]
+    """The leaves the durable file holds (`plan.leaves_to_write`)."""
+    extra: bool
+    """The slot is beyond the configured `slots` (allocation failure skips, not fails)."""
+    plan: MemoryPlan | None = None
+    """The payload's plan (set by the staging thread)."""
+    ext_tensors: list[Any] = dataclasses.field(default_factory=list)
+    """The extension's tensors (held until copied)."""
+    ok: bool = False
+    """The payload is complete and its meta written."""
+    skipped: str | None = None
+    """Why the snapshot was skipped (an extra slot could not be allocated)."""
+    error: str | None = None
+    """Why the snapshot failed."""
+
+
+class MemoryTier:
+    """The memory tier of one rank (one per manager)."""
+
+    def __init__(
+        self,
+        config: MemoryTierConfig,
+        *,
+        rank: int,
+        world_size: int,
+        run_id: str,
+        max_extra: int,
+    ) -> None:
+        """Open the tier's directory for `rank`.
+
+        Args:
+            config: the tier's config.
+            rank: this rank.
+            world_size: ranks in the run (recorded in each meta).
+            run_id: the run's id (recorded in each meta; a restore refuses other runs').
+            max_extra: extra slots beyond `config.slots` (the manager's `max_inflight`).
+
+        Raises:
+            ValueError: the directory does not exist.
+        """
+        self.config = config
+        self.files = SlotFiles(config.directory, rank)
+        """This rank's slot files."""
+        self.rank, self.world_size, self.run_id = rank, world_size, run_id
+        self.num_slots = config.slots + max_extra
+        """The most slots this rank uses."""
+        self.plans = MemoryPlanCache()
+        """Payload plans (staging thread only)."""
+        self.held: dict[int, int] = {}
+        """Complete snapshots of this run's timeline: slot -> step (training thread)."""
+        self.newest_step: int | None = None
+        """The newest step snapshotted (or restored) by this manager."""
+        # Slots a previous life of this rank left: the restore decides which stay
+        # (`after_restore`); a save without a restore drops them all (`begin`).
+        self._inherited = True
+        self._sizes_lock = threading.Lock()
+        self._sizes = {k: self.files.payload_size(k) for k in self.files.existing_slots()}
+        self._extra_refused: str | None = None
+        self._logged: set[str] = set()
+        self.num_snapshots = 0
+        """Snapshots completed."""
+        self.num_skipped = 0
+        """Snapshots skipped (no slot could be taken)."""
+        self.last_snapshot_bytes = 0
+        """Payload size of the last completed snapshot."""
+        self.last_save_s = 0.0
+        """Training-thread seconds of the last memory-only `save()`."""
+
+    # ------------------------------------------------------------------ training thread
+    def held_bytes(self) -> int:
+        """Bytes held by this rank's slot files."""
+        with self._sizes_lock:
+            return sum(self._sizes.values())
+
+    def choose(self, pinned: set[int]) -> tuple[int, bool] | None:
+        """The slot the next snapshot takes and whether it is an extra one; None: skip it
+        ([Note: which slot a snapshot takes])."""
+        self._drop_inherited()
+        newest = max(self.held, key=lambda k: self.held[k]) if self.held else None
+        free = [k for k in range(self.num_slots) if k not in pinned and k != newest]
+        primary = [k for k in free if k < self.config.slots]
+        if primary:
+            return min(primary, key=lambda k: (k in self.held, self.held.get(k, -1), k)), False
+        extra = [k for k in free if k >= self.config.slots]
+        if extra and self._extra_refused is None:
+            return min(extra, key=lambda k: (k in self.held, self.held.get(k, -1), k)), True
+        reason = self._extra_refused or (
+            f"every slot is pinned by a durable write in flight or holds the newest snapshot "
+            f"(slots {sorted(pinned)} pinned)"
+        )
+        self.skip(reason)
+        return None
+
+    def skip(self, reason: str) -> None:
+        """Count a skipped snapshot; log each reason once."""
+        self.num_skipped += 1
+        if reason not in self._logged:
+            self._logged.add(reason)
+            _log.warning("ckpt_memory_snapshot_skipped", rank=self.rank, reason=reason)
+
+    def begin(self, slot: int, step: int) -> None:
+        """`slot` is about to be overwritten by `step`'s snapshot: empty it first."""
+        self._drop_inherited()
+        self.held.pop(slot, None)
+        self.files.remove_meta(slot)
+        self.newest_step = step
+
+    def finish(self, job: SnapshotJob) -> None:
+        """A job's staging is over: record its outcome (training thread)."""
+        if job.ok:
+            self.held[job.slot] = job.step
+            self.num_snapshots += 1
+            assert job.plan is not None
+            self.last_snapshot_bytes = job.plan.payload.total_bytes
+        elif job.skipped is not None:
+            if job.extra:
+                self._extra_refused = job.skipped
+            self.skip(job.skipped)
+
+    def _drop_inherited(self) -> None:
+        """A save before any restore: slots from a previous life are another timeline."""
+        if self._inherited:
+            self._inherited = False
+            for slot in self.files.read_metas():
+                self.files.remove_meta(slot)
+            self.held.clear()
+
+    def after_restore(self, step: int | None) -> None:
+        """The run resumes at `step` (None: from scratch): keep this run's snapshots up to it,
+        empty the others (a newer one belongs to a timeline the run left)."""
+        self._inherited = False
+        self.held.clear()
+        for slot, raw in self.files.read_metas().items():
+            keep = None
+            if isinstance(raw, dict) and step is not None:
+                try:
+                    meta = SlotMeta.parse(raw)
+                except ValueError:
+                    meta = None
+                if meta is not None and meta.run_id == self.run_id and meta.step <= step:
+                    keep = meta.step
+            if keep is None:
+                self.files.remove_meta(slot)
+            else:
+                self.held[slot] = keep
+        self.newest_step = max(self.held.values(), default=step)
+
+    # ------------------------------------------------------------------ staging thread
+    def allocate(self, job: SnapshotJob, nbytes: int) -> tuple[int, int] | None:
+        """The slot file of `job`, allocated for `nbytes`: `(fd, capacity)`, or None when an
+        extra slot could not be allocated (the job is then skipped).
+
+        Raises:
+            CheckpointError: a configured slot could not be allocated.
+        """
+        try:
+            fd, capacity = self.files.allocate(job.slot, nbytes)
+        except CheckpointError as err:
+            if not job.extra:
+                raise
+            job.skipped = f"an extra slot could not be allocated: {err}"
+            return None
+        with self._sizes_lock:
+            self._sizes[job.slot] = capacity
+        return fd, capacity
+
+    def complete(self, job: SnapshotJob, algorithm: ChecksumAlgorithm, checksum: int) -> None:
+        """The payload of `job` is copied: write its meta (the snapshot now counts).
+
+        Raises:
+            CheckpointError: the meta could not be written.
+        """
+        flat, plan = job.flat, job.plan
+        assert flat is not None
+        assert plan is not None
+        meta = build_meta(
+            run_id=self.run_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            step=job.step,
+            plan=plan,
+            algorithm=algorithm,
+            checksum=checksum,
+            tree=flat.tree,
+            rank_local_trees=flat.rank_local_trees,
+        )
+        self.files.write_meta(job.slot, meta)
+        job.flat = None
+        job.ok = True

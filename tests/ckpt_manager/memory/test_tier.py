@@ -1,0 +1,198 @@
+"""The memory tier in one process: slot choice, a full tmpfs, the API's checks and counters."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pathlib
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_manager import (
+    AsyncMode,
+    CheckpointConfig,
+    CheckpointError,
+    CheckpointManager,
+    MemoryTierConfig,
+    SaveFailedError,
+)
+from ckpt_manager._memory.slots import SlotFiles
+from ckpt_manager._save.writer import FAULT_ENV
+from ckpt_manager._store.steps import read_manifest, verify_files
+from tests.ckpt_manager.conftest import Shard
+
+
+class _Observer:
+    """A SaveObserver with the optional memory-snapshot hook."""
+
+    def __init__(self) -> None:
+        self.snapshots: list[tuple[int, int, float]] = []
+
+    def on_save_finished(self, report: Any) -> None:
+        pass
+
+    def on_memory_snapshot(self, step: int, num_bytes: int, seconds: float) -> None:
+        self.snapshots.append((step, num_bytes, seconds))
+
+
+def _metas(memory: pathlib.Path) -> dict[int, int]:
+    """Slot -> step of every slot holding a snapshot."""
+    return {
+        int(p.name.split(".slot-")[1].removesuffix(".json")): json.loads(p.read_text())["step"]
+        for p in memory.glob("rank-00000.slot-*.json")
+    }
+
+
+def test_config_and_api_checks(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="slots=1: use 2 or more"):
+        MemoryTierConfig(str(tmp_path), slots=1)
+    with pytest.raises(ValueError, match=r"memory=.*MemoryTierConfig"):
+        CheckpointConfig(memory="/dev/shm/x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="does not exist: the caller creates it"):
+        CheckpointManager(
+            str(tmp_path / "ckpt"), CheckpointConfig(memory=MemoryTierConfig(str(tmp_path / "no")))
+        )
+    with CheckpointManager(str(tmp_path / "off"), CheckpointConfig(), run_id="r") as mgr:
+        with pytest.raises(ValueError, match=r"durable=False.*memory tier is off"):
+            mgr.save(1, {"t": torch.ones(2)}, durable=False)
+        assert mgr.stats().num_memory_snapshots == 0
+
+
+def test_slots_rotate_and_durable_saves_stay_verifiable(tmp_path: pathlib.Path) -> None:
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    observer = _Observer()
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(memory)))
+    state = {"w": torch.arange(1000, dtype=torch.float32), "step": 0}
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r", observer=observer) as mgr:
+        mgr.save(1, state)  # durable, from slot 0
+        mgr.wait_until_finished()
+        for step in (2, 3, 4):
+            state["w"] += 1
+            state["step"] = step
+            mgr.save(step, state, durable=False)
+            mgr.before_optimizer_step()
+            assert step - 1 in _metas(memory).values()  # the newest complete one stays
+        with pytest.raises(ValueError, match="not after the newest memory snapshot 4"):
+            mgr.save(4, state, durable=False)
+        mgr.save(5, state)  # durable again
+        mgr.wait_until_finished()
+        stats = mgr.stats()
+        storage = mgr.storage
+    assert sorted(_metas(memory).values()) == [4, 5]
+    assert len(list(memory.glob("rank-00000.slot-?"))) == 2
+    assert [s[0] for s in observer.snapshots] == [1, 2, 3, 4, 5]
+    assert all(n > 4000 for _, n, _ in observer.snapshots)
+    assert (stats.num_memory_snapshots, stats.newest_memory_step) == (5, 5)
+    assert stats.last_memory_snapshot_bytes == observer.snapshots[-1][1]
+    assert 0 < stats.last_memory_save_s < 1.0
+    assert stats.memory_bytes_held == sum(
+        os.path.getsize(p) for p in memory.glob("rank-00000.slot-?")
+    )
+    # The durable file written from the slot is a valid, verifiable checkpoint.
+    for step in (1, 5):
+        manifest = read_manifest(storage, step)
+        verify_files(storage, manifest, sorted(manifest.files), check_crc=True)
+    with CheckpointManager(str(tmp_path / "ckpt"), CheckpointConfig(), run_id="r2") as mgr:
+        result = mgr.restore(5)
+    assert result is not None
+    assert torch.equal(result.state["w"], state["w"])
+    assert result.state["step"] == 4
+
+
+def test_a_restore_without_template_returns_whole_tensors(tmp_path: pathlib.Path) -> None:
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, memory=MemoryTierConfig(str(memory)))
+    state = {
+        "flat": Shard(torch.arange(6.0), (2, 3), (0, 0), (0, 6)),  # whole on this rank
+        "box": Shard(torch.ones(2, 2, dtype=torch.int16), (2, 2), (0, 0)),
+        "n": [1, (2, "x")],
+    }
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        mgr.save(1, state, durable=False)
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        result = mgr.restore()
+    assert result is not None
+    assert (result.step, result.source, result.fallback_reason) == (1, "memory", None)
+    assert torch.equal(result.state["flat"], torch.arange(6.0).reshape(2, 3))
+    assert torch.equal(result.state["box"], torch.ones(2, 2, dtype=torch.int16))
+    assert result.state["n"] == [1, (2, "x")]
+
+
+def test_a_meta_with_a_changed_value_is_refused(tmp_path: pathlib.Path) -> None:
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, memory=MemoryTierConfig(str(memory)))
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"t": torch.ones(3) * step, "position": step}, durable=False)
+    (meta,) = [p for p in memory.glob("*.json") if json.loads(p.read_text())["step"] == 2]
+    text = meta.read_text()
+    assert text.count('["position",["v",2]]') == 1
+    meta.write_text(text.replace('["position",["v",2]]', '["position",["v",3]]'))
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        result = mgr.restore()
+    assert result is not None
+    assert (result.step, result.source, result.state["position"]) == (1, "memory", 1)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A 256 KiB tmpfs (root only; skipped, saying so, where it cannot be mounted)."""
+    where = tmp_path / "tmpfs"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tiny tmpfs (needs root): {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        with contextlib.suppress(OSError):
+            subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_full_tmpfs_is_a_clear_error_or_a_skipped_extra_slot(
+    tiny_tmpfs: pathlib.Path,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    log_events: list[dict[str, Any]],
+) -> None:
+    # The allocation itself says ENOSPC, before anything is mapped.
+    with pytest.raises(CheckpointError, match="no room for 1048576 bytes"):
+        SlotFiles(str(tiny_tmpfs), 3).allocate(0, 1 << 20)
+    monkeypatch.setenv(FAULT_ENV, "stall=3@1")  # the durable write of step 1 pins slot 0
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(tiny_tmpfs)))
+    state = {"w": torch.zeros(25_000)}  # 100 KB: two slots fit, a third does not
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        mgr.save(1, state)
+        for step in (2, 3):  # 3 needs a third slot while step 1's write reads slot 0
+            mgr.save(step, state, durable=False)
+            mgr.before_optimizer_step()
+        mgr.maybe_finalize()
+        assert mgr.stats().num_memory_snapshots_skipped == 1
+        skipped = [e for e in log_events if e["event"] == "ckpt_memory_snapshot_skipped"]
+        assert len(skipped) == 1
+        assert "an extra slot could not be allocated" in skipped[0]["reason"]
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [1]
+
+        # A state that outgrows the tmpfs: a clear error at the next call, never a SIGBUS.
+        big = {"w": torch.zeros(100_000)}
+        mgr.save(4, big, durable=False)
+        with pytest.raises(CheckpointError, match=r"no room for \d+ bytes in .*tmpfs"):
+            mgr.wait_until_finished()  # records the snapshot (as any later call would)
+        mgr.save(5, big)
+        with pytest.raises(SaveFailedError, match="no room"):
+            mgr.wait_until_finished()
+        assert sorted(_metas(tiny_tmpfs).values()) == [2]  # the last good snapshot is intact
