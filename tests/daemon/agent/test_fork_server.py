@@ -46,7 +46,8 @@ def test_a_forked_rank_sees_what_a_spawned_one_sees_with_its_imports_done(tmp_pa
     for s, f in zip(spawned["ranks"], forked["ranks"], strict=True):
         env_s, env_f = s.pop("environ"), f.pop("environ")
         for key in _PER_LAUNCH:
-            assert env_s.pop(key) and env_f.pop(key), key
+            assert env_s.pop(key), key
+            assert env_f.pop(key), key
         assert env_f == env_s
         # The daemon's environment at the rank's start, not at the server's.
         assert env_f[ADDED] == "1"
@@ -67,7 +68,11 @@ def test_a_forked_rank_sees_what_a_spawned_one_sees_with_its_imports_done(tmp_pa
 
 def _state(**changes: object) -> ServerState:
     safe = ServerState(
-        pid=1, threads=("python",), cuda_initialized=False, cuda_driver_initialized=False, missing=()
+        pid=1,
+        threads=("python",),
+        cuda_initialized=False,
+        cuda_driver_initialized=False,
+        missing=(),
     )
     return safe._replace(**changes)
 
@@ -75,8 +80,9 @@ def _state(**changes: object) -> ServerState:
 def test_an_unsafe_server_is_refused_with_the_reason() -> None:
     assert _state().unsafe_reason() is None
     assert _state(missing=("some_job",)).unsafe_reason() is None  # ranks import it themselves
-    reason = _state(cuda_driver_initialized=True).unsafe_reason()
-    assert reason is not None and "PYTORCH_NVML_BASED_CUDA_CHECK" in reason
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" in str(
+        _state(cuda_driver_initialized=True).unsafe_reason()
+    )
     assert "torch's CUDA state" in str(_state(cuda_initialized=True).unsafe_reason())
     assert "runs 2 threads after its imports (python, worker)" in str(
         _state(threads=("python", "worker")).unsafe_reason()
