@@ -48,13 +48,19 @@ _COLLECTIVE_TIMEOUT = timedelta(seconds=300)
 
 RANK_MODULES = (
     "torch.distributed",
+    "torch._dynamo",
+    "sharding",
+    "ckpt_manager",
     "daemon._device",
+    "daemon._storage",
     "daemon.jobs.job",
     "daemon.rank.loop",
 )
-"""What `run_rank` imports when it starts, besides this module and the job: imported there,
-not here, so that the daemon (which imports this module for `elastic_entry`) does not load the
-rank side; the daemon's fork server imports them ahead (`daemon/cli.py` hands them over)."""
+"""What a rank imports when it starts, besides this module and the job: what `run_rank` and
+the loop import lazily (so that the daemon, which imports this module for `elastic_entry`, does
+not load the rank side), and `torch._dynamo`, which torch itself imports at a rank's first
+parameter initialisation (seconds). The daemon's fork server imports them ahead
+(`daemon/cli.py` hands them over)."""
 
 
 def _env_int(name: str, default: int) -> int:

@@ -134,7 +134,7 @@ def test_the_server_preloads_every_module_a_rank_imports_when_it_starts() -> Non
         if isinstance(node, ast.Import | ast.ImportFrom)
         for alias in node.names
     }
-    assert lazy - {"torch"} == set(worker.RANK_MODULES)
+    assert lazy - {"torch"} <= set(worker.RANK_MODULES)
     modules = preload_modules("my.jobs:build", worker.elastic_entry, worker.RANK_MODULES)
     assert modules[0] == "torch"
     assert {"daemon.worker", "my.jobs", *worker.RANK_MODULES} <= set(modules)
