@@ -178,19 +178,37 @@ class ForkServer:
         return server
 
     def close(self) -> None:
-        """Stop the server (idempotent). Ranks it forked that still run lose their parent and
-        end their process groups (`daemon/_lifecycle.py`)."""
+        """Stop the server (idempotent), and the one multiprocessing started in its place if
+        it died. Ranks it forked that still run lose their parent and end their process
+        groups (`daemon/_lifecycle.py`)."""
         if self._closed:
             return
         self._closed = True
-        # Still our child (unreaped, so the pid cannot be another process's): a server that
-        # died and was replaced by multiprocessing is not killed by its old pid.
-        if parent_of(self.pid) != os.getpid():
-            return
-        os.kill(self.pid, signal.SIGKILL)
+        servers = _forkserver_children()
+        # Only children of ours: unreaped, so the pid cannot be another process's.
+        if parent_of(self.pid) == os.getpid():
+            servers.add(self.pid)
+        for pid in servers:
+            os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + _STOP_TIMEOUT_S
-        while pid_alive(self.pid) and time.monotonic() < deadline:
+        while any(pid_alive(p) for p in servers) and time.monotonic() < deadline:
             time.sleep(0.01)
+
+
+def _forkserver_children() -> set[int]:
+    """This process's live children that run multiprocessing's fork server (the daemon starts
+    no other): multiprocessing names none but the newest, and that one only privately."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or parent_of(int(entry)) != me or not pid_alive(int(entry)):
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if b"multiprocessing.forkserver import main" in f.read():
+                    found.add(int(entry))
+        except OSError:
+            continue  # ended meanwhile
+    return found
 
 
 def _start_within(process: BaseProcess, timeout_s: float) -> None:
