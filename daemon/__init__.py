@@ -41,6 +41,9 @@ memory and never call each other; they talk through files in the run directory (
         run.py           `trainingd run` from start-up checks to exit code.
         preflight.py     start-up checks -> exit 2.
         elastic.py       the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
+        fork_server.py   warm rank starts: ranks fork from a server that imported torch and
+                         the job once (never CUDA, no threads), checked on a first fork.
+        _server_state.py runs in that server: its CUDA state after its imports.
         supervisor.py    supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
         http.py          one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
         status_page.py   the status page's HTML.

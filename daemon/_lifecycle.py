@@ -8,7 +8,13 @@ calling `setsid`/`setpgid`). Two mechanisms then cover the two ways a run can lo
 
 * The daemon dies (SIGKILL, OOM killer): a `ParentWatch` thread in each rank polls `getppid()`
   every 0.25 s; when the parent changed (the rank was re-parented), it SIGKILLs the rank's whole
-  process group, itself included. A thread, not `PR_SET_PDEATHSIG`: the death signal would kill
+  process group, itself included. A rank forked by the daemon's fork server
+  (`daemon/agent/fork_server.py`) is the server's child, not the daemon's: it watches the
+  lineage daemon -> server -> rank, and acts when either link breaks (the server re-parented
+  because the daemon died, or the rank re-parented because the server died). Watching the
+  server alone would not do: multiprocessing's server exits only once every process holding
+  its "alive" pipe is gone, and each rank holds one, so it outlives a dead daemon as long as
+  the ranks do. A thread, not `PR_SET_PDEATHSIG`: the death signal would kill
   only the rank and orphan its writers, and a Python handler for it cannot run while the main
   thread sits in a C++ collective. The thread is independent of the GIL-holding main thread
   because torch's collectives release the GIL. Bound: 0.25 s plus scheduling, far below 10 s.
@@ -25,7 +31,14 @@ import os
 import signal
 import threading
 
-__all__ = ["ParentWatch", "become_group_leader", "group_in_my_session", "kill_group", "pid_alive"]
+__all__ = [
+    "ParentWatch",
+    "become_group_leader",
+    "group_in_my_session",
+    "kill_group",
+    "parent_of",
+    "pid_alive",
+]
 
 
 def become_group_leader() -> None:
@@ -50,17 +63,24 @@ def _stat_fields(pid: str) -> list[str] | None:
 
 
 def group_in_my_session(pgid: int) -> bool:
-    """Whether some process of group `pgid` belongs to this process's session.
+    """Whether some live process of group `pgid` belongs to this process's session.
 
     Ranks inherit the daemon's session (`setpgid` keeps it), so this tells a rank group apart
-    from an unrelated group that reused a dead rank's pid.
+    from an unrelated group that reused a dead rank's pid. Zombies do not count: a rank that
+    exited and waits to be reaped by its parent (the fork server reaps on its own schedule) is
+    no process left to kill.
     """
     my_sid = str(os.getsid(0))
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             fields = _stat_fields(entry)
             # fields: state, ppid, pgrp, session, ...
-            if fields is not None and fields[2] == str(pgid) and fields[3] == my_sid:
+            if (
+                fields is not None
+                and fields[2] == str(pgid)
+                and fields[3] == my_sid
+                and fields[0] not in ("Z", "X")
+            ):
                 return True
     return False
 
@@ -76,21 +96,50 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
     return True
 
 
+def parent_of(pid: int) -> int | None:
+    """The parent pid of `pid`, or None when there is no such process."""
+    fields = _stat_fields(str(pid))
+    return int(fields[1]) if fields is not None else None
+
+
 class ParentWatch:
-    """Kills this process's group when its parent changes (the parent died).
+    """Kills this process's group when its parent changes (the parent died), or, with
+    `expected_grandparent`, when its parent's parent changes.
 
     Args:
-        expected_parent: pid of the supervising parent (the daemon, or torchrun's agent).
+        expected_parent: pid of the supervising parent (the daemon, torchrun's agent, or the
+            daemon's fork server).
         interval_s: polling period.
+        expected_grandparent: pid the parent's parent must stay (the daemon, when
+            `expected_parent` is its fork server); None checks the parent only.
     """
 
-    def __init__(self, expected_parent: int, *, interval_s: float = 0.25) -> None:
+    def __init__(
+        self,
+        expected_parent: int,
+        *,
+        interval_s: float = 0.25,
+        expected_grandparent: int | None = None,
+    ) -> None:
         self._parent = expected_parent
+        self._grandparent = expected_grandparent
         self._interval_s = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="trainingd-parent-watch", daemon=True
         )
+
+    @classmethod
+    def of_supervisor(cls, supervisor_pid: int, *, interval_s: float = 0.25) -> ParentWatch:
+        """A watch on `supervisor_pid`, this process's parent, or its grandparent when the
+        parent is a fork server that `supervisor_pid` started (see the Note above).
+
+        A process whose parent is neither is already orphaned: `start()` kills its group.
+        """
+        parent = os.getppid()
+        if parent != supervisor_pid and parent_of(parent) == supervisor_pid:
+            return cls(parent, interval_s=interval_s, expected_grandparent=supervisor_pid)
+        return cls(supervisor_pid, interval_s=interval_s)
 
     def start(self) -> ParentWatch:
         """Start watching (checks once synchronously first: the parent may already be gone)."""
@@ -104,7 +153,11 @@ class ParentWatch:
         self._thread.join(timeout=2 * self._interval_s + 1)
 
     def _check(self) -> None:
-        if os.getppid() != self._parent:
+        parent = os.getppid()
+        orphaned = parent != self._parent or (
+            self._grandparent is not None and parent_of(parent) != self._grandparent
+        )
+        if orphaned:
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def _run(self) -> None:

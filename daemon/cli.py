@@ -126,9 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The composition root of the daemon process: the agent launches the rank entry point
     # it is handed here, so neither side imports the other (`daemon/__init__.py`, layering).
     from daemon.agent.run import run_daemon
-    from daemon.worker import elastic_entry
+    from daemon.worker import RANK_MODULES, elastic_entry
 
-    return run_daemon(cfg, elastic_entry, started=started)
+    return run_daemon(cfg, elastic_entry, started=started, rank_modules=RANK_MODULES)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ __all__ = [
     "LaunchSettings",
     "ObservabilitySettings",
     "Precision",
+    "RankStart",
     "StrategyName",
     "TrainSettings",
 ]
@@ -87,6 +88,16 @@ class Device(enum.StrEnum):
     """GPU `local_rank`, NCCL collectives; start-up fails when the node has no CUDA."""
 
 
+class RankStart(enum.StrEnum):
+    """How the daemon starts its rank processes (`daemon/agent/fork_server.py`)."""
+
+    FORK_SERVER = "fork_server"
+    """Forked from a server the daemon starts once, which has imported torch, trainingd and
+    the job (no CUDA, no threads): a start or restart skips seconds of imports."""
+    SPAWN = "spawn"
+    """A fresh interpreter per rank (multiprocessing's spawn), each importing everything."""
+
+
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
 _JOB = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -128,6 +139,10 @@ class LaunchSettings:
     before the job goes on without them (torch's `last_call_timeout`)."""
     max_restarts: int = 3
     """Worker-group restarts the elastic agent may do before the run fails."""
+    rank_start: RankStart = RankStart.FORK_SERVER
+    """`fork_server`: ranks fork from a server that imported torch, trainingd and the job once
+    (falls back to `spawn`, with a warning, if that server is not safe to fork); `spawn`: a
+    fresh interpreter per rank."""
     shutdown_timeout_s: float = 300.0
     """After SIGTERM: time granted to finish the step, save and finalize before workers are
     killed (keep it under systemd's TimeoutStopSec and Kubernetes' grace period)."""

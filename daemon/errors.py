@@ -6,6 +6,8 @@ DaemonError
 │                                     unreachable or not writable, port taken, job missing)
 ├── JobError (ValueError)             `--job` cannot be imported or returned a bad `JobSpec`
 ├── WorkersFailedError (RuntimeError) the worker group failed after `max_restarts` restarts
+├── ForkServerError (RuntimeError)    the fork server cannot start ranks safely (the daemon
+│                                     falls back to spawning them)
 └── CheckpointFailuresError (RuntimeError)  `max_consecutive_save_failures` saves failed in a row
 """
 
@@ -15,6 +17,7 @@ __all__ = [
     "CheckpointFailuresError",
     "ConfigError",
     "DaemonError",
+    "ForkServerError",
     "JobError",
     "StartupCheckError",
     "WorkersFailedError",
@@ -39,6 +42,11 @@ class JobError(DaemonError, ValueError):
 
 class WorkersFailedError(DaemonError, RuntimeError):
     """The elastic agent gave up: workers failed more often than `max_restarts` allows."""
+
+
+class ForkServerError(DaemonError, RuntimeError):
+    """The rank fork server died, did not answer in time, or is not safe to fork (CUDA
+    initialized or threads running after its imports); the message says which."""
 
 
 class CheckpointFailuresError(DaemonError, RuntimeError):

@@ -1,10 +1,12 @@
 """The rank process: what the elastic agent (or a plain `torchrun`) starts on each local rank.
 
 Under `trainingd run` the daemon's in-process elastic agent calls `elastic_entry(cfg, run_dir,
-daemon_pid, restart_offset, relayed)` in a spawned process (one agent per membership round,
-`daemon/agent/elastic.py`; `relayed`: the daemon prints this rank's output on its terminal, see
-`daemon/agent/relay.py`). Under plain torchrun, run the module with the same config
-flags as `trainingd run` (a run directory enables the snapshot/control files):
+daemon_pid, restart_offset, relayed)` in a process forked from the daemon's fork server, which
+has imported `RANK_MODULES` and the job already (or in a spawned one, `rank_start = "spawn"`;
+`daemon/agent/fork_server.py`), one agent per membership round (`daemon/agent/elastic.py`;
+`relayed`: the daemon prints this rank's output on its terminal, see `daemon/agent/relay.py`).
+Under plain torchrun, run the module with the same config flags as `trainingd run` (a run
+directory enables the snapshot/control files):
 
     torchrun --nproc-per-node 2 -m daemon.worker --max-steps 100 --ckpt-uri /tmp/ck
 
@@ -40,9 +42,25 @@ from daemon.rank.telemetry import NullTelemetry, RankTelemetry
 from daemon.rundir.control import RankControl
 from daemon.rundir.snapshot import RankPhase, snapshot_path
 
-__all__ = ["elastic_entry", "main", "run_rank"]
+__all__ = ["RANK_MODULES", "elastic_entry", "main", "run_rank"]
 
 _COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+
+RANK_MODULES = (
+    "torch.distributed",
+    "torch._dynamo",
+    "sharding",
+    "ckpt_manager",
+    "daemon._device",
+    "daemon._storage",
+    "daemon.jobs.job",
+    "daemon.rank.loop",
+)
+"""What a rank imports when it starts, besides this module and the job: what `run_rank` and
+the loop import lazily (so that the daemon, which imports this module for `elastic_entry`, does
+not load the rank side), and `torch._dynamo`, which torch itself imports at a rank's first
+parameter initialisation (seconds). The daemon's fork server imports them ahead
+(`daemon/cli.py` hands them over)."""
 
 
 def _env_int(name: str, default: int) -> int:
@@ -64,7 +82,8 @@ def run_rank(
     Args:
         cfg: effective configuration.
         run_dir: per-run directory for snapshots and control files (None: none).
-        parent_pid: the supervising process; this rank kills its group if that one dies.
+        parent_pid: the supervising process (the daemon, or torchrun's agent); this rank
+            kills its group if that one dies (or its fork server, see `daemon/_lifecycle.py`).
         supervised: started by `trainingd run` (stop requests arrive as files).
         restart_offset: group restarts of the daemon's earlier membership rounds; added to the
             agent's `TORCHELASTIC_RESTART_COUNT`, which starts at 0 in every round.
@@ -79,7 +98,8 @@ def run_rank(
     from daemon.rank.loop import run_training
 
     become_group_leader()
-    watch = ParentWatch(parent_pid).start()
+    # The daemon is the parent of a spawned rank and the grandparent of a forked one.
+    watch = ParentWatch.of_supervisor(parent_pid).start()
     rank, local_rank = _env_int("RANK", 0), _env_int("LOCAL_RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     restart = restart_offset + _env_int("TORCHELASTIC_RESTART_COUNT", 0)

@@ -6,6 +6,9 @@ Module plan:
     preflight.py    start-up checks (job importable, storage reachable and writable, lease free,
                     the device available, `--init-from` fits) -> exit 2.
     elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
+    fork_server.py  warm rank starts: ranks fork from a server that imported torch and the
+                    job (never CUDA, no threads) once per daemon, checked on a first fork.
+    _server_state.py  imported last by that server: its CUDA state after its imports.
     supervisor.py   supervisor thread: node phase and readiness, sd_notify, orphan reaping,
                     shutdown budget, progress.
     http.py         one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.

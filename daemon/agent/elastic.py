@@ -28,6 +28,10 @@ change, and the next round starts at once:
 A round that reaches `max_steps` closes the rendezvous (so waiting nodes learn the job is done);
 a node stopped by a signal leaves it open for the others.
 
+Every round's agent starts its ranks the same way: forked from the daemon's fork server, which
+this launcher starts once, before the first round, and stops when it returns (`fork_server.py`;
+`rank_start = "spawn"`, or a server found unsafe to fork, spawns them instead).
+
 The restart budget spans the daemon's life: each round's agent gets what the earlier rounds left
 of `max_restarts`, and ranks number their incarnations across rounds (`restart_offset`), so the
 restarts gauge counts failures only, never membership changes.
@@ -38,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +60,10 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from daemon.agent.fork_server import START_METHOD, ForkServer, preload_modules, warm_entry
 from daemon.agent.relay import RankOutputRelay, RelayLogsSpecs
-from daemon.config import DaemonConfig
+from daemon.config import DaemonConfig, RankStart
+from daemon.errors import ForkServerError
 from daemon.rundir.control import clear_stop
 
 __all__ = ["ElasticLauncher", "LaunchOutcome", "MembershipWatch"]
@@ -73,6 +79,9 @@ _MONITOR_INTERVAL_S = 0.2
 """How often the agent checks its ranks and, in an elastic job, the rendezvous's wait list."""
 _AGENT_SHUTDOWN_S = 10
 """SIGTERM-to-SIGKILL grace the agent gives ranks it stops."""
+_FORK_SERVER_START_S = 300.0
+"""How long the fork server's imports may take (seconds unloaded; a loaded node is slower, and
+a spawned rank would pay the same)."""
 
 Entry = Callable[..., dict[str, Any] | None]
 """A rank entry point: `entry(cfg, run_dir, daemon_pid, restart_offset, relayed)` -> its summary
@@ -212,6 +221,8 @@ class ElasticLauncher:
         on_waiting: elastic jobs only: called when a node waits to join (ask the ranks to stop).
         relay: on a terminal, the daemon's relay of the ranks' output (their stdout/stderr go
             to files it prints above the live line, `relay.py`); None leaves them as they are.
+        rank_modules: what `entry` imports when it starts; the fork server imports them
+            ahead, with the entry's and the job's modules.
     """
 
     def __init__(
@@ -222,11 +233,14 @@ class ElasticLauncher:
         endpoint: str,
         on_waiting: Callable[[int], None],
         relay: RankOutputRelay | None = None,
+        rank_modules: Sequence[str] = (),
     ) -> None:
         self._cfg = cfg
         self._relay = relay
         self._run_dir = run_dir
         self._entry = entry
+        self._rank_modules = tuple(rank_modules)
+        self._server: ForkServer | None = None
         # The daemon drives SIGTERM/SIGINT itself (final checkpoint within its own budget); the
         # agent keeps only SIGQUIT, its "stop the workers now" path (as `elastic_launch` sets).
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
@@ -252,6 +266,8 @@ class ElasticLauncher:
         # elastic one only once it is done, so nodes that stay can form the next round.
         close = not elastic
         try:
+            if self._cfg.launch.rank_start is RankStart.FORK_SERVER:
+                self._server = self._start_fork_server()
             while True:
                 if self._watch is not None:
                     self._watch.arm()
@@ -286,6 +302,27 @@ class ElasticLauncher:
         finally:
             if close:
                 self._handler.shutdown()
+            if self._server is not None:
+                self._server.close()
+
+    def _start_fork_server(self) -> ForkServer | None:
+        """The daemon's fork server, or None (ranks are spawned) when it is not usable."""
+        modules = preload_modules(self._cfg.train.job, self._entry, self._rank_modules)
+        try:
+            server = ForkServer.start(modules, timeout_s=_FORK_SERVER_START_S)
+        except ForkServerError as err:
+            log.warning("fork_server_unusable", reason=str(err), rank_start=RankStart.SPAWN.value)
+            return None
+        log.info(
+            "fork_server_started",
+            pid=server.pid,
+            preload_s=round(server.preload_s, 2),
+            num_modules=len(modules),
+        )
+        if server.state.missing:
+            # multiprocessing skipped them (ImportError); each rank imports them itself.
+            log.warning("fork_server_preload_incomplete", missing=list(server.state.missing))
+        return server
 
     def _logs_specs(self) -> LogsSpecs:
         log_dir = str(self._run_dir / "elastic")
@@ -295,10 +332,11 @@ class ElasticLauncher:
 
     def _round(self, restart_offset: int, max_restarts: int) -> list[dict[str, Any]]:
         lc = self._cfg.launch
+        warm = self._server is not None
         spec = WorkerSpec(
             role="trainer",
             local_world_size=lc.nproc_per_node,
-            entrypoint=self._entry,
+            entrypoint=warm_entry(self._entry) if warm else self._entry,
             args=(
                 self._cfg,
                 str(self._run_dir),
@@ -314,7 +352,7 @@ class ElasticLauncher:
         agent = LocalElasticAgent(
             spec=spec,
             logs_specs=self._logs_specs(),
-            start_method="spawn",
+            start_method=START_METHOD if warm else "spawn",
             shutdown_timeout=_AGENT_SHUTDOWN_S,
         )
         result: RunResult | None = agent.run()

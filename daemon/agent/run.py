@@ -1,10 +1,11 @@
 """`trainingd run`: the daemon process from start-up checks to exit code.
 
     configure logs -> per-run directory -> start-up checks (exit 2) -> HTTP server (exit 2 if
-    the port is taken) -> signal handlers -> supervisor thread -> torch elastic agent in the main
-    thread, in membership rounds (`daemon/agent/elastic.py`: blocks while the ranks train; restarts
-    them up to max_restarts; with `--nnodes MIN:MAX` a round ended by a peer's stop or a node
-    waiting to join is followed by the next one) -> exit 0 when the ranks reached max_steps,
+    the port is taken) -> signal handlers -> supervisor thread -> rank fork server
+    (`fork_server.py`) -> torch elastic agent in the main thread, in membership rounds
+    (`daemon/agent/elastic.py`: blocks while the ranks train; restarts them up to max_restarts;
+    with `--nnodes MIN:MAX` a round ended by a peer's stop or a node waiting to join is followed
+    by the next one) -> exit 0 when the ranks reached max_steps,
     128+N when a signal N stopped this node (final checkpoint committed; also on a second
     signal, at once), 75 when a peer's stop ended this node's run (fixed `--nnodes N`; elastic:
     only when no new round can form), 1 when the ranks failed for good
@@ -36,7 +37,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -221,7 +222,13 @@ class _Signals:
         log.info("checkpoint_requested", signal="SIGUSR1", request=request_id)
 
 
-def run_daemon(cfg: DaemonConfig, entry: Entry, *, started: float | None = None) -> int:
+def run_daemon(
+    cfg: DaemonConfig,
+    entry: Entry,
+    *,
+    started: float | None = None,
+    rank_modules: Sequence[str] = (),
+) -> int:
     """Run this node's part of the job; returns the process exit code.
 
     Args:
@@ -231,6 +238,8 @@ def run_daemon(cfg: DaemonConfig, entry: Entry, *, started: float | None = None)
             the rank side).
         started: `time.monotonic()` when the command started (the summary's wall time counts
             from there: importing torch alone takes seconds); None: from this call.
+        rank_modules: what `entry` imports when it starts (`daemon.worker.RANK_MODULES`): the
+            rank fork server imports them ahead (`daemon/agent/fork_server.py`).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -342,6 +351,7 @@ def run_daemon(cfg: DaemonConfig, entry: Entry, *, started: float | None = None)
             _rdzv_endpoint(cfg),
             on_waiting=lambda waiting: _on_nodes_waiting(run_dir, waiting),
             relay=relay,
+            rank_modules=rank_modules,
         )
         try:
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)

@@ -170,7 +170,8 @@ class DaemonProc:
         return self.proc.wait(timeout=timeout_s)
 
     def rank_pids(self) -> list[int]:
-        """Rank processes: the daemon's children that lead their own process group."""
+        """Rank processes: those of the daemon's session that lead their own process group
+        (children of the daemon's fork server, or of the daemon when spawned)."""
         pids = []
         for pid in session_pids(self.pid):
             try:
@@ -178,9 +179,14 @@ class DaemonProc:
                     fields = f.read().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if fields[1] == str(self.pid) and fields[2] == str(pid):
+            if pid != self.pid and fields[2] == str(pid):
                 pids.append(pid)
         return pids
+
+    def fork_server_pid(self) -> int:
+        """The pid of the daemon's rank fork server (from its start-up log line)."""
+        started = wait_for(lambda: self.find("fork_server_started"), 120, "fork_server_started")
+        return int(started[0]["pid"])
 
     def cleanup(self) -> None:
         """Kill whatever is left of the run (test teardown)."""

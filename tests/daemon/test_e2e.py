@@ -249,13 +249,17 @@ def test_killed_worker_restarts_group_and_daemon_death_leaves_nothing(
     assert committed_steps(root)[-1] == 12
     assert session_pids(d.pid) == []
 
-    # Now the daemon itself dies, its ranks held after a save: ranks and writers must follow
-    # within 10 s.
+    # Now the daemon itself dies, its ranks held after a save: ranks, writers and the rank
+    # fork server must follow within 10 s.
     held = Gate(tmp_path / "gate-k", after_steps=4, batch_size=_BATCH_SIZE)
     again = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(tmp_path / "k")], held.env, "k")
     procs.append(again)
     held.wait_until_held(2, again, timeout_s=120)
-    assert len(session_pids(again.pid)) >= 3  # daemon + 2 ranks (+ writers)
+    server = again.fork_server_pid()
+    running = session_pids(again.pid)
+    assert server in running
+    assert len(running) >= 4  # daemon + fork server + 2 ranks (+ writers)
+    assert len(again.rank_pids()) == 2
     again.signal(signal.SIGKILL)
     again.wait(10)
     deadline = time.monotonic() + 10

@@ -210,3 +210,18 @@ def test_dead_rank_group_is_killed_with_its_children(tmp_path: Path) -> None:
         for pid in (rank.pid, writer):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_group_of_zombies_is_no_group_to_kill() -> None:
+    # A rank that exited and waits for its parent (here: us) to reap it.
+    code = "import os; os.setpgid(0, 0)"
+    rank = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        wait = time.monotonic() + 10
+        while pid_alive(rank.pid) and time.monotonic() < wait:
+            time.sleep(0.02)
+        assert not pid_alive(rank.pid)  # a zombie: not reaped yet
+        assert not group_in_my_session(rank.pid)
+        assert not kill_group(rank.pid)
+    finally:
+        rank.wait(timeout=10)

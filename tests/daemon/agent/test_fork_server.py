@@ -1,0 +1,141 @@
+"""Ranks forked from the daemon's fork server start as spawned ones do, with imports done.
+
+The first test plays the daemon in a process of its own (`tests/daemon/_fork_server_probe.py`)
+and compares, rank by rank, what a spawned and a forked rank see: environment (the agent's
+per-rank variables and the daemon's own, as of the rank's start), output relayed through the
+daemon, working directory, `sys.path`, CUDA untouched. The others check the server's refusal of
+an unsafe state and the layering of what it preloads.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from daemon import worker
+from daemon.agent.fork_server import ServerState, preload_modules
+from tests.daemon._fork_server_probe import ADDED, REMOVED
+
+REPO = Path(__file__).resolve().parents[3]
+
+# Values that differ between any two launches, spawned or not: the round's master port and
+# the attempt's error file (a fresh log folder per agent).
+_PER_LAUNCH = {"MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_forked_rank_sees_what_a_spawned_one_sees_with_its_imports_done(tmp_path: Path) -> None:
+    out = tmp_path / "probe.json"
+    subprocess.run(
+        [sys.executable, "-c", "from tests.daemon._fork_server_probe import main; main()", out],
+        cwd=REPO,
+        check=True,
+        timeout=280,
+    )
+    result = json.loads(out.read_text())
+    spawned, forked = result["spawn"], result["fork_server"]
+    assert len(spawned["ranks"]) == len(forked["ranks"]) == 2
+    for s, f in zip(spawned["ranks"], forked["ranks"], strict=True):
+        env_s, env_f = s.pop("environ"), f.pop("environ")
+        for key in _PER_LAUNCH:
+            assert env_s.pop(key), key
+            assert env_f.pop(key), key
+        assert env_f == env_s
+        # The daemon's environment at the rank's start, not at the server's.
+        assert env_f[ADDED] == "1"
+        assert REMOVED not in env_f
+        assert env_f["LOCAL_RANK"] in ("0", "1")
+        assert env_f["TORCHELASTIC_USE_AGENT_STORE"] == env_s["TORCHELASTIC_USE_AGENT_STORE"]
+        assert (s["warm"], f["warm"]) == (False, True)
+        assert (s["parent_is_daemon"], f["parent_is_daemon"]) == (True, False)
+        assert f["grandparent_is_daemon"]  # forked by the daemon's server
+        assert f["parent_threads"] == 1  # the server runs no thread besides its main one
+        assert s["cuda_initialized"] is f["cuda_initialized"] is False
+        for key in ("cwd", "sys_path", "pgid_is_daemons"):
+            assert f[key] == s[key], key
+    assert forked["lines"] == spawned["lines"]
+    assert len(forked["lines"]) == 6  # 3 lines per rank, stdout and stderr, relayed
+    assert result["server_alive_after_close"] is False
+
+
+def _state(**changes: object) -> ServerState:
+    safe = ServerState(
+        pid=1,
+        threads=("python",),
+        cuda_initialized=False,
+        cuda_driver_initialized=False,
+        missing=(),
+    )
+    return safe._replace(**changes)
+
+
+def test_an_unsafe_server_is_refused_with_the_reason() -> None:
+    assert _state().unsafe_reason() is None
+    assert _state(missing=("some_job",)).unsafe_reason() is None  # ranks import it themselves
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" in str(
+        _state(cuda_driver_initialized=True).unsafe_reason()
+    )
+    assert "torch's CUDA state" in str(_state(cuda_initialized=True).unsafe_reason())
+    assert "runs 2 threads after its imports (python, worker)" in str(
+        _state(threads=("python", "worker")).unsafe_reason()
+    )
+    assert "imports" in str(_state(missing=("daemon.agent._server_state",)).unsafe_reason())
+
+
+_START_THREADED = """
+import os
+from daemon._lifecycle import parent_of, pid_alive
+from daemon.agent.fork_server import ForkServer
+from daemon.errors import ForkServerError
+try:
+    ForkServer.start(["threaded_job", "daemon.agent._server_state"], timeout_s=60)
+except ForkServerError as err:
+    print(err)
+servers = []
+for entry in os.listdir("/proc"):
+    if entry.isdigit() and parent_of(int(entry)) == os.getpid() and pid_alive(int(entry)):
+        with open(f"/proc/{entry}/cmdline") as f:
+            servers += ["forkserver" in f.read()]
+print("servers left:", sum(servers))
+"""
+
+
+def test_a_server_whose_imports_start_a_thread_is_refused_and_stopped(tmp_path: Path) -> None:
+    job = "import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\n"
+    (tmp_path / "threaded_job.py").write_text(job)
+    path = os.pathsep.join(p for p in (str(tmp_path), str(REPO), os.environ.get("PYTHONPATH")) if p)
+    out = subprocess.run(
+        [sys.executable, "-c", _START_THREADED],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "the server runs 2 threads after its imports" in out.stdout, out.stderr
+    assert "servers left: 0" in out.stdout
+
+
+def test_the_server_preloads_every_module_a_rank_imports_when_it_starts() -> None:
+    # `run_rank` imports the rank side lazily (the daemon imports daemon.worker); what it
+    # imports there is what the server must have imported ahead.
+    tree = ast.parse(inspect.getsource(worker.run_rank))
+    lazy = {
+        node.module if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    }
+    assert lazy - {"torch"} <= set(worker.RANK_MODULES)
+    modules = preload_modules("my.jobs:build", worker.elastic_entry, worker.RANK_MODULES)
+    assert modules[0] == "torch"
+    assert {"daemon.worker", "my.jobs", *worker.RANK_MODULES} <= set(modules)
+    assert modules[-1] == "daemon.agent._server_state"  # recorded after every other import
