@@ -29,6 +29,7 @@ next step boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -48,12 +49,14 @@ from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._storage import s3_storage_options
 from daemon._version import distribution_version
 from daemon.agent.http import MetricsServer
+from daemon.agent.memory_budget import apply_memory_budget, job_state_bytes
+from daemon.agent.memory_dir import NodeMemoryDir
 from daemon.agent.notify import Notifier
 from daemon.agent.preflight import check_startup
 from daemon.agent.progress import LiveProgress, ProgressEvents
 from daemon.agent.relay import RankOutputRelay
 from daemon.agent.supervisor import Supervisor
-from daemon.config import DaemonConfig
+from daemon.config import DaemonConfig, StepInterval
 from daemon.errors import ConfigError, StartupCheckError
 from daemon.metrics import build_info_labels
 from daemon.observe.collector import NodeCollector, SnapshotAggregator, config_values, make_registry
@@ -190,14 +193,49 @@ def _ending(
     return "\n".join(lines)
 
 
+def _start_memory_tier(cfg: DaemonConfig) -> tuple[DaemonConfig, NodeMemoryDir]:
+    """Reclaim this run's stale memory-tier directories, check the budget, claim ours.
+
+    Returns:
+        The config the ranks are handed (`memory_every` 0 when `auto` cannot run the tier)
+        and this node's directory (claimed unless the tier is off).
+
+    Raises:
+        StartupCheckError: our directory is held by a live daemon, or an explicit
+            `memory_every` cannot fit or cannot be created (exit 2).
+    """
+    memory = NodeMemoryDir(cfg.memory_tier_dir, cfg.run_id, cfg.launch.node_rank)
+    memory.reclaim_stale()
+    if cfg.checkpoint.memory_every.is_off:
+        return cfg, memory
+    cfg = apply_memory_budget(cfg, state_bytes_per_rank=job_state_bytes(cfg))
+    if cfg.checkpoint.memory_every.is_off:
+        return cfg, memory
+    try:
+        memory.claim()
+    except StartupCheckError as err:
+        if not cfg.checkpoint.memory_every.is_auto:
+            raise
+        log.warning("memory_tier_disabled", reason=str(err), memory_every=0)
+        off = dataclasses.replace(cfg.checkpoint, memory_every=StepInterval(0))
+        cfg = dataclasses.replace(cfg, checkpoint=off)
+    return cfg, memory
+
+
 class _Signals:
     """SIGTERM/SIGINT/SIGUSR1 handlers of the daemon's main thread."""
 
     def __init__(
-        self, state: NodeState, run_dir: Path, notifier: Notifier, supervisor: Supervisor
+        self,
+        state: NodeState,
+        run_dir: Path,
+        notifier: Notifier,
+        supervisor: Supervisor,
+        memory: NodeMemoryDir,
     ) -> None:
         self._state, self._run_dir = state, run_dir
         self._notifier, self._supervisor = notifier, supervisor
+        self._memory = memory
         self.stop_signal: str | None = None
 
     def install(self) -> None:
@@ -208,8 +246,11 @@ class _Signals:
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if not self._state.request_stop():
-            # Second signal: no more waiting for a final checkpoint.
+            # Second signal: no more waiting for a final checkpoint. No `finally` runs after
+            # os._exit: the memory tier goes here ([Note: who may remove a memory-tier
+            # directory] in memory_dir.py), once no rank can write into it.
             self._supervisor.kill_all()
+            self._memory.release()
             os._exit(128 + signum)
         self.stop_signal = name
         self._notifier.send(STOPPING=1, STATUS=f"{name}: saving a final checkpoint")
@@ -248,6 +289,7 @@ def run_daemon(cfg: DaemonConfig, entry: Entry, *, started: float | None = None)
     board: StatusBoard | None = None
     live: LiveProgress | None = None
     relay: RankOutputRelay | None = None
+    memory: NodeMemoryDir | None = None
 
     def end_display() -> None:
         # Every relayed rank line first, then the status line goes: the ending follows below.
@@ -263,6 +305,7 @@ def run_daemon(cfg: DaemonConfig, entry: Entry, *, started: float | None = None)
             if complete is not None:
                 print(complete, flush=True)
                 return EXIT_OK
+            cfg, memory = _start_memory_tier(cfg)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
             collector = NodeCollector(
                 aggregator,
@@ -270,6 +313,7 @@ def run_daemon(cfg: DaemonConfig, entry: Entry, *, started: float | None = None)
                 build_info_labels(distribution_version()),
                 run_id=cfg.run_id,
                 config=config_values(cfg),
+                tier_bytes=memory.tier_bytes,
             )
             board = StatusBoard(
                 max_steps=cfg.train.max_steps,
@@ -325,7 +369,7 @@ def run_daemon(cfg: DaemonConfig, entry: Entry, *, started: float | None = None)
             nnodes=cfg.launch.nnodes,
             strategy=cfg.train.strategy.value,
         )
-        signals = _Signals(state, run_dir, notifier, supervisor)
+        signals = _Signals(state, run_dir, notifier, supervisor, memory)
         signals.install()
         supervisor.start()
         state.update(phase=NodePhase.RENDEZVOUS)
@@ -373,6 +417,8 @@ def run_daemon(cfg: DaemonConfig, entry: Entry, *, started: float | None = None)
         if supervisor is not None:
             supervisor.kill_all()
             supervisor.close()
+        if memory is not None:  # after kill_all: no rank writes into it any more
+            memory.release()
         if server is not None:
             server.close()
         if board is not None:
