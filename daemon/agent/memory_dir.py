@@ -315,20 +315,26 @@ class NodeMemoryDir:
             self.root.mkdir(parents=True, exist_ok=True)
             self.path.mkdir(mode=0o700)  # atomic: of two daemons claiming it, one fails here
         except FileExistsError:
+            if not self.root.is_dir():
+                raise StartupCheckError(self._cannot_create("not a directory")) from None
             owner = _read_owner(self.path)
             found = _Found(self.path, owner, OwnerState.ALIVE)
             raise StartupCheckError(self._busy(found)) from None
         except OSError as err:
-            raise StartupCheckError(
-                f"memory_dir={str(self.root)!r}: cannot create {self.path.name} "
-                f"({err.strerror}); give a writable memory-backed directory, or memory_every 0"
-            ) from None
+            reason = err.strerror or type(err).__name__
+            raise StartupCheckError(self._cannot_create(reason)) from None
         self._claimed = True
         record = this_process_owner(self._run_id, self._node_rank, proc=self._proc)
         tmp = self.path / f".{OWNER_FILE}.tmp"
         tmp.write_text(json.dumps(record._asdict()))
         os.replace(tmp, self.path / OWNER_FILE)
         log.info("memory_tier_claimed", directory=str(self.path))
+
+    def _cannot_create(self, reason: str) -> str:
+        return (
+            f"memory_dir={str(self.root)!r}: cannot create {self.path.name} ({reason}); give "
+            "a writable memory-backed directory, or memory_every 0"
+        )
 
     def release(self) -> None:
         """Remove the directory and everything in it (idempotent; only if claimed here)."""
