@@ -22,7 +22,8 @@ process group) gives no estimate: the line says so and the tier starts unchecked
 
 An explicit `memory_every` > 0 that cannot fit is a configuration error (exit 2, naming the
 numbers and the fixes); `auto` that cannot fit logs one warning and runs durable-only
-(`memory_every` 0 in the config the ranks are handed).
+(`memory_every` 0 in the config the ranks are handed). `start_memory_tier` is the daemon's one
+call: reclaim (`memory_dir.py`), budget, claim.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import structlog
 
+from daemon.agent.memory_dir import NodeMemoryDir
 from daemon.config import DaemonConfig, StepInterval
-from daemon.errors import StartupCheckError
+from daemon.errors import MemoryTierBusyError, StartupCheckError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -50,6 +52,7 @@ __all__ = [
     "cgroup_memory",
     "estimate_state_bytes",
     "job_state_bytes",
+    "start_memory_tier",
     "tmpfs_free_bytes",
 ]
 
@@ -283,3 +286,37 @@ def apply_memory_budget(
     )
     off = dataclasses.replace(ck, memory_every=StepInterval(0))
     return dataclasses.replace(cfg, checkpoint=off)
+
+
+def start_memory_tier(cfg: DaemonConfig) -> tuple[DaemonConfig, NodeMemoryDir]:
+    """Reclaim this run's stale memory-tier directories, check the budget, claim ours.
+
+    `memory_every 0` leaves memory_dir alone. `auto` runs durable-only where the tier cannot
+    be made (memory_dir unusable or too small); an explicit interval fails the start instead.
+
+    Returns:
+        The config the ranks are handed (`memory_every` 0 when `auto` cannot run the tier)
+        and this node's directory (claimed unless the tier is off).
+
+    Raises:
+        MemoryTierBusyError: our directory is held by a daemon that may be alive (exit 2).
+        StartupCheckError: an explicit `memory_every` cannot fit or cannot be created (exit 2).
+    """
+    memory = NodeMemoryDir(cfg.memory_tier_dir, cfg.run_id, cfg.launch.node_rank)
+    every = cfg.checkpoint.memory_every
+    if every.is_off:
+        return cfg, memory
+    try:
+        memory.reclaim_stale()
+        cfg = apply_memory_budget(cfg, state_bytes_per_rank=job_state_bytes(cfg))
+        if not cfg.checkpoint.memory_every.is_off:
+            memory.claim()
+    except MemoryTierBusyError:
+        raise
+    except StartupCheckError as err:
+        if not every.is_auto:
+            raise
+        log.warning("memory_tier_disabled", reason=str(err), memory_every=0)
+        off = dataclasses.replace(cfg.checkpoint, memory_every=StepInterval(0))
+        cfg = dataclasses.replace(cfg, checkpoint=off)
+    return cfg, memory

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import structlog
 
-from daemon.errors import StartupCheckError
+from daemon.errors import MemoryTierBusyError, StartupCheckError
 
 __all__ = [
     "OWNER_FILE",
@@ -260,14 +260,15 @@ class NodeMemoryDir:
             Bytes freed.
 
         Raises:
-            StartupCheckError: this daemon's own directory belongs to a process that may be
-                alive (the same run and node rank started twice), or memory_dir is unreadable.
+            MemoryTierBusyError: this daemon's own directory belongs to a process that may be
+                alive (the same run and node rank started twice).
+            StartupCheckError: memory_dir cannot be listed.
         """
         freed, removed = 0, []
         for found in self._this_run():
             if found.state is not OwnerState.DEAD:
                 if found.path == self.path:
-                    raise StartupCheckError(self._busy(found))
+                    raise MemoryTierBusyError(self._busy(found))
                 continue
             num_bytes = _disk_bytes(found.path)
             shutil.rmtree(found.path, ignore_errors=True)
@@ -308,8 +309,8 @@ class NodeMemoryDir:
         """Create the directory with this process's owner record (after `reclaim_stale`).
 
         Raises:
-            StartupCheckError: memory_dir is not writable, or another process claimed the
-                directory first.
+            MemoryTierBusyError: another process claimed the directory first.
+            StartupCheckError: memory_dir is not writable.
         """
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -319,7 +320,7 @@ class NodeMemoryDir:
                 raise StartupCheckError(self._cannot_create("not a directory")) from None
             owner = _read_owner(self.path)
             found = _Found(self.path, owner, OwnerState.ALIVE)
-            raise StartupCheckError(self._busy(found)) from None
+            raise MemoryTierBusyError(self._busy(found)) from None
         except OSError as err:
             reason = err.strerror or type(err).__name__
             raise StartupCheckError(self._cannot_create(reason)) from None

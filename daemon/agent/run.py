@@ -29,7 +29,6 @@ next step boundary.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import signal
@@ -49,14 +48,14 @@ from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._storage import s3_storage_options
 from daemon._version import distribution_version
 from daemon.agent.http import MetricsServer
-from daemon.agent.memory_budget import apply_memory_budget, job_state_bytes
+from daemon.agent.memory_budget import start_memory_tier
 from daemon.agent.memory_dir import NodeMemoryDir
 from daemon.agent.notify import Notifier
 from daemon.agent.preflight import check_startup
 from daemon.agent.progress import LiveProgress, ProgressEvents
 from daemon.agent.relay import RankOutputRelay
 from daemon.agent.supervisor import Supervisor
-from daemon.config import DaemonConfig, StepInterval
+from daemon.config import DaemonConfig
 from daemon.errors import ConfigError, StartupCheckError
 from daemon.metrics import build_info_labels
 from daemon.observe.collector import NodeCollector, SnapshotAggregator, config_values, make_registry
@@ -193,35 +192,6 @@ def _ending(
     return "\n".join(lines)
 
 
-def _start_memory_tier(cfg: DaemonConfig) -> tuple[DaemonConfig, NodeMemoryDir]:
-    """Reclaim this run's stale memory-tier directories, check the budget, claim ours.
-
-    Returns:
-        The config the ranks are handed (`memory_every` 0 when `auto` cannot run the tier)
-        and this node's directory (claimed unless the tier is off).
-
-    Raises:
-        StartupCheckError: our directory is held by a live daemon, or an explicit
-            `memory_every` cannot fit or cannot be created (exit 2).
-    """
-    memory = NodeMemoryDir(cfg.memory_tier_dir, cfg.run_id, cfg.launch.node_rank)
-    memory.reclaim_stale()
-    if cfg.checkpoint.memory_every.is_off:
-        return cfg, memory
-    cfg = apply_memory_budget(cfg, state_bytes_per_rank=job_state_bytes(cfg))
-    if cfg.checkpoint.memory_every.is_off:
-        return cfg, memory
-    try:
-        memory.claim()
-    except StartupCheckError as err:
-        if not cfg.checkpoint.memory_every.is_auto:
-            raise
-        log.warning("memory_tier_disabled", reason=str(err), memory_every=0)
-        off = dataclasses.replace(cfg.checkpoint, memory_every=StepInterval(0))
-        cfg = dataclasses.replace(cfg, checkpoint=off)
-    return cfg, memory
-
-
 class _Signals:
     """SIGTERM/SIGINT/SIGUSR1 handlers of the daemon's main thread."""
 
@@ -305,7 +275,7 @@ def run_daemon(cfg: DaemonConfig, entry: Entry, *, started: float | None = None)
             if complete is not None:
                 print(complete, flush=True)
                 return EXIT_OK
-            cfg, memory = _start_memory_tier(cfg)
+            cfg, memory = start_memory_tier(cfg)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
             collector = NodeCollector(
                 aggregator,

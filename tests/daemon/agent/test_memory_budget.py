@@ -16,9 +16,10 @@ from daemon.agent.memory_budget import (
     cgroup_memory,
     estimate_state_bytes,
     job_state_bytes,
+    start_memory_tier,
     tmpfs_free_bytes,
 )
-from daemon.errors import StartupCheckError
+from daemon.errors import MemoryTierBusyError, StartupCheckError
 
 _GIB = 1 << 30
 
@@ -118,3 +119,32 @@ def test_what_fits_runs_an_explicit_misfit_exits_2_and_auto_goes_durable_only(
     with structlog.testing.capture_logs() as logs:
         assert apply_memory_budget(explicit, state_bytes_per_rank=None, cgroup=tight) is explicit
     assert "need unknown" in logs[0]["summary"]
+
+
+def test_start_memory_tier_off_auto_and_explicit(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    flags = {"memory_dir": str(shm), "run_id": "r", "nproc_per_node": "1"}
+    # Off: memory_dir is not touched at all.
+    off = load_config({**flags, "memory_every": "0"}, env={})
+    assert start_memory_tier(off)[0] is off
+    assert not shm.exists()
+    # auto where it fits: the ranks' directory is claimed, and released at exit.
+    auto = load_config(flags, env={})
+    cfg, memory = start_memory_tier(auto)
+    assert cfg is auto
+    assert (shm / "trainingd-r-0" / "owner.json").exists()
+    # Started again while this one holds it: refused, whatever the setting.
+    with pytest.raises(MemoryTierBusyError, match="cannot run twice"):
+        start_memory_tier(auto)
+    memory.release()
+    assert list(shm.iterdir()) == []
+    # memory_dir unusable: auto trains durable-only, an explicit interval fails the start.
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    unusable = {**flags, "memory_dir": str(a_file / "shm")}
+    with structlog.testing.capture_logs() as logs:
+        cfg, _ = start_memory_tier(load_config(unusable, env={}))
+    assert cfg.checkpoint.memory_every.is_off
+    assert [e["event"] for e in logs] == ["memory_tier_disabled"]
+    with pytest.raises(StartupCheckError, match="cannot list it"):
+        start_memory_tier(load_config({**unusable, "memory_every": "3"}, env={}))
