@@ -1,6 +1,7 @@
 """`trainingd run`: the daemon process from start-up checks to exit code.
 
-    configure logs -> per-run directory -> start-up checks (exit 2) -> HTTP server (exit 2 if
+    configure logs -> per-run directory -> start-up checks (exit 2) -> the memory tier's
+    directory and budget (`memory_budget.py`: exit 2, or durable-only) -> HTTP server (exit 2 if
     the port is taken) -> signal handlers -> supervisor thread -> torch elastic agent in the main
     thread, in membership rounds (`daemon/agent/elastic.py`: blocks while the ranks train; restarts
     them up to max_restarts; with `--nnodes MIN:MAX` a round ended by a peer's stop or a node
