@@ -40,6 +40,10 @@ memory and never call each other; they talk through files in the run directory (
       agent/             the daemon process:
         run.py           `trainingd run` from start-up checks to exit code.
         preflight.py     start-up checks -> exit 2.
+        memory_dir.py    the node's memory-tier directory in tmpfs: claimed at start (a live
+                         owner refused, a killed one's reclaimed), removed at every exit.
+        memory_budget.py the tier's start-up budget: tmpfs, cgroup, estimated need -> one line;
+                         exit 2 (explicit memory_every) or durable-only (auto) when unfit.
         elastic.py       the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
         fork_server.py   warm rank starts: ranks fork from a server that imported torch and
                          the job once (never CUDA, no threads), checked on a first fork.
@@ -60,6 +64,8 @@ memory and never call each other; they talk through files in the run directory (
         telemetry.py     rank-side metric recording, published as the rank's snapshot.
         throughput.py    per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
         save_failures.py the save failure policy: report, keep training, give up after N.
+        memory_cadence.py when the memory tier snapshots: fixed, or `auto` (within 2% of
+                         the step time, adaptive).
 
 Layering (who may import whom; every import counts, `tests/daemon/test_layering.py` checks it):
     shared modules   (config, _config_load, _logging, errors, _version, metrics, _device,

@@ -34,6 +34,7 @@ from daemon.config import (
     DaemonConfig,
     LaunchSettings,
     ObservabilitySettings,
+    StepInterval,
     TrainSettings,
 )
 from daemon.errors import ConfigError
@@ -114,6 +115,8 @@ def _docstrings(section: str) -> dict[str, str]:
 
 
 def _allowed(tp: type[Any]) -> str:
+    if tp is StepInterval:
+        return StepInterval.ALLOWED
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return "one of " + ", ".join(str(m.value) for m in tp)
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[tp]
@@ -128,6 +131,11 @@ def _parse(key: str, raw: Any, tp: type[Any], origin: str) -> Any:
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         try:
             return tp(str(raw).lower())
+        except ValueError:
+            raise bad() from None
+    if tp is StepInterval:
+        try:
+            return StepInterval.parse(raw)
         except ValueError:
             raise bad() from None
     if tp is bool:
@@ -300,6 +308,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
                 continue
             shown = getattr(default, "value", default)
             metavar = "|".join(str(m.value) for m in tp) if issubclass(tp, enum.Enum) else None
+            if tp is StepInterval:
+                shown, metavar = str(default), "auto|N"
             group.add_argument(
                 f"--{key.replace('_', '-')}",
                 dest=key,
@@ -312,6 +322,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
 def _toml_value(value: Any) -> str:
     if isinstance(value, enum.Enum):
         value = value.value
+    if isinstance(value, StepInterval):
+        value = str(value) if value.is_auto else value.steps
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

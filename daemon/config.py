@@ -17,6 +17,8 @@ import enum
 import hashlib
 import math
 import re
+import typing
+from pathlib import Path
 
 from ckpt_manager import AsyncMode
 from ckpt_manager.retention import RetentionOptions
@@ -30,6 +32,7 @@ __all__ = [
     "ObservabilitySettings",
     "Precision",
     "RankStart",
+    "StepInterval",
     "StrategyName",
     "TrainSettings",
 ]
@@ -96,6 +99,55 @@ class RankStart(enum.StrEnum):
     the job (no CUDA, no threads): a start or restart skips seconds of imports."""
     SPAWN = "spawn"
     """A fresh interpreter per rank (multiprocessing's spawn), each importing everything."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInterval:
+    """A number of steps, or `auto`: chosen while the run goes (`memory_every`).
+
+    Written `auto` or a whole number (`0` turns the thing off) in TOML, flags and variables;
+    `parse` reads any of them and `str()` writes it back.
+    """
+
+    steps: int | None = None
+    """The interval in steps; None is `auto`."""
+
+    ALLOWED: typing.ClassVar[str] = "auto, or a whole number of steps (0 or more; 0: off)"
+    """What `parse` accepts, for error messages."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.steps, bool) or (self.steps is not None and self.steps < 0):
+            raise ValueError(f"step interval {self.steps!r}: use {self.ALLOWED}")
+
+    @classmethod
+    def parse(cls, raw: object) -> StepInterval:
+        """`auto` (any case), or an integer (an int, or its decimal text) of 0 or more.
+
+        Raises:
+            ValueError: anything else (a float, a bool, a negative number, other text).
+        """
+        if isinstance(raw, str) and raw.strip().lower() == "auto":
+            return cls(None)
+        if isinstance(raw, bool | float):
+            raise ValueError(f"step interval {raw!r}: use {cls.ALLOWED}")
+        try:
+            steps = int(str(raw).strip(), 10)
+        except ValueError:
+            raise ValueError(f"step interval {raw!r}: use {cls.ALLOWED}") from None
+        return cls(steps)
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether the interval is chosen at run time."""
+        return self.steps is None
+
+    @property
+    def is_off(self) -> bool:
+        """Whether the interval is 0 (the thing never runs)."""
+        return self.steps == 0
+
+    def __str__(self) -> str:
+        return "auto" if self.steps is None else str(self.steps)
 
 
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
@@ -292,6 +344,14 @@ class CheckpointSettings:
     max_consecutive_save_failures: int = 3
     """Failed saves in a row that stop the run; each earlier one is logged, counted and
     alerted on while training goes on. 1 stops the run at the first failed save."""
+    memory_every: StepInterval = StepInterval()
+    """Steps between two snapshots of each rank's whole state into node memory, held by the
+    daemon so a rank restart resumes from it: `auto` picks the smallest interval costing at most
+    2% of the step time (durable-only when memory_dir cannot hold it); 0 turns the tier off."""
+    memory_dir: str = "/dev/shm"
+    """Memory-backed directory (tmpfs) the daemon keeps the memory tier in, under
+    `trainingd-<run_id>-<node_rank>/`; size it for 2 snapshots per local rank (plus a peer's
+    replica on several nodes): the start-up line `memory_budget` says what it needs."""
 
     def __post_init__(self) -> None:
         if not self.ckpt_uri:
@@ -308,6 +368,13 @@ class CheckpointSettings:
             )
         if self.s3_endpoint_url and not self.s3_endpoint_url.startswith(("http://", "https://")):
             raise ValueError(f"s3_endpoint_url={self.s3_endpoint_url!r}: use http(s)://host:port")
+        if not isinstance(self.memory_every, StepInterval):
+            raise ValueError(f"memory_every={self.memory_every!r}: use {StepInterval.ALLOWED}")
+        if not Path(self.memory_dir).is_absolute():
+            raise ValueError(
+                f"memory_dir={self.memory_dir!r}: use an absolute path to a memory-backed "
+                "directory, e.g. /dev/shm"
+            )
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -439,6 +506,17 @@ class DaemonConfig:
         name = module.strip("_").replace("_", "-") or "job"
         digest = hashlib.sha256(f"{self.train.job}\n{self.checkpoint.ckpt_uri}".encode())
         return f"{name}-{digest.hexdigest()[:10]}"
+
+    @property
+    def memory_tier_dir(self) -> Path:
+        """This node's memory-tier directory: `<memory_dir>/trainingd-<run_id>-<node_rank>`.
+
+        The daemon claims it at start and removes it at exit (`daemon/agent/memory_dir.py`);
+        its ranks, handed the same config, keep their snapshot slots in it, so a restarted rank
+        finds them.
+        """
+        name = f"trainingd-{self.run_id}-{self.launch.node_rank}"
+        return Path(self.checkpoint.memory_dir) / name
 
     @property
     def rdzv_id(self) -> str:

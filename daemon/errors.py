@@ -3,7 +3,9 @@
 DaemonError
 ├── ConfigError (ValueError)          a key or value is wrong: exit code 2, nothing started
 │   └── StartupCheckError             the environment fails a start-up check (storage
-│                                     unreachable or not writable, port taken, job missing)
+│       │                             unreachable or not writable, port taken, job missing)
+│       └── MemoryTierBusyError       this run and node's memory-tier directory belongs to a
+│                                     daemon that may be alive (the same run started twice)
 ├── JobError (ValueError)             `--job` cannot be imported or returned a bad `JobSpec`
 ├── WorkersFailedError (RuntimeError) the worker group failed after `max_restarts` restarts
 ├── ForkServerError (RuntimeError)    the fork server cannot start ranks safely (the daemon
@@ -19,6 +21,7 @@ __all__ = [
     "DaemonError",
     "ForkServerError",
     "JobError",
+    "MemoryTierBusyError",
     "StartupCheckError",
     "WorkersFailedError",
 ]
@@ -34,6 +37,10 @@ class ConfigError(DaemonError, ValueError):
 
 class StartupCheckError(ConfigError):
     """A start-up check of the environment failed (before any rank started)."""
+
+
+class MemoryTierBusyError(StartupCheckError):
+    """This run and node's memory-tier directory is held by a daemon that may be alive."""
 
 
 class JobError(DaemonError, ValueError):

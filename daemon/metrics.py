@@ -214,6 +214,10 @@ _CKPT_BACKGROUND_S = (
     3600.0,
 )
 """Background checkpoint phases (write, schedule to commit, restore): 100 ms to an hour."""
+_MEMORY_SNAPSHOT_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+"""What one memory snapshot cost the training thread: well under 5 ms is the target."""
+_RECOVERY_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+"""A restarted rank's start to its first step: seconds from memory, minutes from storage."""
 QUEUE_DEPTH_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 """Depth of an engine queue right after an issue: 1 (nothing overlaps) to 16 (deep prefetch)."""
 
@@ -267,6 +271,8 @@ def _h(
 
 _OPS = ("all_gather", "reduce_scatter", "all_reduce")
 _RESULTS = ("committed", "failed")
+_RESTORE_SOURCES = ("memory", "replica", "durable")
+_TIER_KINDS = ("local", "replica")
 _QUEUES = ("allgather", "reduce")
 _NODE, _JOB, _SUM = Scope.NODE, Scope.JOB, Scope.NODE_SUM
 
@@ -349,6 +355,14 @@ CATALOG: tuple[MetricSpec, ...] = (
     _g(
         "trainingd_rank_recovery_seconds",
         "Rank process start to its first completed step (cost of a start or restart).",
+    ),
+    _h(
+        "trainingd_rank_restart_recovery_seconds",
+        "A restored rank's process start to its first completed step, by where the state came "
+        "from: memory, replica or durable (all local ranks).",
+        _RECOVERY_S,
+        label="source",
+        values=_RESTORE_SOURCES,
     ),
     # --- job: training (every rank agrees; exported once per node) ---------------------------
     _c("trainingd_train_steps_total", "Optimizer steps completed.", scope=_JOB),
@@ -475,8 +489,11 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     _h(
         "trainingd_ckpt_restore_seconds",
-        "Restore of the latest checkpoint at rank start (all local ranks).",
+        "Restore at rank start by where the state came from: memory, replica or durable "
+        "(all local ranks).",
         _CKPT_BACKGROUND_S,
+        label="source",
+        values=_RESTORE_SOURCES,
     ),
     _c("trainingd_ckpt_bytes_total", "Checkpoint bytes written by this node's ranks.", scope=_SUM),
     _c(
@@ -501,6 +518,25 @@ CATALOG: tuple[MetricSpec, ...] = (
         "trainingd_ckpt_last_committed_timestamp_seconds",
         "Unix time the newest committed checkpoint was committed.",
         scope=_JOB,
+    ),
+    # --- the memory tier (node memory, held by the daemon) --------------------------------
+    _g(
+        "trainingd_memory_every_steps",
+        "Steps between two memory snapshots in force (auto: the interval chosen; 0: tier off).",
+        scope=_JOB,
+    ),
+    _g(
+        "trainingd_memory_tier_bytes",
+        "Bytes the node's memory tier holds in memory_dir: its ranks' slots (local) and the "
+        "snapshots a peer node streamed here (replica).",
+        scope=_NODE,
+        label="kind",
+        values=_TIER_KINDS,
+    ),
+    _h(
+        "trainingd_memory_snapshot_seconds",
+        "Time one memory snapshot blocked the training thread (all local ranks).",
+        _MEMORY_SNAPSHOT_S,
     ),
 )
 """Every metric family trainingd exports, in exposition order."""

@@ -5,6 +5,9 @@ Module plan:
                     supervisor, elastic agent; the exit codes.
     preflight.py    start-up checks (job importable, storage reachable and writable, lease free,
                     the device available, `--init-from` fits) -> exit 2.
+    memory_dir.py   the node's memory-tier directory (tmpfs): claimed with an owner record at
+                    start, this run's stale ones reclaimed, removed at every exit.
+    memory_budget.py  the memory tier's start-up budget line; exit 2 or durable-only if unfit.
     elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
     fork_server.py  warm rank starts: ranks fork from a server that imported torch and the
                     job (never CUDA, no threads) once per daemon, checked on a first fork.

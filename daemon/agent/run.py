@@ -1,6 +1,7 @@
 """`trainingd run`: the daemon process from start-up checks to exit code.
 
-    configure logs -> per-run directory -> start-up checks (exit 2) -> HTTP server (exit 2 if
+    configure logs -> per-run directory -> start-up checks (exit 2) -> the memory tier's
+    directory and budget (`memory_budget.py`: exit 2, or durable-only) -> HTTP server (exit 2 if
     the port is taken) -> signal handlers -> supervisor thread -> rank fork server
     (`fork_server.py`) -> torch elastic agent in the main thread, in membership rounds
     (`daemon/agent/elastic.py`: blocks while the ranks train; restarts them up to max_restarts;
@@ -49,6 +50,8 @@ from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._storage import s3_storage_options
 from daemon._version import distribution_version
 from daemon.agent.http import MetricsServer
+from daemon.agent.memory_budget import start_memory_tier
+from daemon.agent.memory_dir import NodeMemoryDir
 from daemon.agent.notify import Notifier
 from daemon.agent.preflight import check_startup
 from daemon.agent.progress import LiveProgress, ProgressEvents
@@ -195,10 +198,16 @@ class _Signals:
     """SIGTERM/SIGINT/SIGUSR1 handlers of the daemon's main thread."""
 
     def __init__(
-        self, state: NodeState, run_dir: Path, notifier: Notifier, supervisor: Supervisor
+        self,
+        state: NodeState,
+        run_dir: Path,
+        notifier: Notifier,
+        supervisor: Supervisor,
+        memory: NodeMemoryDir,
     ) -> None:
         self._state, self._run_dir = state, run_dir
         self._notifier, self._supervisor = notifier, supervisor
+        self._memory = memory
         self.stop_signal: str | None = None
 
     def install(self) -> None:
@@ -209,8 +218,11 @@ class _Signals:
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if not self._state.request_stop():
-            # Second signal: no more waiting for a final checkpoint.
+            # Second signal: no more waiting for a final checkpoint. No `finally` runs after
+            # os._exit: the memory tier goes here ([Note: who may remove a memory-tier
+            # directory] in memory_dir.py), once no rank can write into it.
             self._supervisor.kill_all()
+            self._memory.release()
             os._exit(128 + signum)
         self.stop_signal = name
         self._notifier.send(STOPPING=1, STATUS=f"{name}: saving a final checkpoint")
@@ -257,6 +269,7 @@ def run_daemon(
     board: StatusBoard | None = None
     live: LiveProgress | None = None
     relay: RankOutputRelay | None = None
+    memory: NodeMemoryDir | None = None
 
     def end_display() -> None:
         # Every relayed rank line first, then the status line goes: the ending follows below.
@@ -272,6 +285,7 @@ def run_daemon(
             if complete is not None:
                 print(complete, flush=True)
                 return EXIT_OK
+            cfg, memory = start_memory_tier(cfg)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
             collector = NodeCollector(
                 aggregator,
@@ -279,6 +293,7 @@ def run_daemon(
                 build_info_labels(distribution_version()),
                 run_id=cfg.run_id,
                 config=config_values(cfg),
+                tier_bytes=memory.tier_bytes,
             )
             board = StatusBoard(
                 max_steps=cfg.train.max_steps,
@@ -334,7 +349,7 @@ def run_daemon(
             nnodes=cfg.launch.nnodes,
             strategy=cfg.train.strategy.value,
         )
-        signals = _Signals(state, run_dir, notifier, supervisor)
+        signals = _Signals(state, run_dir, notifier, supervisor, memory)
         signals.install()
         supervisor.start()
         state.update(phase=NodePhase.RENDEZVOUS)
@@ -383,6 +398,8 @@ def run_daemon(
         if supervisor is not None:
             supervisor.kill_all()
             supervisor.close()
+        if memory is not None:  # after kill_all: no rank writes into it any more
+            memory.release()
         if server is not None:
             server.close()
         if board is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -171,6 +171,8 @@ class NodeCollector(Collector):
         build_labels: labels of `trainingd_build_info` (`metrics.build_info_labels`).
         run_id: value of the `run_id` label on every series.
         config: the `trainingd_config_*` values (`config_values`); missing ones export 0.
+        tier_bytes: bytes the node's memory tier holds by kind (`local`, `replica`), read at
+            each scrape (`daemon.agent.memory_dir.NodeMemoryDir.tier_bytes`); None: 0.
     """
 
     def __init__(
@@ -181,6 +183,7 @@ class NodeCollector(Collector):
         *,
         run_id: str,
         config: dict[str, float] | None = None,
+        tier_bytes: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("run_id is empty: pass DaemonConfig.run_id")
@@ -189,6 +192,7 @@ class NodeCollector(Collector):
         self._build_labels = dict(build_labels)
         self._run_id = run_id
         self._config = dict(config or {})
+        self._tier_bytes = tier_bytes
 
     def describe(self) -> Iterable[Metric]:
         """Empty families with the catalog's names (lets the registry detect duplicates)."""
@@ -225,6 +229,12 @@ class NodeCollector(Collector):
                 for value in DAEMON_STATES:
                     states.add_metric([*run, value], float(NodePhase(value) is status.phase))
                 fam = states
+            elif s.name == "trainingd_memory_tier_bytes":
+                tier = GaugeMetricFamily(s.name, s.help, labels=list(s.labelnames))
+                held = self._tier_bytes() if self._tier_bytes is not None else {}
+                for kind in s.label_values:
+                    tier.add_metric([*run, kind], float(held.get(kind, 0.0)))
+                fam = tier
             elif s.scope is Scope.NODE:
                 node_cls = (
                     CounterMetricFamily if s.kind is MetricKind.COUNTER else GaugeMetricFamily

@@ -8,6 +8,8 @@ Module plan:
     telemetry.py      rank-side metric recording, published as the rank's snapshot file.
     throughput.py     per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
     save_failures.py  the run's save failure policy: report, keep training, give up after N.
+    memory_cadence.py when the memory tier snapshots: `FixedCadence` (`memory_every N`) or
+                      `AdaptiveCadence` (`auto`: within 2% of the step time).
 
 The rank side never imports the agent side (`daemon/agent/`, `daemon/observe/`): it hears from
 the daemon only through the run directory (`daemon/rundir/`). See the layering in

@@ -321,6 +321,8 @@ class _Training:
         self.last_loss: float | None = None
         self.stopped = False
         self.num_tokens = 0
+        # Where the restored state came from (`memory`, `replica`, `durable`); None: nothing.
+        self.restore_source: str | None = None
 
     def state(self) -> dict[str, Any]:
         """The state saved at a step (see the module docstring)."""
@@ -361,8 +363,16 @@ class _Training:
             rng = rng.value if isinstance(rng, RankLocal) else rng
             if rng is not None:
                 _set_rng_state(rng, self.device)
-            log.info("restored", ckpt_step=self.step, seconds=round(time.perf_counter() - t0, 3))
-            telemetry.observe("trainingd_ckpt_restore_seconds", time.perf_counter() - t0)
+            # Every restore reads storage today; the memory tier will report its own source.
+            self.restore_source = "durable"
+            restore_s = time.perf_counter() - t0
+            log.info(
+                "restored",
+                ckpt_step=self.step,
+                source=self.restore_source,
+                seconds=round(restore_s, 3),
+            )
+            telemetry.observe("trainingd_ckpt_restore_seconds", restore_s, self.restore_source)
         elif (init := _init_source(self.cfg, self.job, self._init_expected)) is not None:
             init_bytes = load_into(self.model, init)
             log.info("initialized_from", uri=init.source.uri, num_bytes=init_bytes)
@@ -499,6 +509,10 @@ class _Training:
         if self.step == self.start_step + 1:
             recovery = time.time() - telemetry.started_unix_s
             telemetry.set("trainingd_rank_recovery_seconds", recovery)
+            if self.restore_source is not None:
+                telemetry.observe(
+                    "trainingd_rank_restart_recovery_seconds", recovery, self.restore_source
+                )
         telemetry.update_sharding(self.model.stats.snapshot())
 
     def maybe_checkpoint(self, agreed: _Agreement) -> None:

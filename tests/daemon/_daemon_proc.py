@@ -88,7 +88,15 @@ class DaemonProc:
         }
         # The repository root on the path lets the ranks import a test job (`GATED_JOB`).
         path = os.pathsep.join(p for p in (str(REPO), inherited.get("PYTHONPATH")) if p)
-        full_env = {**inherited, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path, **(env or {})}
+        # The memory tier lives beside the logs, never in the machine's real /dev/shm.
+        memory = {"TRAININGD_MEMORY_DIR": str(workdir / f"{name}-shm")}
+        full_env = {
+            **inherited,
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": path,
+            **memory,
+            **(env or {}),
+        }
         cmd = [str(TRAININGD), "run", "--metrics-port", "0", "--log-format", "json", *args]
         with open(self.stderr_path, "wb") as err, open(self.stdout_path, "wb") as out:
             self.proc = subprocess.Popen(

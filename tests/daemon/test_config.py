@@ -12,7 +12,7 @@ import torch
 
 from ckpt_manager import AnyOf, AsyncMode, KeepBest, KeepEvery, KeepInterval, KeepLast, MetricMode
 from daemon._config_load import config_keys, config_reference, dump_toml, load_config
-from daemon.config import DaemonConfig, Device, Precision, StrategyName
+from daemon.config import DaemonConfig, Device, Precision, StepInterval, StrategyName
 from daemon.errors import ConfigError
 
 BIN = Path(sys.executable).parent
@@ -86,6 +86,10 @@ def test_precedence_flag_over_env_over_file_over_default(tmp_path: Path) -> None
         ({}, {"TRAININGD_KEEP_BEST_METRIC": "loss"}, "", r"with keep_best=0.*KEEP_BEST_METRIC\)$"),
         ({"keep_interval_s": "soon"}, {}, "", r"'soon' \(from --keep-interval-s\).*use a number"),
         ({}, {}, "[train]\nkeep_last = 1\n", r"'keep_last' belongs in \[checkpoint\]"),
+        ({"memory_every": "often"}, {}, "", r"'often' \(from --memory-every\).*use auto, or a"),
+        ({}, {}, "[checkpoint]\nmemory_every = -1\n", r"memory_every=-1 \(from .*whole number"),
+        ({}, {"TRAININGD_MEMORY_EVERY": "2.5"}, "", r"'2.5' \(from \$TRAININGD_MEMORY_EVERY\)"),
+        ({"memory_dir": "shm"}, {}, "", r"memory_dir='shm': use an absolute path .*--memory-dir"),
     ],
 )  # fmt: skip
 def test_bad_keys_and_values_name_the_key_and_the_fix(
@@ -113,6 +117,28 @@ def test_device_defaults_to_auto_and_comes_from_file_env_or_flag(tmp_path: Path)
     env = {"TRAININGD_DEVICE": "cuda"}
     assert load_config({}, env=env, file=path).train.device is Device.CUDA
     assert load_config({"device": "cpu"}, env=env).train.device is Device.CPU
+
+
+def test_memory_tier_keys_default_to_auto_in_dev_shm_and_come_from_anywhere(
+    tmp_path: Path,
+) -> None:
+    cfg = load_config({"run_id": "r", "node_rank": "0"}, env={})
+    assert cfg.checkpoint.memory_every == StepInterval(None)
+    assert cfg.checkpoint.memory_every.is_auto
+    assert cfg.memory_tier_dir == Path("/dev/shm/trainingd-r-0")
+    path = _write(tmp_path, '[checkpoint]\nmemory_every = 4\nmemory_dir = "/mnt/tier"\n')
+    from_file = load_config({}, env={}, file=path)
+    assert from_file.checkpoint.memory_every == StepInterval(4)
+    assert str(from_file.memory_tier_dir).startswith("/mnt/tier/trainingd-")
+    assert load_config({}, env={"TRAININGD_MEMORY_EVERY": "0"}).checkpoint.memory_every.is_off
+    quoted = _write(tmp_path, '[checkpoint]\nmemory_every = "AUTO"\n')
+    assert load_config({"memory_every": None}, env={}, file=quoted).checkpoint.memory_every.is_auto
+    assert load_config({"memory_every": "12"}, env={}).checkpoint.memory_every.steps == 12
+    for setting in ("7", "auto"):
+        cfg = load_config({"memory_every": setting}, env={})
+        dumped = dump_toml(cfg)
+        assert ("memory_every = 7" if setting == "7" else 'memory_every = "auto"') in dumped
+        assert load_config({}, env={}, file=_write(tmp_path, dumped)) == cfg
 
 
 def test_retention_keys_build_the_engines_policy(tmp_path: Path) -> None:

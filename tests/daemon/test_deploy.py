@@ -95,6 +95,52 @@ def _check_pod_budgets(pod: dict[str, Any], configmap: dict[str, Any], tmp_path:
     assert container["securityContext"]
 
 
+_QUANTITY = re.compile(r"^(\d+)(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+_QUANTITY_UNITS = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "K": 10**3,
+                   "M": 10**6, "G": 10**9, "T": 10**12, None: 1}  # fmt: skip
+
+
+def _quantity_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity (`16Gi`, `500M`, `1024`) in bytes."""
+    match = _QUANTITY.match(str(quantity))
+    assert match, f"unsupported quantity {quantity!r}: extend _quantity_bytes"
+    return int(match.group(1)) * _QUANTITY_UNITS[match.group(2)]
+
+
+def _memory_dir() -> str:
+    """`memory_dir` as the ConfigMap sets it (the default if it does not; its keys are checked
+    with the real loader in the test below)."""
+    text = _docs()["ConfigMap"]["data"]["trainingd.toml"]
+    default = DaemonConfig().checkpoint.memory_dir
+    return str(tomllib.loads(text).get("checkpoint", {}).get("memory_dir", default))
+
+
+def _check_memory_tier(pod: dict[str, Any], memory_dir: str) -> None:
+    """memory_dir is an in-memory emptyDir, whose sizeLimit the pod's memory limit covers."""
+    container = pod["containers"][0]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == memory_dir)
+    assert not mount.get("readOnly", False)
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["emptyDir"]["medium"] == "Memory"  # tmpfs: RAM, not the node's disk
+    size = _quantity_bytes(volume["emptyDir"]["sizeLimit"])
+    limit = _quantity_bytes(container["resources"]["limits"]["memory"])
+    # tmpfs pages are charged to the pod's memory cgroup: the limit must hold them and more.
+    assert 0 < size < limit, (size, limit)
+
+
+def test_memory_quantities_parse_and_the_check_catches_an_oversized_tier() -> None:
+    assert _quantity_bytes("16Gi") == 16 << 30
+    assert _quantity_bytes("500M") == 500 * 10**6
+    pod = _docs()["Job"]["spec"]["template"]["spec"]
+    _check_memory_tier(pod, "/dev/shm")
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    shm["emptyDir"]["sizeLimit"] = "65Gi"  # more than the 64Gi limit
+    with pytest.raises(AssertionError):
+        _check_memory_tier(pod, "/dev/shm")
+    with pytest.raises(StopIteration):  # memory_dir somewhere no volume is mounted
+        _check_memory_tier(pod, "/mnt/elsewhere")
+
+
 def test_kubernetes_manifests_use_real_keys_and_cover_the_final_save(tmp_path: Path) -> None:
     docs = _docs()
     assert {"ConfigMap", "Secret", "Service", "Job", "PodMonitor"} <= set(docs)
@@ -111,6 +157,7 @@ def test_kubernetes_manifests_use_real_keys_and_cover_the_final_save(tmp_path: P
     pod = job["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] > cfg.launch.shutdown_timeout_s
     _check_pod_budgets(pod, docs["ConfigMap"], tmp_path)
+    _check_memory_tier(pod, cfg.checkpoint.memory_dir)
     container = pod["containers"][0]
     assert container["command"][:2] == ["trainingd", "run"]  # exec form: PID 1 gets SIGTERM
     port = next(p for p in container["ports"] if p["name"] == "metrics")["containerPort"]
@@ -267,6 +314,7 @@ def test_jobset_example_runs_the_same_pods_with_gang_restart(tmp_path: Path) -> 
     assert job["podFailurePolicy"] == docs["Job"]["spec"]["podFailurePolicy"]
     pod = job["template"]["spec"]
     _check_pod_budgets(pod, docs["ConfigMap"], tmp_path)
+    _check_memory_tier(pod, _memory_dir())
     indexed_pod = docs["Job"]["spec"]["template"]["spec"]
     for key in ("securityContext", "enableServiceLinks", "serviceAccountName"):
         assert pod[key] == indexed_pod[key], key
@@ -473,8 +521,7 @@ def _gpu_pod_checks(pod: dict[str, Any], base_pod: dict[str, Any]) -> None:
         {"nproc_per_node": str(gpus), "device": "cuda"}, env={"TRAININGD_NODE_RANK": "0"}
     )
     assert cfg.launch.nproc_per_node == gpus
-    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
-    assert shm["emptyDir"]["medium"] == "Memory"
+    _check_memory_tier(pod, _memory_dir())
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
         "tolerations"
     ]

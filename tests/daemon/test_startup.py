@@ -53,6 +53,11 @@ def _bad_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
             f"checkpoint root {a_file / 'ckpt'} is not writable",
         ),
         "missing job": (["--job", "nosuchmodule:build"], "cannot import nosuchmodule"),
+        # The memory tier asked for explicitly where it cannot be made (`auto` goes without).
+        "unwritable memory_dir": (
+            ["--memory-every", "5", "--memory-dir", str(a_file / "shm")],
+            f"memory_dir={str(a_file / 'shm')!r}: cannot list it (Not a directory)",
+        ),
         "cuda without a gpu": (["--device", "cuda"], "device=cuda: CUDA is not available"),
     }
 
@@ -65,6 +70,7 @@ def _bad_cases(tmp_path: Path) -> dict[str, tuple[list[str], str]]:
         "unreachable s3",
         "unwritable path",
         "missing job",
+        "unwritable memory_dir",
         "cuda without a gpu",
     ],
 )

@@ -102,7 +102,9 @@ class Daemon:
             # The CPU has no peak in the table: a configured one makes MFU exist.
             "--peak-flops=1e11",
         ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        # The memory tier beside the logs, never in the machine's /dev/shm: `kill()` leaves it.
+        shm = str(self.workdir / "shm")
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAININGD_MEMORY_DIR": shm}
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 args,

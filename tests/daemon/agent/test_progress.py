@@ -145,6 +145,7 @@ def test_terminal_shows_one_live_status_line_below_every_log_line(tmp_path: Path
         str(TRAININGD), "run", "--nproc-per-node", "2", "--batch-size", "4",
         "--warmup-steps", "1", "--max-steps", "40", "--ckpt-every", "10",
         "--metrics-port", "0", "--ckpt-uri", str(tmp_path / "ckpt"),
+        "--memory-dir", str(tmp_path / "shm"),
     ]  # fmt: skip
     # The shell keeps the window open after the run so the last screen can be read.
     script = f"{shlex.join(run)}; echo EXIT=$? > {shlex.quote(str(exit_file))}; sleep 600"

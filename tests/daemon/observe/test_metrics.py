@@ -23,7 +23,7 @@ from tests.support.metric_names import ISSUE_METRICS
 
 REQUIRED = set(ISSUE_METRICS)
 
-_NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|rank|build|config|gpu)_[a-z0-9_]+$")
+_NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|memory|rank|build|config|gpu)_[a-z0-9_]+$")
 _UNITS = ("_seconds", "_bytes", "_total", "_ratio", "_depth", "_step", "_info", "_loss",
           "_norm", "_rate", "_size", "_ranks", "_state", "_ready", "_inflight", "_finished",
           "_steps", "_restarts", "_failures", "_peak", "_bound",
@@ -47,6 +47,10 @@ def test_catalog_names_follow_conventions() -> None:
                                  2.5, 5.0, 7.5, 10.0)  # fmt: skip
     assert spec("trainingd_fsdp_collective_seconds").label == "op"
     assert spec("trainingd_ckpt_saves_total").label == "result"
+    # Restores and recoveries say where the state came from.
+    for name in ("trainingd_ckpt_restore_seconds", "trainingd_rank_restart_recovery_seconds"):
+        assert spec(name).label == "source"
+        assert spec(name).label_values == ("memory", "replica", "durable")
     with pytest.raises(KeyError, match="similar"):
         spec("trainingd_train_stepz")
 
@@ -122,6 +126,8 @@ def _record_some_work(tel: RankTelemetry) -> None:
     tel.update_checkpoints(
         ManagerStats(inflight=1, last_committed_step=10, last_committed_unix_s=1.7e9)
     )
+    tel.observe("trainingd_ckpt_restore_seconds", 0.3, "durable")
+    tel.set("trainingd_memory_every_steps", 6)
 
 
 def _scrape(collector: NodeCollector) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
@@ -157,6 +163,7 @@ def test_rank_snapshots_become_labelled_series(tmp_path: Path) -> None:
         build_info_labels("1.2"),
         run_id="run-a",
         config=config_values(cfg),
+        tier_bytes=lambda: {"local": 4096.0, "replica": 1024.0},
     )
     s = _scrape(collector)
 
@@ -181,6 +188,13 @@ def test_rank_snapshots_become_labelled_series(tmp_path: Path) -> None:
     assert _value(s, "trainingd_ckpt_save_latency_seconds_count", **run) == 1
     assert _value(s, "trainingd_ckpt_last_committed_step", **run) == 10
     assert _value(s, "trainingd_fsdp_queue_bound", queue="reduce", **run) == 2
+    assert _value(s, "trainingd_memory_every_steps", **run) == 6
+    # The memory tier's bytes come from the daemon (its directory), labelled by kind.
+    assert _value(s, "trainingd_memory_tier_bytes", kind="local", **run) == 4096
+    assert _value(s, "trainingd_memory_tier_bytes", kind="replica", **run) == 1024
+    # A restore is counted under its source; the others exist at zero.
+    assert _value(s, "trainingd_ckpt_restore_seconds_count", source="durable", **run) == 2
+    assert _value(s, "trainingd_ckpt_restore_seconds_count", source="memory", **run) == 0
     # Node sums: both local ranks.
     assert _value(s, "trainingd_train_tokens_total", **run) == 1024
     assert _value(s, "trainingd_ckpt_bytes_total", **run) == 2000

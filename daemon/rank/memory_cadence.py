@@ -1,0 +1,225 @@
+"""How often a rank snapshots its state into the memory tier: fixed, or `auto` (adaptive).
+
+`memory_every N` snapshots every N steps (`FixedCadence`). `memory_every auto`
+(`AdaptiveCadence`) picks the smallest interval whose amortized snapshot cost stays within
+`budget_ratio` (2%) of the step time, as CheckFreq does (Mohan et al., FAST '21): with a
+snapshot costing the training thread `c` seconds and a step taking `s`, every `n` steps costs
+`c / (n s)` of the run, so the interval is `ceil(c / (budget_ratio x s))`. Both go through
+the `Cadence` seam, so the loop asks one object `due(step)` whatever the setting.
+
+[Note: the adaptive interval is smoothed, with hysteresis] Step times and snapshot costs are
+noisy (a slow step, a page fault on the first write into a fresh slot), so both are smoothed
+(exponential moving averages, weight `smoothing` = 0.1 per measurement), and the interval aims
+`headroom` (10%) under the budget: the smallest interval costing at most `(1 - headroom) x
+budget_ratio` (1.8%). It moves up to that at once when the interval in force breaks the budget
+(a too-frequent snapshot costs every step), and comes down only to an interval costing at most
+`(1 - hysteresis) x budget_ratio` (1.6%): between the two thresholds nothing moves, so a cost
+wandering around one value moves the interval rarely instead of flapping between neighbours
+(with steps +-20% and snapshot costs +-50% around their means, a few changes in 2000 steps,
+`tests/daemon/rank/test_memory_cadence.py`). Before `min_steps` step times and one snapshot
+cost are known it stays at `initial` (10 steps: cheap whatever the snapshot costs, and it
+bounds the steps a restart loses at the start); the first decision takes the aimed interval.
+
+[Note: ranks must agree on the interval] A memory step counts only when every rank holds it, so
+every rank must snapshot at the same steps. The class is deterministic: fed the same numbers in
+the same order, every rank holds the same interval. Feed it values all ranks agree on, e.g. the
+step time and the largest snapshot cost over the ranks from the per-step all-reduce, never a
+rank's own clock alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from daemon.config import StepInterval
+
+__all__ = ["AdaptiveCadence", "Cadence", "FixedCadence", "cadence_for"]
+
+
+class Cadence(Protocol):
+    """When the memory tier snapshots: asked each step, told what steps and snapshots cost."""
+
+    @property
+    def interval(self) -> int:
+        """Steps between two snapshots now (0: never); `trainingd_memory_every_steps`."""
+        ...
+
+    def due(self, step: int) -> bool:
+        """Whether completed step `step` is snapshotted."""
+        ...
+
+    def observe_step(self, step_s: float) -> None:
+        """One optimizer step took `step_s` seconds (without any snapshot cost)."""
+        ...
+
+    def observe_snapshot(self, step: int, snapshot_s: float) -> None:
+        """The snapshot of step `step` cost the training thread `snapshot_s` seconds."""
+        ...
+
+
+class FixedCadence:
+    """`memory_every N`: every N steps (0: never).
+
+    Args:
+        every: the interval in steps, 0 or more.
+
+    Raises:
+        ValueError: `every` is negative.
+    """
+
+    def __init__(self, every: int) -> None:
+        if every < 0:
+            raise ValueError(f"memory_every={every}: use 0 (off) or more steps")
+        self._every = every
+
+    @property
+    def interval(self) -> int:
+        """The configured interval."""
+        return self._every
+
+    def due(self, step: int) -> bool:
+        """Every multiple of the interval (never when it is 0)."""
+        return self._every > 0 and step % self._every == 0
+
+    def observe_step(self, step_s: float) -> None:
+        """Ignored: a fixed interval does not adapt."""
+
+    def observe_snapshot(self, step: int, snapshot_s: float) -> None:
+        """Ignored: a fixed interval does not adapt."""
+
+
+class AdaptiveCadence:
+    """`memory_every auto`: the smallest interval costing at most `budget_ratio` of the step
+    time ([Note: the adaptive interval is smoothed, with hysteresis]).
+
+    Args:
+        budget_ratio: the share of the step time snapshots may cost (0.02: 2%).
+        initial: the interval before enough is measured.
+        min_steps: step times measured before the first decision.
+        smoothing: weight of a new measurement in the moving averages (0 < smoothing <= 1).
+        headroom: how far under the budget the chosen interval aims (a share of it).
+        hysteresis: how far under the budget (a share of it) an interval must cost for the
+            interval to come down to it.
+        max_interval: the largest interval it picks (bounds the steps a restart can lose when
+            snapshots cost far more than steps).
+
+    Raises:
+        ValueError: a parameter out of range (the message names it).
+    """
+
+    def __init__(
+        self,
+        *,
+        budget_ratio: float = 0.02,
+        initial: int = 10,
+        min_steps: int = 3,
+        smoothing: float = 0.1,
+        headroom: float = 0.1,
+        hysteresis: float = 0.2,
+        max_interval: int = 1000,
+    ) -> None:
+        if not 0 < budget_ratio < 1:
+            raise ValueError(f"budget_ratio={budget_ratio}: use a share between 0 and 1")
+        if not 1 <= initial <= max_interval:
+            raise ValueError(f"initial={initial}: use 1 to max_interval ({max_interval})")
+        if min_steps < 1:
+            raise ValueError(f"min_steps={min_steps}: use 1 or more")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing={smoothing}: use a weight in (0, 1]")
+        if not 0 <= headroom < 1:
+            raise ValueError(f"headroom={headroom}: use a share in [0, 1)")
+        if not 0 <= hysteresis < 1:
+            raise ValueError(f"hysteresis={hysteresis}: use a share in [0, 1)")
+        self._ratio, self._smoothing, self._hysteresis = budget_ratio, smoothing, hysteresis
+        self._aim = budget_ratio * (1 - headroom)
+        self._min_steps, self._max = min_steps, max_interval
+        self._interval = initial
+        self._step_s: float | None = None
+        self._snapshot_s: float | None = None
+        self._num_steps = 0
+        self._last_snapshot_step: int | None = None
+        self._decided = False
+
+    @property
+    def interval(self) -> int:
+        """The interval in force."""
+        return self._interval
+
+    @property
+    def smoothed_step_s(self) -> float | None:
+        """The moving average of the step time (None before the first)."""
+        return self._step_s
+
+    @property
+    def smoothed_snapshot_s(self) -> float | None:
+        """The moving average of the snapshot cost (None before the first)."""
+        return self._snapshot_s
+
+    def due(self, step: int) -> bool:
+        """`interval` steps after the last snapshot (the first at a multiple of it)."""
+        if self._last_snapshot_step is None:
+            return step % self._interval == 0
+        return step - self._last_snapshot_step >= self._interval
+
+    def observe_step(self, step_s: float) -> None:
+        """Fold in one step time; re-evaluate the interval."""
+        if not math.isfinite(step_s) or step_s <= 0:
+            return
+        self._step_s = self._average(self._step_s, step_s)
+        self._num_steps += 1
+        self._decide()
+
+    def observe_snapshot(self, step: int, snapshot_s: float) -> None:
+        """Fold in one snapshot cost (and remember its step); re-evaluate the interval."""
+        self._last_snapshot_step = step
+        if not math.isfinite(snapshot_s) or snapshot_s < 0:
+            return
+        self._snapshot_s = self._average(self._snapshot_s, snapshot_s)
+        self._decide()
+
+    def cost_ratio(self, interval: int) -> float | None:
+        """Amortized snapshot cost of `interval` as a share of the step time (None: unknown)."""
+        if self._step_s is None or self._snapshot_s is None:
+            return None
+        return self._snapshot_s / (interval * self._step_s)
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self._smoothing * (new - old)
+
+    def aimed_interval(self) -> int | None:
+        """The smallest interval costing at most the aimed share, by the averages now (None:
+        not measured yet)."""
+        if self._step_s is None or self._snapshot_s is None:
+            return None
+        return self._smallest_within(self._aim)
+
+    def _smallest_within(self, ratio: float) -> int:
+        assert self._step_s is not None
+        assert self._snapshot_s is not None
+        # The tolerance keeps an exact fit (cost == ratio) from rounding one step up.
+        need = math.ceil(self._snapshot_s / (ratio * self._step_s) - 1e-9)
+        return min(max(need, 1), self._max)
+
+    def _decide(self) -> None:
+        aimed = self.aimed_interval()
+        cost = self.cost_ratio(self._interval)
+        if aimed is None or cost is None or self._num_steps < self._min_steps:
+            return
+        if not self._decided or cost > self._ratio:
+            self._interval, self._decided = aimed, True
+            return
+        lower = self._smallest_within(self._ratio * (1 - self._hysteresis))
+        self._interval = min(self._interval, lower)
+
+
+def cadence_for(setting: StepInterval) -> Cadence:
+    """The cadence of a `memory_every` setting: `FixedCadence`, or `AdaptiveCadence` for auto.
+
+    Args:
+        setting: `CheckpointSettings.memory_every` as the daemon handed it (0 when `auto`
+            could not fit this node).
+    """
+    if setting.steps is None:
+        return AdaptiveCadence()
+    return FixedCadence(setting.steps)
