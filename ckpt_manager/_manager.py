@@ -495,6 +495,19 @@ class CheckpointManager:
         steps = committed_steps(self._storage)
         return steps[-1] if steps else None
 
+    def memory_steps(self) -> list[int]:
+        """Steps this rank's memory slots hold, ascending ([] without the memory tier).
+
+        Read from the slots' metas alone, unverified and not agreed across ranks: a hint that
+        a memory restore may find something (`restore()` verifies and agrees). Reads no storage.
+        """
+        if self._memory is None:
+            return []
+        metas = self._memory.files.read_metas().values()
+        return sorted(
+            {m["step"] for m in metas if isinstance(m, dict) and isinstance(m.get("step"), int)}
+        )
+
     def all_steps(self) -> list[int]:
         """Every committed step under the root, ascending."""
         return committed_steps(self._storage)

@@ -94,6 +94,15 @@ class SaveFailedError(CheckpointError):
         return (type(self), (self.step, self.causes))
 
 
+class MemorySnapshotError(CheckpointError):
+    """A memory-only snapshot of this rank failed (e.g. its tmpfs is full).
+
+    Raised on the training thread at the manager's next call. The newest complete snapshot is
+    intact and the tier goes on with the next save, so a caller may log it and train on: a
+    step this rank lacks is simply never agreed on for a memory restore.
+    """
+
+
 class CommitConflictError(CheckpointError):
     """The step's manifest already exists with other content: another attempt committed it.
 

@@ -21,7 +21,7 @@ from ckpt_manager._memory.tier import MemoryTier, SnapshotJob
 from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.request import SaveRequest
 from ckpt_manager._types import MEMORY_SNAPSHOT_HOOK
-from ckpt_manager.errors import CheckpointError
+from ckpt_manager.errors import MemorySnapshotError
 
 __all__ = ["Snapshots"]
 
@@ -100,7 +100,7 @@ class Snapshots:
             everything: wait (up to `settle_s` each) for every job, copied or not.
 
         Raises:
-            CheckpointError: a memory-only snapshot failed (e.g. its tmpfs is full); the
+            MemorySnapshotError: a memory-only snapshot failed (e.g. its tmpfs is full); the
                 previous snapshot is intact and the tier goes on with the next save.
         """
         if settle_s > 0:
@@ -119,7 +119,7 @@ class Snapshots:
                 if not request.durable:  # a durable one fails through the agreement
                     failures.append(f"step {job.step}: {job.error}")
         if failures:
-            raise CheckpointError(
+            raise MemorySnapshotError(
                 f"memory snapshot failed on rank {self._rank}: {'; '.join(failures)}"
             )
 

@@ -23,6 +23,16 @@ micro-batch losses are summed on the device; the agreed `[loss, stop, checkpoint
 gradient norm come back together in one `.tolist()` after the all-reduce, the step's only
 read (the stop decision needs it every step). `tests/daemon/rank/test_loop_host_syncs.py` counts.
 
+[Note: the memory tier in the loop] With `memory_every` on (and the daemon's tier directory
+present, on every rank: the ranks agree, else all train durable-only), every save also lands in
+the rank's memory slot, and between durable saves the loop snapshots into memory alone
+(`save(..., durable=False)`) when the cadence (`memory_cadence.py`) says so. The cadence is
+fed values every rank agrees on: the step time and the snapshot's training-thread cost (the
+`save()` call plus the wait at the next optimizer-step fence) ride on the per-step all-reduce
+(their means), one step late. A failed memory snapshot (`MemorySnapshotError`: a full tmpfs)
+is logged and counted, and training goes on: a step some rank lacks is never agreed on for a
+memory restore. A restart restores from memory first (`RestoreResult.source`).
+
 Checkpoint calls go through `SaveFailurePolicy` (`save_failures.py`): a failed save is
 reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
 The final save of the drain is retried once and must commit, else the run fails.
@@ -44,7 +54,8 @@ import functools
 import math
 import random
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import structlog
 import torch
@@ -60,6 +71,7 @@ from daemon.jobs.init_from import (
 )
 from daemon.jobs.job import JobSpec
 from daemon.rank.data import ShardedLoader
+from daemon.rank.memory_cadence import Cadence, FixedCadence, cadence_for
 from daemon.rank.save_failures import SaveFailurePolicy
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
 from daemon.rank.throughput import gpu_memory, mfu_ratio, peak_flops
@@ -72,6 +84,11 @@ if TYPE_CHECKING:
 __all__ = ["LoopResult", "make_optimizer", "run_training"]
 
 log = structlog.get_logger("trainingd.loop")
+
+_T = TypeVar("_T")
+_MEMORY_FAILURE_RETRIES = 3
+"""Memory-snapshot failures one checkpoint call may report before it runs (each is one older
+snapshot's; at most the tier's slots plus the saves in flight are pending at once)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -121,13 +138,46 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     random.setstate((int(version), tuple(int(x) for x in internal), gauss))
 
 
-def _checkpoint_config(cfg: DaemonConfig) -> Any:
-    from ckpt_manager import CheckpointConfig, S3Options
+def _memory_tier_available(cfg: DaemonConfig) -> bool:
+    """Whether this rank can use the memory tier: on in the config and its directory exists.
+
+    The daemon creates the directory at start (`daemon/agent/memory_dir.py`); under a plain
+    `torchrun` no daemon owns one, and the rank trains durable-only.
+    """
+    if cfg.checkpoint.memory_every.is_off:
+        return False
+    if cfg.memory_tier_dir.is_dir():
+        return True
+    log.warning(
+        "memory_tier_unavailable",
+        memory_dir=str(cfg.memory_tier_dir),
+        reason="no daemon created this node's memory-tier directory: durable checkpoints only",
+    )
+    return False
+
+
+def _agree_all(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on every rank (collective)."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item() > 0)
+
+
+def _agree_any(flag: bool, device: torch.device) -> bool:
+    """Whether `flag` holds on some rank (collective)."""
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item() > 0)
+
+
+def _checkpoint_config(cfg: DaemonConfig, *, memory: bool = False) -> Any:
+    from ckpt_manager import CheckpointConfig, MemoryTierConfig, S3Options
     from daemon._storage import s3_storage_options
 
     ck = cfg.checkpoint
     options = s3_storage_options(cfg)
     return CheckpointConfig(
+        memory=MemoryTierConfig(directory=str(cfg.memory_tier_dir)) if memory else None,
         async_mode=ck.async_mode,
         # The `keep_*` keys, read by ckpt_manager's registry (None: keep every checkpoint).
         retention=ck.retention.policy(),
@@ -169,15 +219,30 @@ def _materialize_optimizer_state(
     exp_avg_sq) lazily at the first step: a template taken before any step would silently
     restore no optimizer state. One step on zero gradients (the loss times 0, on the dataset's
     first samples) creates every state tensor; the restore then overwrites all of it, weights
-    and param groups included, so nothing of this step survives.
+    and param groups included, so nothing of this step survives. The step runs at learning
+    rate 0, so it moves no weight either (AdamW's decay is `1 - lr x wd`): when the restore
+    finds nothing after all (memory slots that do not verify, no durable step),
+    `_forget_optimizer_state` leaves exactly a fresh start.
     """
     samples = [job.train_data[i] for i in range(min(2, len(job.train_data)))]
     inputs = torch.stack([x for x, _ in samples]).to(device)
     targets = torch.stack([y for _, y in samples]).to(device)
     loss = job.loss_fn(model(inputs), targets) * 0.0
     loss.backward()  # type: ignore[no-untyped-call]
-    optimizer.step()
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    try:
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, rates, strict=True):
+            group["lr"] = lr
     optimizer.zero_grad()
+
+
+def _forget_optimizer_state(optimizer: Any) -> None:
+    """Drop the state `_materialize_optimizer_state` created (a fresh start after all)."""
+    optimizer.optimizer.state.clear()
 
 
 def _init_source(cfg: DaemonConfig, job: JobSpec, expected: dict[str, Any]) -> InitSource | None:
@@ -242,6 +307,11 @@ class _Agreement(NamedTuple):
     """Some rank was asked for a checkpoint."""
     grad_norm: float
     """Global gradient norm before clipping (read in the same host read)."""
+    step_s: float = 0.0
+    """Mean over ranks of the previous step's time without snapshot costs (0 before the
+    first); [Note: the memory tier in the loop]."""
+    snapshot_s: float = 0.0
+    """Mean over ranks of the last memory snapshot's training-thread cost (0: none)."""
 
 
 class _Training:
@@ -311,8 +381,15 @@ class _Training:
             seed=tc.seed,
             pin_memory=device.type == "cuda",
         )
+        self.memory_tier = _agree_all(_memory_tier_available(cfg), device)
+        self.cadence: Cadence = (
+            cadence_for(cfg.checkpoint.memory_every) if self.memory_tier else FixedCadence(0)
+        )
         self.manager = CheckpointManager(
-            cfg.checkpoint.ckpt_uri, _checkpoint_config(cfg), run_id=cfg.run_id, observer=telemetry
+            cfg.checkpoint.ckpt_uri,
+            _checkpoint_config(cfg, memory=self.memory_tier),
+            run_id=cfg.run_id,
+            observer=telemetry,
         )
         self.tokens_per_step = tc.batch_size * self.micro_batches * job.tokens_per_sample
         # [Note: MFU] in `daemon/rank/throughput.py`: None (no peak known) exports no MFU.
@@ -323,6 +400,11 @@ class _Training:
         self.num_tokens = 0
         # Where the restored state came from (`memory`, `replica`, `durable`); None: nothing.
         self.restore_source: str | None = None
+        # [Note: the memory tier in the loop]: this rank's last step time and the cost of its
+        # last memory snapshot, agreed on (means) in the next step's all-reduce.
+        self._last_step_s = 0.0
+        self._snapshot_cost_s = 0.0
+        self._snapshot_step: int | None = None
 
     def state(self) -> dict[str, Any]:
         """The state saved at a step (see the module docstring)."""
@@ -344,7 +426,10 @@ class _Training:
         telemetry, manager = self.telemetry, self.manager
         telemetry.heartbeat(RankPhase.RESTORING)
         t0 = time.perf_counter()
-        if _checkpoint_exists(manager):
+        # Memory may hold a step when storage holds none (the tier outlives a rank).
+        in_memory = _agree_any(bool(manager.memory_steps()), self.device)
+        materialized = in_memory or _checkpoint_exists(manager)
+        if materialized:
             _materialize_optimizer_state(self.model, self.optimizer, self.job, self.device)
         # [Note: ranks beat while restoring] Every read from storage beats the heartbeat
         # behind /healthz (published at most every `publish_interval_s`), so a restore of any
@@ -363,17 +448,22 @@ class _Training:
             rng = rng.value if isinstance(rng, RankLocal) else rng
             if rng is not None:
                 _set_rng_state(rng, self.device)
-            # Every restore reads storage today; the memory tier will report its own source.
-            self.restore_source = "durable"
+            self.restore_source = restored.source
             restore_s = time.perf_counter() - t0
             log.info(
                 "restored",
                 ckpt_step=self.step,
                 source=self.restore_source,
+                fallback_reason=restored.fallback_reason,
                 seconds=round(restore_s, 3),
             )
             telemetry.observe("trainingd_ckpt_restore_seconds", restore_s, self.restore_source)
-        elif (init := _init_source(self.cfg, self.job, self._init_expected)) is not None:
+        elif materialized:
+            _forget_optimizer_state(self.optimizer)
+        if (
+            restored is None
+            and (init := _init_source(self.cfg, self.job, self._init_expected)) is not None
+        ):
             init_bytes = load_into(self.model, init)
             log.info("initialized_from", uri=init.source.uri, num_bytes=init_bytes)
         self.start_step = self.saved_step = self.step
@@ -415,6 +505,7 @@ class _Training:
         agreed = self.agree(loss_sum, grad_norm)
         self.last_loss, self.stopped = agreed.loss, agreed.stop
         step_s = time.perf_counter() - step_start
+        self._feed_cadence(agreed, step_s)
         self.record_step(batches, agreed, lr=lr, data_s=data_s, step_s=step_s)
         self.maybe_checkpoint(agreed)
         self.telemetry.heartbeat()
@@ -451,7 +542,11 @@ class _Training:
         tc = self.cfg.train
         grad_norm = self.optimizer.clip_grad_norm_(tc.grad_clip if tc.grad_clip > 0 else math.inf)
         lr = float(self.scheduler.get_last_lr()[0])
-        self.manager.before_optimizer_step()  # an async save's snapshot copy must be done
+        fence_start = time.perf_counter()
+        # An async save's snapshot copy must be done before the weights change.
+        self._tolerate_memory_failure(self.manager.before_optimizer_step)
+        if self._snapshot_step is not None:
+            self._snapshot_cost_s += time.perf_counter() - fence_start
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.scheduler.step()
@@ -466,10 +561,12 @@ class _Training:
         stop_local, ckpt_local = self.control.poll()
         # [Note: one host read per step]; a pageable host->device copy with non_blocking
         # is staged at once, without waiting for the stream (a blocking one would).
-        flags = torch.tensor([float(stop_local), float(ckpt_local)])
+        flags = torch.tensor(
+            [float(stop_local), float(ckpt_local), self._last_step_s, self._snapshot_cost_s]
+        )
         agreed = torch.cat([loss_sum.float().reshape(1), flags.to(self.device, non_blocking=True)])
         dist.all_reduce(agreed)
-        loss_total, stop_count, ckpt_count, grad_norm_value = torch.cat(
+        loss_total, stop_count, ckpt_count, step_s_sum, snapshot_sum, grad_norm_value = torch.cat(
             [agreed, grad_norm.float().reshape(1)]
         ).tolist()
         return _Agreement(
@@ -477,6 +574,8 @@ class _Training:
             stop=stop_count > 0,
             checkpoint=ckpt_count > 0,
             grad_norm=grad_norm_value,
+            step_s=step_s_sum / self.world,
+            snapshot_s=snapshot_sum / self.world,
         )
 
     def record_step(
@@ -522,14 +621,60 @@ class _Training:
         if due or agreed.checkpoint or agreed.stop:
             self.failures.guard(
                 functools.partial(
-                    self.manager.save, step, self.state(), metrics={"loss": agreed.loss}
+                    self._tolerate_memory_failure,
+                    functools.partial(
+                        self.manager.save, step, self.state(), metrics={"loss": agreed.loss}
+                    ),
                 )
             )
             self.saved_step = step
             log.info("checkpoint_scheduled", ckpt_step=step, loss=round(agreed.loss, 4))
-        self.failures.guard(self.manager.maybe_finalize)
+        elif self.memory_tier and self.cadence.due(step):
+            self.snapshot_to_memory(step)
+        self.failures.guard(
+            functools.partial(self._tolerate_memory_failure, self.manager.maybe_finalize)
+        )
         self.telemetry.update_checkpoints(self.manager.stats())
         self.telemetry.set("trainingd_ckpt_consecutive_save_failures", self.failures.consecutive)
+
+    def snapshot_to_memory(self, step: int) -> None:
+        """Snapshot the state into the memory tier alone ([Note: the memory tier in the loop])."""
+        started = time.perf_counter()
+        self._tolerate_memory_failure(
+            functools.partial(self.manager.save, step, self.state(), durable=False)
+        )
+        self._snapshot_cost_s = time.perf_counter() - started
+        self._snapshot_step = step
+
+    def _feed_cadence(self, agreed: _Agreement, step_s: float) -> None:
+        """Hand the cadence what every rank agreed on; note this step for the next one."""
+        if agreed.step_s > 0:
+            self.cadence.observe_step(agreed.step_s)
+        if self._snapshot_step is not None:
+            self.cadence.observe_snapshot(self._snapshot_step, agreed.snapshot_s)
+            self.telemetry.observe("trainingd_memory_snapshot_seconds", self._snapshot_cost_s)
+            # The fence wait of the snapshot is not the step's own time.
+            step_s -= self._snapshot_cost_s
+            self._snapshot_step, self._snapshot_cost_s = None, 0.0
+        self._last_step_s = max(step_s, 0.0)
+        self.telemetry.set("trainingd_memory_every_steps", self.cadence.interval)
+
+    @staticmethod
+    def _tolerate_memory_failure(call: Callable[[], _T]) -> _T:
+        """Run a checkpoint call; a failed memory snapshot reported by it is logged, not raised.
+
+        The manager raises `MemorySnapshotError` once, from the first call after the failed
+        copy, before doing that call's own work, so the call runs again. The older snapshot is
+        intact and the tier goes on ([Note: the memory tier in the loop]).
+        """
+        from ckpt_manager import MemorySnapshotError
+
+        for _ in range(_MEMORY_FAILURE_RETRIES):
+            try:
+                return call()
+            except MemorySnapshotError as err:
+                log.error("memory_snapshot_failed_training_continues", error=str(err))
+        return call()
 
     # --- after the last step ------------------------------------------------------------------
     def drain(self) -> None:
@@ -541,7 +686,9 @@ class _Training:
             self.failures.guard(
                 functools.partial(manager.save, step, self.state(), metrics=final_metrics)
             )
-        self.failures.guard(manager.wait_until_finished)
+        self.failures.guard(
+            functools.partial(self._tolerate_memory_failure, manager.wait_until_finished)
+        )
         if step != self.start_step and manager.stats().last_committed_step != step:
             # The final save failed (tolerated above like any other): try once more, and fail
             # the run if that fails too, rather than exit 0 with the last steps unsaved.

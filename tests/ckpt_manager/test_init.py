@@ -37,6 +37,7 @@ EXPECTED = [
     "LeaseHeldError",
     "LeaseLostError",
     "ManagerStats",
+    "MemorySnapshotError",
     "MemoryTierConfig",
     "MetricMode",
     "RankLocal",

@@ -18,6 +18,7 @@ from ckpt_manager import (
     CheckpointConfig,
     CheckpointError,
     CheckpointManager,
+    MemorySnapshotError,
     MemoryTierConfig,
     SaveFailedError,
 )
@@ -190,7 +191,7 @@ def test_a_full_tmpfs_is_a_clear_error_or_a_skipped_extra_slot(
         # A state that outgrows the tmpfs: a clear error at the next call, never a SIGBUS.
         big = {"w": torch.zeros(100_000)}
         mgr.save(4, big, durable=False)
-        with pytest.raises(CheckpointError, match=r"no room for \d+ bytes in .*tmpfs"):
+        with pytest.raises(MemorySnapshotError, match=r"no room for \d+ bytes in .*tmpfs"):
             mgr.wait_until_finished()  # records the snapshot (as any later call would)
         mgr.save(5, big)
         with pytest.raises(SaveFailedError, match="no room"):
