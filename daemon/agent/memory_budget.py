@@ -28,11 +28,13 @@ call: reclaim (`memory_dir.py`), budget, claim.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 
@@ -144,6 +146,32 @@ def estimate_state_bytes(model: nn.Module, shard_factor: int) -> int:
     return math.ceil(params * STATE_BYTES_PER_PARAM / max(shard_factor, 1)) + buffers
 
 
+@contextlib.contextmanager
+def _init_skipped() -> Iterator[None]:
+    """`torch.nn.init`'s in-place initializers return their tensor untouched, meanwhile.
+
+    On the meta device they compute nothing anyway, but torch's meta `normal_` goes through a
+    dynamo-disabled reference implementation that imports `torch._dynamo`: 2 s of the daemon's
+    start for a count of parameters. (Transformers' `no_init_weights` does the same.) The
+    daemon is single-threaded while it estimates.
+    """
+    import torch
+
+    names = [n for n in vars(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+
+    def untouched(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        return tensor
+
+    for name in names:
+        setattr(torch.nn.init, name, untouched)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def job_state_bytes(cfg: DaemonConfig) -> int | None:
     """`estimate_state_bytes` of the configured job, built on the meta device; None when the
     job cannot be built there (see the Note)."""
@@ -155,7 +183,7 @@ def job_state_bytes(cfg: DaemonConfig) -> int | None:
     factor = cfg.shard_group_size_at(world) or world
     try:
         build = load_job(cfg.train.job)
-        with torch.device("meta"):
+        with torch.device("meta"), _init_skipped():
             job = build(JobContext(rank=0, world_size=world, seed=cfg.train.seed))
         return estimate_state_bytes(job.model, factor)
     except Exception as err:  # any job code: the ranks will report it if it is real

@@ -181,10 +181,10 @@ def test_trains_scrapes_notifies_and_stops_cleanly_on_sigterm(
     assert session_pids(d.pid) == []
 
 
-@pytest.mark.parametrize("strategy", ["optim_grads_params", "no_shard"])
-def test_resume_after_sigterm_is_bitwise_exact(
-    tmp_path: Path, procs: list[DaemonProc], strategy: str
-) -> None:
+def test_resume_after_sigterm_is_bitwise_exact(tmp_path: Path, procs: list[DaemonProc]) -> None:
+    # ZeRO-3 here; the memory resume below is bitwise for no_shard (each strategy resumes
+    # from one tier in the suite: the state dicts differ, the restore paths do not).
+    strategy = "optim_grads_params"
     steps, held_after = 12, 3
     stopped_at = held_after + 1
     args = [
@@ -232,7 +232,7 @@ def test_killed_worker_resumes_from_memory_bitwise_and_daemon_death_leaves_nothi
     # 12 steps: the restarted group trains on past the held step 10 and commits the last.
     # Durable saves every 5 steps, memory snapshots every step.
     args = [
-        *_FAST, *GATED_JOB, "--strategy", "optim_grads_params", "--max-steps", "12",
+        *_FAST, *GATED_JOB, "--strategy", "no_shard", "--max-steps", "12",
         "--ckpt-every", "5", "--memory-every", "1",
     ]  # fmt: skip
     # The uninterrupted run: same job and seeds, its own root and memory tier.
