@@ -58,6 +58,9 @@ __all__ = [
     "tmpfs_free_bytes",
 ]
 
+_V1_MEMORY_CONTROLLER = "memory"
+"""The cgroup v1 controller (and hierarchy) that accounts memory, tmpfs pages included."""
+
 log = structlog.get_logger("trainingd.memory")
 
 NUM_SLOTS = 2
@@ -115,14 +118,14 @@ def cgroup_memory(
         _, controllers, path = line.split(":", 2)
         if controllers == "":
             v2_path = path.lstrip("/")
-        elif "memory" in controllers.split(","):
+        elif _V1_MEMORY_CONTROLLER in controllers.split(","):
             v1_path = path.lstrip("/")
     candidates = []
     if v2_path is not None:
         for base in (root / v2_path, root):
             candidates.append((base / "memory.max", base / "memory.current"))
     if v1_path is not None:
-        for base in (root / "memory" / v1_path, root / "memory"):
+        for base in (root / _V1_MEMORY_CONTROLLER / v1_path, root / _V1_MEMORY_CONTROLLER):
             candidates.append((base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"))
     for limit_path, usage_path in candidates:
         if limit_path.exists():

@@ -155,8 +155,11 @@ def test_a_daemon_reclaims_its_killed_predecessor_and_a_stop_leaves_nothing(
     owner = json.loads((mine / OWNER_FILE).read_text())
     assert owner["pid"] == first.pid
     assert first.find("memory_budget")[0]["fits"] is True
-    # What a rank's slot would hold, then the whole session is SIGKILLed: nothing cleans up.
-    (mine / "rank-00000.slot-0").write_bytes(os.urandom(1 << 20))
+    # A megabyte more in the tier (ranks write their own slots too; this name is not one of
+    # theirs, so the restarted run never recreates it), then the whole session is SIGKILLed:
+    # nothing cleans up.
+    left = mine / "left-by-the-killed-run.bin"
+    left.write_bytes(os.urandom(1 << 20))
     first.cleanup()
     assert (mine / OWNER_FILE).exists()
 
@@ -168,7 +171,7 @@ def test_a_daemon_reclaims_its_killed_predecessor_and_a_stop_leaves_nothing(
     assert reclaimed["directories"] == [mine.name]
     assert reclaimed["bytes_freed"] >= 1 << 20
     assert json.loads((mine / OWNER_FILE).read_text())["pid"] == second.pid
-    assert not (mine / "rank-00000.slot-0").exists()
+    assert not left.exists()
 
     # The same run and node started again while that daemon lives: refused, exit 2. (Another
     # checkpoint root, so the root's lease does not refuse it first.)
