@@ -23,12 +23,14 @@ import torch
 
 from ckpt_manager._format.dtensor import dtensor_piece, is_dtensor
 from ckpt_manager._types import RankLocal
+from ckpt_manager.errors import CheckpointError
 
 __all__ = [
     "Flattened",
     "LeafKind",
     "Placement",
     "TensorLeaf",
+    "copy_into_template",
     "flatten",
     "is_sharded",
     "placement_of",
@@ -286,3 +288,18 @@ def flatten(state: Any, *, keep_replicas: bool = False) -> Flattened:
     f = _Flattener(keep_replicas)
     tree = f.visit(state, "", False)
     return Flattened(tree, f.rank_local, f.leaves, f.replicas)
+
+
+def copy_into_template(template: torch.Tensor, value: torch.Tensor, path: str, step: int) -> None:
+    """Copy a restored whole tensor into the template's tensor at `path`, same shape only.
+
+    Raises:
+        CheckpointError: the shapes differ (the message names the step, path and both).
+    """
+    if tuple(value.shape) != tuple(template.shape):
+        raise CheckpointError(
+            f"step {step}: tensor {path!r} was saved with shape "
+            f"{tuple(value.shape)}, the template has {tuple(template.shape)}"
+        )
+    with torch.no_grad():
+        template.copy_(value)

@@ -21,7 +21,7 @@ from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._format.pieces import Piece
 from ckpt_manager._format.rank_index import RankIndex, check_rank_index, piece_of
 from ckpt_manager._format.shard_file import dtype_from_name
-from ckpt_manager._format.tree import is_sharded, placement_of
+from ckpt_manager._format.tree import copy_into_template, is_sharded, placement_of
 from ckpt_manager._load.reshard import Region, fill_region
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._types import ALIASES_KEY, RankLocal
@@ -224,14 +224,7 @@ class _Loader:
         if isinstance(template, torch.Tensor):
             if tag not in ("T", "S"):
                 raise self._mismatch(path, "tensor", tag)
-            value = self.whole(node, rl)
-            if tuple(value.shape) != tuple(template.shape):
-                raise CheckpointError(
-                    f"step {self.m.step}: tensor {path!r} was saved with shape "
-                    f"{tuple(value.shape)}, the template has {tuple(template.shape)}"
-                )
-            with torch.no_grad():
-                template.copy_(value)
+            copy_into_template(template, self.whole(node, rl), path, self.m.step)
             return template
         if is_sharded(template):
             if tag not in ("T", "S") or rl is not None:

@@ -22,7 +22,7 @@ import torch
 
 from ckpt_manager._format.checksum import checksum
 from ckpt_manager._format.shard_file import dtype_from_name
-from ckpt_manager._format.tree import is_sharded
+from ckpt_manager._format.tree import copy_into_template, is_sharded
 from ckpt_manager._memory.meta import SlotMeta
 from ckpt_manager._types import ALIASES_KEY, RankLocal
 from ckpt_manager.errors import CheckpointError
@@ -144,14 +144,7 @@ class _Builder:
         if isinstance(template, torch.Tensor):
             if tag not in ("T", "S"):
                 raise self._mismatch(path, "tensor", tag)
-            value = self._view(node[1])
-            if tuple(value.shape) != tuple(template.shape):
-                raise CheckpointError(
-                    f"step {self.meta.step}: tensor {path!r} was saved with shape "
-                    f"{tuple(value.shape)}, the template has {tuple(template.shape)}"
-                )
-            with torch.no_grad():
-                template.copy_(value)
+            copy_into_template(template, self._view(node[1]), path, self.meta.step)
             return template
         if is_sharded(template):
             if tag != "S":

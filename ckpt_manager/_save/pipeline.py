@@ -112,15 +112,19 @@ class LocalPipeline:
         self._slabs = [None] * self._config.max_inflight
         self._memory_slabs = {}
 
+    def _release(self, slab: Slab) -> None:
+        """Unmap an outgrown slab here and in the writer (staging thread only)."""
+        if self._writer is not None:
+            self._writer.drop_slab(slab.slab_id)
+        slab.close()
+
     def _slab_for(self, slot: int, nbytes: int) -> Slab:
         """The slot's staging buffer, (re)allocated when too small (staging thread only)."""
         slab = self._slabs[slot]
         if slab is not None and slab.capacity >= nbytes:
             return slab
         if slab is not None:
-            if self._writer is not None:
-                self._writer.drop_slab(slab.slab_id)
-            slab.close()
+            self._release(slab)
         slab = self._slabs[slot] = Slab(self._next_slab_id, nbytes)
         self._next_slab_id += 1
         return slab
@@ -137,9 +141,7 @@ class LocalPipeline:
         if slab is not None and slab.capacity >= nbytes:
             return slab
         if slab is not None:
-            if self._writer is not None:
-                self._writer.drop_slab(slab.slab_id)
-            slab.close()
+            self._release(slab)
             del self._memory_slabs[job.slot]
         allocated = self._memory.allocate(job, nbytes)
         if allocated is None:
