@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from daemon._config_load import add_config_flags, dump_toml, load_config
 from daemon._version import distribution_version
+from daemon.config import RankStart
 from daemon.errors import ConfigError
 
 _EPILOG = """\
@@ -125,8 +126,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     # The composition root of the daemon process: the agent launches the rank entry point
     # it is handed here, so neither side imports the other (`daemon/__init__.py`, layering).
-    from daemon.agent.run import run_daemon
     from daemon.worker import RANK_MODULES, elastic_entry
+
+    if cfg.launch.rank_start is RankStart.FORK_SERVER:
+        # Before this process imports torch: the server imports while the daemon does.
+        from daemon.agent import fork_server
+
+        entry_module = elastic_entry.__module__
+        fork_server.launch(fork_server.preload_modules(cfg.train.job, entry_module, RANK_MODULES))
+    from daemon.agent.run import run_daemon
 
     return run_daemon(cfg, elastic_entry, started=started, rank_modules=RANK_MODULES)
 

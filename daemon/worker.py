@@ -18,20 +18,25 @@ process group, build the job and train.
 
 On CUDA (`--device`, `daemon/_device.py`) local rank `r` trains on GPU `r`: the device is set
 before the process group exists, so NCCL binds each rank to its own GPU.
+
+Importing this module loads no torch: the daemon imports it (for `elastic_entry` and
+`RANK_MODULES`) before it launches its fork server, which must start importing while the
+daemon has not ([Note: the server imports while the daemon does] in
+`daemon/agent/fork_server.py`). torch's error recording is applied when an entry point runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import structlog
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from daemon._config_load import add_config_flags, load_config
 from daemon._lifecycle import ParentWatch, become_group_leader
@@ -45,6 +50,7 @@ from daemon.rundir.snapshot import RankPhase, snapshot_path
 __all__ = ["RANK_MODULES", "elastic_entry", "main", "run_rank"]
 
 _COLLECTIVE_TIMEOUT = timedelta(seconds=300)
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 RANK_MODULES = (
     "torch.distributed",
@@ -61,6 +67,19 @@ the loop import lazily (so that the daemon, which imports this module for `elast
 not load the rank side), and `torch._dynamo`, which torch itself imports at a rank's first
 parameter initialisation (seconds). The daemon's fork server imports them ahead
 (`daemon/cli.py` hands them over)."""
+
+
+def _recorded(entry: _F) -> _F:
+    """torch elastic's `record` (the error file the agent reads), applied when `entry` runs, so
+    that importing this module stays torch-free."""
+
+    @functools.wraps(entry)
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(entry)(*args, **kwargs)
+
+    return cast(_F, recorded)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -175,7 +194,7 @@ def run_rank(
         watch.close()
 
 
-@record
+@_recorded
 def elastic_entry(
     cfg: DaemonConfig,
     run_dir: str,
@@ -194,7 +213,7 @@ def elastic_entry(
     )
 
 
-@record
+@_recorded
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m daemon.worker [config flags]` under plain torchrun."""
     parser = argparse.ArgumentParser(

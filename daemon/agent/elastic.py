@@ -307,7 +307,7 @@ class ElasticLauncher:
 
     def _start_fork_server(self) -> ForkServer | None:
         """The daemon's fork server, or None (ranks are spawned) when it is not usable."""
-        modules = preload_modules(self._cfg.train.job, self._entry, self._rank_modules)
+        modules = preload_modules(self._cfg.train.job, self._entry.__module__, self._rank_modules)
         try:
             server = ForkServer.start(modules, timeout_s=_FORK_SERVER_START_S)
         except ForkServerError as err:

@@ -34,6 +34,16 @@ each is made what a spawned rank gets:
 - parent: the server, not the daemon ([Note: how rank processes and their checkpoint writers
   die with the daemon] in `daemon/_lifecycle.py`).
 
+[Note: the server imports while the daemon does] The server is a fresh interpreter whose
+imports (torch, the rank side, the job: about 4 s on 2 cores) used to start only once the
+daemon had imported torch itself and passed its start-up checks (about 2 s more). `trainingd run`
+now `launch`es it first thing, before the daemon's own heavy imports (`daemon/cli.py`:
+nothing it imports before that loads torch, `tests/daemon/agent/test_fork_server.py` checks),
+so the two import at once; `ForkServer.start` later takes the launched server over (its
+`preload_s` counts from the launch) and checks it as before. A daemon that ends before its
+launcher takes the server over (a failed start-up check, a run already complete) stops it
+with `stop_unclaimed`: the server reads the daemon's exit only after its imports.
+
 The server lives as long as the daemon, one for all rounds: multiprocessing keeps one per
 process (and starts a new one, with the same preload, if it died). It is the daemon's child, in
 the daemon's process group; it exits once the daemon and every rank it forked are gone (its
@@ -44,6 +54,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import signal
 import sys
@@ -57,7 +68,14 @@ from typing import Any, Final, NamedTuple
 from daemon._lifecycle import parent_of, pid_alive
 from daemon.errors import ForkServerError
 
-__all__ = ["ForkServer", "ServerState", "preload_modules", "warm_entry"]
+__all__ = [
+    "ForkServer",
+    "ServerState",
+    "launch",
+    "preload_modules",
+    "stop_unclaimed",
+    "warm_entry",
+]
 
 START_METHOD: Final = "forkserver"
 """multiprocessing's (and torch's `start_processes`') name of the start method."""
@@ -69,16 +87,50 @@ Entry = Callable[..., dict[str, Any] | None]
 """A rank entry point, as `elastic.Entry`."""
 
 
-def preload_modules(job: str, entry: Entry, rank_modules: Sequence[str]) -> list[str]:
+def preload_modules(job: str, entry_module: str, rank_modules: Sequence[str]) -> list[str]:
     """What the server imports: torch, the rank's modules, the entry's and the job's module.
 
     Args:
         job: the job, `module:callable`.
-        entry: the rank entry point (its module is imported).
+        entry_module: the module of the rank entry point (`daemon.worker`).
         rank_modules: what the entry imports when it starts (`daemon.worker.RANK_MODULES`).
     """
-    wanted = ["torch", *rank_modules, entry.__module__, job.partition(":")[0], _STATE_MODULE]
+    wanted = ["torch", *rank_modules, entry_module, job.partition(":")[0], _STATE_MODULE]
     return list(dict.fromkeys(wanted))
+
+
+class _Launch(NamedTuple):
+    modules: tuple[str, ...]
+    at: float
+    """`time.monotonic()` of the launch."""
+
+
+class _Pending:
+    launch: _Launch | None = None
+    """The server `launch` started in this process, until `ForkServer.start` takes it over."""
+
+
+def launch(modules: Sequence[str]) -> None:
+    """Start the server process now, importing `modules`, and return at once.
+
+    Its imports run while the caller goes on ([Note: the server imports while the daemon
+    does]); `ForkServer.start` with the same modules takes it over. Call it before this process
+    starts threads or imports torch (that is the point) and before anything else uses
+    multiprocessing's forkserver.
+    """
+    ctx = multiprocessing.get_context(START_METHOD)
+    ctx.set_forkserver_preload(list(modules))
+    started = time.monotonic()
+    multiprocessing.forkserver.ensure_running()
+    _Pending.launch = _Launch(tuple(modules), started)
+
+
+def stop_unclaimed() -> None:
+    """Stop a server `launch` started that no `ForkServer.start` took over (idempotent)."""
+    if _Pending.launch is None:
+        return
+    _Pending.launch = None
+    _kill_servers(_forkserver_children())
 
 
 class ServerState(NamedTuple):
@@ -145,8 +197,13 @@ class ForkServer:
                 answer within `timeout_s`, or is not safe to fork (then it is stopped).
         """
         ctx = multiprocessing.get_context(START_METHOD)
-        ctx.set_forkserver_preload(list(modules))
-        started = time.monotonic()
+        if _Pending.launch is not None and _Pending.launch.modules == tuple(modules):
+            started = _Pending.launch.at  # importing since the launch
+        else:
+            stop_unclaimed()  # launched with another list: it would not import `modules`
+            ctx.set_forkserver_preload(list(modules))
+            started = time.monotonic()
+        _Pending.launch = None
         receive, send = ctx.Pipe(duplex=False)
         probe = ctx.Process(
             target=_probe, args=(send, tuple(modules)), name="trainingd-fork-server-probe"
@@ -188,11 +245,16 @@ class ForkServer:
         # Only children of ours: unreaped, so the pid cannot be another process's.
         if parent_of(self.pid) == os.getpid():
             servers.add(self.pid)
-        for pid in servers:
-            os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + _STOP_TIMEOUT_S
-        while any(pid_alive(p) for p in servers) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _kill_servers(servers)
+
+
+def _kill_servers(servers: set[int]) -> None:
+    """SIGKILL these fork servers (children of ours) and wait a little for them to go."""
+    for pid in servers:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + _STOP_TIMEOUT_S
+    while any(pid_alive(p) for p in servers) and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _forkserver_children() -> set[int]:

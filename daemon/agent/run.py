@@ -49,6 +49,7 @@ from ckpt_manager import CheckpointError, latest_committed_step
 from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._storage import s3_storage_options
 from daemon._version import distribution_version
+from daemon.agent import fork_server
 from daemon.agent.http import MetricsServer
 from daemon.agent.memory_budget import start_memory_tier
 from daemon.agent.memory_dir import NodeMemoryDir
@@ -393,6 +394,7 @@ def run_daemon(
         return code
     finally:
         end_display()
+        fork_server.stop_unclaimed()  # launched by `cli`, never reached the launcher
         state.update(phase=NodePhase.STOPPED)
         notifier.send(STOPPING=1)
         if supervisor is not None:

@@ -92,7 +92,7 @@ def main() -> None:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as `run_daemon`
     os.environ[REMOVED] = "1"
     # The server the launcher will find running: started before the environment changes.
-    modules = preload_modules(TrainSettings().job, probe_entry, ("torch.distributed",))
+    modules = preload_modules(TrainSettings().job, probe_entry.__module__, ("torch.distributed",))
     server = ForkServer.start(modules, timeout_s=300)
     del os.environ[REMOVED]
     os.environ[ADDED] = "1"

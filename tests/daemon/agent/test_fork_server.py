@@ -135,7 +135,65 @@ def test_the_server_preloads_every_module_a_rank_imports_when_it_starts() -> Non
         for alias in node.names
     }
     assert lazy - {"torch"} <= set(worker.RANK_MODULES)
-    modules = preload_modules("my.jobs:build", worker.elastic_entry, worker.RANK_MODULES)
+    modules = preload_modules("my.jobs:build", worker.elastic_entry.__module__, worker.RANK_MODULES)
     assert modules[0] == "torch"
     assert {"daemon.worker", "my.jobs", *worker.RANK_MODULES} <= set(modules)
     assert modules[-1] == "daemon.agent._server_state"  # recorded after every other import
+
+
+def test_what_trainingd_run_imports_before_it_launches_the_server_loads_no_torch() -> None:
+    # [Note: the server imports while the daemon does]: a torch import that creeps into this
+    # chain makes the daemon import torch before the server can start, and the overlap is gone.
+    code = (
+        "import sys, daemon.cli, daemon.worker, daemon.agent.fork_server, daemon.config\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+_LAUNCH_THEN = """
+import os, sys, time
+from daemon._lifecycle import parent_of, pid_alive
+from daemon.agent import fork_server
+
+def servers():
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and parent_of(int(entry)) == os.getpid() and pid_alive(int(entry)):
+            with open(f"/proc/{entry}/cmdline") as f:
+                found += [int(entry)] if "forkserver import main" in f.read() else []
+    return found
+
+modules = ["json", "daemon.agent._server_state"]
+fork_server.launch(modules)
+print("launched:", len(servers()))
+if sys.argv[1] == "claim":
+    server = fork_server.ForkServer.start(modules, timeout_s=60)
+    print("claimed the launched one:", servers() == [server.pid])
+    fork_server.stop_unclaimed()  # nothing to stop: it was taken over
+    print("after stop_unclaimed:", len(servers()))
+    server.close()
+else:
+    fork_server.stop_unclaimed()
+print("left:", len(servers()))
+"""
+
+
+@pytest.mark.parametrize("claim", [True, False], ids=["taken_over", "unclaimed"])
+def test_a_launched_server_is_taken_over_by_start_or_stopped_unclaimed(claim: bool) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _LAUNCH_THEN, "claim" if claim else "drop"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert "launched: 1" in out.stdout, out.stderr
+    if claim:
+        assert "claimed the launched one: True" in out.stdout, out.stderr
+        assert "after stop_unclaimed: 1" in out.stdout, out.stderr
+    assert out.stdout.rstrip().endswith("left: 0"), out.stdout + out.stderr
