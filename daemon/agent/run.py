@@ -1,10 +1,12 @@
 """`trainingd run`: the daemon process from start-up checks to exit code.
 
     configure logs -> per-run directory -> start-up checks (exit 2) -> the memory tier's
-    directory and budget (`memory_budget.py`: exit 2, or durable-only) -> HTTP server (exit 2 if
-    the port is taken) -> signal handlers -> supervisor thread -> rank fork server
-    (`fork_server.py`) -> torch elastic agent in the main thread, in membership rounds
-    (`daemon/agent/elastic.py`: blocks while the ranks train; restarts them up to max_restarts;
+    directory and budget (`memory_budget.py`: exit 2, or durable-only) -> its peer replicas'
+    server and sender with several nodes (`replica/`: exit 2 if the address cannot be bound)
+    -> HTTP server (exit 2 if the port is taken) -> signal handlers -> supervisor thread ->
+    rank fork server (`fork_server.py`) -> torch elastic agent in the main thread, in
+    membership rounds (`daemon/agent/elastic.py`: blocks while the ranks train; restarts them
+    up to max_restarts;
     with `--nnodes MIN:MAX` a round ended by a peer's stop or a node waiting to join is followed
     by the next one) -> exit 0 when the ranks reached max_steps,
     128+N when a signal N stopped this node (final checkpoint committed; also on a second
@@ -56,6 +58,7 @@ from daemon.agent.notify import Notifier
 from daemon.agent.preflight import check_startup
 from daemon.agent.progress import LiveProgress, ProgressEvents
 from daemon.agent.relay import RankOutputRelay
+from daemon.agent.replica import ReplicaService
 from daemon.agent.supervisor import Supervisor
 from daemon.config import DaemonConfig
 from daemon.errors import ConfigError, StartupCheckError
@@ -270,6 +273,7 @@ def run_daemon(
     live: LiveProgress | None = None
     relay: RankOutputRelay | None = None
     memory: NodeMemoryDir | None = None
+    replicas: ReplicaService | None = None
 
     def end_display() -> None:
         # Every relayed rank line first, then the status line goes: the ending follows below.
@@ -286,6 +290,9 @@ def run_daemon(
                 print(complete, flush=True)
                 return EXIT_OK
             cfg, memory = start_memory_tier(cfg)
+            endpoint = _rdzv_endpoint(cfg)
+            if cfg.num_memory_replicas and memory.claimed:
+                replicas = ReplicaService(cfg, memory.path, endpoint)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
             collector = NodeCollector(
                 aggregator,
@@ -294,6 +301,7 @@ def run_daemon(
                 run_id=cfg.run_id,
                 config=config_values(cfg),
                 tier_bytes=memory.tier_bytes,
+                replica_values=replicas.values if replicas is not None else None,
             )
             board = StatusBoard(
                 max_steps=cfg.train.max_steps,
@@ -363,10 +371,11 @@ def run_daemon(
             cfg,
             run_dir,
             entry,
-            _rdzv_endpoint(cfg),
+            endpoint,
             on_waiting=lambda waiting: _on_nodes_waiting(run_dir, waiting),
             relay=relay,
             rank_modules=rank_modules,
+            on_rendezvous=replicas.on_rendezvous if replicas is not None else None,
         )
         try:
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
@@ -398,6 +407,8 @@ def run_daemon(
         if supervisor is not None:
             supervisor.kill_all()
             supervisor.close()
+        if replicas is not None:  # nothing reads or writes the tier's directory after this
+            replicas.close()
         if memory is not None:  # after kill_all: no rank writes into it any more
             memory.release()
         if server is not None:
