@@ -350,8 +350,9 @@ class CheckpointSettings:
     2% of the step time (durable-only when memory_dir cannot hold it); 0 turns the tier off."""
     memory_dir: str = "/dev/shm"
     """Memory-backed directory (tmpfs) the daemon keeps the memory tier in, under
-    `trainingd-<run_id>-<node_rank>/`; size it for 2 snapshots per local rank (plus a peer's
-    replica on several nodes): the start-up line `memory_budget` says what it needs."""
+    `trainingd-<run_id>-<node_rank>/`; size it for 2 snapshots per local rank (plus 2 of each
+    of the previous node's ranks on several nodes, its replica): the start-up line
+    `memory_budget` says what it needs."""
     memory_replicas: int = -1
     """Peer replicas of each node's memory snapshots, streamed to the next node's daemon so a
     replaced node resumes from memory: -1 picks 1 when `--nnodes` allows several nodes, else
