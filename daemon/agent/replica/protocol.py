@@ -159,7 +159,8 @@ def recv_payload(sock: socket.socket, fd: int, capacity: int, nbytes: int) -> by
         OSError: the connection broke or timed out.
     """
     if nbytes:
-        mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+        # Pre-faulted: one page fault per 4 KiB page would otherwise slow the receive down.
+        mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         try:
             view = memoryview(mm)
             try:

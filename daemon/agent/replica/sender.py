@@ -13,6 +13,7 @@ tick after `RETRY_S`; replication never stops or slows training.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import threading
@@ -85,6 +86,7 @@ class ReplicaSender:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
+        self._metas: dict[str, tuple[tuple[int, int, int], Any]] = {}
         self._sock: socket.socket | None = None
         self._sock_target: str | None = None
         self._thread = threading.Thread(
@@ -96,9 +98,10 @@ class ReplicaSender:
         """A new round: send to `ring.target` from now on (acknowledgements of another target
         no longer count)."""
         with self._lock:
-            if ring.target != self._ring.target:
+            if ring.target != self._ring.target or ring.target is None:
                 self._done.clear()
-                self._stats.forget_acks(list(ring.ranks))
+                # Without a peer there is no lag to report.
+                self._stats.forget_acks(list(ring.ranks) if ring.target is not None else [])
             self._ring = ring
         self._wake.set()
 
@@ -145,19 +148,42 @@ class ReplicaSender:
                     break
 
     def _newest(self, rank: int) -> tuple[int, dict[str, Any], SlotMeta] | None:
+        """The rank's newest complete snapshot of this run: `(slot, raw meta, parsed)`."""
         best: tuple[int, dict[str, Any], SlotMeta] | None = None
-        for slot, raw in SlotFiles(self._dir, rank).read_metas().items():
-            if not isinstance(raw, dict):
+        files = SlotFiles(self._dir, rank)
+        for slot in files.existing_slots():
+            found = self._read_meta(files.meta_path(slot))
+            if found is None:
                 continue
-            try:
-                meta = SlotMeta.parse(raw)
-            except ValueError:
-                continue
+            raw, meta = found
             if meta.run_id != self._run_id or meta.rank != rank:
                 continue
             if best is None or meta.step > best[2].step:
                 best = (slot, raw, meta)
         return best
+
+    def _read_meta(self, path: str) -> tuple[dict[str, Any], SlotMeta] | None:
+        """A meta file, parsed once per version: a meta is replaced by a rename, so a new
+        (inode, mtime) is a new meta; a large model's meta is not re-parsed every tick."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._metas.pop(path, None)
+            return None
+        version = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._metas.get(path)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        parsed: tuple[dict[str, Any], SlotMeta] | None = None
+        try:
+            with open(path, "rb") as f:
+                raw = json.loads(f.read())
+            if isinstance(raw, dict):
+                parsed = raw, SlotMeta.parse(raw)
+        except (OSError, ValueError):
+            parsed = None  # half gone or broken: not a complete snapshot
+        self._metas[path] = (version, parsed)
+        return parsed
 
     def _connect(self, target: str) -> socket.socket:
         if self._sock is not None and self._sock_target == target:
