@@ -136,6 +136,18 @@ class ReplicaService:
             )
             return
         others = {g: a for g, a in peers.addresses.items() if g != group_rank}
+        try:
+            self._fetch(peers.round, others, ranks, world_size)
+        except Exception as err:  # a failed fetch costs the replicas, never the round
+            log.warning("replica_fetch_failed", error=f"{type(err).__name__}: {err}")
+        target = peers.addresses[(group_rank + 1) % num_nodes]
+        self._sender.set_ring(Ring(peers.round, target, tuple(ranks)))
+        log.info("replica_ring", round=peers.round, group_rank=group_rank, target=target)
+
+    def _fetch(
+        self, round_: int, others: dict[int, str], ranks: Sequence[int], world_size: int
+    ) -> None:
+        """Copy back the snapshots of local ranks that hold none (`fetch.py`)."""
         missing = missing_ranks(self._tier_dir, self._cfg.run_id, ranks)
         if missing:
             fetched = fetch_missing(
@@ -149,14 +161,11 @@ class ReplicaService:
             )
             log.info(
                 "replica_fetched",
-                round=peers.round,
+                round=round_,
                 ranks=missing,
                 steps={str(r): s for r, s in fetched.steps.items()},
                 reasons={str(r): why for r, why in fetched.reasons.items()},
             )
-        target = peers.addresses[(group_rank + 1) % num_nodes]
-        self._sender.set_ring(Ring(peers.round, target, tuple(ranks)))
-        log.info("replica_ring", round=peers.round, group_rank=group_rank, target=target)
 
     def close(self) -> None:
         """Stop sending and serving (before the tier's directory goes)."""
