@@ -58,7 +58,7 @@ from daemon.agent.notify import Notifier
 from daemon.agent.preflight import check_startup
 from daemon.agent.progress import LiveProgress, ProgressEvents
 from daemon.agent.relay import RankOutputRelay
-from daemon.agent.replica import ReplicaService
+from daemon.agent.replica import ReplicaService, announce_without_replicas
 from daemon.agent.supervisor import Supervisor
 from daemon.config import DaemonConfig
 from daemon.errors import ConfigError, StartupCheckError
@@ -69,7 +69,7 @@ from daemon.observe.status import StatusBoard
 from daemon.rundir.control import request_checkpoint, request_stop
 
 if TYPE_CHECKING:
-    from daemon.agent.elastic import Entry
+    from daemon.agent.elastic import Entry, RoundHook
 
 __all__ = [
     "EXIT_CONFIG",
@@ -375,7 +375,7 @@ def run_daemon(
             on_waiting=lambda waiting: _on_nodes_waiting(run_dir, waiting),
             relay=relay,
             rank_modules=rank_modules,
-            on_rendezvous=replicas.on_rendezvous if replicas is not None else None,
+            on_rendezvous=_round_hook(cfg, replicas),
         )
         try:
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
@@ -418,6 +418,14 @@ def run_daemon(
         notifier.close()
         if owned:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _round_hook(cfg: DaemonConfig, replicas: ReplicaService | None) -> RoundHook | None:
+    """What runs after each rendezvous: the replica ring's, or, on a node of a multi-node job
+    that keeps none, its empty part in the address exchange (the others must not wait)."""
+    if replicas is not None:
+        return replicas.on_rendezvous
+    return announce_without_replicas(cfg.run_id) if cfg.launch.max_nodes > 1 else None
 
 
 def _on_nodes_waiting(run_dir: Path, waiting: int) -> None:

@@ -23,6 +23,6 @@ checksum). Node 0 hosts the rendezvous store, so node 0's loss ends the job as b
 (README "Recovery").
 """
 
-from daemon.agent.replica.service import ReplicaService
+from daemon.agent.replica.service import ReplicaService, announce_without_replicas
 
-__all__ = ["ReplicaService"]
+__all__ = ["ReplicaService", "announce_without_replicas"]

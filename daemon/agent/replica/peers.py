@@ -5,6 +5,7 @@ job), under keys of our own, right after each rendezvous and before the ranks st
 
     <round store>  trainingd.replica.round          the round number, set by group rank 0
     <round store>  trainingd.replica.addr.<g>       `host:port` of group rank g's server
+                                                    (empty: that node keeps no replicas)
     <base store>   trainingd.replica.<run>.rounds   a counter, one increment per round
 
 `<round store>` is the store the rendezvous hands the agent, prefixed by torch with the

@@ -15,7 +15,7 @@ without them); it never fails the round.
 from __future__ import annotations
 
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from daemon.agent.replica.stats import ReplicaStats
 from daemon.config import DaemonConfig
 from daemon.errors import StartupCheckError
 
-__all__ = ["ReplicaService", "replica_bind_address"]
+__all__ = ["ReplicaService", "announce_without_replicas", "replica_bind_address"]
 
 log = structlog.get_logger("trainingd.replica")
 
@@ -135,12 +135,13 @@ class ReplicaService:
                 note="no replica is sent or fetched this round",
             )
             return
-        others = {g: a for g, a in peers.addresses.items() if g != group_rank}
+        # "": that node keeps no replicas (its memory tier or replicas are off).
+        others = {g: a for g, a in peers.addresses.items() if g != group_rank and a}
         try:
             self._fetch(peers.round, others, ranks, world_size)
         except Exception as err:  # a failed fetch costs the replicas, never the round
             log.warning("replica_fetch_failed", error=f"{type(err).__name__}: {err}")
-        target = peers.addresses[(group_rank + 1) % num_nodes]
+        target = peers.addresses[(group_rank + 1) % num_nodes] or None
         self._sender.set_ring(Ring(peers.round, target, tuple(ranks)))
         log.info("replica_ring", round=peers.round, group_rank=group_rank, target=target)
 
@@ -171,3 +172,27 @@ class ReplicaService:
         """Stop sending and serving (before the tier's directory goes)."""
         self._sender.close()
         self._server.close()
+
+
+def announce_without_replicas(run_id: str) -> Callable[[Any, int, int, Sequence[int], int], None]:
+    """The round hook of a node of a multi-node job that keeps no replicas (its memory tier or
+    its replicas are off, e.g. `auto` found no room): it takes part in the exchange with an
+    empty address, so the other nodes neither wait for it nor stream to it, and, as group
+    rank 0, still counts the round."""
+
+    def hook(store: Any, group_rank: int, num_nodes: int, ranks: Sequence[int], _w: int) -> None:
+        if num_nodes < 2:
+            return
+        try:
+            exchange(
+                store,
+                run_id=run_id,
+                group_rank=group_rank,
+                num_nodes=num_nodes,
+                address="",
+                timeout_s=_PEERS_TIMEOUT_S,
+            )
+        except (RuntimeError, ValueError) as err:
+            log.warning("replica_ring_unavailable", error=f"{type(err).__name__}: {err}")
+
+    return hook
