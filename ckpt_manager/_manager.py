@@ -590,8 +590,9 @@ class CheckpointManager:
             if self._memory is not None and step is None:
                 memory = restore_from_memory(self._memory, self._coord, template)
                 if memory.step is not None:
-                    self._log.info("ckpt_restored", ckpt_step=memory.step, source="memory")
-                    result = RestoreResult(memory.step, unwrap_dtensors(memory.state), "memory")
+                    self._log.info("ckpt_restored", ckpt_step=memory.step, source=memory.source)
+                    state = unwrap_dtensors(memory.state)
+                    result = RestoreResult(memory.step, state, memory.source)
                 else:
                     reason = memory.reason
                     self._log.warning("ckpt_memory_restore_fallback", reason=reason)

@@ -159,7 +159,8 @@ class RestoreResult(NamedTuple):
     state: Any
     """The restored state (the template's structure when `into` was given)."""
     source: str = "durable"
-    """Where it came from: `"memory"` (the memory tier's slots) or `"durable"` (storage)."""
+    """Where it came from: `"memory"` (the memory tier's slots), `"replica"` (slots a daemon
+    copied from a peer node's replica before the rank started) or `"durable"` (storage)."""
     fallback_reason: str | None = None
     """Why the memory tier was not used, when it was tried (None: it was used, or not
     tried: the tier is off or an explicit step was asked for)."""

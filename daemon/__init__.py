@@ -54,6 +54,15 @@ memory and never call each other; they talk through files in the run directory (
         progress.py      the live status line on a terminal, `progress` log events off it.
         relay.py         on a terminal: the ranks' output, printed by the daemon.
         notify.py        sd_notify; `TimeoutExtender`: EXTEND_TIMEOUT_USEC only after progress.
+        replica/         peer replicas of the memory tier (node ring, [Note: the replica ring]):
+          protocol.py    the wire format: JSON frames, raw payloads, a commit trailer.
+          holdings.py    the replicas held here: 2 slots per remote rank, rounds per sender.
+          server.py      receive (refusals, verify, then the meta) and serve a fetch.
+          sender.py      stream the local ranks' newest complete snapshots to the next node.
+          fetch.py       after a node loss: copy its snapshots back before its ranks start.
+          peers.py       the round number and every node's address (rendezvous store).
+          stats.py       bytes, seconds, failures by reason, lag: the replica metrics.
+          service.py     `ReplicaService`: the above, driven by the agent's rounds.
       observe/           what the daemon process knows about its node and reports:
         state.py         `NodeState` / `NodePhase`: the node's lifecycle.
         collector.py     rank snapshots read at scrape time; the Prometheus collector.

@@ -350,8 +350,16 @@ class CheckpointSettings:
     2% of the step time (durable-only when memory_dir cannot hold it); 0 turns the tier off."""
     memory_dir: str = "/dev/shm"
     """Memory-backed directory (tmpfs) the daemon keeps the memory tier in, under
-    `trainingd-<run_id>-<node_rank>/`; size it for 2 snapshots per local rank (plus a peer's
-    replica on several nodes): the start-up line `memory_budget` says what it needs."""
+    `trainingd-<run_id>-<node_rank>/`; size it for 2 snapshots per local rank (plus 2 of each
+    of the previous node's ranks on several nodes, its replica): the start-up line
+    `memory_budget` says what it needs."""
+    memory_replicas: int = -1
+    """Peer replicas of each node's memory snapshots, streamed to the next node's daemon so a
+    replaced node resumes from memory: -1 picks 1 when `--nnodes` allows several nodes, else
+    0; 0 turns them off; 1 needs several nodes (more than 1 is not supported)."""
+    memory_replica_address: str = ""
+    """`host[:port]` the daemon's replica server binds and advertises to its peers (port 0 or
+    none: a free one); empty: the host this node is known by in the rendezvous."""
 
     def __post_init__(self) -> None:
         if not self.ckpt_uri:
@@ -370,6 +378,18 @@ class CheckpointSettings:
             raise ValueError(f"s3_endpoint_url={self.s3_endpoint_url!r}: use http(s)://host:port")
         if not isinstance(self.memory_every, StepInterval):
             raise ValueError(f"memory_every={self.memory_every!r}: use {StepInterval.ALLOWED}")
+        if self.memory_replicas not in (-1, 0, 1):
+            raise ValueError(
+                f"memory_replicas={self.memory_replicas}: use 1 (the next node holds a replica), "
+                "0 (off) or -1 (1 with several nodes); more than one replica is not supported"
+            )
+        if self.memory_replica_address.count(":") == 1:
+            port = self.memory_replica_address.rpartition(":")[2]
+            if not port.isdigit() or int(port) > 65535:
+                raise ValueError(
+                    f"memory_replica_address={self.memory_replica_address!r}: use host[:port] "
+                    "with a port in 0..65535 (0: a free one)"
+                )
         if not Path(self.memory_dir).is_absolute():
             raise ValueError(
                 f"memory_dir={self.memory_dir!r}: use an absolute path to a memory-backed "
@@ -420,6 +440,11 @@ class DaemonConfig:
 
     def __post_init__(self) -> None:
         lc, micro = self.launch, self.train.micro_batches
+        if self.checkpoint.memory_replicas == 1 and lc.max_nodes < 2:
+            raise ValueError(
+                f"memory_replicas=1: the ring of nnodes={lc.nnodes!r} cannot hold a replica (it "
+                "is held by another node); use 0, or -1 (1 with several nodes)"
+            )
         size = self.train.shard_group_size
         worlds = [n * lc.nproc_per_node for n in range(lc.min_nodes, lc.max_nodes + 1)]
         if size and any(world % size for world in worlds):
@@ -517,6 +542,15 @@ class DaemonConfig:
         """
         name = f"trainingd-{self.run_id}-{self.launch.node_rank}"
         return Path(self.checkpoint.memory_dir) / name
+
+    @property
+    def num_memory_replicas(self) -> int:
+        """Peer replicas in force: `memory_replicas`, -1 resolved (1 with several nodes); 0
+        while the memory tier is off."""
+        if self.checkpoint.memory_every.is_off:
+            return 0
+        wanted = self.checkpoint.memory_replicas
+        return (1 if self.launch.max_nodes > 1 else 0) if wanted == -1 else wanted
 
     @property
     def rdzv_id(self) -> str:

@@ -57,6 +57,7 @@ __all__ = [
     "DAEMON_STATES",
     "QUEUE_DEPTH_BUCKETS",
     "RANK_LABELS",
+    "REPLICA_FAILURE_REASONS",
     "RUN_LABEL",
     "MetricKind",
     "MetricSpec",
@@ -273,6 +274,17 @@ _OPS = ("all_gather", "reduce_scatter", "all_reduce")
 _RESULTS = ("committed", "failed")
 _RESTORE_SOURCES = ("memory", "replica", "durable")
 _TIER_KINDS = ("local", "replica")
+REPLICA_FAILURE_REASONS: tuple[str, ...] = (
+    "foreign_run",
+    "stale_round",
+    "mismatch",
+    "checksum",
+    "no_space",
+    "protocol",
+    "connection",
+)
+"""Values of the `reason` label of `trainingd_memory_replica_failures_total` (the daemon's
+`daemon.agent.replica.protocol.Refusal`)."""
 _QUEUES = ("allgather", "reduce")
 _NODE, _JOB, _SUM = Scope.NODE, Scope.JOB, Scope.NODE_SUM
 
@@ -537,6 +549,41 @@ CATALOG: tuple[MetricSpec, ...] = (
         "trainingd_memory_snapshot_seconds",
         "Time one memory snapshot blocked the training thread (all local ranks).",
         _MEMORY_SNAPSHOT_S,
+    ),
+    # --- peer replicas of the memory tier (the daemon's replica ring) ---------------------
+    _g(
+        "trainingd_memory_replica_lag_steps",
+        "Newest complete local memory snapshot minus the newest one the next node acknowledged "
+        "as its replica, in steps (max over local ranks; 0 without a peer).",
+        scope=_NODE,
+    ),
+    _c(
+        "trainingd_memory_replica_sent_bytes_total",
+        "Snapshot bytes streamed to a peer node (replicas acknowledged, and fetches served).",
+        scope=_NODE,
+    ),
+    _c(
+        "trainingd_memory_replica_send_seconds_total",
+        "Seconds spent streaming those bytes (first byte to last).",
+        scope=_NODE,
+    ),
+    _c(
+        "trainingd_memory_replica_received_bytes_total",
+        "Snapshot bytes received from peer nodes (replicas held here, and fetched copies).",
+        scope=_NODE,
+    ),
+    _c(
+        "trainingd_memory_replica_receive_seconds_total",
+        "Seconds spent receiving those bytes (first byte to last).",
+        scope=_NODE,
+    ),
+    _c(
+        "trainingd_memory_replica_failures_total",
+        "Replicas refused or failed, by reason (another run, a stale round, a mismatch, a bad "
+        "checksum, no room, a protocol error, a broken connection).",
+        scope=_NODE,
+        label="reason",
+        values=REPLICA_FAILURE_REASONS,
     ),
 )
 """Every metric family trainingd exports, in exposition order."""

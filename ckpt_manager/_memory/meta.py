@@ -8,6 +8,7 @@
      "tree": skeleton, "rank_local_trees": [skeleton, ...],  (`_format/tree.py`)
      "tensors": {key: [kind, dtype, shape, global_shape, global_offset | null,
                        flat_range | null, offset, nbytes], ...},   (flatten order)
+     ["origin": "replica", "replica_round": int, "replica_node": int,]   (a peer's copy)
      "meta_checksum": int}     CRC-32C of the canonical JSON (sorted keys) of the rest
 
 The skeleton holds the non-tensor values (loader position, counters, RNG seeds as ints);
@@ -16,6 +17,10 @@ the shape of everything a restore uses, and the meta's own checksum (the skeleto
 are restored from it, so a flipped bit there must not pass either), so a meta that a bit
 flip broke is refused with a reason instead of raising in the middle of a load or restoring a
 wrong value.
+
+A meta without `origin` describes a snapshot this node's rank took; `restamp` adds the fields
+a copy of it carries once a peer node holds it (`daemon/agent/replica/`), with a fresh
+`meta_checksum`, so a restore from such a slot says it came from a replica.
 """
 
 from __future__ import annotations
@@ -27,11 +32,23 @@ from typing import Any, NamedTuple
 from ckpt_manager._format.checksum import ChecksumAlgorithm, checksum, parse_algorithm
 from ckpt_manager._memory.plan import MemoryPlan, TensorRecord
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "SlotMeta", "build_meta"]
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "ORIGIN_LOCAL",
+    "ORIGIN_REPLICA",
+    "SlotMeta",
+    "build_meta",
+    "restamp",
+]
 
 FORMAT = "trainingd-memory-slot"
 FORMAT_VERSION = 1
 _SELF_CHECK = "meta_checksum"
+ORIGIN_LOCAL = "memory"
+"""`SlotMeta.origin` of a snapshot taken on this node."""
+ORIGIN_REPLICA = "replica"
+"""`SlotMeta.origin` of a snapshot copied from a peer node's replica."""
 
 
 def _meta_checksum(body: dict[str, Any]) -> int:
@@ -54,6 +71,8 @@ class SlotMeta(NamedTuple):
     tree: Any
     rank_local_trees: list[Any]
     records: dict[str, TensorRecord]
+    origin: str = ORIGIN_LOCAL
+    """`ORIGIN_LOCAL`, or `ORIGIN_REPLICA` for a copy a peer node held (`restamp`)."""
 
     @classmethod
     def parse(cls, raw: dict[str, Any]) -> SlotMeta:
@@ -91,6 +110,7 @@ class SlotMeta(NamedTuple):
                 tree=raw["tree"],
                 rank_local_trees=trees,
                 records=records,
+                origin=str(raw.get("origin", ORIGIN_LOCAL)),
             )
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"malformed meta: {type(err).__name__}: {err}") from err
@@ -151,4 +171,18 @@ def build_meta(
         "tensors": {key: list(record) for key, record in plan.records.items()},
     }
     # Tuples here are lists once parsed: the same JSON text, so the same checksum.
+    return {**body, _SELF_CHECK: _meta_checksum(body)}
+
+
+def restamp(raw: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """`raw` (a meta that `SlotMeta.parse` accepts) with `fields` added or replaced and its
+    `meta_checksum` computed afresh.
+
+    Raises:
+        ValueError: `raw` is not a valid meta (checked first: a broken meta is never
+            re-signed).
+    """
+    SlotMeta.parse(raw)
+    body = {k: v for k, v in raw.items() if k != _SELF_CHECK}
+    body.update(fields)
     return {**body, _SELF_CHECK: _meta_checksum(body)}

@@ -16,6 +16,7 @@ from ckpt_manager._coord import Coordinator
 from ckpt_manager._format.tree import flatten
 from ckpt_manager._memory.agree import Offer, agree, local_offer
 from ckpt_manager._memory.load import load_slot
+from ckpt_manager._memory.meta import ORIGIN_LOCAL, ORIGIN_REPLICA
 from ckpt_manager._memory.plan import held_leaves, layout_fingerprints
 from ckpt_manager._memory.tier import MemoryTier
 
@@ -33,6 +34,8 @@ class MemoryRestore(NamedTuple):
     """Its state (the template's structure when one was given)."""
     reason: str | None
     """Why memory was not used (None when it was)."""
+    source: str = ORIGIN_LOCAL
+    """`memory`, or `replica` when this rank's slot was copied from a peer node's replica."""
 
 
 def _template_layout(template: Any) -> str:
@@ -79,4 +82,5 @@ def restore_from_memory(tier: MemoryTier, coord: Coordinator, template: Any) -> 
     errors = [e for e in coord.all_gather(error) if e]
     if errors:
         return MemoryRestore(None, None, f"memory step {step} did not load: {errors[0]}")
-    return MemoryRestore(step, state, None)
+    source = ORIGIN_REPLICA if chosen.meta.origin == ORIGIN_REPLICA else ORIGIN_LOCAL
+    return MemoryRestore(step, state, None, source)

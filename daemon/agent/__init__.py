@@ -9,6 +9,8 @@ Module plan:
                     start, this run's stale ones reclaimed, removed at every exit.
     memory_budget.py  the memory tier's start-up budget line; exit 2 or durable-only if unfit.
     elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
+    replica/        peer replicas of the memory tier: a server, a sender to the next node
+                    (node ring), the fetch of a lost node's snapshots before its ranks start.
     fork_server.py  warm rank starts: ranks fork from a server that imported torch and the
                     job (never CUDA, no threads) once per daemon, checked on a first fork.
     _server_state.py  imported last by that server: its CUDA state after its imports.

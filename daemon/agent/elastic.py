@@ -32,6 +32,11 @@ Every round's agent starts its ranks the same way: forked from the daemon's fork
 this launcher starts once, before the first round, and stops when it returns (`fork_server.py`;
 `rank_start = "spawn"`, or a server found unsafe to fork, spawns them instead).
 
+After every rendezvous and before the round's ranks start (a restart within a round is a new
+rendezvous too), `on_rendezvous` is called with the round's store and this node's place in it:
+the daemon's peer replicas publish their address there and copy a lost node's snapshots back
+(`daemon/agent/replica/`).
+
 The restart budget spans the daemon's life: each round's agent gets what the earlier rounds left
 of `max_restarts`, and ranks number their incarnations across rounds (`restart_offset`), so the
 restarts gauge counts failures only, never membership changes.
@@ -47,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -66,7 +71,7 @@ from daemon.config import DaemonConfig, RankStart
 from daemon.errors import ForkServerError
 from daemon.rundir.control import clear_stop
 
-__all__ = ["ElasticLauncher", "LaunchOutcome", "MembershipWatch"]
+__all__ = ["ElasticLauncher", "LaunchOutcome", "MembershipWatch", "RoundHook"]
 
 log = structlog.get_logger("trainingd.elastic")
 
@@ -82,6 +87,12 @@ _AGENT_SHUTDOWN_S = 10
 _FORK_SERVER_START_S = 300.0
 """How long the fork server's imports may take (seconds unloaded; a loaded node is slower, and
 a spawned rank would pay the same)."""
+
+RoundHook = Callable[[Any, int, int, list[int], int], None]
+"""Called after each rendezvous, before the ranks start, as
+`hook(store, group_rank, num_nodes, global_ranks, world_size)`: the round's rendezvous store,
+this node's rank among the round's nodes, their number, this node's global ranks and the world
+size (`ReplicaService.on_rendezvous`)."""
 
 Entry = Callable[..., dict[str, Any] | None]
 """A rank entry point: `entry(cfg, run_dir, daemon_pid, restart_offset, relayed)` -> its summary
@@ -188,6 +199,25 @@ class MembershipWatch(RendezvousHandler):
         return self._inner.shutdown()
 
 
+class _RoundAgent(LocalElasticAgent):
+    """torch's local agent, calling a `RoundHook` between each rendezvous and its ranks."""
+
+    def __init__(self, *args: Any, on_rendezvous: RoundHook | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._on_rendezvous = on_rendezvous
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        if self._on_rendezvous is not None and worker_group.workers:
+            # Set by the rendezvous that just ran (`SimpleElasticAgent._rendezvous`; torch
+            # declares them None in `WorkerGroup.__init__`).
+            group: Any = worker_group
+            group_rank, num_nodes = int(group.group_rank), int(group.group_world_size)
+            ranks = [w.global_rank for w in worker_group.workers]
+            world_size = worker_group.workers[0].world_size
+            self._on_rendezvous(worker_group.store, group_rank, num_nodes, ranks, world_size)
+        return super()._start_workers(worker_group)
+
+
 def _rendezvous_parameters(cfg: DaemonConfig, endpoint: str) -> RendezvousParameters:
     lc = cfg.launch
     host = endpoint.rsplit(":", 1)[0]
@@ -223,6 +253,7 @@ class ElasticLauncher:
             to files it prints above the live line, `relay.py`); None leaves them as they are.
         rank_modules: what `entry` imports when it starts; the fork server imports them
             ahead, with the entry's and the job's modules.
+        on_rendezvous: called after each rendezvous, before the ranks start (`RoundHook`).
     """
 
     def __init__(
@@ -234,8 +265,10 @@ class ElasticLauncher:
         on_waiting: Callable[[int], None],
         relay: RankOutputRelay | None = None,
         rank_modules: Sequence[str] = (),
+        on_rendezvous: RoundHook | None = None,
     ) -> None:
         self._cfg = cfg
+        self._on_rendezvous = on_rendezvous
         self._relay = relay
         self._run_dir = run_dir
         self._entry = entry
@@ -349,8 +382,9 @@ class ElasticLauncher:
             monitor_interval=_MONITOR_INTERVAL_S,
             local_addr=self._params.local_addr,
         )
-        agent = LocalElasticAgent(
+        agent = _RoundAgent(
             spec=spec,
+            on_rendezvous=self._on_rendezvous,
             logs_specs=self._logs_specs(),
             start_method=START_METHOD if warm else "spawn",
             shutdown_timeout=_AGENT_SHUTDOWN_S,

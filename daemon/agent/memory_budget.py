@@ -1,14 +1,16 @@
 """Whether this node can hold the memory tier: one start-up line, and exit 2 or durable-only.
 
 The tier keeps 2 slots per local rank (the newest complete snapshot is never overwritten) and,
-with several nodes, one replica of the previous node's ranks. Its bytes live in tmpfs
-(`memory_dir`), and tmpfs pages are charged to the memory cgroup of whoever wrote them: on
-Kubernetes a `medium: Memory` emptyDir counts against the pod's memory limit. A snapshot that
-does not fit would end in ENOSPC, or in the kernel's OOM killer; so the daemon checks at start
-and says in one line (`memory_budget`) what it found and what it needs:
+with several nodes, one replica of the previous node's ranks (2 slots per rank as well). Its
+bytes live in tmpfs (`memory_dir`), and tmpfs pages are charged to the memory cgroup of
+whoever wrote them: on Kubernetes a `medium: Memory` emptyDir counts against the pod's
+memory limit. A snapshot that does not fit would end in ENOSPC, or in the kernel's OOM killer;
+so the daemon checks at start and says in one line (`memory_budget`) what it found and what it
+needs:
 
-    need = 2 slots x local ranks x state bytes per rank  +  replicas x the previous node's
-           state (local ranks x state bytes per rank; 1 replica with --nnodes > 1, else 0)
+    need = 2 slots x local ranks x state bytes per rank  +  replicas x 2 slots x the previous
+           node's state (local ranks x state bytes per rank; `DaemonConfig.num_memory_replicas`:
+           1 with --nnodes > 1 unless memory_replicas is 0)
 
 [Note: the state size is an estimate] The ranks build the model after the daemon starts, so the
 daemon builds the job once on the meta device (no memory) and counts: per parameter 12 bytes
@@ -212,7 +214,7 @@ class MemoryBudget:
     local_ranks: int
     """Ranks on this node."""
     num_replicas: int
-    """Peer nodes' states held here (1 with several nodes, else 0)."""
+    """Peer nodes' states held here (`DaemonConfig.num_memory_replicas`)."""
     free_bytes: int
     """What `memory_dir` can still take."""
     cgroup: CgroupMemory
@@ -220,11 +222,12 @@ class MemoryBudget:
 
     @property
     def need_bytes(self) -> int | None:
-        """2 local slots per rank plus the replicas (None: no estimate)."""
+        """2 local slots per rank plus 2 slots per replicated peer rank (None: no estimate)."""
         if self.state_bytes_per_rank is None:
             return None
         node_state = self.local_ranks * self.state_bytes_per_rank
-        return (NUM_SLOTS + self.num_replicas) * node_state
+        # A replica is held in 2 slots too (`daemon/agent/replica/holdings.py`).
+        return NUM_SLOTS * (1 + self.num_replicas) * node_state
 
     @property
     def fits(self) -> bool:
@@ -244,7 +247,8 @@ class MemoryBudget:
             need = f"need ~{_size(self.need_bytes)} ({NUM_SLOTS} slots x {ranks} ranks x {per_rank}"
             if self.num_replicas:
                 need += (
-                    f" + {self.num_replicas} replica x {_size(ranks * self.state_bytes_per_rank)}"
+                    f" + {self.num_replicas} replica x {NUM_SLOTS} slots x "
+                    f"{_size(ranks * self.state_bytes_per_rank)}"
                 )
             need += ", estimated)"
         room = f"{_size(self.free_bytes)} free in {self.memory_dir}"
@@ -283,7 +287,7 @@ def apply_memory_budget(
         memory_dir=Path(ck.memory_dir),
         state_bytes_per_rank=state_bytes_per_rank,
         local_ranks=cfg.launch.nproc_per_node,
-        num_replicas=1 if cfg.launch.max_nodes > 1 else 0,
+        num_replicas=cfg.num_memory_replicas,
         free_bytes=tmpfs_free_bytes(Path(ck.memory_dir)),
         cgroup=cgroup_memory() if cgroup is None else cgroup,
     )

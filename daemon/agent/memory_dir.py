@@ -337,6 +337,11 @@ class NodeMemoryDir:
             "a writable memory-backed directory, or memory_every 0"
         )
 
+    @property
+    def claimed(self) -> bool:
+        """Whether this daemon claimed the directory (the memory tier is on)."""
+        return self._claimed
+
     def release(self) -> None:
         """Remove the directory and everything in it (idempotent; only if claimed here)."""
         if not self._claimed:

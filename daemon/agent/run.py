@@ -1,10 +1,12 @@
 """`trainingd run`: the daemon process from start-up checks to exit code.
 
     configure logs -> per-run directory -> start-up checks (exit 2) -> the memory tier's
-    directory and budget (`memory_budget.py`: exit 2, or durable-only) -> HTTP server (exit 2 if
-    the port is taken) -> signal handlers -> supervisor thread -> rank fork server
-    (`fork_server.py`) -> torch elastic agent in the main thread, in membership rounds
-    (`daemon/agent/elastic.py`: blocks while the ranks train; restarts them up to max_restarts;
+    directory and budget (`memory_budget.py`: exit 2, or durable-only) -> its peer replicas'
+    server and sender with several nodes (`replica/`: exit 2 if the address cannot be bound)
+    -> HTTP server (exit 2 if the port is taken) -> signal handlers -> supervisor thread ->
+    rank fork server (`fork_server.py`) -> torch elastic agent in the main thread, in
+    membership rounds (`daemon/agent/elastic.py`: blocks while the ranks train; restarts them
+    up to max_restarts;
     with `--nnodes MIN:MAX` a round ended by a peer's stop or a node waiting to join is followed
     by the next one) -> exit 0 when the ranks reached max_steps,
     128+N when a signal N stopped this node (final checkpoint committed; also on a second
@@ -57,6 +59,7 @@ from daemon.agent.notify import Notifier
 from daemon.agent.preflight import check_startup
 from daemon.agent.progress import LiveProgress, ProgressEvents
 from daemon.agent.relay import RankOutputRelay
+from daemon.agent.replica import ReplicaService, announce_without_replicas
 from daemon.agent.supervisor import Supervisor
 from daemon.config import DaemonConfig
 from daemon.errors import ConfigError, StartupCheckError
@@ -67,7 +70,7 @@ from daemon.observe.status import StatusBoard
 from daemon.rundir.control import request_checkpoint, request_stop
 
 if TYPE_CHECKING:
-    from daemon.agent.elastic import Entry
+    from daemon.agent.elastic import Entry, RoundHook
 
 __all__ = [
     "EXIT_CONFIG",
@@ -271,6 +274,7 @@ def run_daemon(
     live: LiveProgress | None = None
     relay: RankOutputRelay | None = None
     memory: NodeMemoryDir | None = None
+    replicas: ReplicaService | None = None
 
     def end_display() -> None:
         # Every relayed rank line first, then the status line goes: the ending follows below.
@@ -287,6 +291,9 @@ def run_daemon(
                 print(complete, flush=True)
                 return EXIT_OK
             cfg, memory = start_memory_tier(cfg)
+            endpoint = _rdzv_endpoint(cfg)
+            if cfg.num_memory_replicas and memory.claimed:
+                replicas = ReplicaService(cfg, memory.path, endpoint)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
             collector = NodeCollector(
                 aggregator,
@@ -295,6 +302,7 @@ def run_daemon(
                 run_id=cfg.run_id,
                 config=config_values(cfg),
                 tier_bytes=memory.tier_bytes,
+                replica_values=replicas.values if replicas is not None else None,
             )
             board = StatusBoard(
                 max_steps=cfg.train.max_steps,
@@ -364,10 +372,11 @@ def run_daemon(
             cfg,
             run_dir,
             entry,
-            _rdzv_endpoint(cfg),
+            endpoint,
             on_waiting=lambda waiting: _on_nodes_waiting(run_dir, waiting),
             relay=relay,
             rank_modules=rank_modules,
+            on_rendezvous=_round_hook(cfg, replicas),
         )
         try:
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
@@ -400,6 +409,8 @@ def run_daemon(
         if supervisor is not None:
             supervisor.kill_all()
             supervisor.close()
+        if replicas is not None:  # nothing reads or writes the tier's directory after this
+            replicas.close()
         if memory is not None:  # after kill_all: no rank writes into it any more
             memory.release()
         if server is not None:
@@ -409,6 +420,14 @@ def run_daemon(
         notifier.close()
         if owned:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _round_hook(cfg: DaemonConfig, replicas: ReplicaService | None) -> RoundHook | None:
+    """What runs after each rendezvous: the replica ring's, or, on a node of a multi-node job
+    that keeps none, its empty part in the address exchange (the others must not wait)."""
+    if replicas is not None:
+        return replicas.on_rendezvous
+    return announce_without_replicas(cfg.run_id) if cfg.launch.max_nodes > 1 else None
 
 
 def _on_nodes_waiting(run_dir: Path, waiting: int) -> None:

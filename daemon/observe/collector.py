@@ -173,6 +173,9 @@ class NodeCollector(Collector):
         config: the `trainingd_config_*` values (`config_values`); missing ones export 0.
         tier_bytes: bytes the node's memory tier holds by kind (`local`, `replica`), read at
             each scrape (`daemon.agent.memory_dir.NodeMemoryDir.tier_bytes`); None: 0.
+        replica_values: the `trainingd_memory_replica_*` families' values, by family and
+            label value ("" without a label), read at each scrape
+            (`daemon.agent.replica.ReplicaService.values`); None: 0.
     """
 
     def __init__(
@@ -184,6 +187,7 @@ class NodeCollector(Collector):
         run_id: str,
         config: dict[str, float] | None = None,
         tier_bytes: Callable[[], Mapping[str, float]] | None = None,
+        replica_values: Callable[[], Mapping[str, Mapping[str, float]]] | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("run_id is empty: pass DaemonConfig.run_id")
@@ -193,6 +197,7 @@ class NodeCollector(Collector):
         self._run_id = run_id
         self._config = dict(config or {})
         self._tier_bytes = tier_bytes
+        self._replica_values = replica_values
 
     def describe(self) -> Iterable[Metric]:
         """Empty families with the catalog's names (lets the registry detect duplicates)."""
@@ -217,6 +222,7 @@ class NodeCollector(Collector):
             "trainingd_daemon_restarts_total": float(status.restarts),
         }
         run = [self._run_id]
+        replica = self._replica_values() if self._replica_values is not None else {}
         for s in CATALOG:
             fam: Metric
             if s.name == "trainingd_build_info":
@@ -235,6 +241,12 @@ class NodeCollector(Collector):
                 for kind in s.label_values:
                     tier.add_metric([*run, kind], float(held.get(kind, 0.0)))
                 fam = tier
+            elif s.name.startswith("trainingd_memory_replica_"):
+                fam = _family(s)
+                values = replica.get(s.name, {})
+                for lv in s.label_values or ("",):
+                    labels = [*run, lv] if s.label else run
+                    fam.add_metric(labels, float(values.get(lv, 0.0)))  # type: ignore[attr-defined]
             elif s.scope is Scope.NODE:
                 node_cls = (
                     CounterMetricFamily if s.kind is MetricKind.COUNTER else GaugeMetricFamily

@@ -40,6 +40,8 @@ ALLOWED: dict[str, set[str]] = {
     "dcp": _ROOT_BASICS | _BYTES | {"_load"},
     # The public face of the retention registry's configuration keys (for trainingd's config).
     "retention": {"_retention"},
+    # The public face of the memory tier's slot files (for trainingd's peer replicas).
+    "memory_slots": {"_memory"},
     "_manager": _ROOT_BASICS
     | _BYTES
     | {"_load", "_save", "_memory", "_retention", "_coord", "_config"},

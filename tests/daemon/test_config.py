@@ -141,6 +141,25 @@ def test_memory_tier_keys_default_to_auto_in_dev_shm_and_come_from_anywhere(
         assert load_config({}, env={}, file=_write(tmp_path, dumped)) == cfg
 
 
+def test_memory_replicas_default_to_one_with_several_nodes_and_refuse_what_the_ring_cannot_hold(
+    tmp_path: Path,
+) -> None:
+    two = {"nnodes": "2", "rdzv_endpoint": "n0:1"}
+    assert load_config({}, env={}).num_memory_replicas == 0
+    assert load_config(two, env={}).num_memory_replicas == 1
+    assert load_config({"nnodes": "1:2", "rdzv_endpoint": "n0:1"}, env={}).num_memory_replicas == 1
+    assert load_config({**two, "memory_replicas": "0"}, env={}).num_memory_replicas == 0
+    assert load_config({**two, "memory_every": "0"}, env={}).num_memory_replicas == 0
+    path = _write(tmp_path, '[checkpoint]\nmemory_replica_address = "10.0.0.5:7070"\n')
+    assert load_config({}, env={}, file=path).checkpoint.memory_replica_address == "10.0.0.5:7070"
+    with pytest.raises(ConfigError, match=r"memory_replicas=1: the ring of nnodes='1'"):
+        load_config({"memory_replicas": "1"}, env={})
+    with pytest.raises(ConfigError, match=r"memory_replicas=2: .*more than one replica is not"):
+        load_config({**two, "memory_replicas": "2"}, env={})
+    with pytest.raises(ConfigError, match=r"memory_replica_address='h:x': use host\[:port\]"):
+        load_config({**two, "memory_replica_address": "h:x"}, env={})
+
+
 def test_retention_keys_build_the_engines_policy(tmp_path: Path) -> None:
     assert load_config({}, env={}).checkpoint.retention.policy() == KeepLast(n=3)
     both = load_config({"keep_every": "1000"}, env={}).checkpoint.retention.policy()

@@ -12,6 +12,8 @@ that only needs the run to be alive gives it far more steps than it can reach an
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import socket
@@ -344,3 +346,61 @@ def test_a_stopped_node_exits_143_and_its_peer_asks_for_a_restart(
     codes = [node.wait(150) for node in nodes]
     assert codes == [75, 128 + signal.SIGTERM], nodes[0].logs() + nodes[1].logs()
     assert committed_steps(root) == [4]  # the agreed final checkpoint, committed by both
+
+
+def test_a_lost_node_resumes_from_its_peer_replica_without_reading_storage(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    # Two nodes of one rank, memory snapshots every step, no periodic durable checkpoint: only
+    # node 0's replica of node 1's rank can bring step `held_after` back after node 1 is lost.
+    root = tmp_path / "ckpt"
+    held_after = 4
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+        "--max-steps", "8", "--ckpt-uri", str(root), "--batch-size", str(_BATCH_SIZE),
+        "--rdzv-timeout-s", "120", "--strategy", "no_shard", "--memory-every", "1",
+        "--ckpt-every", "0", "--memory-replica-address", "127.0.0.1:0", *GATED_JOB,
+    ]  # fmt: skip
+    gate = Gate(tmp_path / "gate", after_steps=held_after, batch_size=_BATCH_SIZE)
+    nodes = [
+        DaemonProc(tmp_path, [*common, "--node-rank", str(k)], gate.env, f"node{k}") for k in (0, 1)
+    ]
+    procs.extend(nodes)
+    gate.wait_until_held(2, *nodes, timeout_s=120)
+    # Node 0 holds rank 1's snapshot of the held step, complete (its meta is written last).
+    replicas = tmp_path / "node0-shm"
+
+    def replicated() -> bool:
+        metas = replicas.glob("trainingd-*-0/replicas/rank-00001.slot-*.json")
+        return any(json.loads(p.read_text())["step"] == held_after for p in metas)
+
+    wait_for(replicated, 60, f"node 0's replica of rank 1 at step {held_after}")
+
+    # Node 1 is lost: its daemon, fork server and rank at once.
+    for pid in session_pids(nodes[1].pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    nodes[1].wait(10)
+    gate.open()  # node 0's rank goes on, fails in its next collective, and is restarted
+    # A fresh daemon with an empty memory dir takes node rank 1.
+    fresh = DaemonProc(tmp_path, [*common, "--node-rank", "1"], name="node1b")
+    procs.append(fresh)
+    codes = [nodes[0].wait(180), fresh.wait(180)]
+    assert codes == [0, 0], nodes[0].logs() + fresh.logs()
+
+    restored = fresh.find("restored")
+    assert [(e["source"], int(e["ckpt_step"])) for e in restored] == [("replica", held_after)], (
+        fresh.logs()
+    )
+    assert restored[0]["fallback_reason"] is None
+    fetched = fresh.find("replica_fetched")
+    assert fetched, fresh.logs()
+    assert held_after in fetched[0]["steps"]["1"]
+    survivor = [e for e in nodes[0].find("restored") if int(e["restart"]) >= 1]
+    assert [(e["source"], int(e["ckpt_step"])) for e in survivor] == [("memory", held_after)]
+    # Nothing durable existed to restore from: the only commit is the final step.
+    assert committed_steps(root) == [8]
+    # Every exit the daemons saw left their memory dirs empty.
+    for name in ("node0-shm", "node1b-shm"):
+        assert list((tmp_path / name).iterdir()) == [], name

@@ -198,22 +198,27 @@ def test_an_import_across_the_processes_is_reported_even_if_allowed(
 
 
 def _planned(doc: str) -> set[str]:
-    """`<folder>/<module>.py` for every module the `daemon/` tree in `doc` lists."""
+    """`<folder>/.../<module>.py` for every module the `daemon/` tree in `doc` lists (folders
+    end in `/`; each level is indented 2 more than its folder; a package's `__init__.py` is
+    not listed)."""
     lines = doc.splitlines()
     start = next(i for i, line in enumerate(lines) if line.strip() == "daemon/")
     top = len(lines[start]) - len(lines[start].lstrip()) + 2
-    names, folder = set(), ""
+    names: set[str] = set()
+    folders: list[str] = []  # the folder of each level below `daemon/`
     for line in lines[start + 1 :]:
         if not line.strip():
             break
         indent = len(line) - len(line.lstrip())
+        if indent < top or (indent - top) % 2 or (indent - top) // 2 > len(folders):
+            continue  # a wrapped description line
+        depth = (indent - top) // 2
+        del folders[depth:]
         name = line.split()[0]
-        if indent == top:
-            folder = name if name.endswith("/") else ""
-            if not folder:
-                names.add(name)
-        elif indent == top + 2 and folder:
-            names.add(folder + name)
+        if name.endswith("/"):
+            folders.append(name)
+        else:
+            names.add("".join(folders) + name)
     return names
 
 

@@ -27,6 +27,8 @@ REQUIRED_ALERTS = {
     "TrainingdPrefetchHitRatioLow",
     "TrainingdReduceQueueSaturated",
     "TrainingdDaemonDown",
+    # Peer replicas of the memory tier.
+    "TrainingdMemoryReplicaLagging",
 }
 _BY_CLAUSE = re.compile(r"\bby\s*\(([^)]*)\)")
 _HEADING = re.compile(r"^## (\S+)\s*$", re.MULTILINE)

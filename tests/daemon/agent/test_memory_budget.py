@@ -112,9 +112,17 @@ def test_what_fits_runs_an_explicit_misfit_exits_2_and_auto_goes_durable_only(
         assert apply_memory_budget(two_nodes, state_bytes_per_rank=1000, cgroup=tight) is not (
             two_nodes
         )
-    assert logs[0]["need_bytes"] == (2 + 1) * 2 * 1000
-    assert "2 slots x 2 ranks x 1000 B + 1 replica x 2.0 KiB" in logs[0]["summary"]
+    assert logs[0]["need_bytes"] == (2 + 2 * 1) * 2 * 1000
+    assert "2 slots x 2 ranks x 1000 B + 1 replica x 2 slots x 2.0 KiB" in logs[0]["summary"]
     assert "memory cgroup limit 9.8 KiB, 4.9 KiB in use" in logs[0]["summary"]
+    # memory_replicas 0: no replica is held here, so none is counted.
+    unreplicated = load_config(
+        {**flags, "nnodes": "2", "rdzv_endpoint": "n0:1", "memory_replicas": "0"}, env={}
+    )
+    with structlog.testing.capture_logs() as logs:
+        apply_memory_budget(unreplicated, state_bytes_per_rank=1000, cgroup=tight)
+    assert logs[0]["need_bytes"] == 2 * 2 * 1000
+    assert logs[0]["replicas"] == 0
     # No estimate: said so, and the tier starts unchecked.
     with structlog.testing.capture_logs() as logs:
         assert apply_memory_budget(explicit, state_bytes_per_rank=None, cgroup=tight) is explicit

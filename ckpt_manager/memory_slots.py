@@ -1,0 +1,25 @@
+"""The memory tier's slot files, for a process that moves snapshots between nodes.
+
+A public module, imported explicitly (its names are not in `ckpt_manager.__all__`). trainingd's
+daemon streams each rank's complete snapshots to a peer node and copies them back after a node
+loss (`daemon/agent/replica/`); it reads and writes the slots through these names only:
+
+    SlotFiles     one rank's payload and meta files in a directory (allocation with
+                  `posix_fallocate`, atomic metas)
+    SlotMeta      a parsed, self-checked meta (run id, rank, world size, step, layouts,
+                  checksum, origin)
+    restamp       a meta with fields added and its self-check renewed (a replica's stamps)
+    verify_slot   why a payload does not match its meta's checksum (None: it does)
+    ORIGIN_REPLICA  the `origin` of a slot copied from a peer: the restore then reports
+                  `RestoreResult.source == "replica"`
+
+See [Note: the memory tier] in `ckpt_manager/_memory/__init__.py`.
+"""
+
+from __future__ import annotations
+
+from ckpt_manager._memory.load import verify_slot
+from ckpt_manager._memory.meta import ORIGIN_LOCAL, ORIGIN_REPLICA, SlotMeta, restamp
+from ckpt_manager._memory.slots import SlotFiles
+
+__all__ = ["ORIGIN_LOCAL", "ORIGIN_REPLICA", "SlotFiles", "SlotMeta", "restamp", "verify_slot"]

@@ -1,0 +1,143 @@
+"""The replicas a node holds for its peers: `<tier dir>/replicas/`, two slots per remote rank.
+
+    replicas/rank-<r:05d>.slot-<k>        payload, as the rank's own slot file
+    replicas/rank-<r:05d>.slot-<k>.json   meta: the rank's meta, restamped with
+                                          `replica_round` and `replica_node` (the sender)
+
+The same rule as a rank's own slots ([Note: which slot a snapshot takes] in
+`ckpt_manager/_memory/tier.py`): an arriving replica never goes to the slot of the newest
+complete one, nor to a slot another transfer is writing; of the two slots it takes an empty
+one, else the older. Its meta is removed before the first byte lands and written only once the
+payload verified, so a transfer that breaks leaves that slot empty and the newest intact.
+Payloads are allocated with `posix_fallocate` first: a full tmpfs is a refusal, never a SIGBUS.
+
+The membership round of every sender (its node rank) is remembered: a replica from a round
+older than the newest accepted from that node is refused (a replaced node that still streams).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ckpt_manager.memory_slots import SlotFiles, SlotMeta, restamp
+
+__all__ = ["NUM_REPLICA_SLOTS", "HeldReplica", "ReplicaHoldings"]
+
+NUM_REPLICA_SLOTS = 2
+"""Slots per remote rank."""
+
+
+class HeldReplica(NamedTuple):
+    """A complete replica held here."""
+
+    rank: int
+    """The rank whose snapshot it is."""
+    slot: int
+    """Its slot under `replicas/`."""
+    meta: SlotMeta
+    """Its parsed meta."""
+    raw: dict[str, Any]
+    """Its meta as written (restamped)."""
+
+
+class ReplicaHoldings:
+    """The `replicas/` directory of one node's memory tier.
+
+    Args:
+        directory: `<tier dir>/replicas` (created here).
+        run_id: this run (a replica of another is never held).
+    """
+
+    def __init__(self, directory: Path, run_id: str) -> None:
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self.directory = directory
+        """The replicas' directory."""
+        self.run_id = run_id
+        """This run."""
+        self._lock = threading.Lock()
+        self._busy: set[tuple[int, int]] = set()
+        self._rounds: dict[int, int] = {}
+
+    def files(self, rank: int) -> SlotFiles:
+        """`rank`'s slot files under `replicas/`."""
+        return SlotFiles(str(self.directory), rank)
+
+    def round_refusal(self, node: int, round_: int) -> str | None:
+        """Why a replica of round `round_` from node `node` is stale (None: it is not)."""
+        with self._lock:
+            newest = self._rounds.get(node)
+        if newest is not None and round_ < newest:
+            return f"round {round_} from node {node}, older than its round {newest} accepted"
+        return None
+
+    def held(self, rank: int) -> list[HeldReplica]:
+        """`rank`'s complete replicas of this run (their metas parse), oldest step first."""
+        files = self.files(rank)
+        found = []
+        for slot, raw in files.read_metas().items():
+            if not isinstance(raw, dict):
+                continue
+            try:
+                meta = SlotMeta.parse(raw)
+            except ValueError:
+                continue
+            if meta.run_id == self.run_id and meta.rank == rank:
+                found.append(HeldReplica(rank, slot, meta, raw))
+        return sorted(found, key=lambda h: h.meta.step)
+
+    def ranks(self) -> list[int]:
+        """Every rank with a slot file here."""
+        ranks = set()
+        for path in self.directory.glob("rank-*.slot-*"):
+            head = path.name.split(".", 1)[0].removeprefix("rank-")
+            if head.isdigit():
+                ranks.add(int(head))
+        return sorted(ranks)
+
+    def reserve(self, rank: int, nbytes: int) -> tuple[int, int, int] | None:
+        """Empty and allocate the slot an arriving replica of `rank` takes.
+
+        Returns:
+            `(slot, fd, capacity)` (the caller owns `fd` and calls `release(rank, slot)`), or
+            None when both slots are being written by other transfers.
+
+        Raises:
+            CheckpointError: the tmpfs has no room (`SlotFiles.allocate`).
+        """
+        files = self.files(rank)
+        with self._lock:
+            held = {h.slot: h.meta.step for h in self.held(rank)}
+            newest = max(held, key=lambda k: held[k]) if held else None
+            free = [
+                k for k in range(NUM_REPLICA_SLOTS) if k != newest and (rank, k) not in self._busy
+            ]
+            if not free:
+                return None
+            slot = min(free, key=lambda k: (k in held, held.get(k, -1), k))
+            self._busy.add((rank, slot))
+        try:
+            files.remove_meta(slot)
+            fd, capacity = files.allocate(slot, nbytes)
+        except BaseException:
+            self.release(rank, slot)
+            raise
+        return slot, fd, capacity
+
+    def release(self, rank: int, slot: int) -> None:
+        """The transfer into `slot` is over (committed or not)."""
+        with self._lock:
+            self._busy.discard((rank, slot))
+
+    def commit(self, rank: int, slot: int, raw: dict[str, Any], *, round_: int, node: int) -> None:
+        """The payload in `slot` verified: write its restamped meta; remember the round.
+
+        Raises:
+            ValueError: `raw` is not a valid meta.
+            CheckpointError: the meta could not be written.
+        """
+        stamped = restamp(raw, replica_round=round_, replica_node=node)
+        self.files(rank).write_meta(slot, stamped)
+        with self._lock:
+            self._rounds[node] = max(round_, self._rounds.get(node, round_))

@@ -1,0 +1,248 @@
+"""The replica sender: streams every complete snapshot of this node's ranks to the next node.
+
+One thread in the daemon process (the ranks are not involved and never wait for it). It
+watches the memory tier's directory (every `POLL_S`) for the newest complete snapshot of each
+local rank, i.e. a meta that parses and verifies, and streams the newest one the peer has not
+acknowledged: a newer snapshot supersedes an older unsent one, so nothing queues. A payload
+leaves with `sendfile` from the slot file; if the rank empties that slot meanwhile (its slot
+is reused two snapshots later), the transfer ends with `ABORT` and the next tick sends the
+newer snapshot. A broken connection is counted, logged once per kind and retried on the next
+tick after `RETRY_S`; replication never stops or slows training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any, NamedTuple
+
+import structlog
+
+from ckpt_manager.memory_slots import SlotFiles, SlotMeta
+from daemon.agent.replica.protocol import (
+    ABORT,
+    COMMIT,
+    ProtocolError,
+    Refusal,
+    recv_frame,
+    send_file,
+    send_frame,
+)
+from daemon.agent.replica.server import IO_TIMEOUT_S
+from daemon.agent.replica.stats import ReplicaStats
+
+__all__ = ["POLL_S", "RETRY_S", "ReplicaSender", "Ring", "parse_address"]
+
+log = structlog.get_logger("trainingd.replica")
+
+POLL_S = 0.02
+"""How often the tier's directory is checked for a new complete snapshot."""
+RETRY_S = 1.0
+"""Pause after a failed connection or transfer before the next attempt."""
+
+
+class Ring(NamedTuple):
+    """Where this node's snapshots go in the current membership round."""
+
+    round: int
+    """The membership round (`peers.py`)."""
+    target: str | None
+    """`host:port` of the next node's replica server (None: no peer, nothing is sent)."""
+    ranks: tuple[int, ...]
+    """This node's global ranks in the round."""
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """`host:port` (or `[v6]:port`) -> `(host, port)`.
+
+    Raises:
+        ValueError: no port, or a port that is not a number.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"replica address {address!r}: use host:port")
+    return host.strip("[]"), int(port)
+
+
+class ReplicaSender:
+    """The sending thread (owned by `ReplicaService`).
+
+    Args:
+        tier_dir: this node's memory-tier directory (the ranks' slot files).
+        run_id: this run.
+        node: this node's rank (the receiver tracks rounds per sender).
+        stats: the counters.
+    """
+
+    def __init__(self, tier_dir: str, run_id: str, node: int, stats: ReplicaStats) -> None:
+        self._dir, self._run_id, self._node, self._stats = tier_dir, run_id, node, stats
+        self._ring = Ring(0, None, ())
+        # Per rank, the newest step acknowledged or refused by the peer: never sent again.
+        self._done: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._metas: dict[str, tuple[tuple[int, int, int], Any]] = {}
+        self._sock: socket.socket | None = None
+        self._sock_target: str | None = None
+        self._thread = threading.Thread(
+            target=self._run, name="trainingd-replica-sender", daemon=True
+        )
+        self._thread.start()
+
+    def set_ring(self, ring: Ring) -> None:
+        """A new round: send to `ring.target` from now on (acknowledgements of another target
+        no longer count)."""
+        with self._lock:
+            if ring.target != self._ring.target or ring.target is None:
+                self._done.clear()
+                # Without a peer there is no lag to report.
+                self._stats.forget_acks(list(ring.ranks) if ring.target is not None else [])
+            self._ring = ring
+        self._wake.set()
+
+    def close(self) -> None:
+        """Stop the thread (idempotent)."""
+        self._closed.set()
+        self._wake.set()
+        self._thread.join(timeout=IO_TIMEOUT_S + 5)
+        self._disconnect()
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(POLL_S)
+            self._wake.clear()
+            with self._lock:
+                ring = self._ring
+            if ring.target is None:
+                continue
+            for rank in ring.ranks:
+                if self._closed.is_set():
+                    return
+                newest = self._newest(rank)
+                if newest is None:
+                    continue
+                slot, raw, meta = newest
+                self._stats.local_step(rank, meta.step)
+                if meta.step <= self._done.get(rank, -1):
+                    continue
+                try:
+                    self._send(ring, rank, slot, raw, meta)
+                except (OSError, ProtocolError) as err:
+                    self._disconnect()
+                    detail = f"{type(err).__name__}: {err}"
+                    self._stats.failed(
+                        Refusal.CONNECTION,
+                        "replica_send_failed",
+                        target=ring.target,
+                        rank=rank,
+                        step=meta.step,
+                        error=detail,
+                    )
+                    self._closed.wait(RETRY_S)
+                    break
+
+    def _newest(self, rank: int) -> tuple[int, dict[str, Any], SlotMeta] | None:
+        """The rank's newest complete snapshot of this run: `(slot, raw meta, parsed)`."""
+        best: tuple[int, dict[str, Any], SlotMeta] | None = None
+        files = SlotFiles(self._dir, rank)
+        for slot in files.existing_slots():
+            found = self._read_meta(files.meta_path(slot))
+            if found is None:
+                continue
+            raw, meta = found
+            if meta.run_id != self._run_id or meta.rank != rank:
+                continue
+            if best is None or meta.step > best[2].step:
+                best = (slot, raw, meta)
+        return best
+
+    def _read_meta(self, path: str) -> tuple[dict[str, Any], SlotMeta] | None:
+        """A meta file, parsed once per version: a meta is replaced by a rename, so a new
+        (inode, mtime) is a new meta; a large model's meta is not re-parsed every tick."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            self._metas.pop(path, None)
+            return None
+        version = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._metas.get(path)
+        if cached is not None and cached[0] == version:
+            return cached[1]
+        parsed: tuple[dict[str, Any], SlotMeta] | None = None
+        try:
+            with open(path, "rb") as f:
+                raw = json.loads(f.read())
+            if isinstance(raw, dict):
+                parsed = raw, SlotMeta.parse(raw)
+        except (OSError, ValueError):
+            parsed = None  # half gone or broken: not a complete snapshot
+        self._metas[path] = (version, parsed)
+        return parsed
+
+    def _connect(self, target: str) -> socket.socket:
+        if self._sock is not None and self._sock_target == target:
+            return self._sock
+        self._disconnect()
+        sock = socket.create_connection(parse_address(target), timeout=IO_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock, self._sock_target = sock, target
+        return sock
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self._sock, self._sock_target = None, None
+
+    def _send(self, ring: Ring, rank: int, slot: int, raw: dict[str, Any], meta: SlotMeta) -> None:
+        assert ring.target is not None
+        files = SlotFiles(self._dir, rank)
+        try:
+            fd = os.open(files.payload_path(slot), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return  # the slot went away (the run moved on); the next tick sees the newer one
+        try:
+            sock = self._connect(ring.target)
+            request = {"op": "put", "run_id": self._run_id, "round": ring.round, "node": self._node}
+            send_frame(sock, {**request, "meta": raw})
+            if not self._accepted(recv_frame(sock), rank, meta):
+                return
+            t0 = time.perf_counter()
+            send_file(sock, fd, meta.payload_bytes)
+            seconds = time.perf_counter() - t0
+        finally:
+            os.close(fd)
+        # The rank empties a slot's meta before it overwrites it: an unchanged meta means the
+        # bytes sent are the snapshot's.
+        unchanged = files.read_metas().get(slot) == raw
+        sock.sendall(COMMIT if unchanged else ABORT)
+        if self._accepted(recv_frame(sock), rank, meta):
+            self._stats.sent(meta.payload_bytes, seconds)
+            self._done[rank] = meta.step
+            self._stats.acked_step(rank, meta.step)
+
+    def _accepted(self, reply: dict[str, Any] | None, rank: int, meta: SlotMeta) -> bool:
+        if reply is None:
+            raise ProtocolError("the receiver closed the connection")
+        if reply.get("ok") is True:
+            return True
+        reason = str(reply.get("reason"))
+        if reason == "superseded":
+            return False  # a newer snapshot took the slot mid-send: the next tick sends it
+        try:
+            refusal = Refusal(reason)
+        except ValueError:
+            refusal = Refusal.PROTOCOL
+        detail = str(reply.get("detail"))
+        self._stats.failed(
+            refusal, "replica_send_refused", rank=rank, step=meta.step, detail=detail
+        )
+        # Not retried at once: the same snapshot would be refused the same way.
+        self._done[rank] = max(self._done.get(rank, -1), meta.step)
+        return False

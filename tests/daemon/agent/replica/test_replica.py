@@ -1,0 +1,228 @@
+"""Peer replicas on real sockets (127.0.0.1): the ring's stream, the fetch, every refusal.
+
+Snapshots are made by a real single-rank `CheckpointManager` with the memory tier on, so the
+metas and payloads are exactly what ranks write.
+"""
+
+from __future__ import annotations
+
+import datetime
+import errno
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ckpt_manager import CheckpointConfig, CheckpointManager, MemoryTierConfig
+from ckpt_manager.memory_slots import SlotFiles, restamp
+from daemon.agent.replica.fetch import fetch_missing, missing_ranks
+from daemon.agent.replica.holdings import ReplicaHoldings
+from daemon.agent.replica.peers import exchange
+from daemon.agent.replica.protocol import Refusal, recv_frame, send_frame
+from daemon.agent.replica.sender import ReplicaSender, Ring
+from daemon.agent.replica.server import ReplicaServer
+from daemon.agent.replica.stats import ReplicaStats
+from daemon.metrics import REPLICA_FAILURE_REASONS
+from tests.support.dist import free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+RUN = "run-a"
+
+
+def _snapshot(directory: Path, steps: list[int], run_id: str = RUN) -> dict[str, Any]:
+    """Memory snapshots of rank 0 at `steps` in `directory`; the last state saved."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(directory)))
+    state: dict[str, Any] = {"w": torch.arange(4096, dtype=torch.float32), "step": 0}
+    with CheckpointManager(str(directory.parent / "durable"), cfg, run_id=run_id) as mgr:
+        for step in steps:
+            state = {"w": state["w"] + 1, "step": step}
+            mgr.save(step, state, durable=False)
+            mgr.before_optimizer_step()
+        mgr.wait_until_finished()
+    return state
+
+
+def _newest_meta(directory: Path, rank: int = 0) -> tuple[int, dict[str, Any]]:
+    metas = SlotFiles(str(directory), rank).read_metas()
+    slot = max((k for k, m in metas.items() if isinstance(m, dict)), key=lambda k: metas[k]["step"])  # type: ignore[index]
+    raw = metas[slot]
+    assert isinstance(raw, dict)
+    return slot, raw
+
+
+class _Node:
+    """One node's replica side: its tier directory, holdings and server."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.tier = root / name
+        self.tier.mkdir(parents=True)
+        self.stats = ReplicaStats()
+        self.holdings = ReplicaHoldings(self.tier / "replicas", RUN)
+        self.server = ReplicaServer(self.holdings, str(self.tier), self.stats, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self.server.port}"
+
+
+@pytest.fixture
+def nodes(tmp_path: Path) -> Iterator[list[_Node]]:
+    made = [_Node(tmp_path, "a"), _Node(tmp_path, "b")]
+    yield made
+    for node in made:
+        node.server.close()
+
+
+def _wait(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _put(address: str, request: dict[str, Any], payload: bytes | None = None) -> dict[str, Any]:
+    """One `put` on a fresh connection: the first reply, or the final one if bytes were sent."""
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        send_frame(sock, request)
+        reply = recv_frame(sock)
+        assert reply is not None
+        if reply.get("ok") is not True or payload is None:
+            return reply
+        sock.sendall(payload + b"C")
+        final = recv_frame(sock)
+        assert final is not None
+        return final
+
+
+def test_ring_streams_the_newest_snapshot_and_a_fetch_restores_it_as_replica(
+    tmp_path: Path, nodes: list[_Node]
+) -> None:
+    a, b = nodes
+    state = _snapshot(a.tier, [1, 2, 3])
+    sender = ReplicaSender(str(a.tier), RUN, node=0, stats=a.stats)
+    try:
+        sender.set_ring(Ring(round=4, target=b.address, ranks=(0,)))
+        _wait(lambda: a.stats.lag_steps() == 0 and a.stats.sent_bytes > 0, "the ack of step 3")
+    finally:
+        sender.close()
+    held = b.holdings.held(0)
+    # Only the newest complete snapshot is streamed: older unsent ones are superseded.
+    assert [h.meta.step for h in held] == [3]
+    assert held[0].raw["replica_round"] == 4
+    assert held[0].raw["replica_node"] == 0
+    assert a.stats.sent_bytes == b.stats.received_bytes == held[0].meta.payload_bytes
+    assert a.stats.values()["trainingd_memory_replica_send_seconds_total"][""] > 0
+
+    # A replaced node: an empty tier directory. Its rank fetches from the peer holding it.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    assert missing_ranks(str(fresh), RUN, [0]) == [0]
+    assert missing_ranks(str(a.tier), RUN, [0]) == []  # a survivor keeps its own slots
+    stats = ReplicaStats()
+    fetched = fetch_missing(
+        str(fresh), run_id=RUN, ranks=[0], world_size=1, peers={1: b.address}, stats=stats,
+        timeout_s=10,
+    )  # fmt: skip
+    assert fetched.steps == {0: [3]}, fetched.reasons
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(fresh)))
+    with CheckpointManager(str(tmp_path / "none"), cfg, run_id=RUN) as mgr:
+        restored = mgr.restore()
+    assert restored is not None
+    assert (restored.step, restored.source) == (3, "replica")
+    assert torch.equal(restored.state["w"], state["w"])
+
+
+def test_receiver_refuses_foreign_runs_stale_rounds_bad_checksums_and_a_full_tmpfs(
+    tmp_path: Path, nodes: list[_Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = nodes
+    _snapshot(a.tier, [1])
+    slot, raw = _newest_meta(a.tier)
+    payload = (a.tier / f"rank-00000.slot-{slot}").read_bytes()[: raw["payload_bytes"]]
+    put = {"op": "put", "run_id": RUN, "node": 0}
+
+    foreign = restamp(raw, run_id="run-b")
+    reply = _put(b.address, {**put, "round": 1, "meta": foreign})
+    assert reply["reason"] == "foreign_run", reply
+    assert _put(b.address, {**put, "run_id": "run-b", "round": 1, "meta": raw})["ok"] is False
+
+    assert _put(b.address, {**put, "round": 5, "meta": raw}, payload) == {"ok": True}
+    reply = _put(b.address, {**put, "round": 4, "meta": raw})
+    assert reply["reason"] == "stale_round", reply
+    # Another sender's rounds are its own.
+    assert _put(b.address, {**put, "node": 2, "round": 1, "meta": raw}, payload)["ok"] is True
+
+    flipped = bytearray(payload)
+    flipped[len(flipped) // 2] ^= 0xFF
+    reply = _put(b.address, {**put, "round": 5, "meta": raw}, bytes(flipped))
+    assert reply["reason"] == "checksum", reply
+    assert [h.meta.step for h in b.holdings.held(0)] == [1]  # the good copy stays
+
+    def no_room(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_room)
+    reply = _put(b.address, {**put, "round": 5, "meta": raw})
+    assert reply["reason"] == "no_space", reply
+    assert "no room" in reply["detail"]
+    monkeypatch.undo()
+
+    failures = b.stats.values()["trainingd_memory_replica_failures_total"]
+    assert set(failures) == set(REPLICA_FAILURE_REASONS) == {r.value for r in Refusal}
+    assert failures["foreign_run"] == 2
+    assert failures["stale_round"] == 1
+    assert failures["checksum"] == 1
+    assert failures["no_space"] == 1
+
+
+def test_fetch_refuses_another_world_size(tmp_path: Path, nodes: list[_Node]) -> None:
+    a, b = nodes
+    _snapshot(a.tier, [1])
+    slot, raw = _newest_meta(a.tier)
+    payload = (a.tier / f"rank-00000.slot-{slot}").read_bytes()[: raw["payload_bytes"]]
+    put = {"op": "put", "run_id": RUN, "node": 0, "round": 1, "meta": raw}
+    assert _put(b.address, put, payload)["ok"] is True
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    stats = ReplicaStats()
+    fetched = fetch_missing(
+        str(fresh), run_id=RUN, ranks=[0], world_size=2, peers={1: b.address}, stats=stats,
+        timeout_s=10,
+    )  # fmt: skip
+    assert fetched.steps == {}
+    assert "world size 1, 2 now" in fetched.reasons[0]
+    assert stats.failures["mismatch"] == 1
+    assert missing_ranks(str(fresh), RUN, [0]) == [0]  # nothing was written
+
+
+def test_peers_agree_on_a_growing_round_and_every_address() -> None:
+    port = free_port()
+    timeout = datetime.timedelta(seconds=20)
+    host = dist.TCPStore("127.0.0.1", port, None, True, timeout, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, None, False, timeout)
+    for expected_round, prefix in ((1, "round-a"), (2, "round-b")):
+        results: dict[int, Any] = {}
+
+        def join(
+            g: int, base: dist.Store, prefix: str = prefix, results: dict[int, Any] = results
+        ) -> None:
+            store = dist.PrefixStore(prefix, base)
+            results[g] = exchange(
+                store, run_id=RUN, group_rank=g, num_nodes=2, address=f"h{g}:{g}", timeout_s=10
+            )
+
+        threads = [threading.Thread(target=join, args=(g, s)) for g, s in ((0, host), (1, client))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        assert results[0] == results[1]
+        assert results[0].round == expected_round
+        assert results[0].addresses == {0: "h0:0", 1: "h1:1"}
