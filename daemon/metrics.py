@@ -270,7 +270,7 @@ def _h(
 
 
 _OPS = ("all_gather", "reduce_scatter", "all_reduce")
-_RESULTS = ("committed", "failed")
+_RESULTS = ("committed", "failed", "deferred")
 _RESTORE_SOURCES = ("memory", "replica", "durable")
 _TIER_KINDS = ("local", "replica")
 _QUEUES = ("allgather", "reduce")
@@ -498,7 +498,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _c("trainingd_ckpt_bytes_total", "Checkpoint bytes written by this node's ranks.", scope=_SUM),
     _c(
         "trainingd_ckpt_saves_total",
-        "Finished saves by result (committed or failed).",
+        "Saves by result: committed, failed, or deferred (due while an earlier save was still "
+        "being written; taken at the first step after it).",
         scope=_JOB,
         label="result",
         values=_RESULTS,
@@ -537,6 +538,18 @@ CATALOG: tuple[MetricSpec, ...] = (
         "trainingd_memory_snapshot_seconds",
         "Time one memory snapshot blocked the training thread (all local ranks).",
         _MEMORY_SNAPSHOT_S,
+    ),
+    # --- the memory tier: failures and the newest step (issue #29 items 5-7) ---------------
+    _c(
+        "trainingd_memory_snapshot_failures_total",
+        "Memory snapshots that failed (a full tmpfs, a failed copy or meta write; training "
+        "goes on with the older snapshot) (all local ranks).",
+        scope=_SUM,
+    ),
+    _g(
+        "trainingd_memory_newest_step",
+        "Newest step the rank's memory tier holds (snapshotted or restored).",
+        scope=_JOB,
     ),
 )
 """Every metric family trainingd exports, in exposition order."""
