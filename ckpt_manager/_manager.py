@@ -22,6 +22,10 @@ slot's meta is written once copied; `save(..., durable=False)` stops there. `res
 the newest step every rank holds in memory before the durable tier ([Note: the memory tier]
 in `_memory/`).
 
+`write_in_flight()` tells a caller that must never stall on storage whether a durable
+`save()` now would wait for a write still in progress on this rank
+(`_save/request.write_blocking_next_save`); the caller agrees across ranks and saves later.
+
 [Note: finalize at a step boundary] Agreement runs on the training thread at the same
 control-flow point on every rank (never from a background thread), so the collectives of
 the dedicated gloo group line up without extra barriers; every one is bounded by

@@ -117,8 +117,10 @@ class StatusBoard:
         step = status.step
         held = dict(self._tier_bytes()) if self._tier_bytes is not None else {}
         in_memory = [v.gauge("trainingd_memory_newest_step") for v in views]
+        held_steps = [x for x in in_memory if x is not None]
+        # Restorable from memory only when every local rank holds it: the lowest, if all do.
+        memory_step = min(held_steps) if held_steps and len(held_steps) == len(views) else None
         committed = [v.gauge("trainingd_ckpt_last_committed_step") for v in views]
-        memory_step = min(in_memory) if in_memory and None not in in_memory else None
         durable_step = max((c for c in committed if c is not None), default=None)
         with self._lock:
             if (
