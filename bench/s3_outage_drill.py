@@ -116,9 +116,14 @@ def main() -> int:
     text = log_path.read_text(errors="replace")
     failed = text.count("checkpoint_failed_training_continues") + text.count("SaveFailedError")
     retried = text.count("ckpt_write_retried")
+    # [Note: a durable save never stalls the loop] in daemon/rank/deferral.py: saves due while
+    # the write waits the outage out are deferred (one line per rank and episode), not waited for.
+    deferred = text.count('"checkpoint_deferred"')
+    caught_up = text.count('"checkpoint_caught_up"')
     new = [s for s in after if s > max(before)]
     print(f"exit code {code}; committed before {before}; after {after}")
     print(f"failed saves logged: {failed}; writes that waited the outage out: {retried}")
+    print(f"deferral episodes logged (all ranks): {deferred}; caught up: {caught_up}")
     ok = code == 0 and failed == 0 and bool(new)
     print(f"verdict: {'PASS' if ok else 'FAIL'} (log: {log_path})")
     return 0 if ok else 1

@@ -22,6 +22,10 @@ slot's meta is written once copied; `save(..., durable=False)` stops there. `res
 the newest step every rank holds in memory before the durable tier ([Note: the memory tier]
 in `_memory/`).
 
+`write_in_flight()` tells a caller that must never stall on storage whether a durable
+`save()` now would wait for a write still in progress on this rank
+(`_save/request.write_blocking_next_save`); the caller agrees across ranks and saves later.
+
 [Note: finalize at a step boundary] Agreement runs on the training thread at the same
 control-flow point on every rank (never from a background thread), so the collectives of
 the dedicated gloo group line up without extra barriers; every one is bounded by
@@ -57,7 +61,7 @@ from ckpt_manager._save.finalize import Finalizer
 from ckpt_manager._save.pipeline import LocalPipeline
 from ckpt_manager._save.plan import PlanCache, leaves_to_write
 from ckpt_manager._save.report import prepare_rank
-from ckpt_manager._save.request import Limits, SaveRequest
+from ckpt_manager._save.request import Limits, SaveRequest, write_blocking_next_save
 from ckpt_manager._save.snapshots import Snapshots
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.lease import Lease
@@ -489,6 +493,19 @@ class CheckpointManager:
             if request.local_status(self._limits) == Status.FAILED:
                 raise SaveFailedError(request.step, {self.rank: request.error or "failed"})
 
+    def write_in_flight(self) -> bool:
+        """Whether a durable `save()` now would wait for a save in flight that is still being
+        written on this rank (local, no collective; polls the writer without blocking).
+
+        A caller that must never stall on storage asks every rank, agrees (any rank: every
+        rank defers, `save()` being collective), and saves later instead.
+        """
+        self._check_open()
+        return (
+            write_blocking_next_save(self._pending, self.config.max_inflight, self._limits)
+            is not None
+        )
+
     # ----------------------------------------------------------------- queries
     def latest_step(self) -> int | None:
         """Newest committed step under the root (manifest present), or None."""
@@ -513,9 +530,10 @@ class CheckpointManager:
         return committed_steps(self._storage)
 
     def stats(self) -> ManagerStats:
-        """In-flight count and the last commit."""
+        """In-flight saves (count, oldest), the last commit and the memory tier's counters."""
         last = self._final.last_committed
         memory = self._memory
+        oldest = self._pending[0] if self._pending else None
         return ManagerStats(
             inflight=len(self._pending),
             last_committed_step=last[0] if last else None,
@@ -527,6 +545,9 @@ class CheckpointManager:
             last_memory_save_s=memory.last_save_s if memory else 0.0,
             memory_bytes_held=memory.held_bytes() if memory else 0,
             newest_memory_step=memory.newest_step if memory else None,
+            num_memory_snapshots_failed=memory.num_failed if memory else 0,
+            oldest_inflight_step=oldest.step if oldest else None,
+            oldest_inflight_unix_s=oldest.created_unix_s if oldest else None,
         )
 
     @property

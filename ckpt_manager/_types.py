@@ -149,6 +149,13 @@ class ManagerStats(NamedTuple):
     """Bytes held by this rank's memory slot files."""
     newest_memory_step: int | None = None
     """The newest step snapshotted to memory (or restored) by this manager, or None."""
+    num_memory_snapshots_failed: int = 0
+    """Memory snapshots that failed (a slot that could not be allocated on a full tmpfs, a
+    copy or meta write that failed; durable saves' snapshots included)."""
+    oldest_inflight_step: int | None = None
+    """Step of the oldest save in flight (None: none)."""
+    oldest_inflight_unix_s: float | None = None
+    """When that save was requested (Unix seconds; None: none in flight)."""
 
 
 class RestoreResult(NamedTuple):

@@ -73,6 +73,7 @@ memory and never call each other; they talk through files in the run directory (
         telemetry.py     rank-side metric recording, published as the rank's snapshot.
         throughput.py    per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
         save_failures.py the save failure policy: report, keep training, give up after N.
+        deferral.py      durable saves deferred while an earlier write is in flight, then owed.
         memory_cadence.py when the memory tier snapshots: fixed, or `auto` (within 2% of
                          the step time, adaptive).
 

@@ -271,7 +271,7 @@ def _h(
 
 
 _OPS = ("all_gather", "reduce_scatter", "all_reduce")
-_RESULTS = ("committed", "failed")
+_RESULTS = ("committed", "failed", "deferred")
 _RESTORE_SOURCES = ("memory", "replica", "durable")
 _TIER_KINDS = ("local", "replica")
 REPLICA_FAILURE_REASONS: tuple[str, ...] = (
@@ -510,7 +510,8 @@ CATALOG: tuple[MetricSpec, ...] = (
     _c("trainingd_ckpt_bytes_total", "Checkpoint bytes written by this node's ranks.", scope=_SUM),
     _c(
         "trainingd_ckpt_saves_total",
-        "Finished saves by result (committed or failed).",
+        "Saves by result: committed, failed, or deferred (due while an earlier save was still "
+        "being written; taken at the first step after it).",
         scope=_JOB,
         label="result",
         values=_RESULTS,
@@ -584,6 +585,18 @@ CATALOG: tuple[MetricSpec, ...] = (
         scope=_NODE,
         label="reason",
         values=REPLICA_FAILURE_REASONS,
+    ),
+    # --- the memory tier: failures and the newest step (issue #29 items 5-7) ---------------
+    _c(
+        "trainingd_memory_snapshot_failures_total",
+        "Memory snapshots that failed (a full tmpfs, a failed copy or meta write; training "
+        "goes on with the older snapshot) (all local ranks).",
+        scope=_SUM,
+    ),
+    _g(
+        "trainingd_memory_newest_step",
+        "Newest step the rank's memory tier holds (snapshotted or restored).",
+        scope=_JOB,
     ),
 )
 """Every metric family trainingd exports, in exposition order."""

@@ -109,6 +109,8 @@ class MemoryTier:
         """Snapshots completed."""
         self.num_skipped = 0
         """Snapshots skipped (no slot could be taken)."""
+        self.num_failed = 0
+        """Snapshots that failed (allocation, copy or meta write)."""
         self.last_snapshot_bytes = 0
         """Payload size of the last completed snapshot."""
         self.last_save_s = 0.0
@@ -164,6 +166,8 @@ class MemoryTier:
             if job.extra:
                 self._extra_refused = job.skipped
             self.skip(job.skipped)
+        elif job.error is not None:
+            self.num_failed += 1
 
     def _drop_inherited(self) -> None:
         """A save before any restore: slots from a previous life are another timeline."""

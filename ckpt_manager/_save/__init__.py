@@ -4,7 +4,8 @@ A save is snapshotted into shared staging memory on the trainer side, written to
 persistent writer process, then finalized across ranks (agreement, then one manifest commit).
 
     request.py      SaveRequest: one save on one rank; its explicit SaveState machine
-                    STAGING -> WRITING -> OK | FAILED, guarded transitions, one lock.
+                    STAGING -> WRITING -> OK | FAILED, guarded transitions, one lock;
+                    write_blocking_next_save (would a save now wait on a write in flight).
     pipeline.py     LocalPipeline: one rank's staging buffers, staging thread and writer.
     plan.py         what a rank writes (leaves_to_write) and its shard file's plan
                     (piece_records; PlanCache reuses layout and records while the state

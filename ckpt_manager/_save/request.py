@@ -29,7 +29,7 @@ import dataclasses
 import enum
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import structlog
@@ -42,7 +42,13 @@ from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.staging import Slab
 from ckpt_manager._save.writer_proc import WriterProcess
 
-__all__ = ["InvalidTransitionError", "Limits", "SaveRequest", "SaveState"]
+__all__ = [
+    "InvalidTransitionError",
+    "Limits",
+    "SaveRequest",
+    "SaveState",
+    "write_blocking_next_save",
+]
 
 
 _log = structlog.get_logger("ckpt_manager")
@@ -308,3 +314,28 @@ class SaveRequest:
             self.writer.poll(timeout_s)
         else:
             time.sleep(timeout_s)
+
+
+def write_blocking_next_save(
+    pending: Sequence[SaveRequest], max_inflight: int, limits: Limits
+) -> SaveRequest | None:
+    """The save in flight whose write a durable `save()` now would wait for, or None.
+
+    A `save()` with `max_inflight` saves in flight first finalizes the oldest ones until one
+    slot is free. That wait is on storage while one of them is still staging or writing on
+    this rank; one whose files are written (or that already failed here) only needs the
+    agreement and its commit, moments, and is not counted. Each request is polled without
+    blocking (`local_status`: a writer's answer is taken, a writer past `write_timeout_s` is
+    killed and the request failed, exactly as `maybe_finalize` would), so a write that ended
+    since the last poll counts as ended (`CheckpointManager.write_in_flight`).
+
+    Args:
+        pending: the saves in flight, oldest first.
+        max_inflight: the manager's `max_inflight`.
+        limits: the time limits the poll enforces.
+    """
+    must_retire = len(pending) - max_inflight + 1
+    for request in list(pending)[: max(must_retire, 0)]:
+        if request.local_status(limits) == Status.WRITING:
+            return request
+    return None

@@ -308,6 +308,7 @@ def run_daemon(
                 max_steps=cfg.train.max_steps,
                 ckpt_uri=cfg.checkpoint.ckpt_uri,
                 storage_options=s3_storage_options(cfg),
+                tier_bytes=memory.tier_bytes,
             )
             if chosen is LogFormat.CONSOLE and sys.stderr.isatty():
                 live = LiveProgress(board)

@@ -2,9 +2,10 @@
 
 It draws everything from `/api/status` (see `daemon/observe/status.py`), fetched on load and
 then every `REFRESH_MS`: step/ETA, an inline-SVG loss curve, throughput, the committed
-checkpoints, per-rank heartbeats and the last error. Elements carry ids (`step`, `eta`,
-`loss-curve`, `checkpoints`, `ranks`, `last-error`) so tests and scripts can read the rendered
-page.
+checkpoints, the tiers (the memory tier's bytes, local and replica, the newest memory and
+durable steps), per-rank heartbeats and the last error. Elements carry ids (`step`, `eta`,
+`loss-curve`, `checkpoints`, `tiers`, `memory-step`, `durable-step`, `memory-bytes`, `ranks`,
+`last-error`) so tests and scripts can read the rendered page.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ svg{background:#fff;border:1px solid #ddd;border-radius:6px}
  <text id="loss-max" x="4" y="14" font-size="11" fill="#777"></text>
  <text id="loss-min" x="4" y="234" font-size="11" fill="#777"></text>
 </svg>
+<h2>Tiers</h2>
+<div class="cards" id="tiers">
+ <div class="card">newest memory step<b id="memory-step">-</b></div>
+ <div class="card">newest durable step<b id="durable-step">-</b></div>
+ <div class="card">memory tier (local / replica)<b id="memory-bytes">-</b></div>
+</div>
 <h2>Checkpoints <span id="ckpt-uri" class="muted"></span></h2>
 <table id="checkpoints"><thead><tr><th>step</th><th>size</th><th>age</th></tr></thead>
 <tbody></tbody></table>
@@ -97,6 +104,11 @@ function render(s) {
   $("throughput").textContent = Math.round(s.tokens_per_s).toLocaleString("en") + " tok/s";
   $("restarts").textContent = String(s.node.restarts ?? 0);
   curve(s.loss);
+  const t = s.tiers, num = (x) => x === null || x === undefined ? "-" : String(x);
+  $("memory-step").textContent = num(t.newest_memory_step);
+  $("durable-step").textContent = num(t.newest_durable_step);
+  $("memory-bytes").textContent =
+    bytes(t.memory_local_bytes) + " / " + bytes(t.memory_replica_bytes);
   const ck = s.checkpoints;
   $("ckpt-uri").textContent = ck.uri + (ck.error ? " (" + ck.error + ")" : "");
   rows($("checkpoints").tBodies[0], s.checkpoints.committed.slice().reverse(),

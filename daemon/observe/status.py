@@ -1,4 +1,4 @@
-"""What the status page (`/`) and `/api/status` show: progress, loss history, checkpoints.
+"""What the status page (`/`) and `/api/status` show: progress, loss history, checkpoints, tiers.
 
 `StatusBoard` is fed by the supervisor thread (`observe`, every tick, with the same rank views
 `/metrics` uses) and read by HTTP handler threads (`snapshot`). It keeps what no single
@@ -8,6 +8,12 @@ a tokens/s and steps/s estimate over a sliding window, and the last error seen o
 The checkpoint list comes from ckpt_manager's torch-free `committed_checkpoints`, read by the
 board's own thread at most every `CHECKPOINT_REFRESH_S`, so a slow object store never blocks
 an HTTP request: handlers only copy the last list.
+
+The tiers (`tiers` in `/api/status`): the memory tier's bytes on this node by kind (`local`,
+`replica`; the same reading as `trainingd_memory_tier_bytes`, taken on the supervisor's tick,
+never in a request), the newest step the node's ranks hold in memory (the lowest over its
+local ranks: a memory step is restorable only when every rank holds it) and the newest
+durable step (the ranks' last commit, else the newest step of the listing).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
@@ -48,6 +54,8 @@ class StatusBoard:
         storage_options: fsspec options for that root.
         clock: Unix time source (tests).
         list_checkpoints: replaces `committed_checkpoints` (tests).
+        tier_bytes: the memory tier's bytes by kind (`local`, `replica`), read at each
+            `observe` (`daemon.agent.memory_dir.NodeMemoryDir.tier_bytes`); None: 0.
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class StatusBoard:
         storage_options: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.time,
         list_checkpoints: Callable[[], list[CommittedCheckpoint]] | None = None,
+        tier_bytes: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         self.max_steps = max_steps
         """The run's target step."""
@@ -66,6 +75,8 @@ class StatusBoard:
             lambda: committed_checkpoints(ckpt_uri, storage_options, known=self._checkpoints)
         )
         self._clock = clock
+        self._tier_bytes = tier_bytes
+        self._tiers: dict[str, Any] = _tiers({}, None, None)
         self._lock = threading.Lock()
         self._loss: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY_POINTS)
         self._samples: collections.deque[tuple[float, float, int]] = collections.deque()
@@ -104,6 +115,13 @@ class StatusBoard:
         failed = sum(_counter(v, "trainingd_ckpt_saves_total", "failed") for v in views)
         loss = next((x for v in views if (x := v.gauge("trainingd_train_loss")) is not None), None)
         step = status.step
+        held = dict(self._tier_bytes()) if self._tier_bytes is not None else {}
+        in_memory = [v.gauge("trainingd_memory_newest_step") for v in views]
+        held_steps = [x for x in in_memory if x is not None]
+        # Restorable from memory only when every local rank holds it: the lowest, if all do.
+        memory_step = min(held_steps) if held_steps and len(held_steps) == len(views) else None
+        committed = [v.gauge("trainingd_ckpt_last_committed_step") for v in views]
+        durable_step = max((c for c in committed if c is not None), default=None)
         with self._lock:
             if (
                 step is not None
@@ -146,6 +164,7 @@ class StatusBoard:
                 "restarts": status.restarts,
                 "start_unix_s": status.start_unix_s,
             }
+            self._tiers = _tiers(held, memory_step, durable_step)
 
     def rates(self) -> tuple[float, float]:
         """Tokens/s and steps/s over the last few seconds (0 until two samples)."""
@@ -198,9 +217,17 @@ class StatusBoard:
                         for c in self._checkpoints
                     ],
                 },
+                "tiers": self._tier_view(),
                 "last_error": None if self._last_error is None else dict(self._last_error),
                 "endpoints": ["/", "/api/status", "/metrics", "/healthz", "/readyz"],
             }
+
+    def _tier_view(self) -> dict[str, Any]:
+        """The tiers, the durable step falling back to the listing (caller holds the lock)."""
+        tiers = dict(self._tiers)
+        if tiers["newest_durable_step"] is None and self._checkpoints:
+            tiers["newest_durable_step"] = self._checkpoints[-1].step
+        return tiers
 
     def refresh_checkpoints(self) -> None:
         """List the root's committed steps now (the board's thread calls this; tests too)."""
@@ -232,6 +259,17 @@ def format_duration(seconds: float | None) -> str:
     out = f"{hours}h " if hours else ""
     out += f"{minutes}m " if hours or minutes else ""
     return out + f"{secs}s"
+
+
+def _tiers(
+    held: Mapping[str, float], memory_step: float | None, durable_step: float | None
+) -> dict[str, Any]:
+    return {
+        "memory_local_bytes": int(held.get("local", 0.0)),
+        "memory_replica_bytes": int(held.get("replica", 0.0)),
+        "newest_memory_step": None if memory_step is None else int(memory_step),
+        "newest_durable_step": None if durable_step is None else int(durable_step),
+    }
 
 
 def _age(now: float, then: float | None) -> float | None:

@@ -8,6 +8,8 @@ Module plan:
     telemetry.py      rank-side metric recording, published as the rank's snapshot file.
     throughput.py     per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
     save_failures.py  the run's save failure policy: report, keep training, give up after N.
+    deferral.py       `DeferredSaves`: a durable save due while an earlier one is still being
+                      written is deferred (counted, logged once), taken when the write ends.
     memory_cadence.py when the memory tier snapshots: `FixedCadence` (`memory_every N`) or
                       `AdaptiveCadence` (`auto`: within 2% of the step time).
 

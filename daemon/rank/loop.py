@@ -13,9 +13,11 @@ and a restore puts back every piece, so a resumed run is bitwise the run that wa
 (CPU, fp32): same weights, optimizer moments, LR, data order and RNG streams.
 
 [Note: one all-reduce per step agrees on stop and checkpoint]
-After the optimizer step each rank all-reduces `[loss, stop, checkpoint]` (sum). The loss becomes
-the global mean; a stop or checkpoint request seen by any rank is seen by all at the same step,
-which the collective `save()` requires. One tiny collective per step is the whole cost.
+After the optimizer step each rank all-reduces `[loss, stop, checkpoint, ..., durable busy]`
+(sum). The loss becomes the global mean; a stop or checkpoint request seen by any rank is seen
+by all at the same step, which the collective `save()` requires, and so is a durable write
+still in flight on any rank ([Note: a durable save never stalls the loop] in `deferral.py`).
+One tiny collective per step is the whole cost.
 
 [Note: one host read per step] Reading a device tensor on the host (`float(loss)`, `.item()`)
 blocks until the GPU has caught up, so the host cannot queue the next kernels ahead of it. The
@@ -35,7 +37,8 @@ memory restore. A restart restores from memory first (`RestoreResult.source`).
 
 Checkpoint calls go through `SaveFailurePolicy` (`save_failures.py`): a failed save is
 reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
-The final save of the drain is retried once and must commit, else the run fails.
+The final save of the drain is retried once and must commit, else the run fails. A durable save
+due while an earlier one is still being written is deferred, not waited for (`deferral.py`).
 
 On CUDA (`device`, see `daemon/_device.py`) the model lives on the rank's GPU before the engine
 wraps it, batches come from pinned host memory and are copied with `non_blocking=True` (the
@@ -71,6 +74,7 @@ from daemon.jobs.init_from import (
 )
 from daemon.jobs.job import JobSpec
 from daemon.rank.data import ShardedLoader
+from daemon.rank.deferral import DeferredSaves
 from daemon.rank.memory_cadence import Cadence, FixedCadence, cadence_for
 from daemon.rank.save_failures import SaveFailurePolicy
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
@@ -312,6 +316,9 @@ class _Agreement(NamedTuple):
     first); [Note: the memory tier in the loop]."""
     snapshot_s: float = 0.0
     """Mean over ranks of the last memory snapshot's training-thread cost (0: none)."""
+    durable_busy: bool = False
+    """Some rank's durable save in flight is still being written: a durable `save()` now
+    would wait for it ([Note: a durable save never stalls the loop] in `deferral.py`)."""
 
 
 class _Training:
@@ -405,6 +412,7 @@ class _Training:
         self._last_step_s = 0.0
         self._snapshot_cost_s = 0.0
         self._snapshot_step: int | None = None
+        self.deferred = DeferredSaves(telemetry)
 
     def state(self) -> dict[str, Any]:
         """The state saved at a step (see the module docstring)."""
@@ -559,16 +567,29 @@ class _Training:
         See [Note: one all-reduce per step agrees on stop and checkpoint].
         """
         stop_local, ckpt_local = self.control.poll()
+        busy_local = self.manager.write_in_flight()
         # [Note: one host read per step]; a pageable host->device copy with non_blocking
         # is staged at once, without waiting for the stream (a blocking one would).
         flags = torch.tensor(
-            [float(stop_local), float(ckpt_local), self._last_step_s, self._snapshot_cost_s]
+            [
+                float(stop_local),
+                float(ckpt_local),
+                self._last_step_s,
+                self._snapshot_cost_s,
+                float(busy_local),
+            ]
         )
         agreed = torch.cat([loss_sum.float().reshape(1), flags.to(self.device, non_blocking=True)])
         dist.all_reduce(agreed)
-        loss_total, stop_count, ckpt_count, step_s_sum, snapshot_sum, grad_norm_value = torch.cat(
-            [agreed, grad_norm.float().reshape(1)]
-        ).tolist()
+        (
+            loss_total,
+            stop_count,
+            ckpt_count,
+            step_s_sum,
+            snapshot_sum,
+            busy_count,
+            grad_norm_value,
+        ) = torch.cat([agreed, grad_norm.float().reshape(1)]).tolist()
         return _Agreement(
             loss=loss_total / self.world,
             stop=stop_count > 0,
@@ -576,6 +597,7 @@ class _Training:
             grad_norm=grad_norm_value,
             step_s=step_s_sum / self.world,
             snapshot_s=snapshot_sum / self.world,
+            durable_busy=busy_count > 0,
         )
 
     def record_step(
@@ -615,10 +637,18 @@ class _Training:
         telemetry.update_sharding(self.model.stats.snapshot())
 
     def maybe_checkpoint(self, agreed: _Agreement) -> None:
-        """Save when due (schedule, request, stop, last step); let finished saves commit."""
+        """Save when due (schedule, request, stop, last step) or owed; let finished saves
+        commit. A due save is deferred while an earlier one is still being written
+        ([Note: a durable save never stalls the loop] in `deferral.py`)."""
         every, step = self.cfg.checkpoint.ckpt_every, self.step
-        due = (every and step % every == 0) or step == self.cfg.train.max_steps
-        if due or agreed.checkpoint or agreed.stop:
+        final = agreed.stop or step == self.cfg.train.max_steps
+        due = bool(every and step % every == 0) or agreed.checkpoint or final
+        if (due or self.deferred.owed) and agreed.durable_busy and not final:
+            self.deferred.defer(step, self.manager.stats(), due=due)
+            # The newest state goes to memory instead (at the deferred step, then on cadence).
+            if self.memory_tier and (due or self.cadence.due(step)):
+                self.snapshot_to_memory(step)
+        elif due or self.deferred.owed:
             self.failures.guard(
                 functools.partial(
                     self._tolerate_memory_failure,
@@ -628,6 +658,7 @@ class _Training:
                 )
             )
             self.saved_step = step
+            self.deferred.taken(step)
             log.info("checkpoint_scheduled", ckpt_step=step, loss=round(agreed.loss, 4))
         elif self.memory_tier and self.cadence.due(step):
             self.snapshot_to_memory(step)

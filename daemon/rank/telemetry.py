@@ -176,6 +176,11 @@ class RankTelemetry:
             self.set("trainingd_ckpt_last_committed_step", stats.last_committed_step)
         if stats.last_committed_unix_s is not None:
             self.set("trainingd_ckpt_last_committed_timestamp_seconds", stats.last_committed_unix_s)
+        self.set_total(
+            "trainingd_memory_snapshot_failures_total", stats.num_memory_snapshots_failed
+        )
+        if stats.newest_memory_step is not None:
+            self.set("trainingd_memory_newest_step", stats.newest_memory_step)
 
     # --- publishing --------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

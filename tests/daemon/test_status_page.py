@@ -75,6 +75,9 @@ class Rendered(NamedTuple):
     eta: str
     checkpoints: list[int]
     num_ranks: int
+    durable_step: str
+    memory_step: str
+    memory_bytes: str
 
 
 def _load(url: str, profile: Path, *extra: str) -> Rendered:
@@ -87,12 +90,18 @@ def _load(url: str, profile: Path, *extra: str) -> Rendered:
     eta = re.search(r'id="eta">([^<]*)<', dom)
     table = re.search(r'<table id="checkpoints">.*?<tbody>(.*?)</tbody>', dom, re.S)
     ranks = re.search(r'<table id="ranks">.*?<tbody>(.*?)</tbody>', dom, re.S)
+    durable_step = re.search(r'id="durable-step">([^<]*)<', dom)
+    memory_step = re.search(r'id="memory-step">([^<]*)<', dom)
+    memory_bytes = re.search(r'id="memory-bytes">([^<]*)<', dom)
     assert points is not None, dom[-3000:]
     assert line is not None, dom[-3000:]
     assert step is not None, dom[-3000:]
     assert eta is not None, dom[-3000:]
     assert table is not None, dom[-3000:]
     assert ranks is not None, dom[-3000:]
+    assert durable_step is not None, dom[-3000:]
+    assert memory_step is not None, dom[-3000:]
+    assert memory_bytes is not None, dom[-3000:]
     ckpt_steps = [int(s) for s in re.findall(r'<tr><td class="n">(\d+)</td>', table.group(1))]
     return Rendered(
         points=int(points.group(1)),
@@ -102,6 +111,9 @@ def _load(url: str, profile: Path, *extra: str) -> Rendered:
         eta=eta.group(1),
         checkpoints=ckpt_steps,
         num_ranks=ranks.group(1).count("<tr>"),
+        durable_step=durable_step.group(1),
+        memory_step=memory_step.group(1),
+        memory_bytes=memory_bytes.group(1),
     )
 
 
@@ -133,7 +145,13 @@ def test_status_page_in_a_real_browser(tmp_path: Path, procs: list[DaemonProc]) 
     assert first.num_ranks == 2, first
     table = first.checkpoints
     assert table, first
-    assert all(s % _CKPT_EVERY == 0 for s in table), table
+    # Scheduled steps, or a save deferred behind the previous write and taken a step later.
+    caught_up = {int(e["ckpt_step"]) for e in d.find("checkpoint_caught_up")}
+    assert all(s % _CKPT_EVERY == 0 or s in caught_up for s in table), (table, caught_up)
+    # The tiers: the newest durable and memory steps, the memory tier's bytes (local / replica).
+    assert first.durable_step.isdigit(), first
+    assert first.memory_step.isdigit(), first
+    assert re.fullmatch(r"\d[\d.]* [KMG]?i?B / 0 B", first.memory_bytes), first
     on_disk = committed_steps(root)
     assert set(table) <= set(on_disk), (table, on_disk)
     # The page lists every committed step up to its newest one (refreshed every few seconds).

@@ -190,10 +190,14 @@ def test_a_full_tmpfs_is_a_clear_error_or_a_skipped_extra_slot(
 
         # A state that outgrows the tmpfs: a clear error at the next call, never a SIGBUS.
         big = {"w": torch.zeros(100_000)}
+        assert mgr.stats().num_memory_snapshots_failed == 0  # a skipped one did not fail
         mgr.save(4, big, durable=False)
         with pytest.raises(MemorySnapshotError, match=r"no room for \d+ bytes in .*tmpfs"):
             mgr.wait_until_finished()  # records the snapshot (as any later call would)
+        assert mgr.stats().num_memory_snapshots_failed == 1
         mgr.save(5, big)
         with pytest.raises(SaveFailedError, match="no room"):
             mgr.wait_until_finished()
+        mgr.maybe_finalize()  # records the durable save's snapshot (the failure came first)
+        assert mgr.stats().num_memory_snapshots_failed == 2  # a durable save's snapshot too
         assert sorted(_metas(tiny_tmpfs).values()) == [2]  # the last good snapshot is intact

@@ -189,3 +189,39 @@ def test_a_report_that_cannot_be_encoded_fails_the_save_on_the_staging_thread(
         mgr.save(3, {"t": torch.full((2,), 3.0)})  # the writer and the slab are still usable
         mgr.wait_until_finished()
         assert mgr.latest_step() == 3
+
+
+def test_write_in_flight_says_whether_a_save_now_would_wait_on_storage(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FAULT_ENV, "stall=1@1,raise@2,stall=1@3")
+    state = {"t": torch.ones(2)}
+    with CheckpointManager(str(tmp_path / "a"), CheckpointConfig(), run_id="r") as mgr:
+        assert not mgr.write_in_flight()
+        assert mgr.stats().oldest_inflight_step is None
+        mgr.save(1, state)
+        # The writer starts, then stalls a second: a save now would wait for it.
+        assert mgr.write_in_flight()
+        stats = mgr.stats()
+        assert stats.oldest_inflight_step == 1
+        assert stats.oldest_inflight_unix_s is not None
+        assert time.time() - stats.oldest_inflight_unix_s < 30
+        wait_until(lambda: not mgr.write_in_flight())
+        # Written but not committed yet: only the agreement and the commit are left.
+        assert mgr.stats().inflight == 1
+        mgr.save(2, state)
+        assert mgr.stats().last_committed_step == 1
+        # A failed write is not waited for either (its failure is finalized, not written).
+        wait_until(lambda: not mgr.write_in_flight())
+        assert mgr.stats().inflight == 1
+        with pytest.raises(SaveFailedError, match="injected"):
+            mgr.wait_until_finished()
+    # With a free slot (max_inflight 2) a save never waits, whatever is being written.
+    cfg = CheckpointConfig(max_inflight=2)
+    with CheckpointManager(str(tmp_path / "b"), cfg, run_id="r") as mgr:
+        mgr.save(3, state)
+        assert not mgr.write_in_flight()
+        mgr.save(4, state)
+        assert mgr.write_in_flight()  # two in flight, step 3 stalled: the next save waits
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3, 4]

@@ -124,8 +124,15 @@ def _record_some_work(tel: RankTelemetry) -> None:
     tel.on_save_finished(_report(SaveResult.COMMITTED))
     tel.on_save_finished(_report(SaveResult.FAILED))
     tel.update_checkpoints(
-        ManagerStats(inflight=1, last_committed_step=10, last_committed_unix_s=1.7e9)
+        ManagerStats(
+            inflight=1,
+            last_committed_step=10,
+            last_committed_unix_s=1.7e9,
+            num_memory_snapshots_failed=2,
+            newest_memory_step=12,
+        )
     )
+    tel.inc("trainingd_ckpt_saves_total", 1.0, "deferred")  # the loop's DeferredSaves
     tel.observe("trainingd_ckpt_restore_seconds", 0.3, "durable")
     tel.set("trainingd_memory_every_steps", 6)
 
@@ -185,6 +192,10 @@ def test_rank_snapshots_become_labelled_series(tmp_path: Path) -> None:
     assert _value(s, "trainingd_fsdp_collective_bytes_total", op="reduce_scatter", **run) == 0
     assert _value(s, "trainingd_ckpt_saves_total", result="committed", **run) == 1
     assert _value(s, "trainingd_ckpt_saves_total", result="failed", **run) == 1
+    assert _value(s, "trainingd_ckpt_saves_total", result="deferred", **run) == 1
+    # The memory tier: failed snapshots summed over the node's ranks, the newest step once.
+    assert _value(s, "trainingd_memory_snapshot_failures_total", **run) == 4
+    assert _value(s, "trainingd_memory_newest_step", **run) == 12
     assert _value(s, "trainingd_ckpt_save_latency_seconds_count", **run) == 1
     assert _value(s, "trainingd_ckpt_last_committed_step", **run) == 10
     assert _value(s, "trainingd_fsdp_queue_bound", queue="reduce", **run) == 2

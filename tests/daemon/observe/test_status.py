@@ -9,10 +9,18 @@ from daemon.observe.status import HISTORY_POINTS, StatusBoard, format_duration
 from daemon.rundir.snapshot import RankPhase
 
 
-def _view(step: int, loss: float, tokens: float, failed_saves: float = 0.0) -> RankView:
+def _view(
+    step: int,
+    loss: float,
+    tokens: float,
+    failed_saves: float = 0.0,
+    *,
+    local_rank: int = 0,
+    gauges: dict[str, float] | None = None,
+) -> RankView:
     return RankView(
-        rank=0,
-        local_rank=0,
+        rank=local_rank,
+        local_rank=local_rank,
         pid=1,
         restart=0,
         world_size=1,
@@ -25,6 +33,7 @@ def _view(step: int, loss: float, tokens: float, failed_saves: float = 0.0) -> R
             "trainingd_train_loss": {"": loss},
             "trainingd_train_step": {"": float(step)},
             "trainingd_rank_heartbeat_timestamp_seconds": {"": 99.0},
+            **{name: {"": value} for name, value in (gauges or {}).items()},
         },
         histograms={},
     )
@@ -70,6 +79,50 @@ def test_restarts_failed_saves_and_listing_errors_are_reported() -> None:
     assert "restart 1" in board.snapshot()["last_error"]["message"]
     board.refresh_checkpoints()
     assert board.snapshot()["checkpoints"]["error"] == "cannot list /x"
+
+
+def test_tiers_show_the_memory_bytes_and_the_newest_memory_and_durable_steps() -> None:
+    state = NodeState(local_ranks=2)
+    held = {"local": 4096.0, "replica": 0.0}
+    listed = [CommittedCheckpoint(4, 2048, 90.0), CommittedCheckpoint(8, 2048, 95.0)]
+    board = StatusBoard(
+        max_steps=100,
+        ckpt_uri="/x",
+        list_checkpoints=lambda: listed,
+        tier_bytes=lambda: held,
+    )
+    # Before any rank reports: nothing held, the durable step from the listing.
+    assert board.snapshot()["tiers"] == {
+        "memory_local_bytes": 0,
+        "memory_replica_bytes": 0,
+        "newest_memory_step": None,
+        "newest_durable_step": None,
+    }
+    board.refresh_checkpoints()
+    assert board.snapshot()["tiers"]["newest_durable_step"] == 8
+    # Rank 1 lags a snapshot: a memory step counts once every rank holds it (the lowest).
+    views = [
+        _view(13, 1.0, 1.0, gauges=_tier_gauges(13, 10)),
+        _view(13, 1.0, 1.0, local_rank=1, gauges=_tier_gauges(12, 10)),
+    ]
+    held["replica"] = 1024.0
+    board.observe(views, state.update(step=13))
+    assert board.snapshot()["tiers"] == {
+        "memory_local_bytes": 4096,
+        "memory_replica_bytes": 1024,
+        "newest_memory_step": 12,
+        "newest_durable_step": 10,
+    }
+    # A rank without the tier (no gauge): no memory step for the node.
+    board.observe([views[0], _view(13, 1.0, 1.0, local_rank=1)], state.update(step=13))
+    assert board.snapshot()["tiers"]["newest_memory_step"] is None
+
+
+def _tier_gauges(memory_step: int, durable_step: int) -> dict[str, float]:
+    return {
+        "trainingd_memory_newest_step": float(memory_step),
+        "trainingd_ckpt_last_committed_step": float(durable_step),
+    }
 
 
 def test_format_duration_matches_the_page() -> None:
