@@ -10,6 +10,8 @@ Package layout (one line per sub-package; each sub-package's docstring lists its
       __init__.py errors.py _config.py _types.py _manager.py   public API + composition root
       _coord.py     Coordinator: a dedicated gloo group for cross-rank agreement (one for
                     start-up and restore, one for the finalizer's async polls)
+      _root.py      opening the durable root (lease, retention record, dead attempts), at
+                    start or, when it is unreachable with the memory tier on, in the background
       dcp.py        Reader: a torch.distributed.checkpoint StorageReader over our committed
                     steps (public module, imported explicitly: it needs torch DCP)
       retention.py  retention as configuration keys, one `keep_*` key per policy parameter

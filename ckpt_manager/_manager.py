@@ -55,7 +55,7 @@ from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._memory.restore import restore_from_memory
 from ckpt_manager._memory.tier import MemoryTier
 from ckpt_manager._retention.deleter import Deleter
-from ckpt_manager._retention.record import record_retention
+from ckpt_manager._root import BackgroundOpen, RootOutcome, open_root, outcome_of, probe_root
 from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.finalize import Finalizer
 from ckpt_manager._save.pipeline import LocalPipeline
@@ -65,7 +65,7 @@ from ckpt_manager._save.request import Limits, SaveRequest, write_blocking_next_
 from ckpt_manager._save.snapshots import Snapshots
 from ckpt_manager._save.writer_proc import WriterProcess
 from ckpt_manager._store.lease import Lease
-from ckpt_manager._store.steps import committed_steps, drop_dead_attempts
+from ckpt_manager._store.steps import committed_steps
 from ckpt_manager._store.storage import Storage
 from ckpt_manager._types import (
     FINALIZE_CALLS_KEPT,
@@ -168,6 +168,9 @@ class CheckpointManager:
         self._restoring: int | None = None  # the candidate a restore is reading now
         self._closed = False
         self._lease: Lease | None = None
+        self._opening: BackgroundOpen | None = None  # coordinator, while the root is pending
+        self._root_pending = False
+        self._restore_returned = False
         self._deleter: Deleter | None = None
         self._final = Finalizer(
             config=self.config,
@@ -193,28 +196,78 @@ class CheckpointManager:
 
     # ----------------------------------------------------------------- start-up
     def _open_root(self) -> None:
-        outcome: tuple[str, str, Any] | None = None
+        """Open the root at start, or leave it pending ([Note: a rank starts while its
+        durable root is unreachable] in `_root.py`)."""
+        outcome: RootOutcome | None = None
         if self._coord.is_coordinator:
-            try:
-                self._lease = Lease(self._storage, self.run_id, self.config.lease_ttl_s)
-                self._lease.acquire()
-                record_retention(self._storage, self.run_id, self.config.retention)
-                outcome = ("ok", "", drop_dead_attempts(self._storage))
-            except LeaseHeldError as err:
-                outcome = ("lease", str(err), None)
-            except CheckpointError as err:
-                outcome = ("error", str(err), None)
+            unreachable = None
+            if self._memory is not None:
+                unreachable = probe_root(self._storage, self.config)
+            if unreachable is not None:
+                self._opening = BackgroundOpen(self._storage, self.run_id, self.config, unreachable)
+                outcome = RootOutcome("pending", unreachable)
+            else:
+                try:
+                    opened = open_root(self._storage, self.run_id, self.config)
+                except CheckpointError as err:
+                    outcome = outcome_of(err)
+                else:
+                    self._lease = opened.lease
+                    outcome = RootOutcome("ok", latest=opened.latest)
         outcome = self._coord.broadcast(outcome)
         assert outcome is not None
-        kind, message, latest = outcome
-        if kind != "ok":
-            if self._lease is not None and kind != "lease":
-                self._lease.release()
+        if outcome.kind == "pending":
+            self._root_pending = True
+            self._log.warning(
+                "ckpt_root_unreachable_training_continues",
+                reason=outcome.message,
+                note="memory snapshots go on; durable saves wait for the root to open",
+            )
+            return
+        if outcome.kind != "ok":
             self._final_coord.destroy()
             self._coord.destroy()
-            raise LeaseHeldError(message) if kind == "lease" else CheckpointError(message)
-        if latest is not None:
-            self._final.last_committed = (int(latest[0]), float(latest[1]))
+            if outcome.kind == "lease":
+                raise LeaseHeldError(outcome.message)
+            raise CheckpointError(outcome.message)
+        self._root_opened(outcome)
+
+    def _sync_root(self, step: int) -> None:
+        """Every rank learns how the pending root's opening went (collective: the first
+        durable save after a start with the root unreachable).
+
+        Raises:
+            LeaseHeldError: another live run holds the root.
+            SaveFailedError: the root is still unreachable (after waiting up to half the
+                collective timeout), or refused the opening; the next durable save tries
+                again.
+        """
+        outcome: RootOutcome | None = None
+        if self._opening is not None:  # the coordinator
+            wait_s = 0.0 if self._opening.done() else self.config.finalize_timeout_s / 2
+            outcome = self._opening.wait(wait_s)
+            if outcome.kind == "ok":
+                self._lease = self._opening.take().lease
+                self._opening.close(0)
+                self._opening = None
+            elif outcome.kind == "error":  # refused for good this time: start over
+                self._opening.close(0)
+                self._opening = BackgroundOpen(
+                    self._storage, self.run_id, self.config, outcome.message
+                )
+        outcome = self._coord.broadcast(outcome)
+        assert outcome is not None
+        if outcome.kind == "lease":
+            raise LeaseHeldError(outcome.message)
+        if outcome.kind != "ok":
+            raise SaveFailedError(step, {0: outcome.message})
+        self._root_pending = False
+        self._log.info("ckpt_root_open", ckpt_step=step)
+        self._root_opened(outcome)
+
+    def _root_opened(self, outcome: RootOutcome) -> None:
+        if outcome.latest is not None:
+            self._final.last_committed = (int(outcome.latest[0]), float(outcome.latest[1]))
         if self._coord.is_coordinator:
             self._deleter = Deleter(
                 self._storage,
@@ -231,6 +284,8 @@ class CheckpointManager:
             # newest step a tightened policy would delete the only restorable one. From then
             # on the restored step (and, during a later restore, the candidate being read) is
             # protected, so the newest step known to verify is never deleted.
+            if self._restore_returned:  # the root opened after the restore
+                self._deleter.arm()
 
     def _confirm_lease(self) -> None:
         if self._lease is not None:
@@ -304,6 +359,8 @@ class CheckpointManager:
             json.dumps(metrics, allow_nan=True)
         except (TypeError, ValueError) as err:
             raise ValueError(f"metrics must be JSON values: {err}") from err
+        if durable and self._root_pending:
+            self._sync_root(step)  # the newest commit is known once the root is open
         if self._snapshots is not None:
             self._snapshots.collect(settle_s=self.config.staging_timeout_s)
         newest = max([r.step for r in self._pending], default=-1)
@@ -501,6 +558,8 @@ class CheckpointManager:
         rank defers, `save()` being collective), and saves later instead.
         """
         self._check_open()
+        if self._opening is not None and not self._opening.done():
+            return True  # [Note: a rank starts while its durable root is unreachable]
         return (
             write_blocking_next_save(self._pending, self.config.max_inflight, self._limits)
             is not None
@@ -636,6 +695,7 @@ class CheckpointManager:
             self._restoring = None
         if self._memory is not None:
             self._memory.after_restore(result.step if result is not None else None)
+        self._restore_returned = True
         if self._deleter is not None:
             self._deleter.arm()  # [Note: retention waits for the run's restore]
         return result
@@ -667,6 +727,8 @@ class CheckpointManager:
         self._final.close(timeout)
         if self._deleter is not None:
             self._deleter.close(timeout)
+        if self._opening is not None:
+            self._opening.close(timeout)
         if self._lease is not None:
             self._lease.release()
         self._final_coord.destroy()

@@ -42,9 +42,11 @@ ALLOWED: dict[str, set[str]] = {
     "retention": {"_retention"},
     # The public face of the memory tier's slot files (for trainingd's peer replicas).
     "memory_slots": {"_memory"},
+    # Opening the durable root (lease, retention record, dead attempts), now or in the background.
+    "_root": _ROOT_BASICS | _BYTES | {"_retention", "_config"},
     "_manager": _ROOT_BASICS
     | _BYTES
-    | {"_load", "_save", "_memory", "_retention", "_coord", "_config"},
+    | {"_load", "_save", "_memory", "_retention", "_coord", "_config", "_root"},
     "__init__": _ROOT_BASICS | {"_retention", "_config", "_manager", "_store"},
 }
 SUBPACKAGES = {"_format", "_store", "_retention", "_load", "_save", "_memory", "ctl"}
