@@ -154,11 +154,13 @@ def _keys(results: list[dict[str, Any]], memcpy_bps: float, loopback_bps: float)
     extra_memcpys: list[float] = []
     on_ratios: list[float] = []
     auto_ratios: list[float] = []
-    for key, t_off in off.items():
-        state = max(
-            (r.get("state_bytes_per_rank", 0) for r in _select(results, job_name=key[0])),
-            default=0,
-        )
+
+    def state_of(job_name: str) -> int:
+        rows = _select(results, job_name=job_name)
+        return max((r.get("state_bytes_per_rank", 0) for r in rows), default=0)
+
+    for key, t_off in sorted(off.items(), key=lambda item: state_of(item[0][0])):
+        state = state_of(key[0])
         memcpy_s = state / memcpy_bps if state else None
         row: dict[str, Any] = {"step_s_off": t_off, "state_bytes_per_rank": state}
         if key in on:
@@ -171,11 +173,13 @@ def _keys(results: list[dict[str, Any]], memcpy_bps: float, loopback_bps: float)
             row["step_s_auto"] = auto[key]
             auto_ratios.append(auto[key] / t_off)
         per_setting[f"{key[0]}-{key[1]}"] = row
+    # Judged on the largest state: a few MiB copy in well under the step times' noise.
+    judged = extra_memcpys[-1] if extra_memcpys else None
     keys["memory_every_1_step_inflation"] = stats.figure(
-        max(extra_memcpys) if extra_memcpys else None, "<=", 1, samples=extra_memcpys,
+        judged, "<=", 1, samples=extra_memcpys,
         unit="memcpys of the rank's state per step",
-        how="(median step at memory_every 1 - at 0) / (state bytes / memcpy rate), worst "
-        "job and topology; the plain ratios in step_time_ratio",
+        how="(median step at memory_every 1 - at 0) / (state bytes / memcpy rate) of the "
+        "largest state's job (last topology); the plain ratios in step_time_ratio",
         step_time_ratio=stats.spread(on_ratios), per_setting=per_setting,
     )  # fmt: skip
     keys["auto_step_inflation"] = stats.figure(
@@ -192,9 +196,7 @@ def _replica_figure(results: list[dict[str, Any]], loopback_bps: float) -> dict[
         "vs a plain TCP copy of the same bytes on loopback in this run"
     )
     if not rounds.replica_config_supported():
-        why = (
-            "unavailable: this daemon has no [checkpoint] memory_replica_address (no peer replicas)"
-        )
+        why = "unavailable: no [checkpoint] memory_replica_address in this daemon (no replicas)"
         return stats.figure(why, ">=", 0.8, how=how)
     totals: dict[str, float] = {}
     for r in _select(results, topology="2x1", memory_every=_ON):
@@ -244,7 +246,8 @@ def main() -> int:
     finally:
         if s3 is not None:
             s3.stop()
-    state = max((r.get("state_bytes_per_rank", 0) for r in results), default=0) or 256 * MIB
+    # The references move at least 256 MiB: a few MiB time the thread start, not the copy.
+    state = max(max((r.get("state_bytes_per_rank", 0) for r in results), default=0), 256 * MIB)
     memcpy_bps = machine.memcpy_bytes_per_s(state)
     loopback_bps = machine.loopback_tcp_bytes_per_s(state)
     report: dict[str, Any] = {

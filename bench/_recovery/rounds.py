@@ -164,6 +164,7 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
     """Run one round; its samples and observations as a JSON-ready dict."""
     r = _Round(spec, workdir, s3)
     out: dict[str, Any] = {"spec": dataclasses.asdict(spec), "kills": []}
+    started = time.monotonic()
     try:
         r.nodes = [r.start_node(k, f"node{k}") for k in range(r.nnodes)]
         first = r.wait_batches(0, spec.warmup_steps + spec.measure_steps + 1, _START_TIMEOUT_S)
@@ -210,6 +211,7 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
         out["exit_codes"] = [d.wait(300) for d in r.nodes]
     finally:
         r.cleanup()
+    out["wall_s"] = round(time.monotonic() - started, 1)
     return out
 
 
