@@ -48,14 +48,9 @@ def parse_progress(text: str) -> tuple[int, list[float]]:
     if not lines or not lines[0].startswith("restart "):
         raise ValueError("a progress file starts with `restart <N>`")
     restart = int(lines[0].split()[1])
-    # A process killed mid-write may leave a partial last line.
-    times = []
-    for line in lines[1:]:
-        try:
-            times.append(float(line))
-        except ValueError:
-            continue
-    return restart, times
+    # A process killed mid-write may leave a partial last line: only finished lines count.
+    complete = lines[1:] if text.endswith("\n") else lines[1:-1]
+    return restart, [float(line) for line in complete]
 
 
 def read_incarnations(directory: Path, rank: int) -> dict[int, Incarnation]:
