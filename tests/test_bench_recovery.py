@@ -26,6 +26,7 @@ def test_a_kill_sample_counts_steps_from_the_restored_step(tmp_path: Path) -> No
     _write(tmp_path, 0, 12, 1, [104.0, 104.6, 105.1])
     _write(tmp_path, 1, 13, 0, [100.0])
     (tmp_path / "progress-rank0-pid14.txt").write_text("restart 2\n106.0\n106.")  # cut short
+    (tmp_path / "progress-rank0-pid15.txt").write_text("resta")  # being created
     incs = progress.read_incarnations(tmp_path, rank=0)
     assert sorted(incs) == [0, 1, 2]
     assert incs[2].batch_starts == [106.0]

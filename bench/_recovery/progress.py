@@ -64,7 +64,10 @@ def read_incarnations(directory: Path, rank: int) -> dict[int, Incarnation]:
         match = _NAME.fullmatch(path.name)
         if match is None or int(match.group(1)) != rank:
             continue
-        restart, times = parse_progress(path.read_text(encoding="ascii", errors="replace"))
+        text = path.read_text(encoding="ascii", errors="replace")
+        if "\n" not in text:
+            continue  # just created: its `restart` line is not written yet
+        restart, times = parse_progress(text)
         if times:
             if restart in out:
                 raise ValueError(f"two processes of rank {rank} logged restart {restart}")
