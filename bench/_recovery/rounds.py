@@ -148,10 +148,9 @@ class _Round:
 
     def slot_bytes(self) -> int:
         """Size of one local slot file (the rank's whole state in the memory tier), 0: none."""
-        for shm in self.shm_dirs:
-            for path in shm.rglob("rank-*.slot-*"):
-                return path.stat().st_size
-        return 0
+        # The largest match: the slot itself, not its small meta file beside it.
+        sizes = [p.stat().st_size for shm in self.shm_dirs for p in shm.rglob("rank-*.slot-*")]
+        return max(sizes, default=0)
 
     def cleanup(self) -> None:
         for d in [*self.nodes, *self.replaced]:
