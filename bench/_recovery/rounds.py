@@ -1,0 +1,238 @@
+"""Drives `trainingd run` daemons from outside for the recovery bench: one round is one job on
+one topology with one memory setting, trained for a measured stretch, then killed `kills`
+times (a rank, or node 1's whole process group replaced by a fresh daemon with an empty memory
+directory), then stopped with SIGTERM.
+
+Samples come from rank 0's progress files (`job.py`) and its `restored` log lines (rank 0
+lives on node 0, which is never replaced), via `progress.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _recovery import job, progress
+from _recovery.s3count import CountingS3
+from tests.daemon._daemon_proc import DaemonProc, Samples, wait_for
+from tests.support.dist import free_port
+
+_JOB = "bench._recovery.job:build"
+_START_TIMEOUT_S = 300.0
+_RESTART_TIMEOUT_S = 300.0
+REPLICA_METRIC_PREFIX = "trainingd_memory_replica_"
+"""Peer-replica metrics (issue 29 item 4), found by prefix: their names are not fixed yet."""
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class RoundSpec:
+    """One round's setting."""
+
+    topology: str
+    """`1x2` (one node, 2 ranks) or `2x1` (two nodes on loopback, 1 rank each)."""
+    job_name: str
+    """`default` or `big` (the ballast job, `state_mib` per rank, `no_shard`)."""
+    memory_every: str
+    """`0` (off), `1` or `auto`."""
+    failure: str
+    """`rank` (SIGKILL one rank) or `node` (SIGKILL node 1's process group, fresh daemon)."""
+    kills: int
+    measure_steps: int
+    """Steps timed before the first kill (after `warmup_steps` steps)."""
+    warmup_steps: int = 5
+    state_mib: int = 256
+    ckpt_every: int = 5
+    batch_size: int = 8
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        """`<failure>-<topology>-<job>-mem<memory_every>`."""
+        return f"{self.failure}-{self.topology}-{self.job_name}-mem{self.memory_every}"
+
+
+def replica_config_supported() -> bool:
+    """Whether this tree's daemon has the peer-replica keys (`[checkpoint]
+    memory_replica_address`)."""
+    from daemon.config import CheckpointSettings
+
+    return "memory_replica_address" in {f.name for f in dataclasses.fields(CheckpointSettings)}
+
+
+def _histogram(samples: Samples, name: str) -> dict[float, float]:
+    """`{le: cumulative count}` of histogram `name`, summed over its label sets."""
+    out: dict[float, float] = {}
+    for labels, value in samples.get(f"{name}_bucket", []):
+        le = float(labels["le"])
+        out[le] = out.get(le, 0.0) + value
+    return out
+
+
+class _Round:
+    """The daemons of one round and what they observed."""
+
+    def __init__(self, spec: RoundSpec, workdir: Path, s3: CountingS3 | None) -> None:
+        self.spec, self.s3 = spec, s3
+        self.dir = workdir / spec.name
+        self.progress_dir = self.dir / "progress"
+        self.progress_dir.mkdir(parents=True)
+        self.shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else self.dir
+        self.shm_dirs: list[Path] = []
+        self.nodes: list[DaemonProc] = []
+        self.replaced: list[DaemonProc] = []
+        if s3 is not None:
+            bucket = f"recovery-{os.getpid()}-{len(spec.name)}-{int(time.time() * 1000) % 10**8}"
+            s3.create_bucket(bucket)
+            self.ckpt_uri = f"s3://{bucket}/run"
+        else:
+            self.ckpt_uri = str(self.dir / "ckpt")
+        nnodes, nproc = (1, 2) if spec.topology == "1x2" else (2, 1)
+        self.nnodes = nnodes
+        strategy = "no_shard" if spec.job_name == "big" else "optim_grads_params"
+        self.args = [
+            "--nproc-per-node", str(nproc), "--job", _JOB, "--strategy", strategy,
+            "--max-steps", "1000000", "--warmup-steps", "2", "--batch-size",
+            str(spec.batch_size), "--ckpt-every", str(spec.ckpt_every), "--ckpt-uri",
+            self.ckpt_uri, "--memory-every", spec.memory_every, "--max-restarts",
+            str(spec.kills + 3), "--seed", str(spec.seed), "--publish-interval-s", "0.5",
+        ]  # fmt: skip
+        if s3 is not None:
+            self.args += ["--s3-endpoint-url", s3.endpoint_url]
+        if nnodes > 1:
+            endpoint = f"127.0.0.1:{free_port()}"
+            self.args += ["--nnodes", str(nnodes), "--rdzv-endpoint", endpoint]
+            self.args += ["--rdzv-timeout-s", "300"]
+
+    def _env(self) -> dict[str, str]:
+        shm = Path(
+            self.shm_root / f"trainingd-bench-{os.getpid()}-{len(self.shm_dirs)}-{time.time_ns()}"
+        )
+        self.shm_dirs.append(shm)
+        env = {
+            job.PROGRESS_DIR_ENV: str(self.progress_dir),
+            job.STATE_MIB_ENV: str(self.spec.state_mib if self.spec.job_name == "big" else 0),
+            "TRAININGD_MEMORY_DIR": str(shm),
+        }
+        if self.nnodes > 1 and replica_config_supported():
+            env["TRAININGD_MEMORY_REPLICA_ADDRESS"] = "127.0.0.1:0"
+        return env
+
+    def start_node(self, node_rank: int, name: str) -> DaemonProc:
+        args = [*self.args, "--node-rank", str(node_rank)] if self.nnodes > 1 else self.args
+        return DaemonProc(self.dir, args, self._env(), name)
+
+    def incarnations(self) -> dict[int, progress.Incarnation]:
+        return progress.read_incarnations(self.progress_dir, rank=0)
+
+    def alive(self) -> None:
+        for d in self.nodes:
+            code = d.exit_code()
+            if code is not None:
+                raise RuntimeError(f"{self.spec.name}: a daemon exited {code}:\n{d.logs()}")
+
+    def wait_batches(self, restart: int, count: int, timeout_s: float) -> progress.Incarnation:
+        def ready() -> progress.Incarnation | None:
+            self.alive()
+            inc = self.incarnations().get(restart)
+            return inc if inc is not None and len(inc.batch_starts) >= count else None
+
+        found: progress.Incarnation = wait_for(ready, timeout_s, f"{self.spec.name} r{restart}")
+        return found
+
+    def slot_bytes(self) -> int:
+        """Size of one local slot file (the rank's whole state in the memory tier), 0: none."""
+        # The largest match: the slot itself, not its small meta file beside it.
+        sizes = [p.stat().st_size for shm in self.shm_dirs for p in shm.rglob("rank-*.slot-*")]
+        return max(sizes, default=0)
+
+    def cleanup(self) -> None:
+        for d in [*self.nodes, *self.replaced]:
+            d.cleanup()
+        for shm in self.shm_dirs:
+            shutil.rmtree(shm, ignore_errors=True)
+
+
+def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3 | None) -> dict:
+    """Run one round; its samples and observations as a JSON-ready dict."""
+    r = _Round(spec, workdir, s3)
+    out: dict[str, Any] = {"spec": dataclasses.asdict(spec), "kills": []}
+    started = time.monotonic()
+    try:
+        r.nodes = [r.start_node(k, f"node{k}") for k in range(r.nnodes)]
+        first = r.wait_batches(0, spec.warmup_steps + spec.measure_steps + 1, _START_TIMEOUT_S)
+        out["step_times_s"] = progress.step_times(first, skip=spec.warmup_steps)[
+            : spec.measure_steps
+        ]
+        out["snapshot_seconds_buckets"] = _stall_buckets(r.nodes)
+        out["state_bytes_per_rank"] = r.slot_bytes()
+        for restart in range(1, spec.kills + 1):
+            before = r.incarnations()[restart - 1]
+            events = r.nodes[0].events()
+            before_start = _start_step(events, restart - 1)
+            # A random point of training: 0.5-3 step times after the group trains again.
+            step_s = max(progress.step_times(before, skip=0)[-3:] or [0.2])
+            time.sleep(rng.uniform(0.5, 3.0) * step_s)
+            killed = time.time()
+            if spec.failure == "rank":
+                pids = [pid for d in r.nodes for pid in d.rank_pids()]
+                os.kill(rng.choice(pids), signal.SIGKILL)
+            else:
+                lost = r.nodes[1]
+                os.killpg(lost.pid, signal.SIGKILL)
+                lost.wait(30)
+                r.replaced.append(lost)
+                r.nodes[1] = r.start_node(1, f"node1-{restart}")
+            after = r.wait_batches(restart, 2, _RESTART_TIMEOUT_S)
+            before = r.incarnations()[restart - 1]  # lines written after the kill count too
+            restored = progress.restored_by_restart(r.nodes[0].events(), 0).get(restart)
+            sample = progress.kill_sample(killed, before, before_start, after, restored)
+            row = sample._asdict()
+            if s3 is not None:
+                reads = s3.object_reads(killed, after.batch_starts[1])
+                row["storage_bytes_read"] = sum(x.num_bytes for x in reads)
+                row["storage_objects_read"] = len(reads)
+            out["kills"].append(row)
+            print(
+                f"{spec.name}: kill {restart}: lost {sample.steps_lost}, "
+                f"{sample.recovery_s:.2f} s, from {sample.source}",
+                file=sys.stderr,
+            )
+        out["replica_metrics"] = _replica_metrics(r.nodes)
+        for d in r.nodes:
+            d.signal(signal.SIGTERM)
+        out["exit_codes"] = [d.wait(300) for d in r.nodes]
+    finally:
+        r.cleanup()
+    out["wall_s"] = round(time.monotonic() - started, 1)
+    return out
+
+
+def _start_step(events: list[dict[str, Any]], restart: int) -> int:
+    restored = progress.restored_by_restart(events, 0).get(restart)
+    return int(restored["ckpt_step"]) if restored is not None else 0
+
+
+def _stall_buckets(nodes: list[DaemonProc]) -> dict[str, float]:
+    """The snapshot-stall histogram of every node, summed (`{le: count}`, le as text)."""
+    total: dict[float, float] = {}
+    for d in nodes:
+        for le, count in _histogram(d.scrape(), "trainingd_memory_snapshot_seconds").items():
+            total[le] = total.get(le, 0.0) + count
+    return {str(le): count for le, count in sorted(total.items())}
+
+
+def _replica_metrics(nodes: list[DaemonProc]) -> dict[str, float]:
+    """Every sample whose name starts with `REPLICA_METRIC_PREFIX`, summed over nodes/labels."""
+    out: dict[str, float] = {}
+    for d in nodes:
+        for name, series in d.scrape().items():
+            if name.startswith(REPLICA_METRIC_PREFIX) and not name.endswith("_created"):
+                out[name] = out.get(name, 0.0) + sum(v for _, v in series)
+    return out

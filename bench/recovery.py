@@ -1,0 +1,275 @@
+"""Recovery from a killed rank and a lost node, with the memory tier off and on (issue 29).
+
+Rounds (`bench/_recovery/rounds.py`), each one `trainingd run` per node on loopback, training
+the bench's job (`bench/_recovery/job.py`: the default job, or it with a ballast parameter so
+a rank holds `--state-mib` MiB of state, under `no_shard`):
+
+- rank kills on one node x 2 ranks and on two nodes x 1 rank: `--kills` times one rank chosen
+  at random is SIGKILLed at a random point (0.5-3 step times after the group trains again),
+  with `memory_every 0` (today's durable path, `ckpt_every 5`) and `memory_every 1`;
+- node losses on two nodes x 1 rank, durable root on a loopback S3 server that counts the
+  object bytes it serves (`bench/_recovery/s3count.py`): node 1's whole process group is
+  SIGKILLed and a fresh daemon with an empty memory directory takes its place;
+- before the first kill of every round `--measure-steps` step times are recorded, and one round
+  per job and topology with `memory_every auto` and no kill gives the auto cadence's steps.
+
+Samples come from outside: the job's progress files (the time each rank starts a batch:
+a step completed) and the ranks' `restored` lines (step and source) in the daemons' logs.
+Keys, each with its spread, target and verdict (`bench/_recovery/stats.py`):
+`rank_kill_steps_lost_max`, `rank_kill_recovery_s`, `rank_kill_recovery_vs_durable`,
+`node_loss_steps_lost_max`, `node_loss_storage_bytes_read` (object GETs the S3 server answered
+between the kill and the first step completed after it), `snapshot_stall_ms` (p99 of
+`trainingd_memory_snapshot_seconds`, interpolated in its buckets),
+`memory_every_1_step_inflation` (extra step time in memcpys of the rank's state; the plain
+ratio beside it), `auto_step_inflation`, `replica_throughput_vs_loopback` (`unavailable: ...`
+where the daemon has no peer replicas). The machine's memcpy rate and loopback TCP rate are
+measured in the same run.
+
+    .venv/bin/python bench/recovery.py --quick          # smoke run: 3 kills, default job
+    .venv/bin/python bench/recovery.py --json           # the full run (see --help)
+    .venv/bin/python bench/recovery.py --jobs big --topologies 1x2 --kills 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import MIB, machine_conditions, markdown_table, print_json
+from _recovery import machine, rounds, stats
+from _recovery.s3count import CountingS3
+
+from tests.support.s3 import isolate_aws_environment
+
+_OFF, _ON, _AUTO = "0", "1", "auto"
+
+
+def _plan(args: argparse.Namespace) -> list[rounds.RoundSpec]:
+    specs = []
+    for job_name in args.jobs:
+        common = {
+            "job_name": job_name,
+            "measure_steps": args.measure_steps,
+            "state_mib": args.state_mib,
+            "seed": args.seed,
+        }
+        for topology in args.topologies:
+            for memory in (_OFF, _ON):
+                specs.append(
+                    rounds.RoundSpec(
+                        topology=topology, memory_every=memory, failure="rank",
+                        kills=args.kills, **common,
+                    )
+                )  # fmt: skip
+            specs.append(
+                rounds.RoundSpec(
+                    topology=topology, memory_every=_AUTO, failure="rank", kills=0, **common
+                )
+            )
+        if "2x1" in args.topologies and args.node_kills > 0:
+            for memory in (_OFF, _ON):
+                specs.append(
+                    rounds.RoundSpec(
+                        topology="2x1", memory_every=memory, failure="node",
+                        kills=args.node_kills, **common,
+                    )
+                )  # fmt: skip
+    return specs
+
+
+def _select(results: list[dict[str, Any]], **match: str) -> list[dict[str, Any]]:
+    return [r for r in results if all(r["spec"][k] == v for k, v in match.items())]
+
+
+def _kills(results: list[dict[str, Any]], key: str, **match: str) -> list[float]:
+    return [float(k[key]) for r in _select(results, **match) for k in r["kills"]]
+
+
+def _median_step_s(results: list[dict[str, Any]], **match: str) -> dict[tuple[str, str], float]:
+    """Median step time per (job, topology) of the matching rounds."""
+    out = {}
+    for r in _select(results, **match):
+        if r.get("step_times_s"):
+            key = (r["spec"]["job_name"], r["spec"]["topology"])
+            out[key] = statistics.median(r["step_times_s"])
+    return out
+
+
+def _keys(results: list[dict[str, Any]], memcpy_bps: float, loopback_bps: float) -> dict:
+    keys: dict[str, Any] = {}
+    lost_on = _kills(results, "steps_lost", failure="rank", memory_every=_ON)
+    keys["rank_kill_steps_lost_max"] = stats.figure(
+        max(lost_on) if lost_on else None, "<=", 1, samples=lost_on, unit="steps",
+        how="max over memory_every 1 rank kills of (newest step completed - step restored)",
+        durable_samples=_kills(results, "steps_lost", failure="rank", memory_every=_OFF),
+    )  # fmt: skip
+    rec_on = _kills(results, "recovery_s", failure="rank", memory_every=_ON)
+    rec_off = _kills(results, "recovery_s", failure="rank", memory_every=_OFF)
+    keys["rank_kill_recovery_s"] = stats.figure(
+        statistics.median(rec_on) if rec_on else None, "<=", None, samples=rec_on,
+        unit="s", how="median SIGKILL -> first step completed after it, memory_every 1",
+        durable=stats.spread(rec_off),
+    )  # fmt: skip
+    ratio = stats.bootstrap_ratio(rec_on, rec_off)
+    keys["rank_kill_recovery_vs_durable"] = stats.figure(
+        ratio.get("ratio"), "<=", 0.4, unit="ratio", how="median recovery memory_every 1 / 0",
+        **ratio,
+    )  # fmt: skip
+    node_lost = _kills(results, "steps_lost", failure="node", memory_every=_ON)
+    keys["node_loss_steps_lost_max"] = stats.figure(
+        max(node_lost) if node_lost else None, "<=", 2, samples=node_lost, unit="steps",
+        how="max over memory_every 1 node losses (node 1's process group, fresh daemon)",
+        durable_samples=_kills(results, "steps_lost", failure="node", memory_every=_OFF),
+    )  # fmt: skip
+    node_read = _kills(results, "storage_bytes_read", failure="node", memory_every=_ON)
+    keys["node_loss_storage_bytes_read"] = stats.figure(
+        max(node_read) if node_read else None, "==", 0, samples=node_read, unit="bytes",
+        how="max over node losses of the object bytes the S3 server (durable root) served "
+        "between the kill and the first step completed after it (server-side count)",
+        durable_samples=_kills(results, "storage_bytes_read", failure="node", memory_every=_OFF),
+        sources=sorted({k["source"] for r in _select(results, failure="node") for k in r["kills"]}),
+    )  # fmt: skip
+    buckets: dict[float, float] = {}
+    for r in _select(results, memory_every=_ON):
+        for le, count in r.get("snapshot_seconds_buckets", {}).items():
+            buckets[float(le)] = buckets.get(float(le), 0.0) + count
+    p99 = stats.percentile_from_histogram(buckets, 0.99)
+    keys["snapshot_stall_ms"] = stats.figure(
+        None if p99 is None else p99 * 1000, "<=", 5, unit="ms",
+        how="p99 of trainingd_memory_snapshot_seconds (training thread: save() + fence wait) "
+        "over the memory_every 1 rounds' measured stretch, interpolated in its buckets",
+        num_snapshots=buckets.get(float("inf"), 0.0),
+    )  # fmt: skip
+    off, on, auto = (
+        _median_step_s(results, memory_every=m, failure="rank") for m in (_OFF, _ON, _AUTO)
+    )
+    per_setting: dict[str, Any] = {}
+    extra_memcpys: list[float] = []
+    on_ratios: list[float] = []
+    auto_ratios: list[float] = []
+
+    def state_of(job_name: str) -> int:
+        rows = _select(results, job_name=job_name)
+        return max((r.get("state_bytes_per_rank", 0) for r in rows), default=0)
+
+    for key, t_off in sorted(off.items(), key=lambda item: state_of(item[0][0])):
+        state = state_of(key[0])
+        memcpy_s = state / memcpy_bps if state else None
+        row: dict[str, Any] = {"step_s_off": t_off, "state_bytes_per_rank": state}
+        if key in on:
+            row["step_s_every_1"] = on[key]
+            on_ratios.append(on[key] / t_off)
+            if memcpy_s:
+                row["memcpy_s"] = memcpy_s
+                extra_memcpys.append((on[key] - t_off) / memcpy_s)
+        if key in auto:
+            row["step_s_auto"] = auto[key]
+            auto_ratios.append(auto[key] / t_off)
+        per_setting[f"{key[0]}-{key[1]}"] = row
+    # Judged on the largest state: a few MiB copy in well under the step times' noise.
+    judged = extra_memcpys[-1] if extra_memcpys else None
+    keys["memory_every_1_step_inflation"] = stats.figure(
+        judged, "<=", 1, samples=extra_memcpys,
+        unit="memcpys of the rank's state per step",
+        how="(median step at memory_every 1 - at 0) / (state bytes / memcpy rate) of the "
+        "largest state's job (last topology); the plain ratios in step_time_ratio",
+        step_time_ratio=stats.spread(on_ratios), per_setting=per_setting,
+    )  # fmt: skip
+    keys["auto_step_inflation"] = stats.figure(
+        max(auto_ratios) if auto_ratios else None, "<=", 1.02, samples=auto_ratios,
+        unit="ratio", how="median step at memory_every auto / at 0, worst job and topology",
+    )  # fmt: skip
+    keys["replica_throughput_vs_loopback"] = _replica_figure(results, loopback_bps)
+    return keys
+
+
+def _replica_figure(results: list[dict[str, Any]], loopback_bps: float) -> dict[str, Any]:
+    how = (
+        "replica bytes / replica seconds (the daemons' trainingd_memory_replica_* counters) "
+        "vs a plain TCP copy of the same bytes on loopback in this run"
+    )
+    if not rounds.replica_config_supported():
+        why = "unavailable: no [checkpoint] memory_replica_address in this daemon (no replicas)"
+        return stats.figure(why, ">=", 0.8, how=how)
+    totals: dict[str, float] = {}
+    for r in _select(results, topology="2x1", memory_every=_ON):
+        for name, value in r.get("replica_metrics", {}).items():
+            totals[name] = totals.get(name, 0.0) + value
+    num_bytes = [v for n, v in totals.items() if "bytes" in n and n.endswith("_total")]
+    seconds = [v for n, v in totals.items() if "seconds" in n and n.endswith(("_sum", "_total"))]
+    if not num_bytes or not seconds or not seconds[0]:
+        names = ", ".join(sorted(totals)) or "none"
+        why = f"unavailable: no replica bytes and seconds counters among {names}"
+        return stats.figure(why, ">=", 0.8, how=how)
+    replica_bps = num_bytes[0] / seconds[0]
+    return stats.figure(
+        replica_bps / loopback_bps, ">=", 0.8, unit="ratio", how=how,
+        replica_bytes_per_s=replica_bps, loopback_bytes_per_s=loopback_bps, counters=totals,
+    )  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 3 kills, default job")
+    parser.add_argument("--kills", type=int, default=10, help="rank kills per round")
+    parser.add_argument("--node-kills", type=int, default=10, help="node losses per round")
+    parser.add_argument("--measure-steps", type=int, default=30, help="steps timed per round")
+    parser.add_argument("--state-mib", type=int, default=256, help="state per rank, big job")
+    parser.add_argument("--jobs", nargs="+", default=["default", "big"], choices=["default", "big"])
+    parser.add_argument("--topologies", nargs="+", default=["1x2", "2x1"], choices=["1x2", "2x1"])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        args.kills, args.node_kills, args.measure_steps, args.jobs = 3, 3, 15, ["default"]
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    isolate_aws_environment()
+    rng = random.Random(args.seed)
+    before = machine_conditions()
+    started = time.monotonic()
+    specs = _plan(args)
+    results = []
+    s3 = CountingS3().start() if any(s.failure == "node" for s in specs) else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="recovery-") as tmp:
+            for spec in specs:
+                print(f"round {spec.name} ...", file=sys.stderr)
+                uses_s3 = s3 if spec.failure == "node" else None
+                results.append(rounds.run_round(spec, Path(tmp), rng, uses_s3))
+    finally:
+        if s3 is not None:
+            s3.stop()
+    # The references move at least 256 MiB: a few MiB time the thread start, not the copy.
+    state = max(max((r.get("state_bytes_per_rank", 0) for r in results), default=0), 256 * MIB)
+    memcpy_bps = machine.memcpy_bytes_per_s(state)
+    loopback_bps = machine.loopback_tcp_bytes_per_s(state)
+    report: dict[str, Any] = {
+        "keys": _keys(results, memcpy_bps, loopback_bps),
+        "memcpy_bytes_per_s": memcpy_bps,
+        "loopback_tcp_bytes_per_s": loopback_bps,
+        "reference_bytes": state,
+        "rounds": results,
+        "args": vars(args),
+        "wall_s": round(time.monotonic() - started, 1),
+        "machine_before": before,
+        "machine_after": machine_conditions(),
+    }
+    if args.json:
+        print_json(report)
+        return 0
+    rows = stats.verdict_table(report["keys"])
+    print(markdown_table(["key", "value", "median (min-max, n)", "target", "verdict"], rows))
+    print(f"memcpy {memcpy_bps / 1e9:.2f} GB/s, loopback TCP {loopback_bps / 1e9:.2f} GB/s, ")
+    print(f"{report['wall_s']} s, load {report['machine_after']['loadavg_1_5_15']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The pure parts of `bench/recovery.py` (`bench/_recovery/progress.py`, `stats.py`): the
+arithmetic of a kill sample from progress files and `restored` lines, spreads, histogram
+quantiles and verdicts. The bench itself is not run here (minutes of daemons)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from _recovery import progress, stats
+
+
+def _write(directory: Path, rank: int, pid: int, restart: int, times: list[float]) -> None:
+    lines = [f"restart {restart}", *(f"{t:.6f}" for t in times)]
+    (directory / f"progress-rank{rank}-pid{pid}.txt").write_text("\n".join(lines) + "\n")
+
+
+def test_a_kill_sample_counts_steps_from_the_restored_step(tmp_path: Path) -> None:
+    # The daemon's estimate build wrote no batch; rank 1's file is someone else's.
+    _write(tmp_path, 0, 10, 0, [])
+    _write(tmp_path, 0, 11, 0, [100.0, 100.5, 101.0, 101.5])  # steps 1..3 completed
+    _write(tmp_path, 0, 12, 1, [104.0, 104.6, 105.1])
+    _write(tmp_path, 1, 13, 0, [100.0])
+    (tmp_path / "progress-rank0-pid14.txt").write_text("restart 2\n106.0\n106.")  # cut short
+    (tmp_path / "progress-rank0-pid15.txt").write_text("resta")  # being created
+    incs = progress.read_incarnations(tmp_path, rank=0)
+    assert sorted(incs) == [0, 1, 2]
+    assert incs[2].batch_starts == [106.0]
+    events = [
+        {"event": "restored", "rank": 0, "restart": 1, "ckpt_step": 2, "source": "memory"},
+        {"event": "restored", "rank": 1, "restart": 1, "ckpt_step": 9, "source": "durable"},
+    ]
+    restored = progress.restored_by_restart(events, rank=0)
+    sample = progress.kill_sample(101.7, incs[0], 0, incs[1], restored[1])
+    assert sample.last_step == 3
+    assert sample.restored_step == 2
+    assert sample.steps_lost == 1
+    assert sample.source == "memory"
+    assert sample.recovery_s == pytest.approx(104.6 - 101.7)
+    # Restart 1 started at step 2 and completed two steps before restart 2.
+    assert progress.completed_steps(incs[1], 2) == 4
+    with pytest.raises(ValueError, match="not completed a step"):
+        progress.kill_sample(105.5, incs[1], 2, incs[2], None)
+    assert progress.step_times(incs[0], skip=1) == pytest.approx([0.5, 0.5])
+
+
+def test_two_processes_claiming_one_restart_are_refused(tmp_path: Path) -> None:
+    _write(tmp_path, 0, 1, 0, [1.0])
+    _write(tmp_path, 0, 2, 0, [2.0])
+    with pytest.raises(ValueError, match="restart 0"):
+        progress.read_incarnations(tmp_path, rank=0)
+    with pytest.raises(ValueError, match="starts with"):
+        progress.parse_progress("1.0\n")
+
+
+def test_histogram_quantile_interpolates_like_promql() -> None:
+    inf = float("inf")
+    # 100 observations: 90 in (0, 0.001], 10 in (0.001, 0.01].
+    buckets = {0.001: 90.0, 0.01: 100.0, inf: 100.0}
+    assert stats.percentile_from_histogram(buckets, 0.5) == pytest.approx(0.001 * 50 / 90)
+    assert stats.percentile_from_histogram(buckets, 0.99) == pytest.approx(
+        0.001 + 0.009 * (99 - 90) / 10
+    )
+    # In the +Inf bucket: the largest finite bound; nothing observed: None.
+    assert stats.percentile_from_histogram({0.001: 1.0, inf: 10.0}, 0.99) == 0.001
+    assert stats.percentile_from_histogram({0.001: 0.0, inf: 0.0}, 0.99) is None
+
+
+def test_figures_judge_their_value_and_say_why_one_is_missing() -> None:
+    fig = stats.figure(0.5, "<=", 0.4, samples=[0.4, 0.5, 0.6])
+    assert fig["verdict"] == "MISSES"
+    assert fig["target"] == "<= 0.4"
+    assert fig["spread"]["median"] == 0.5
+    assert fig["spread"]["min"] == 0.4
+    assert fig["spread"]["max"] == 0.6
+    lo, hi = fig["spread"]["median_ci95"]
+    assert 0.4 <= lo <= 0.5 <= hi <= 0.6
+    assert stats.figure(0, "==", 0)["verdict"] == "meets"
+    assert stats.figure(None, ">=", 0.8)["verdict"] == "n/a"
+    assert stats.figure(3.0, "<=", None)["verdict"] == "no target"
+    missing = stats.figure("unavailable: no replicas", ">=", 0.8)
+    assert missing["verdict"] == "unavailable"
+    with pytest.raises(ValueError, match="unavailable"):
+        stats.figure("0.9", ">=", 0.8)
+    ratio = stats.bootstrap_ratio([1.0, 1.0, 1.2], [2.0, 2.0, 2.4])
+    assert ratio["ratio"] == pytest.approx(0.5)
+    assert stats.bootstrap_ratio([1.0], []) == {}
