@@ -26,17 +26,6 @@ from tests.support.s3 import TEST_KEY, TEST_REGION, TEST_SECRET, isolate_aws_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.s3, pytest.mark.timeout(120)]
 
-# [Note: a rank cannot start while its durable root is unreachable] Today every rank's
-# `CheckpointManager.__init__` opens the durable root first (`_open_root`: the coordinator
-# acquires the run's lease, records retention and drops dead attempts, all on storage), so a
-# restarted rank fails with "read .../_LEASE.json failed: EndpointConnectionError" before the
-# memory restore is tried, and the agent's restarts run out. Issue 29 requires the restore from
-# memory to work with the storage down; remove the mark once the manager opens without it.
-_STORAGE_NEEDED_AT_START = pytest.mark.xfail(
-    strict=True,
-    reason="CheckpointManager opens the durable root (lease) before a memory restore",
-)
-
 _BATCH_SIZE = 4
 _HELD_AFTER = 6
 _MAX_STEPS = 12
@@ -88,7 +77,6 @@ def _committed_on_s3(endpoint: str, uri: str) -> list[int]:
     return sorted(int(r["step"]) for r in rows if r.get("state", "committed") == "committed")
 
 
-@_STORAGE_NEEDED_AT_START
 def test_rank_killed_with_storage_down_resumes_from_memory(
     tmp_path: Path, procs: list[DaemonProc], stoppable_s3: _StoppableS3
 ) -> None:
