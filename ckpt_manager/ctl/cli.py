@@ -86,6 +86,7 @@ examples:
   ckptctl prune /data/ckpt/run-7 --keep-last 3 --dry-run
   ckptctl prune s3://bucket/runs/7 --keep-last 2 --keep-every 1000
   ckptctl prune /data/ckpt/run-7 --keep-best 2 --metric loss --mode min --keep-last 1
+  ckptctl prune /data/ckpt/run-7 --corrupt --dry-run   (quarantined and corrupt steps)
 """,
     "pin": """\
 examples:
@@ -262,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     _retention_options(p)
     p.add_argument("--dry-run", action="store_true", help="print what would go, delete nothing")
     p.add_argument(
+        "--corrupt",
+        action="store_true",
+        help="instead of retention: delete the quarantined steps (_quarantine/) and every "
+        "step that fails verification (reads every step back)",
+    )
+    p.add_argument(
         "--force", action="store_true", help="prune even while a live run holds the root"
     )
     p.add_argument("--json", action="store_true", help="JSON instead of text")
@@ -435,6 +442,8 @@ def _prune(args: argparse.Namespace) -> int:
 
     retention = _retention(args)
     storage = open_root(args.uri, _flags(args))
+    if args.corrupt:
+        return _prune_corrupt(args, storage, retention)
     if not args.dry_run:
         check_lease(storage, force=args.force)
     plan = plan_prune(storage, retention)
@@ -454,6 +463,32 @@ def _prune(args: argparse.Namespace) -> int:
         print(render_plan(plan, dry_run=args.dry_run))
         for step, error in failed:
             print(f"failed to delete step {step}: {error}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _prune_corrupt(args: argparse.Namespace, storage: Any, retention: Any) -> int:
+    from ckpt_manager.ctl.errors import UsageError
+    from ckpt_manager.ctl.prune import (
+        apply_corrupt,
+        check_lease,
+        corrupt_json,
+        plan_corrupt,
+        render_corrupt,
+    )
+
+    if retention.given:
+        raise UsageError("--corrupt deletes quarantined and corrupt steps: give no retention flag")
+    if not args.dry_run:
+        check_lease(storage, force=args.force)
+    plan = plan_corrupt(storage)
+    results = [] if args.dry_run else apply_corrupt(storage, plan)
+    failed = [(w, e) for w, e in results if e]
+    if args.json:
+        _print_json(corrupt_json(plan, failed, dry_run=args.dry_run))
+    else:
+        print(render_corrupt(plan, dry_run=args.dry_run))
+        for what, error in failed:
+            print(f"failed to delete {what}: {error}", file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
 
 
