@@ -11,8 +11,8 @@ size, world size, metrics" in a constant number of requests however many steps t
 5. the manifests of the folders the catalog does not know (steps committed by a writer that
    died before updating it, in-flight saves, leftovers), read in bounded batches so 10k
    manifests are never held at once;
-6. one listing of `_quarantine/` (steps a restore moved aside, `_store/quarantine.py`): the
-   records of folders the catalog does not index are read.
+6. one listing of `_quarantine/` when the root's listing shows one (steps a restore moved
+   aside, `_store/quarantine.py`): the records of folders the catalog does not index are read.
 
 A step counts as committed exactly as before: its manifest exists (seen at commit time by
 the catalog's writer, or read here). The catalog is never trusted over a manifest that was
@@ -34,10 +34,15 @@ from typing import NamedTuple
 
 import structlog
 
-from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, parse_step_dir, step_dir
 from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.pins import pinned_steps
-from ckpt_manager._store.quarantine import is_recorded, list_quarantined, read_record
+from ckpt_manager._store.quarantine import (
+    QUARANTINE_DIR,
+    is_recorded,
+    list_quarantined,
+    read_record,
+)
 from ckpt_manager._store.root_catalog import (
     CatalogEntry,
     CatalogSnapshot,
@@ -46,7 +51,6 @@ from ckpt_manager._store.root_catalog import (
     read_catalog,
     write_catalog_if,
 )
-from ckpt_manager._store.steps import list_step_dirs
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import (
     CheckpointError,
@@ -141,7 +145,8 @@ def list_steps(
         StorageError: the catalog, the root or `_pins/` cannot be read.
     """
     snapshot = read_catalog(storage)
-    folders = list_step_dirs(storage)
+    top = storage.list_names()
+    folders = sorted(s for s in (parse_step_dir(n) for n in top) if s is not None)
     pinned = pinned_steps(storage)
     known = snapshot.entries
     listed = set(folders)
@@ -178,7 +183,7 @@ def list_steps(
         reasons.append(f"{num_found} committed steps missing from the catalog")
     if any(s in known for s in (*uncommitted, *corrupt)):
         reasons.append("catalogued steps without a valid manifest")
-    quarantined = _quarantined(storage, snapshot, reasons)
+    quarantined = _quarantined(storage, snapshot, reasons, QUARANTINE_DIR in top)
     why = "; ".join(reasons) if reasons else None
     repair_error = None
     if why is not None:
@@ -199,11 +204,12 @@ def list_steps(
 
 
 def _quarantined(
-    storage: Storage, snapshot: CatalogSnapshot, reasons: list[str]
+    storage: Storage, snapshot: CatalogSnapshot, reasons: list[str], present: bool
 ) -> dict[str, QuarantineEntry]:
     """The quarantined folders, from the catalog plus the records it lacks (`reasons` gets
-    why the catalog is out of date)."""
-    names = list_quarantined(storage)
+    why the catalog is out of date); `_quarantine/` is listed only when `present` at the
+    root (the root's listing said so)."""
+    names = list_quarantined(storage) if present else []
     known = snapshot.quarantined
     found = {n: known[n] if n in known else read_record(storage, n) for n in names}
     missing = sum(1 for n in names if n not in known and is_recorded(found[n]))

@@ -140,7 +140,8 @@ def _check_restart(
     assert record["object"] == expected_object, record
     # The evidence is kept as found: the damaged objects sit in the quarantine folder.
     kept = storage.list_names(f"{QUARANTINE_DIR}/{name}")
-    assert MANIFEST_NAME in kept and RECORD_NAME in kept
+    assert MANIFEST_NAME in kept
+    assert RECORD_NAME in kept
     assert [q.step for q in read_catalog(storage).quarantined.values()] == [6]
     assert 6 in read_catalog(storage).entries  # the re-saved step, committed
 
