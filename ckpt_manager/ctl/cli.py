@@ -400,20 +400,42 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ckpt_manager.ctl.common import open_root, resolve_step
+    from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
+    from ckpt_manager.ctl.common import LATEST, open_root, resolve_step
     from ckpt_manager.ctl.errors import UsageError
-    from ckpt_manager.ctl.inspect import render_checks, verify_steps
+    from ckpt_manager.ctl.inspect import newest_committed_step, render_checks, verify_steps
 
     if args.all and args.step is not None:
         raise UsageError("give a STEP or --all, not both")
     storage = open_root(args.uri, _flags(args))
-    steps = None if args.all else [resolve_step(storage, args.step)[0]]
+    steps: list[int] | None = None
+    if args.step is None or args.step == LATEST:
+        steps = None if args.all else [newest_committed_step(storage)]
+    else:
+        step = _step_number(args.step)
+        # Only the manifest's presence decides: a damaged manifest, index or shard is the
+        # verdict's to report (`corrupt`), never an error before it.
+        if not storage.exists(f"{step_dir(step)}/{MANIFEST_NAME}"):
+            resolve_step(storage, step)  # raises StepNotFoundError naming the nearest steps
+        steps = [step]
     checks = verify_steps(storage, steps)
     if args.json:
         _print_json([c.to_json() for c in checks])
     else:
         print(render_checks(checks) if checks else f"no step folders under {args.uri}")
     return EXIT_FAILED if any(c.status == "corrupt" for c in checks) else EXIT_OK
+
+
+def _step_number(spec: str) -> int:
+    from ckpt_manager.ctl.errors import UsageError
+
+    try:
+        step = int(spec)
+    except ValueError:
+        raise UsageError(f"step {spec!r}: use a step number or 'latest'") from None
+    if step < 0:
+        raise UsageError(f"step {step}: steps are >= 0")
+    return step
 
 
 def _restore(args: argparse.Namespace) -> int:

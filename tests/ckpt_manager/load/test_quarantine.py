@@ -117,6 +117,15 @@ def _check_restart(
     run_on_ranks(_run, 2, uri, options, 6)
     assert committed_steps(storage) == [2, 4, 6]
     _damage(storage, kind, 6, spread)
+    # Before the restart `verify` ends with a verdict on the damaged step, never a read error.
+    rc, out, err = _ctl(capsys, "verify", uri, *ctl_args)
+    assert rc == 1, err
+    assert err == ""
+    if kind == "index":
+        assert out.splitlines() == [
+            "step 6: CORRUPT, 1 bad:",
+            f"  missing {index_file_name(1, spread)}",
+        ]
 
     results = run_on_ranks(_run, restart_world, uri, options, 8)
 
