@@ -51,6 +51,7 @@ from ckpt_manager._coord import Coordinator, Status
 from ckpt_manager._format.dtensor import unwrap_dtensors, wrap_dtensors
 from ckpt_manager._format.layout import shard_file_name
 from ckpt_manager._format.tree import flatten
+from ckpt_manager._load.quarantine import Quarantine
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._memory.restore import restore_from_memory
 from ckpt_manager._memory.tier import MemoryTier
@@ -677,6 +678,12 @@ class CheckpointManager:
                     reason = memory.reason
                     self._log.warning("ckpt_memory_restore_fallback", reason=reason)
             if result is None:
+                # [Note: a corrupt step is moved aside, never silently deleted] in
+                # `_store/quarantine.py`: the corrupt steps the restore skips move aside
+                # under the lease, and their step numbers are free to save again.
+                quarantine = Quarantine(
+                    self._storage, self._coord, run_id=self.run_id, fence=self._confirm_lease
+                )
                 durable = restore_agreed(
                     self._storage,
                     self._coord,
@@ -685,7 +692,10 @@ class CheckpointManager:
                     verify_checksums=self.config.verify_checksums,
                     on_choose=self._choose_for_restore,
                     on_progress=on_progress,
+                    quarantine=quarantine,
                 )
+                if quarantine.moved:
+                    self._final.last_committed = quarantine.newest_committed
                 if durable is not None:
                     state = unwrap_dtensors(durable.state)
                     result = RestoreResult(durable.step, state, "durable", reason)

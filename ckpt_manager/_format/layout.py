@@ -11,6 +11,8 @@ Layout under the root::
                                  its pieces, offsets, checksums
     step-<N:012d>/manifest.json  written last, exclusively, by the coordinator = the commit
                                  (`_format/manifest.py`)
+    _quarantine/step-<N:012d>-<UTC time>-<run>/  a step a restore found corrupt, moved aside
+                                 as found, with `QUARANTINE.json` (`_store/quarantine.py`)
 
 With spreading (`CheckpointConfig.spread_prefixes`, the default on S3; [Note: request
 spreading]) a rank's shard file and index sit one level down, in

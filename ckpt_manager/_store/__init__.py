@@ -33,6 +33,9 @@ build on it, never the other way round. Torch-free, so `ckptctl list/show/verify
                     expiry on our own clock or a provably dead holder, fencing (confirm).
     probe.py        check_root_writable: a root's quick start-up check, each backend's own
                     `probe` (a probe file on local disk; endpoint and bucket on S3).
+    quarantine.py   a committed step that fails verification moved aside to `_quarantine/`
+                    under the lease, with a record of why (`QUARANTINE.json`, indexed in the
+                    catalog); listing and removal of quarantined folders.
     publish.py      publish_manifest, the one commit path (the save's coordinator and
                     `ckptctl reshard`): lease fence, exclusive manifest write (an existing
                     manifest read back: ours or a CONFLICT), root catalog record;

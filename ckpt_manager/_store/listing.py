@@ -10,7 +10,9 @@ size, world size, metrics" in a constant number of requests however many steps t
    that is gone or whose size differs from what the catalog recorded is read;
 5. the manifests of the folders the catalog does not know (steps committed by a writer that
    died before updating it, in-flight saves, leftovers), read in bounded batches so 10k
-   manifests are never held at once.
+   manifests are never held at once;
+6. one listing of `_quarantine/` when the root's listing shows one (steps a restore moved
+   aside, `_store/quarantine.py`): the records of folders the catalog does not index are read.
 
 A step counts as committed exactly as before: its manifest exists (seen at commit time by
 the catalog's writer, or read here). The catalog is never trusted over a manifest that was
@@ -32,16 +34,23 @@ from typing import NamedTuple
 
 import structlog
 
-from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
+from ckpt_manager._format.layout import MANIFEST_NAME, parse_step_dir, step_dir
 from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.pins import pinned_steps
+from ckpt_manager._store.quarantine import (
+    QUARANTINE_DIR,
+    is_recorded,
+    list_quarantined,
+    read_record,
+)
 from ckpt_manager._store.root_catalog import (
     CatalogEntry,
+    CatalogSnapshot,
+    QuarantineEntry,
     entry_from_manifest,
     read_catalog,
     write_catalog_if,
 )
-from ckpt_manager._store.steps import list_step_dirs
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import (
     CheckpointError,
@@ -75,6 +84,8 @@ class StepListing(NamedTuple):
     None when it was current."""
     repair_error: str | None
     """Why the rewrite failed or was skipped, else None."""
+    quarantined: tuple[QuarantineEntry, ...] = ()
+    """Steps moved aside under `_quarantine/` (never committed), by folder name."""
 
 
 def _read_entries(
@@ -134,7 +145,8 @@ def list_steps(
         StorageError: the catalog, the root or `_pins/` cannot be read.
     """
     snapshot = read_catalog(storage)
-    folders = list_step_dirs(storage)
+    top = storage.list_names()
+    folders = sorted(s for s in (parse_step_dir(n) for n in top) if s is not None)
     pinned = pinned_steps(storage)
     known = snapshot.entries
     listed = set(folders)
@@ -171,19 +183,53 @@ def list_steps(
         reasons.append(f"{num_found} committed steps missing from the catalog")
     if any(s in known for s in (*uncommitted, *corrupt)):
         reasons.append("catalogued steps without a valid manifest")
+    quarantined = _quarantined(storage, snapshot, reasons, QUARANTINE_DIR in top)
     why = "; ".join(reasons) if reasons else None
     repair_error = None
     if why is not None:
-        repair_error = _repair(storage, entries, snapshot.version, why) if repair else "not asked"
+        indexed = {n: q for n, q in quarantined.items() if is_recorded(q)}
+        repair_error = (
+            _repair(storage, entries, indexed, snapshot.version, why) if repair else "not asked"
+        )
     committed = [entries[s] for s in sorted(entries)]
-    return StepListing(committed, sorted(uncommitted), corrupt, pinned, why, repair_error)
+    return StepListing(
+        committed,
+        sorted(uncommitted),
+        corrupt,
+        pinned,
+        why,
+        repair_error,
+        tuple(quarantined[n] for n in sorted(quarantined)),
+    )
+
+
+def _quarantined(
+    storage: Storage, snapshot: CatalogSnapshot, reasons: list[str], present: bool
+) -> dict[str, QuarantineEntry]:
+    """The quarantined folders, from the catalog plus the records it lacks (`reasons` gets
+    why the catalog is out of date); `_quarantine/` is listed only when `present` at the
+    root (the root's listing said so)."""
+    names = list_quarantined(storage) if present else []
+    known = snapshot.quarantined
+    found = {n: known[n] if n in known else read_record(storage, n) for n in names}
+    missing = sum(1 for n in names if n not in known and is_recorded(found[n]))
+    if missing:
+        reasons.append(f"{missing} quarantined steps missing from the catalog")
+    gone = len(known.keys() - set(names))
+    if gone:
+        reasons.append(f"{gone} catalogued quarantined steps have no folder")
+    return found
 
 
 def _repair(
-    storage: Storage, entries: dict[int, CatalogEntry], version: str | None, why: str
+    storage: Storage,
+    entries: dict[int, CatalogEntry],
+    quarantined: dict[str, QuarantineEntry],
+    version: str | None,
+    why: str,
 ) -> str | None:
     try:
-        write_catalog_if(storage, entries, expected_version=version)
+        write_catalog_if(storage, entries, expected_version=version, quarantined=quarantined)
     except VersionMismatchError:
         # A commit or a deletion changed it since we read it: ours would be older. The next
         # reader repairs whatever is still missing.

@@ -19,14 +19,26 @@ loser re-reads and re-applies its change. Writers that keep the catalog current:
   fails because of its index; a step left out is found by the next reader's listing);
 * retention, before it deletes a manifest (`remove_steps`, must succeed: the deletion waits
   for the next pass otherwise, so the catalog never names a step whose manifest is gone);
-* `ckptctl pin` / `unpin` (`set_pinned`, best effort: pins under `_pins/` stay the truth).
+* `ckptctl pin` / `unpin` (`set_pinned`, best effort: pins under `_pins/` stay the truth);
+* the run's coordinator quarantining a corrupt step (`record_quarantine`, best effort: the
+  record under `_quarantine/` is the truth, `_store/quarantine.py`) and `ckptctl prune
+  --corrupt` removing one (`forget_quarantined`).
 
 Document (format version 1), entries ascending by step::
 
     {"format": "trainingd-catalog", "format_version": 1, "updated_unix_s": float,
      "entries": [{"step": N, "committed_unix_s": float, "bytes": int, "num_files": int,
                   "world_size": int, "strategy": str, "run_id": str, "metrics": {...},
-                  "pinned": bool, "manifest_bytes": int}, ...]}
+                  "pinned": bool, "manifest_bytes": int}, ...],
+     "quarantined": [{"step": N, "name": str, "reason": str, "object": str | null,
+                      "quarantined_unix_s": float, "run_id": str}, ...]}
+
+`quarantined` (optional, ascending by name) indexes the steps moved aside under
+`_quarantine/<name>/` because a restore found them corrupt (`_store/quarantine.py`): they are
+not committed steps, so they never appear in `entries`. The key is additive within format 1:
+an older reader ignores it, and a catalog rewritten by an older writer loses only the index
+(the next reader finds the quarantined folders by listing `_quarantine/` and reads their
+records).
 
 Torch-free (read by `ckptctl list`).
 """
@@ -37,6 +49,7 @@ import errno
 import json
 import random
 import time
+import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -56,11 +69,14 @@ __all__ = [
     "CATALOG_NAME",
     "CatalogEntry",
     "CatalogSnapshot",
+    "QuarantineEntry",
     "entry_from_manifest",
+    "forget_quarantined",
     "manifest_strategy",
     "parse_catalog",
     "read_catalog",
     "record_commit",
+    "record_quarantine",
     "remove_steps",
     "serialize_catalog",
     "set_pinned",
@@ -118,6 +134,58 @@ class CatalogEntry(NamedTuple):
         }
 
 
+class QuarantineEntry(NamedTuple):
+    """One step moved aside under `_quarantine/<name>/` because it failed verification."""
+
+    step: int
+    """The step it was."""
+    name: str
+    """Its folder under `_quarantine/` (`step-<N:012d>-<UTC time>-<run>`)."""
+    reason: str
+    """What failed, as the restore found it (`step 50: file rank-00000.bin checksum ...`)."""
+    object: str | None
+    """The object that failed (`rank-00000.bin`, `manifest.json`), when the reason names one."""
+    quarantined_unix_s: float
+    """When it was moved aside."""
+    run_id: str
+    """The run (lease holder) that moved it aside."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain-JSON form (see the module docstring)."""
+        return {
+            "step": self.step,
+            "name": self.name,
+            "reason": self.reason,
+            "object": self.object,
+            "quarantined_unix_s": self.quarantined_unix_s,
+            "run_id": self.run_id,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> QuarantineEntry:
+        """Parse and validate one entry (a catalog's or a quarantine record's).
+
+        Raises:
+            ValueError: not an object, or a field is missing or of the wrong type.
+        """
+        if not isinstance(doc, dict):
+            raise ValueError(f"quarantine entry must be an object, got {type(doc).__name__}")
+        step = _count(doc["step"], "quarantined step")
+        name, obj = doc["name"], doc.get("object")
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"quarantined step {step}: bad name {name!r}")
+        if obj is not None and not isinstance(obj, str):
+            raise ValueError(f"quarantined step {step}: object must be a string or null")
+        return cls(
+            step=step,
+            name=name,
+            reason=str(doc["reason"]),
+            object=obj,
+            quarantined_unix_s=float(doc["quarantined_unix_s"]),
+            run_id=str(doc["run_id"]),
+        )
+
+
 class CatalogSnapshot(NamedTuple):
     """The catalog as read, with the version a conditional rewrite compares against."""
 
@@ -127,6 +195,8 @@ class CatalogSnapshot(NamedTuple):
     """Version token of the object; None when there is no catalog."""
     damage: str | None
     """Why the object could not be used (it exists but failed validation), else None."""
+    quarantined: Mapping[str, QuarantineEntry] = types.MappingProxyType({})
+    """Quarantined steps by folder name (empty when missing or damaged)."""
 
 
 def manifest_strategy(manifest: Manifest) -> str:
@@ -194,11 +264,15 @@ def _entry(doc: Any) -> CatalogEntry:
 
 
 def parse_catalog(data: bytes) -> dict[int, CatalogEntry]:
-    """Parse and validate a catalog document.
+    """Parse and validate a catalog document's committed entries.
 
     Raises:
         CorruptCheckpointError: not a catalog, a newer format, or an invalid entry.
     """
+    return _parse(data)[0]
+
+
+def _parse(data: bytes) -> tuple[dict[int, CatalogEntry], dict[str, QuarantineEntry]]:
     try:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("format") != CATALOG_FORMAT:
@@ -212,19 +286,28 @@ def parse_catalog(data: bytes) -> dict[int, CatalogEntry]:
             if entry.step in entries:
                 raise ValueError(f"step {entry.step} is listed twice")
             entries[entry.step] = entry
-        return entries
+        quarantined: dict[str, QuarantineEntry] = {}
+        for raw in doc.get("quarantined", []):
+            q = QuarantineEntry.from_json(raw)
+            quarantined[q.name] = q
+        return entries, quarantined
     except (ValueError, TypeError, KeyError) as err:
         raise CorruptCheckpointError(f"invalid root catalog {CATALOG_NAME}: {err}") from err
 
 
-def serialize_catalog(entries: Mapping[int, CatalogEntry]) -> bytes:
-    """The catalog document for these entries (compact JSON, ascending by step)."""
-    doc = {
+def serialize_catalog(
+    entries: Mapping[int, CatalogEntry], quarantined: Mapping[str, QuarantineEntry] | None = None
+) -> bytes:
+    """The catalog document for these entries (compact JSON, ascending by step) and
+    quarantined steps (ascending by name; the key is left out when there are none)."""
+    doc: dict[str, Any] = {
         "format": CATALOG_FORMAT,
         "format_version": _FORMAT_VERSION,
         "updated_unix_s": time.time(),
         "entries": [entries[s].to_json() for s in sorted(entries)],
     }
+    if quarantined:
+        doc["quarantined"] = [quarantined[n].to_json() for n in sorted(quarantined)]
     return json.dumps(doc, separators=(",", ":"), allow_nan=True).encode()
 
 
@@ -239,13 +322,18 @@ def read_catalog(storage: Storage) -> CatalogSnapshot:
     except ObjectNotFoundError:
         return CatalogSnapshot({}, None, None)
     try:
-        return CatalogSnapshot(parse_catalog(data), version, None)
+        entries, quarantined = _parse(data)
+        return CatalogSnapshot(entries, version, None, quarantined)
     except CorruptCheckpointError as err:
         return CatalogSnapshot({}, version, str(err))
 
 
 def write_catalog_if(
-    storage: Storage, entries: Mapping[int, CatalogEntry], *, expected_version: str | None
+    storage: Storage,
+    entries: Mapping[int, CatalogEntry],
+    *,
+    expected_version: str | None,
+    quarantined: Mapping[str, QuarantineEntry] | None = None,
 ) -> str:
     """Replace the catalog only if it is still at `expected_version` (None: only if absent).
 
@@ -254,7 +342,7 @@ def write_catalog_if(
         StorageError: the write failed.
     """
     return storage.write_if(
-        CATALOG_NAME, serialize_catalog(entries), expected_version=expected_version
+        CATALOG_NAME, serialize_catalog(entries, quarantined), expected_version=expected_version
     )
 
 
@@ -268,7 +356,8 @@ def update_catalog(
 
     `change` edits the entries in place and says whether it changed anything (nothing is
     written otherwise). It may run several times, each time on a fresh read. A missing or
-    damaged catalog starts empty: readers find the steps it lacks by listing.
+    damaged catalog starts empty: readers find the steps it lacks by listing. Quarantined
+    entries are kept as read.
 
     Returns:
         Whether a new catalog was written.
@@ -277,13 +366,25 @@ def update_catalog(
         VersionMismatchError: `attempts` writers in a row got there first.
         StorageError: a read or write failed.
     """
+    return _update(storage, lambda entries, _quarantined: change(entries), attempts)
+
+
+def _update(
+    storage: Storage,
+    change: Callable[[dict[int, CatalogEntry], dict[str, QuarantineEntry]], bool],
+    attempts: int = _UPDATE_ATTEMPTS,
+) -> bool:
+    """`update_catalog` over both parts of the document."""
     for attempt in range(attempts):
         snapshot = read_catalog(storage)
         entries = dict(snapshot.entries)
-        if not change(entries):
+        quarantined = dict(snapshot.quarantined)
+        if not change(entries, quarantined):
             return False
         try:
-            write_catalog_if(storage, entries, expected_version=snapshot.version)
+            write_catalog_if(
+                storage, entries, expected_version=snapshot.version, quarantined=quarantined
+            )
             return True
         except VersionMismatchError:
             # Another writer won the race: back off a little (jittered so two writers do not
@@ -293,6 +394,48 @@ def update_catalog(
         errno.EAGAIN,
         f"root catalog {storage.path(CATALOG_NAME)}: still changing after {attempts} attempts",
     )
+
+
+def record_quarantine(storage: Storage, entry: QuarantineEntry) -> bool:
+    """The quarantining coordinator: drop the step's committed entry, add its quarantine
+    entry, in one compare-and-swap. Never raises (best effort: the record under
+    `_quarantine/` is the truth, and the next reader's listing finds what is missing).
+
+    Returns:
+        Whether the catalog now says so.
+    """
+
+    def move(entries: dict[int, CatalogEntry], quarantined: dict[str, QuarantineEntry]) -> bool:
+        entries.pop(entry.step, None)
+        quarantined[entry.name] = entry
+        return True
+
+    try:
+        _update(storage, move)
+    except CheckpointError as err:
+        _log.warning("ckpt_catalog_update_failed", ckpt_step=entry.step, error=str(err))
+        return False
+    return True
+
+
+def forget_quarantined(storage: Storage, names: set[str]) -> bool:
+    """Drop quarantine entries (`ckptctl prune --corrupt`, before it removes their folders).
+
+    Returns:
+        Whether the catalog changed.
+
+    Raises:
+        VersionMismatchError: the catalog kept changing under us.
+        StorageError: a read or write failed.
+    """
+
+    def drop(_entries: dict[int, CatalogEntry], quarantined: dict[str, QuarantineEntry]) -> bool:
+        found = names & quarantined.keys()
+        for name in found:
+            del quarantined[name]
+        return bool(found)
+
+    return _update(storage, drop)
 
 
 def record_commit(storage: Storage, manifest: Manifest, *, manifest_bytes: int) -> bool:

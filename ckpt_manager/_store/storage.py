@@ -271,6 +271,20 @@ class Storage:
         with translated("delete", path):
             self.backend.remove_tree(path)
 
+    def move_tree(self, name: str, to: str) -> None:
+        """Move a folder and everything under it to `to` (which must not exist).
+
+        One atomic rename on local disk; on object stores each object is copied on the
+        server and the source removed once every copy is done (a move cut short leaves a
+        complete copy of what it reached and the source, whole or partly removed).
+
+        Raises:
+            StorageError: the move failed (`ObjectNotFoundError`: no such folder).
+        """
+        src, dst = self.path(name), self.path(to)
+        with translated("move", src):
+            self.backend.move_tree(src, dst)
+
     def describe_missing_root(self) -> str:
         """Why the root does not exist, for an operator (a missing bucket, an empty prefix,
         no such folder); never raises."""

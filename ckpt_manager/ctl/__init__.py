@@ -10,7 +10,8 @@ well under a second.
                     one-line messages for operator-fixable failures.
     list.py         `list`: one row per step from its manifest, plus the lease holder.
     inspect.py      `show` and `verify`.
-    prune.py        `prune` (retention offline), `pin` / `unpin`.
+    prune.py        `prune` (retention offline; `--corrupt`: quarantined and corrupt steps),
+                    `pin` / `unpin`.
     retention.py    the manager's policies labelled for humans.
     render.py       human output: sizes, times, ages, tables, a TTY progress bar.
     restore.py      `restore`: verify, then consolidate or reshard.

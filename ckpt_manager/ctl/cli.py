@@ -86,6 +86,7 @@ examples:
   ckptctl prune /data/ckpt/run-7 --keep-last 3 --dry-run
   ckptctl prune s3://bucket/runs/7 --keep-last 2 --keep-every 1000
   ckptctl prune /data/ckpt/run-7 --keep-best 2 --metric loss --mode min --keep-last 1
+  ckptctl prune /data/ckpt/run-7 --corrupt --dry-run   (quarantined and corrupt steps)
 """,
     "pin": """\
 examples:
@@ -262,6 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     _retention_options(p)
     p.add_argument("--dry-run", action="store_true", help="print what would go, delete nothing")
     p.add_argument(
+        "--corrupt",
+        action="store_true",
+        help="instead of retention: delete the quarantined steps (_quarantine/) and every "
+        "step that fails verification (reads every step back)",
+    )
+    p.add_argument(
         "--force", action="store_true", help="prune even while a live run holds the root"
     )
     p.add_argument("--json", action="store_true", help="JSON instead of text")
@@ -393,20 +400,42 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from ckpt_manager.ctl.common import open_root, resolve_step
+    from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
+    from ckpt_manager.ctl.common import LATEST, open_root, resolve_step
     from ckpt_manager.ctl.errors import UsageError
-    from ckpt_manager.ctl.inspect import render_checks, verify_steps
+    from ckpt_manager.ctl.inspect import newest_committed_step, render_checks, verify_steps
 
     if args.all and args.step is not None:
         raise UsageError("give a STEP or --all, not both")
     storage = open_root(args.uri, _flags(args))
-    steps = None if args.all else [resolve_step(storage, args.step)[0]]
+    steps: list[int] | None = None
+    if args.step is None or args.step == LATEST:
+        steps = None if args.all else [newest_committed_step(storage)]
+    else:
+        step = _step_number(args.step)
+        # Only the manifest's presence decides: a damaged manifest, index or shard is the
+        # verdict's to report (`corrupt`), never an error before it.
+        if not storage.exists(f"{step_dir(step)}/{MANIFEST_NAME}"):
+            resolve_step(storage, step)  # raises StepNotFoundError naming the nearest steps
+        steps = [step]
     checks = verify_steps(storage, steps)
     if args.json:
         _print_json([c.to_json() for c in checks])
     else:
         print(render_checks(checks) if checks else f"no step folders under {args.uri}")
     return EXIT_FAILED if any(c.status == "corrupt" for c in checks) else EXIT_OK
+
+
+def _step_number(spec: str) -> int:
+    from ckpt_manager.ctl.errors import UsageError
+
+    try:
+        step = int(spec)
+    except ValueError:
+        raise UsageError(f"step {spec!r}: use a step number or 'latest'") from None
+    if step < 0:
+        raise UsageError(f"step {step}: steps are >= 0")
+    return step
 
 
 def _restore(args: argparse.Namespace) -> int:
@@ -435,6 +464,8 @@ def _prune(args: argparse.Namespace) -> int:
 
     retention = _retention(args)
     storage = open_root(args.uri, _flags(args))
+    if args.corrupt:
+        return _prune_corrupt(args, storage, retention)
     if not args.dry_run:
         check_lease(storage, force=args.force)
     plan = plan_prune(storage, retention)
@@ -454,6 +485,32 @@ def _prune(args: argparse.Namespace) -> int:
         print(render_plan(plan, dry_run=args.dry_run))
         for step, error in failed:
             print(f"failed to delete step {step}: {error}", file=sys.stderr)
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _prune_corrupt(args: argparse.Namespace, storage: Any, retention: Any) -> int:
+    from ckpt_manager.ctl.errors import UsageError
+    from ckpt_manager.ctl.prune import (
+        apply_corrupt,
+        check_lease,
+        corrupt_json,
+        plan_corrupt,
+        render_corrupt,
+    )
+
+    if retention.given:
+        raise UsageError("--corrupt deletes quarantined and corrupt steps: give no retention flag")
+    if not args.dry_run:
+        check_lease(storage, force=args.force)
+    plan = plan_corrupt(storage)
+    results = [] if args.dry_run else apply_corrupt(storage, plan)
+    failed = [(w, e) for w, e in results if e]
+    if args.json:
+        _print_json(corrupt_json(plan, failed, dry_run=args.dry_run))
+    else:
+        print(render_corrupt(plan, dry_run=args.dry_run))
+        for what, error in failed:
+            print(f"failed to delete {what}: {error}", file=sys.stderr)
     return EXIT_FAILED if failed else EXIT_OK
 
 

@@ -1,7 +1,10 @@
 """`ckptctl show` (a manifest in human or JSON form) and `ckptctl verify` (re-read and check).
 
 Verification is `steps.verify_files`, the check restore itself runs, applied one file at
-a time so that every bad file is reported, not only the first.
+a time so that every bad file is reported, not only the first. Every step checked ends with a
+verdict (`ok`, `corrupt` with one problem per bad object, a missing one as `missing <name>`,
+`uncommitted`, and with `--all` the `quarantined` folders): the step to check is resolved from
+its manifest alone, so a missing index or shard is a finding, never a read error.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ from typing import Any
 from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
 from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._store.pins import pinned_steps
+from ckpt_manager._store.quarantine import QUARANTINE_DIR, list_quarantined, read_record
 from ckpt_manager._store.steps import list_step_dirs, read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
-from ckpt_manager.ctl.common import parallel_map
+from ckpt_manager.ctl.common import committed_of, parallel_map
 from ckpt_manager.ctl.list import strategy_of
 from ckpt_manager.ctl.render import format_age, format_bytes, format_local_time, iso_local, table
 from ckpt_manager.errors import CheckpointError, StepNotFoundError
 
-__all__ = ["StepCheck", "render_manifest", "show_json", "verify_steps"]
+__all__ = ["StepCheck", "newest_committed_step", "render_manifest", "show_json", "verify_steps"]
 
 
 def show_json(storage: Storage, m: Manifest) -> dict[str, Any]:
@@ -100,7 +104,7 @@ class StepCheck:
     step: int
     """Training step."""
     status: str
-    """`ok`, `corrupt` or `uncommitted`."""
+    """`ok`, `corrupt`, `uncommitted` or `quarantined` (moved aside under `_quarantine/`)."""
     num_files: int
     """Files checked."""
     num_bytes: int
@@ -117,7 +121,10 @@ def _check_file(storage: Storage, m: Manifest, name: str) -> str | None:
     try:
         verify_files(storage, m, [name], check_crc=True)
     except CheckpointError as err:
-        return f"{name}: {str(err).removeprefix(f'step {m.step}: ')}"
+        text = str(err).removeprefix(f"step {m.step}: ")
+        if text == f"file {name} is missing":
+            return f"missing {name}"
+        return f"{name}: {text}"
     return None
 
 
@@ -141,9 +148,28 @@ def _verify_one(storage: Storage, step: int) -> StepCheck:
 
 
 def verify_steps(storage: Storage, steps: Sequence[int] | None) -> list[StepCheck]:
-    """Verify the given steps, or every step folder when `steps` is None."""
-    chosen = list(steps) if steps is not None else list_step_dirs(storage)
-    return [_verify_one(storage, s) for s in chosen]
+    """Verify the given steps, or every step folder and quarantined step when `steps` is
+    None."""
+    if steps is not None:
+        return [_verify_one(storage, s) for s in steps]
+    checks = [_verify_one(storage, s) for s in list_step_dirs(storage)]
+    for name in list_quarantined(storage):
+        q = read_record(storage, name)
+        where = f"{QUARANTINE_DIR}/{name}"
+        checks.append(StepCheck(q.step, "quarantined", 0, 0, (f"{where}: {q.reason}",)))
+    return sorted(checks, key=lambda c: (c.step, c.status != "quarantined"))
+
+
+def newest_committed_step(storage: Storage) -> int:
+    """The newest step whose manifest exists (`verify`'s default), read from no other object.
+
+    Raises:
+        StepNotFoundError: no step is committed.
+    """
+    committed = committed_of(storage, list_step_dirs(storage))
+    if not committed:
+        raise StepNotFoundError(f"{storage.root_uri}: no committed step")
+    return committed[-1]
 
 
 def render_checks(checks: Sequence[StepCheck]) -> str:
@@ -154,6 +180,8 @@ def render_checks(checks: Sequence[StepCheck]) -> str:
             lines.append(f"step {c.step}: ok ({c.num_files} files, {format_bytes(c.num_bytes)})")
         elif c.status == "uncommitted":
             lines.append(f"step {c.step}: uncommitted (no manifest; skipped)")
+        elif c.status == "quarantined":
+            lines.append(f"step {c.step}: quarantined, {c.problems[0]}")
         else:
             lines.append(f"step {c.step}: CORRUPT, {len(c.problems)} bad:")
             lines += [f"  {p}" for p in c.problems]

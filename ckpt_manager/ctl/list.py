@@ -7,7 +7,10 @@ S3: the catalog GET, ~10 LIST pages, the pins LIST, a few HEADs). Manifests are 
 steps the catalog lacks (then the catalog is repaired) and for the newest steps whose
 manifest size differs from the catalog's record. `--verify` reads every manifest and every
 file (in parallel on object stores) and reports what they say. A folder without a manifest
-is an uncommitted step (shown with `--all`); a manifest that fails validation is `corrupt`.
+is an uncommitted step (shown with `--all`); a manifest that fails validation is `corrupt`. A
+step a run's restore moved aside under `_quarantine/` (`_store/quarantine.py`) is a
+`quarantined` row with the reason (never a committed step, never `latest`, never kept by
+retention); its step number may also have a committed row, the step saved again.
 """
 
 from __future__ import annotations
@@ -18,13 +21,20 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ckpt_manager._format.layout import step_dir
 from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._retention.base import StepInfo
 from ckpt_manager._retention.record import read_retention
 from ckpt_manager._store.lease import holder_is_provably_dead, read_lease
 from ckpt_manager._store.listing import list_steps
 from ckpt_manager._store.pins import pinned_steps
-from ckpt_manager._store.root_catalog import CatalogEntry, entry_from_manifest, manifest_strategy
+from ckpt_manager._store.quarantine import QUARANTINE_DIR, list_quarantined, read_record
+from ckpt_manager._store.root_catalog import (
+    CatalogEntry,
+    QuarantineEntry,
+    entry_from_manifest,
+    manifest_strategy,
+)
 from ckpt_manager._store.steps import list_step_dirs, read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import metrics_text, parallel_map
@@ -44,6 +54,8 @@ class StepState(enum.StrEnum):
     """No manifest: an interrupted or in-flight save."""
     CORRUPT = "corrupt"
     """Manifest invalid, or (with `--verify`) a file missing, short or with a bad checksum."""
+    QUARANTINED = "quarantined"
+    """Moved aside under `_quarantine/` by a run's restore because it failed verification."""
 
 
 JSON_KEYS = (
@@ -61,6 +73,8 @@ JSON_KEYS = (
     "pinned",
     "retained_by",
     "error",
+    "location",
+    "quarantined_unix_s",
 )
 """Keys of every `list --json` object, in order (documented in the README, section ckptctl)."""
 
@@ -80,7 +94,11 @@ class StepRow:
     retained_by: tuple[str, ...]
     """Why retention keeps it (committed steps only)."""
     error: str | None
-    """Why it is corrupt."""
+    """Why it is corrupt or quarantined."""
+    location: str = ""
+    """Its folder relative to the root: `step-<N>`, or `_quarantine/<name>` when quarantined."""
+    quarantined_unix_s: float | None = None
+    """When it was quarantined (None unless quarantined, or when its record is missing)."""
 
     def to_json(self, now: float) -> dict[str, Any]:
         """The stable JSON object (keys `JSON_KEYS`)."""
@@ -100,6 +118,8 @@ class StepRow:
             "pinned": self.pinned,
             "retained_by": list(self.retained_by),
             "error": self.error,
+            "location": self.location or step_dir(self.step),
+            "quarantined_unix_s": self.quarantined_unix_s,
         }
         assert tuple(doc) == JSON_KEYS
         return doc
@@ -162,13 +182,16 @@ def collect_rows(
     Raises:
         StorageError: the root (or its catalog or pins) cannot be read.
     """
+    quarantined: list[QuarantineEntry]
     if verify:
         entries, uncommitted, corrupt = _verified(storage)
         pinned = pinned_steps(storage)
+        quarantined = [read_record(storage, n) for n in list_quarantined(storage)]
     else:
         listing = list_steps(storage)
         entries = {e.step: e for e in listing.committed}
         uncommitted, corrupt, pinned = listing.uncommitted, listing.corrupt, listing.pinned
+        quarantined = list(listing.quarantined)
     infos = [StepInfo(s, e.committed_unix_s, dict(e.metrics)) for s, e in entries.items()]
     # Flags override the policy the run recorded in the root.
     labelled = flags.labelled() if flags.given else (read_retention(storage) or [])
@@ -181,7 +204,21 @@ def collect_rows(
         rows.append(StepRow(s, StepState.CORRUPT, None, s in pinned, (), why))
     for s in uncommitted if include_uncommitted else ():
         rows.append(StepRow(s, StepState.UNCOMMITTED, None, s in pinned, (), None))
-    return sorted(rows, key=lambda r: r.step)
+    for q in quarantined:
+        rows.append(
+            StepRow(
+                q.step,
+                StepState.QUARANTINED,
+                None,
+                False,
+                (),
+                q.reason if q.object is None or q.object in q.reason else f"{q.object}: {q.reason}",
+                f"{QUARANTINE_DIR}/{q.name}",
+                q.quarantined_unix_s or None,
+            )
+        )
+    # A quarantined step sorts before the step saved again under its number.
+    return sorted(rows, key=lambda r: (r.step, r.state is not StepState.QUARANTINED, r.location))
 
 
 def lease_header(storage: Storage, now: float) -> str | None:
@@ -222,6 +259,8 @@ def render_rows(rows: Sequence[StepRow], now: float | None = None) -> str:
         e = r.entry
         if e is None:
             detail = r.error or ""
+            if r.state is StepState.QUARANTINED:
+                detail = f"{detail} (in {r.location})"
             body.append([str(r.step), r.state.value, "-", "-", "-", "-", "-", detail, ""])
             continue
         body.append(

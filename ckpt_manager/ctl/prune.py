@@ -1,9 +1,15 @@
-"""`ckptctl prune` (retention applied offline) and `ckptctl pin` / `unpin`.
+"""`ckptctl prune` (retention applied offline, or `--corrupt`) and `ckptctl pin` / `unpin`.
 
 Prune plans with the manager's `plan_deletions` (the newest committed step and pinned steps
 are never candidates; uncommitted and corrupt steps are not touched) and deletes like the
 manager's deleter: manifest first, so a step interrupted halfway reads as uncommitted,
 never as corrupt. Pins are `_store/pins.py`'s objects, which the manager's deleter honours.
+
+`prune --corrupt` is the one way quarantined and corrupt steps go (retention never counts or
+deletes them: they are evidence, [Note: a corrupt step is moved aside, never silently deleted]
+in `_store/quarantine.py`): every folder under `_quarantine/`, and every committed step whose
+manifest or files fail verification (every step is read back, sizes and CRC-32; a step that
+cannot be read now, e.g. a storage error, is left alone, and so is a pinned one).
 """
 
 from __future__ import annotations
@@ -16,6 +22,13 @@ from ckpt_manager._retention.base import StepInfo, plan_deletions
 from ckpt_manager._retention.options import switch_flags
 from ckpt_manager._store.lease import describe_holder, holder_is_provably_dead, read_lease
 from ckpt_manager._store.pins import pin_committed_step, pinned_steps, unpin_step
+from ckpt_manager._store.quarantine import (
+    QUARANTINE_DIR,
+    list_quarantined,
+    read_record,
+    remove_quarantined,
+)
+from ckpt_manager._store.root_catalog import QuarantineEntry
 from ckpt_manager._store.steps import delete_step, list_step_dirs, read_manifest, verify_files
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.ctl.common import parallel_map
@@ -29,7 +42,18 @@ from ckpt_manager.errors import (
     StepNotFoundError,
 )
 
-__all__ = ["PrunePlan", "apply_prune", "pin", "plan_prune", "unpin"]
+__all__ = [
+    "CorruptPlan",
+    "PrunePlan",
+    "apply_corrupt",
+    "apply_prune",
+    "corrupt_json",
+    "pin",
+    "plan_corrupt",
+    "plan_prune",
+    "render_corrupt",
+    "unpin",
+]
 
 
 class PrunePlan(NamedTuple):
@@ -174,3 +198,98 @@ def unpin(storage: Storage, steps: Sequence[int]) -> list[str]:
         else:
             lines.append(f"step {step} was not pinned")
     return lines
+
+
+class CorruptPlan(NamedTuple):
+    """What `prune --corrupt` deletes."""
+
+    quarantined: list[QuarantineEntry]
+    """Folders under `_quarantine/`, by name."""
+    corrupt: list[tuple[int, str]]
+    """Committed steps that fail verification, and why, ascending."""
+    skipped: list[tuple[int, str]]
+    """Corrupt steps left alone (pinned), or steps that could not be checked, and why."""
+
+
+def _verdict(storage: Storage, step: int) -> str | None:
+    """Why a step folder fails verification, or None (it verifies, or is not committed)."""
+    try:
+        m = read_manifest(storage, step)
+        verify_files(storage, m, sorted(m.files), check_crc=True)
+    except StepNotFoundError:
+        return None
+    except CorruptCheckpointError as err:
+        return str(err)
+    return None
+
+
+def plan_corrupt(storage: Storage) -> CorruptPlan:
+    """List the quarantined folders and read every committed step back.
+
+    Raises:
+        StorageError: the root or `_quarantine/` cannot be listed.
+    """
+    quarantined = [read_record(storage, n) for n in list_quarantined(storage)]
+    steps = list_step_dirs(storage)
+    verdicts = parallel_map(lambda s: _verdict(storage, s), steps, storage)
+    pinned = pinned_steps(storage)
+    corrupt: list[tuple[int, str]] = []
+    skipped: list[tuple[int, str]] = []
+    for step, verdict in zip(steps, verdicts, strict=True):
+        if isinstance(verdict, Exception):
+            skipped.append((step, f"not checked (left alone): {verdict}"))
+        elif verdict is not None and step in pinned:
+            skipped.append((step, f"pinned (left alone; unpin to delete): {verdict}"))
+        elif verdict is not None:
+            corrupt.append((step, verdict))
+    return CorruptPlan(quarantined, corrupt, skipped)
+
+
+def apply_corrupt(storage: Storage, plan: CorruptPlan) -> list[tuple[str, str | None]]:
+    """Delete what the plan names; `(what, error or None)` each (never stops early)."""
+    out: list[tuple[str, str | None]] = []
+    if plan.quarantined:
+        try:
+            removed = remove_quarantined(storage, {q.name for q in plan.quarantined})
+        except CheckpointError as err:
+            removed = [(q.name, str(err)) for q in plan.quarantined]
+        out += [(f"{QUARANTINE_DIR}/{name}", error) for name, error in removed]
+    for step, _ in plan.corrupt:
+        try:
+            deleted = delete_step(storage, step)
+            out.append((f"step {step}", None if deleted else "pinned while the prune ran: kept"))
+        except CheckpointError as err:
+            out.append((f"step {step}", str(err)))
+    return out
+
+
+def render_corrupt(plan: CorruptPlan, *, dry_run: bool) -> str:
+    """Human summary of a `--corrupt` plan."""
+    verb = "would delete" if dry_run else "deleting"
+    lines = [
+        f"{verb} quarantined step {q.step} ({QUARANTINE_DIR}/{q.name}): {q.reason}"
+        for q in plan.quarantined
+    ]
+    lines += [f"{verb} corrupt step {s}: {why}" for s, why in plan.corrupt]
+    lines += [f"skip step {s}: {why}" for s, why in plan.skipped]
+    lines.append(
+        f"{len(plan.quarantined)} quarantined and {len(plan.corrupt)} corrupt to delete, "
+        f"{len(plan.skipped)} left alone"
+    )
+    return "\n".join(lines)
+
+
+def corrupt_json(
+    plan: CorruptPlan, failed: Sequence[tuple[str, str | None]], *, dry_run: bool
+) -> dict[str, object]:
+    """`prune --corrupt --json`."""
+    return {
+        "dry_run": dry_run,
+        "delete_quarantined": [
+            {"step": q.step, "location": f"{QUARANTINE_DIR}/{q.name}", "reason": q.reason}
+            for q in plan.quarantined
+        ],
+        "delete_corrupt": [{"step": s, "reason": why} for s, why in plan.corrupt],
+        "skipped": [{"step": s, "reason": why} for s, why in plan.skipped],
+        "failed": [{"what": w, "error": e} for w, e in failed if e],
+    }

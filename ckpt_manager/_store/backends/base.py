@@ -26,6 +26,9 @@ What a backend must guarantee, whatever the store:
   size, existence, modification time (of an object, or of the newest object anywhere
   under a folder).
 * Deletion: one object, or a folder with everything under it; missing is fine.
+* Moving a folder (`move_tree`, quarantine of a corrupt step): atomic where the store
+  renames folders; elsewhere copies first and removes the source only once every object is
+  copied, so a move cut short never loses an object.
 * `abort_uploads`: abort incomplete uploads a killed writer left under a folder (stores
   without such uploads return 0).
 
@@ -193,6 +196,12 @@ class StorageBackend(Protocol):
 
     def remove_tree(self, path: str) -> None:
         """Delete a folder and everything under it; a missing folder is fine."""
+        ...
+
+    def move_tree(self, src: str, dst: str) -> None:
+        """Move a folder and everything under it to `dst` (which must not exist): one
+        atomic rename where the store has folders (local disk); elsewhere every object is
+        copied (server-side where the store can) and the source removed once all are."""
         ...
 
     def abort_uploads(self, path: str, *, older_than_s: float) -> int:

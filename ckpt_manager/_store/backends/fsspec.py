@@ -300,6 +300,23 @@ class FsspecBackend:
                 self.fs.rm(path, recursive=True)
         self.invalidate(path)
 
+    def move_tree(self, src: str, dst: str) -> None:
+        """Copy every object under `src` to the same name under `dst` (server-side where
+        the filesystem copies so: S3 `CopyObject`), then remove `src`.
+
+        Not atomic: the source is removed only once every copy is done, so a move cut short
+        leaves the source whole or partly removed, and its copied objects complete at `dst`.
+        """
+        self.invalidate(src)
+        self.invalidate(dst)
+        base = src.rstrip("/")
+        for path in sorted(str(p) for p in self.fs.find(base)):
+            rel = path[len(base) :].lstrip("/")
+            if rel:
+                self.fs.copy(path, f"{dst.rstrip('/')}/{rel}")
+        self.invalidate(dst)
+        self.remove_tree(src)
+
     def abort_uploads(self, path: str, *, older_than_s: float) -> int:
         """No resumable uploads here: 0."""
         return 0

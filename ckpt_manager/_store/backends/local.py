@@ -165,6 +165,21 @@ class LocalBackend(FsspecBackend):
                     os.unlink(local_path)
         _fsync_dir(folder)
 
+    def move_tree(self, src: str, dst: str) -> None:
+        """One `rename` of the folder (atomic), then fsync both parent folders.
+
+        Raises:
+            FileNotFoundError: `src` does not exist.
+            OSError: `dst` exists, or the rename failed; nothing moved.
+        """
+        parent = os.path.dirname(dst.rstrip("/"))
+        os.makedirs(parent, exist_ok=True)
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, "destination exists", dst)
+        os.rename(src, dst)
+        _fsync_dir(parent)
+        _fsync_dir(os.path.dirname(src.rstrip("/")))
+
     def write_if(self, path: str, data: bytes, *, expected_version: str | None) -> str:
         """Compare and publish under an `flock` on the object's folder."""
         folder = os.path.dirname(path)

@@ -19,6 +19,7 @@ from ckpt_manager._coord import Coordinator
 from ckpt_manager._format.layout import shard_file_name, step_dir
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._retention.deleter import Deleter
+from ckpt_manager._store.quarantine import QUARANTINE_DIR
 from ckpt_manager._store.steps import committed_steps
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CheckpointError
@@ -54,8 +55,10 @@ def test_no_retention_before_the_restore_and_the_fallback_survives(
         assert result is not None
         assert result.step == 2  # step 3 fails verification
         assert torch.equal(result.state["w"], torch.full((64,), 2.0))
-        # Retention runs now: step 1 goes; 2 (restored) and 3 (newest) stay.
-        _eventually(lambda: mgr.all_steps() == [2, 3])
+        # Step 3 was moved aside (quarantined, not a committed step any more, never deleted by
+        # retention); retention runs now: step 1 goes, 2 (restored, newest) stays.
+        assert len(Storage(str(tmp_path)).list_names(QUARANTINE_DIR)) == 1
+        _eventually(lambda: mgr.all_steps() == [2])
         mgr.save(4, {"w": torch.full((64,), 4.0)})
         mgr.wait_until_finished()
         _eventually(lambda: mgr.all_steps() == [2, 4])
