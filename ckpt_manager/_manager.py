@@ -292,6 +292,14 @@ class CheckpointManager:
         if self._lease is not None:
             self._lease.confirm()
 
+    def _held_lease(self) -> None:
+        """`_confirm_lease`, and a refusal while the root is pending: no lease is held yet, so
+        nothing in the root may change ([Note: a rank starts while its durable root is
+        unreachable] in `_root.py`)."""
+        if self._root_pending:
+            raise CheckpointError("the root's lease is not held yet (the root is not open)")
+        self._confirm_lease()
+
     def _lease_lost(self) -> bool:
         return self._lease is not None and self._lease.lost
 
@@ -682,7 +690,7 @@ class CheckpointManager:
                 # `_store/quarantine.py`: the corrupt steps the restore skips move aside
                 # under the lease, and their step numbers are free to save again.
                 quarantine = Quarantine(
-                    self._storage, self._coord, run_id=self.run_id, fence=self._confirm_lease
+                    self._storage, self._coord, run_id=self.run_id, fence=self._held_lease
                 )
                 durable = restore_agreed(
                     self._storage,
