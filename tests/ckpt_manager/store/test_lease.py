@@ -229,7 +229,9 @@ def test_dead_holder_here_is_taken_over_at_once_elsewhere_after_expiry(
 def test_start_up_check_passes_only_a_node_joining_the_holders_run(tmp_path: pathlib.Path) -> None:
     from ckpt_manager import check_root_lease
 
-    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, lease_ttl_s=1.0)
+    # The holder refreshes every ttl / 3 on a thread: a short ttl on a loaded machine (a
+    # parallel test run) can starve that thread past the ttl and make a live holder look gone.
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, lease_ttl_s=3.0)
     with CheckpointManager(str(tmp_path), cfg, run_id="job"):
         with pytest.raises(LeaseHeldError, match=r"run 'job'"):
             check_root_lease(str(tmp_path))

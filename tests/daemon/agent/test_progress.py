@@ -25,7 +25,7 @@ from daemon.observe.state import NodeState
 from daemon.observe.status import StatusBoard
 from daemon.rank.telemetry import RankTelemetry
 from daemon.rundir.snapshot import RankPhase, snapshot_path
-from tests.daemon._daemon_proc import REPO, TRAININGD, wait_for
+from tests.daemon._daemon_proc import GATED_JOB, REPO, TRAININGD, Gate, wait_for
 
 STATUS_LINE = re.compile(
     r"^\[trainingd\] [a-z]+ \| step (\d+|-)/(\d+) \| loss (\S+) \| [\d,]+ tok/s "
@@ -124,6 +124,12 @@ def test_live_line_prints_lines_above_itself_and_leaves_a_cursor(tmp_path: Path)
     assert out.endswith("\x1b[1A\x1b[2K")
 
 
+def _status_step(line: str) -> int:
+    """The step a status line of the 40-step run shows (-1: not one, or no step yet)."""
+    m = STATUS_LINE.match(line)
+    return int(m[1]) if m is not None and m[1] != "-" and m[2] == "40" else -1
+
+
 def _tmux(socket: str, *args: str) -> str:
     out = subprocess.run(
         ["tmux", "-L", socket, "-f", os.devnull, *args],
@@ -145,28 +151,40 @@ def test_terminal_shows_one_live_status_line_below_every_log_line(tmp_path: Path
         str(TRAININGD), "run", "--nproc-per-node", "2", "--batch-size", "4",
         "--warmup-steps", "1", "--max-steps", "40", "--ckpt-every", "10",
         "--metrics-port", "0", "--ckpt-uri", str(tmp_path / "ckpt"),
-        "--memory-dir", str(tmp_path / "shm"),
+        "--memory-dir", str(tmp_path / "shm"), *GATED_JOB,
     ]  # fmt: skip
+    # 40 steps take a few seconds, fewer than a loaded machine's captures may need: the ranks
+    # are held after step 5 until a screen has shown the status line with a step (it shows
+    # the last step published, 4 or 5 while they are held).
+    gate = Gate(tmp_path / "gate", after_steps=5, batch_size=4)
     # The shell keeps the window open after the run so the last screen can be read.
     script = f"{shlex.join(run)}; echo EXIT=$? > {shlex.quote(str(exit_file))}; sleep 600"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGD_", "TMUX"))}
     env.pop("NOTIFY_SOCKET", None)
+    env.update(gate.env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     subprocess.run(
         ["tmux", "-L", socket, "-f", os.devnull, "new-session", "-d", "-s", "t",
          "-x", "200", "-y", "50", "-c", str(REPO), script],
         env=env, check=True, timeout=30,
     )  # fmt: skip
     screens: list[list[str]] = []
+    opened = False
     try:
         deadline = time.monotonic() + 360
         while not exit_file.exists() and time.monotonic() < deadline:
-            screens.append(_tmux(socket, "capture-pane", "-p", "-t", "t").splitlines())
+            screen = _tmux(socket, "capture-pane", "-p", "-t", "t").splitlines()
+            screens.append(screen)
+            if not opened and any(_status_step(line) > 0 for line in screen):
+                gate.open()
+                opened = True
             time.sleep(0.3)
         wait_for(exit_file.exists, 10, "the run to end")
         history = _tmux(socket, "capture-pane", "-p", "-t", "t", "-S", "-").splitlines()
     finally:
         subprocess.run(["tmux", "-L", socket, "kill-server"], check=False, timeout=30)
     final = "\n".join(history)
+    assert opened, final  # the status line showed a step of 40 while the ranks were held
     assert exit_file.read_text().strip() == "EXIT=0", final
 
     lines = [line for screen in screens for line in screen]
