@@ -3,12 +3,14 @@
 A tiny Hugging Face Llama (built in code) wrapped at world size 1 under every strategy: the
 sharded state dict holds exactly `module.state_dict()`'s keys (tied names folded into
 `__aliases__`), a state dict that still holds the buffers (as checkpoints written before they
-were left out do) loads, and the bf16 policy keeps the rotary frequencies in fp32.
+were left out do) loads, directly and restored by `ckpt_manager` into today's template, and
+the bf16 policy keeps the rotary frequencies in fp32.
 """
 
 from __future__ import annotations
 
 import copy
+import pathlib
 from collections.abc import Iterator
 
 import pytest
@@ -92,3 +94,23 @@ def test_bf16_keeps_rotary_frequencies_in_fp32(strategy: Strategy) -> None:
     with torch.no_grad():
         logits = model(ids).logits
     assert torch.isfinite(logits).all()
+
+
+def test_a_checkpoint_that_holds_the_buffers_restores(tmp_path: pathlib.Path) -> None:
+    from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
+
+    source = _wrap(tiny_model("llama", seed=1), Strategy.OPTIM_GRADS_PARAMS)
+    old = source.sharded_state_dict()
+    # The sharded state dict of the previous release: the rotary buffers, whole, as well.
+    old.update({name: dict(source.module.named_buffers())[name] for name in _ROTARY})
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC)
+    with CheckpointManager(str(tmp_path), cfg, run_id="old") as mgr:
+        mgr.save(1, {"model": old})
+    model = _wrap(tiny_model("llama", seed=2), Strategy.OPTIM_GRADS_PARAMS)
+    with CheckpointManager(str(tmp_path), cfg, run_id="new") as mgr:
+        result = mgr.restore(1, into={"model": model.sharded_state_dict()})
+    assert result is not None
+    model.load_sharded_state_dict(result.state["model"])
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, source(ids).logits, rtol=0, atol=0)
