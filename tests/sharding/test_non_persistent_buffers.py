@@ -114,3 +114,19 @@ def test_a_checkpoint_that_holds_the_buffers_restores(tmp_path: pathlib.Path) ->
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, source(ids).logits, rtol=0, atol=0)
+
+
+def test_fp32_modules_by_class_name() -> None:
+    from daemon.errors import JobError
+    from daemon.jobs.job import fp32_module_classes
+
+    model = tiny_model("llama")
+    classes = fp32_module_classes(model, "LlamaRMSNorm, LlamaMLP")
+    assert [c.__name__ for c in classes] == ["_BatchNorm", "LlamaRMSNorm", "LlamaMLP"]
+    assert [c.__name__ for c in fp32_module_classes(model, "")] == ["_BatchNorm"]
+    with pytest.raises(JobError, match="'RMSNorm'"):
+        fp32_module_classes(model, "RMSNorm")
+    precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16, fp32_modules=classes)
+    wrapped = _wrap(model, Strategy.NO_SHARD, precision)
+    assert wrapped.module.model.norm.weight.dtype == torch.float32
+    assert wrapped.module.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
