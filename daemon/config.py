@@ -263,6 +263,10 @@ class TrainSettings:
     param_dtype: Precision = Precision.FLOAT32
     """Compute dtype of the model (`float32` or `bfloat16`; float inputs are cast to it, the
     logits handed to the loss are fp32, main weights and optimizer state stay fp32)."""
+    fp32_modules: str = ""
+    """Comma-separated class names of modules kept in fp32 under a lower `param_dtype` (their
+    parameters and buffers; e.g. `LlamaRMSNorm`); each must name a class in the model; empty:
+    BatchNorm only."""
     reduce_dtype: Precision = Precision.FLOAT32
     """Dtype of the gradient reduce-scatter / all-reduce (`bfloat16` halves its bytes;
     gradients still accumulate in fp32)."""

@@ -7,6 +7,11 @@ elsewhere; see [Note: mixed precision]), then rank 0's values are broadcast. Und
 forward, the rule of DDP's `broadcast_buffers=True`: the first forward after wrap, and any
 forward after one that ran with grad enabled outside `no_sync`; one flat broadcast per dtype.
 `full_state_dict` exports buffers in the dtypes they had before wrapping.
+
+Non-persistent buffers (`register_buffer(..., persistent=False)`, e.g. the rotary `inv_freq`
+of Hugging Face models) are cast and synchronised like the others but are never part of a
+state dict: the module rebuilds them, exactly as `module.state_dict()` leaves them out, so
+checkpoints, exports and `--init-from` sources hold `module.state_dict()`'s keys only.
 """
 
 from __future__ import annotations
@@ -17,7 +22,17 @@ from torch import nn
 from sharding._comm import Communicator
 from sharding._config import BufferSync
 
-__all__ = ["ModuleBuffers"]
+__all__ = ["ModuleBuffers", "non_persistent_buffer_names"]
+
+
+def non_persistent_buffer_names(module: nn.Module) -> set[str]:
+    """Qualified names (every name of a shared one) of the buffers `state_dict()` leaves out."""
+    return {
+        f"{owner}.{attr}" if owner else attr
+        for owner, sub in module.named_modules(remove_duplicate=False)
+        for attr in sub._non_persistent_buffers_set
+        if sub._buffers.get(attr) is not None
+    }
 
 
 class ModuleBuffers:
@@ -53,6 +68,10 @@ class ModuleBuffers:
             module.get_submodule(owner)._buffers[attr] = new
         self.by_name = dict(module.named_buffers())
         """Every buffer, by its first qualified name (after casting)."""
+        self.non_persistent = non_persistent_buffer_names(module)
+        """Names of the buffers `state_dict()` leaves out (rebuilt by the module, never saved)."""
+        self.persistent = {n: b for n, b in self.by_name.items() if n not in self.non_persistent}
+        """The buffers a state dict holds, by first qualified name."""
         self._sync_next = True
         self.broadcast()
 
@@ -82,10 +101,10 @@ class ModuleBuffers:
         self._sync_next = trained
 
     def exported(self) -> dict[str, torch.Tensor]:
-        """Buffers in their dtypes from before wrapping (copies where cast)."""
+        """Persistent buffers in their dtypes from before wrapping (copies where cast)."""
         return {
             name: buf
             if buf.dtype == self.original_dtypes[name]
             else buf.to(self.original_dtypes[name])
-            for name, buf in self.by_name.items()
+            for name, buf in self.persistent.items()
         }

@@ -18,7 +18,9 @@
 
 Floating-point inputs of the wrapper and of every FSDP unit are cast to `param_dtype`
 (`cast_forward_inputs`), so float features meet bf16 weights in bf16; integer inputs (token
-ids) are untouched. Floating buffers are cast like parameters (fp32 inside `fp32_modules`).
+ids) are untouched. Floating buffers are cast like parameters (fp32 inside `fp32_modules`),
+except non-persistent ones (rotary frequencies, masks: rebuilt constants, not state), which
+stay in fp32.
 
 A parameter is never silently recast away from a dtype the user chose
 (`check_stored_dtypes`, else `MixedPrecisionError` naming the module): a parameter stored in
@@ -215,11 +217,26 @@ def compute_dtypes(
         params.setdefault(key, dtype)
         first.setdefault(key, name)
     buffers = {
-        name: torch.float32 if _in_fp32(name, roots) else policy.param_dtype
+        name: torch.float32
+        if _in_fp32(name, roots)
+        else torch.promote_types(buf.dtype, torch.float32)
+        if _non_persistent(module, name)
+        else policy.param_dtype
         for name, buf in module.named_buffers(remove_duplicate=False)
         if buf.is_floating_point()
     }
     return params, buffers
+
+
+def _non_persistent(module: nn.Module, name: str) -> bool:
+    """Whether buffer `name` is left out of `state_dict()` (e.g. rotary `inv_freq`).
+
+    Such buffers are derived constants the module rebuilds (frequencies, masks), not trained
+    state: lowering them to `param_dtype` only loses precision (bf16 rotary frequencies
+    triple the loss gap to fp32), so they stay in (at least) fp32.
+    """
+    owner, _, attr = name.rpartition(".")
+    return attr in module.get_submodule(owner)._non_persistent_buffers_set
 
 
 def _owner(name: str) -> str:

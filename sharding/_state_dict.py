@@ -185,14 +185,19 @@ def model_sharded_state_dict(
 
 
 def load_model_sharded_state_dict(
-    buckets: list[FlatBucket], buffers: dict[str, torch.Tensor], state_dict: StateDict
+    buckets: list[FlatBucket],
+    buffers: dict[str, torch.Tensor],
+    state_dict: StateDict,
+    ignored: frozenset[str] | set[str] = frozenset(),
 ) -> None:
     """Write main weights (and buffers) from `state_dict`; the caller refreshes model weights.
 
-    `ALIASES_KEY` (tied names) is optional and not checked: ties come from the module.
+    `ALIASES_KEY` (tied names) is optional and not checked: ties come from the module. Keys
+    in `ignored` (the module's non-persistent buffers, which checkpoints written before they
+    were left out still hold) are skipped: the module rebuilds those itself.
     """
     expected = {s.names[0] for b in buckets for s in b.layout.slots} | set(buffers)
-    given = set(state_dict) - {ALIASES_KEY}
+    given = set(state_dict) - {ALIASES_KEY} - set(ignored)
     missing = sorted(expected - given)
     unexpected = sorted(given - expected)
     if missing or unexpected:

@@ -214,7 +214,7 @@ class FullyShardedDataParallel(nn.Module):
         self._module_buffers = ModuleBuffers(
             module, buffer_dtypes, self._comm, self.config.buffer_sync
         )
-        self._buffers_by_name = self._module_buffers.by_name
+        self._buffers_by_name = self._module_buffers.persistent
         self._param_names = [name for name in module.state_dict(keep_vars=True) if name in current]
         self._state_names = list(module.state_dict(keep_vars=True))
         self._engine = Engine(
@@ -426,7 +426,11 @@ class FullyShardedDataParallel(nn.Module):
         return DistributedOptimizer(self._engine, optimizer_class, param_groups, **kwargs)
 
     def sharded_state_dict(self) -> StateDict:
-        """This rank's pieces of every parameter (`ShardedTensor`, flat form) and buffers."""
+        """This rank's pieces of every parameter (`ShardedTensor`, flat form) and buffers.
+
+        Its keys are exactly `module.state_dict()`'s (non-persistent buffers left out), tied
+        names folded into the first one and listed under `ALIASES_KEY`.
+        """
         self._engine.wait_pending_weights()
         return model_sharded_state_dict(self._engine.buckets, self._buffers_by_name)
 
@@ -434,14 +438,21 @@ class FullyShardedDataParallel(nn.Module):
         """Load weights saved by `sharded_state_dict` (collective under sharded strategies).
 
         Each value may be a piece with exactly this rank's range, the whole tensor, or a list
-        of pieces from any world size or strategy that covers this rank's range.
+        of pieces from any world size or strategy that covers this rank's range. Keys of the
+        module's non-persistent buffers (held by checkpoints written before they were left
+        out) are ignored.
 
         Raises:
             StateDictLayoutError: keys, shapes or coverage do not match.
         """
         self._engine.wait_pending_weights()
         self._engine.reshard_all()
-        load_model_sharded_state_dict(self._engine.buckets, self._buffers_by_name, state_dict)
+        load_model_sharded_state_dict(
+            self._engine.buckets,
+            self._buffers_by_name,
+            state_dict,
+            self._module_buffers.non_persistent,
+        )
         pending = [p for b in self._engine.buckets if (p := b.push_main_weights()) is not None]
         for p in pending:
             p.wait()

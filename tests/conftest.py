@@ -21,6 +21,11 @@ import pytest
 from tests.support.s3 import MotoS3, S3Target, isolate_aws_environment
 from tests.support.seaweed import SeaweedS3, find_weed_binary
 
+# Nothing phones home: the Hugging Face tests build tiny configs in code and never download;
+# set before anything imports transformers, and inherited by every process the tests start.
+for _name in ("HF_HUB_OFFLINE", "HF_HUB_DISABLE_TELEMETRY", "TRANSFORMERS_OFFLINE"):
+    os.environ[_name] = "1"
+
 # Not a TRAININGD_* name: the daemon's strict config parser rejects unknown TRAININGD_*
 # variables, and tests start daemons that inherit the environment.
 STRICT_VARIABLE = "STRICT_SYSTEM_TOOLS"

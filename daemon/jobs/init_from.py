@@ -8,8 +8,10 @@ read to check it; each rank then reads, per parameter, the byte range of its own
 bytes) and buffers whole.
 
 Names: the file's names, passed through the job's `init_key_map` when it has one, must be the
-model's `state_dict()` names. A tied parameter (one tensor under several names) needs only one
-of its names in the file. Any difference (missing or unexpected names, shapes, dtypes) is one
+model's `state_dict()` names (so a `save_pretrained` directory fits as it is: non-persistent
+buffers such as the rotary `inv_freq` are neither expected nor read; the module rebuilds
+them). A tied parameter (one tensor under several names) needs only one of its names in the
+file. Any difference (missing or unexpected names, shapes, dtypes) is one
 line listing the first few, raised before any rank trains: as a start-up check in the daemon
 (exit 2) for `--init-from`, on the ranks for a source named only by the job.
 
@@ -282,7 +284,8 @@ def load_into(model: Any, init: InitSource) -> int:
         Bytes this rank read.
 
     Raises:
-        JobError: a piece that is not in the flat form the engine emits.
+        JobError: a piece that is not in the flat form the engine emits, or a name the
+            source lacks.
     """
     from sharding import ShardedTensor
 
@@ -295,7 +298,9 @@ def load_into(model: Any, init: InitSource) -> int:
         if not isinstance(value, ShardedTensor | torch.Tensor):
             continue  # the aliases entry: ties come from the module
         tied = groups[name].tied if name in groups else (name,)
-        file_name = next(names[n] for n in tied if n in names)
+        file_name = next((names[n] for n in tied if n in names), None)
+        if file_name is None:  # the model changed since `check_source` took `expected`
+            raise JobError(f"init_from={source.uri!r}: the model's {name!r} is not in it")
         if isinstance(value, ShardedTensor):
             if value.flat_range is None:
                 raise JobError(f"init_from: {name!r} is not a flat piece of its parameter")

@@ -36,7 +36,7 @@ from torch import nn
 
 from daemon.errors import JobError
 
-__all__ = ["Dataset", "JobContext", "JobSpec", "load_job"]
+__all__ = ["Dataset", "JobContext", "JobSpec", "fp32_module_classes", "load_job"]
 
 
 @runtime_checkable
@@ -139,3 +139,22 @@ def load_job(target: str) -> Callable[[JobContext], JobSpec]:
     if not callable(fn):
         raise JobError(f"job {target!r}: {module_name} has no callable {attr!r}")
     return fn
+
+
+def fp32_module_classes(model: nn.Module, names: str) -> tuple[type[nn.Module], ...]:
+    """The classes `[train] fp32_modules` names (comma-separated), BatchNorm always included.
+
+    Raises:
+        JobError: a name is not the class name of any module in the model.
+    """
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in by_name]
+    if unknown:
+        raise JobError(
+            f"[train] fp32_modules names {unknown}, which no module of the model is; its "
+            f"module classes: {sorted(by_name)[:20]}"
+        )
+    return (_BatchNorm, *(by_name[n] for n in wanted))

@@ -72,7 +72,7 @@ from daemon.jobs.init_from import (
     load_into,
     storage_options_for,
 )
-from daemon.jobs.job import JobSpec
+from daemon.jobs.job import JobSpec, fp32_module_classes
 from daemon.rank.data import ShardedLoader
 from daemon.rank.deferral import DeferredSaves
 from daemon.rank.memory_cadence import Cadence, FixedCadence, cadence_for
@@ -359,6 +359,7 @@ class _Training:
             param_dtype=getattr(torch, tc.param_dtype.value),
             reduce_dtype=getattr(torch, tc.reduce_dtype.value),
             output_dtype=torch.float32,  # the job's loss sees fp32 logits
+            fp32_modules=fp32_module_classes(job.model, tc.fp32_modules),
         )
         # A meta-device model is materialized by the engine, unit by unit, on `device`.
         on_meta = any(p.is_meta for p in job.model.parameters())
