@@ -204,7 +204,9 @@ class HangDetector:
             found.append(
                 HungRank(view.rank, view.local_rank, phase, step, idle, stopped[view.pid], frame)
             )
-        causes = [h for h in found if h.cause] or found
+        # A stopped process explains its peers' stall; else whoever is stuck outside a
+        # collective; else (all wait in collectives: the cause is on another node) all of them.
+        causes = [h for h in found if h.stopped] or [h for h in found if h.cause] or found
         for h in found:
             event = "rank_hung" if h in causes else "rank_waiting"
             log.error(
