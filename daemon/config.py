@@ -413,6 +413,9 @@ class ObservabilitySettings:
     """Longest time between two metric snapshots of a rank."""
     heartbeat_timeout_s: float = 300.0
     """/healthz fails when a rank's loop has not beaten for this long."""
+    hang_timeout_s: float = 0.0
+    """A training rank without progress for this long is hung: stacks dumped, group restarted;
+    0 is auto, max(60 s, 10 x p99 step time); start-up and restore use heartbeat_timeout_s."""
     log_format: LogFormat = LogFormat.AUTO
     """`json`, `console`, or `auto` (console on a TTY)."""
     log_level: str = "info"
@@ -425,6 +428,8 @@ class ObservabilitySettings:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port={self.metrics_port}: use 0..65535")
         _positive(self, "publish_interval_s", "heartbeat_timeout_s", "log_every_s")
+        if not self.hang_timeout_s >= 0:
+            raise ValueError(f"hang_timeout_s={self.hang_timeout_s}: use seconds > 0, or 0: auto")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level={self.log_level!r}: use debug, info, warning or error")
 

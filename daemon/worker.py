@@ -45,7 +45,9 @@ from daemon.config import DaemonConfig
 from daemon.errors import ConfigError
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
 from daemon.rundir.control import RankControl
+from daemon.rundir.progress import progress_path
 from daemon.rundir.snapshot import RankPhase, snapshot_path
+from daemon.rundir.stacks import install_stack_dump
 
 __all__ = ["RANK_MODULES", "elastic_entry", "main", "run_rank"]
 
@@ -145,8 +147,11 @@ def run_rank(
             world_size=world_size,
             restart=restart,
             publish_interval_s=cfg.observability.publish_interval_s,
+            progress=progress_path(run_dir, local_rank),
         )
     )
+    if run_dir is not None:
+        install_stack_dump(run_dir, rank)
     telemetry.heartbeat(RankPhase.STARTING)
     # Under the daemon, stop requests come as files; SIGTERM keeps its default action so the
     # elastic agent can end a rank at once when it restarts the group. Under plain torchrun the

@@ -52,6 +52,7 @@ from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._storage import s3_storage_options
 from daemon._version import distribution_version
 from daemon.agent import fork_server
+from daemon.agent.hang import HangDetector
 from daemon.agent.http import MetricsServer
 from daemon.agent.memory_budget import start_memory_tier
 from daemon.agent.memory_dir import NodeMemoryDir
@@ -320,6 +321,12 @@ def run_daemon(
                 shutdown_timeout_s=cfg.launch.shutdown_timeout_s,
                 progress=live or ProgressEvents(board, obs.log_every_s),
                 board=board,
+                hangs=HangDetector(
+                    run_dir,
+                    node=cfg.launch.node_rank,
+                    hang_timeout_s=obs.hang_timeout_s,
+                    startup_timeout_s=obs.heartbeat_timeout_s,
+                ),
             )
             try:
                 server = MetricsServer(

@@ -12,8 +12,9 @@ One thread, owned by `Supervisor`, wakes every `_TICK_S`. Each iteration:
    step and loss, `WATCHDOG=1` only while the node is healthy (so a hung training loop is
    caught), `EXTEND_TIMEOUT_USEC=` while starting and while draining, but only after the node
    moved (`TimeoutExtender`: a hung restore must let systemd's start timeout fire);
-5. enforces the shutdown budget: once draining for `shutdown_timeout_s`, it kills the ranks;
-6. hands the views to the progress sink (`progress.py`): the live status line on a terminal,
+5. feeds the hang detector (`hang.py`), which restarts a group whose rank stopped progressing;
+6. enforces the shutdown budget: once draining for `shutdown_timeout_s`, it kills the ranks;
+7. hands the views to the progress sink (`progress.py`): the live status line on a terminal,
    `progress` log events off it.
 """
 
@@ -26,6 +27,7 @@ from collections.abc import Hashable
 import structlog
 
 from daemon._lifecycle import kill_group, pid_alive
+from daemon.agent.hang import HangDetector
 from daemon.agent.http import health
 from daemon.agent.notify import Notifier, TimeoutExtender
 from daemon.agent.progress import ProgressSink
@@ -86,6 +88,7 @@ class Supervisor:
         shutdown_timeout_s: draining budget before ranks are killed.
         progress: where the node's progress goes every tick (live line or events), or None.
         board: the status page's board, fed every tick, or None.
+        hangs: the hang detector, fed every tick, or None (`hang.py`).
     """
 
     def __init__(
@@ -98,8 +101,10 @@ class Supervisor:
         shutdown_timeout_s: float,
         progress: ProgressSink | None = None,
         board: StatusBoard | None = None,
+        hangs: HangDetector | None = None,
     ) -> None:
         self._board = board
+        self._hangs = hangs
         self._state = state
         self._aggregator = aggregator
         self._notifier = notifier
@@ -171,6 +176,8 @@ class Supervisor:
             # The rank is gone; whatever it spawned (checkpoint writers) goes with it.
             if kill_group(pgid):
                 log.warning("killed_orphaned_rank_group", pgid=pgid)
+        if self._hangs is not None and self._draining_since is None:
+            self._hangs.observe(views)
         phase, step = derive_phase([v for v in views if pid_alive(v.pid)], self._local_ranks())
         status = self._state.update(
             phase=phase,

@@ -80,6 +80,7 @@ from daemon.rank.save_failures import SaveFailurePolicy
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
 from daemon.rank.throughput import gpu_memory, mfu_ratio, peak_flops
 from daemon.rundir.control import RankControl
+from daemon.rundir.progress import ProgressPhase
 from daemon.rundir.snapshot import RankPhase
 
 if TYPE_CHECKING:
@@ -506,16 +507,21 @@ class _Training:
     # --- one step -----------------------------------------------------------------------------
     def train_step(self) -> None:
         """Data -> forward/backward -> optimizer step -> agreement -> metrics -> checkpoint."""
+        mark = self.telemetry.mark  # the progress word (see `daemon/rundir/progress.py`)
         step_start = time.perf_counter()
+        mark(ProgressPhase.DATA, self.step)
         batches = self.next_batches()
         data_s = time.perf_counter() - step_start
         loss_sum = self.forward_backward(batches)
+        mark(ProgressPhase.OPTIMIZER)
         grad_norm, lr = self.optimizer_step()
+        mark(ProgressPhase.COLLECTIVE, self.step)
         agreed = self.agree(loss_sum, grad_norm)
         self.last_loss, self.stopped = agreed.loss, agreed.stop
         step_s = time.perf_counter() - step_start
         self._feed_cadence(agreed, step_s)
         self.record_step(batches, agreed, lr=lr, data_s=data_s, step_s=step_s)
+        mark(ProgressPhase.CHECKPOINT)
         self.maybe_checkpoint(agreed)
         self.telemetry.heartbeat()
         max_steps = self.cfg.train.max_steps
@@ -541,7 +547,9 @@ class _Training:
         for i, (inputs, targets) in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
+                self.telemetry.mark(ProgressPhase.FORWARD)
                 loss = self.job.loss_fn(self.model(inputs), targets) / len(batches)
+                self.telemetry.mark(ProgressPhase.BACKWARD)
                 loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
         return loss_sum

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.metrics import spec
+from daemon.rundir.progress import ProgressPhase, ProgressWord
 from daemon.rundir.snapshot import SNAPSHOT_SCHEMA, RankPhase, write_snapshot
 
 if TYPE_CHECKING:
@@ -35,6 +36,18 @@ __all__ = ["NullTelemetry", "RankTelemetry"]
 class _Histogram:
     counts: list[int]
     total: float = 0.0
+
+
+_PROGRESS_OF = {
+    RankPhase.STARTING: ProgressPhase.STARTING,
+    RankPhase.LOADING: ProgressPhase.LOADING,
+    RankPhase.RESTORING: ProgressPhase.RESTORING,
+    RankPhase.STOPPING: ProgressPhase.CHECKPOINT,
+    RankPhase.FINISHING: ProgressPhase.CHECKPOINT,
+    RankPhase.FINISHED: ProgressPhase.FINISHING,
+    RankPhase.EXITED: ProgressPhase.EXITED,
+}
+"""The progress phase a beat in each rank phase marks (none in `training`: the loop marks)."""
 
 
 class RankTelemetry:
@@ -51,6 +64,8 @@ class RankTelemetry:
         restart: `TORCHELASTIC_RESTART_COUNT` of this incarnation.
         publish_interval_s: minimum time between two unforced publishes.
         clock: Unix time source (tests inject one).
+        progress: the rank's progress word (`daemon.rundir.progress.progress_path`), marked
+            by `mark` and by each phase change; None: not kept.
     """
 
     def __init__(
@@ -62,8 +77,10 @@ class RankTelemetry:
         restart: int = 0,
         publish_interval_s: float = 0.5,
         clock: Callable[[], float] = time.time,
+        progress: Path | None = None,
     ) -> None:
         self._path = path
+        self._progress = ProgressWord(progress) if progress is not None else None
         self._identity = {
             "schema": SNAPSHOT_SCHEMA,
             "pid": os.getpid(),
@@ -129,8 +146,19 @@ class RankTelemetry:
         changed = phase is not None and phase != self._phase
         if phase is not None:
             self._phase = phase
+        # Outside the loop (start-up, restore, drain) a beat is progress; inside it the loop
+        # marks its own phases ([Note: progress goes through a shared-memory word, not the
+        # snapshot] in `daemon/rundir/progress.py`).
+        marked = _PROGRESS_OF.get(self._phase)
+        if marked is not None:
+            self.mark(marked)
         self.set("trainingd_rank_heartbeat_timestamp_seconds", self._clock())
         self.publish(force=changed)
+
+    def mark(self, phase: ProgressPhase, step: int | None = None) -> None:
+        """Record in the progress word that the rank entered `phase` (at `step`)."""
+        if self._progress is not None:
+            self._progress.mark(phase, step)
 
     @property
     def phase(self) -> RankPhase:
@@ -242,6 +270,9 @@ class NullTelemetry:
 
     def heartbeat(self, phase: RankPhase | None = None) -> None:
         """Do nothing (`RankTelemetry.heartbeat` marks the loop alive)."""
+
+    def mark(self, phase: ProgressPhase, step: int | None = None) -> None:
+        """Do nothing (`RankTelemetry.mark` updates the progress word)."""
 
     def on_collective(self, op: str, num_bytes: int, seconds: float) -> None:
         """`sharding.CollectiveObserver` that ignores the collective."""

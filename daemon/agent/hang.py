@@ -1,0 +1,236 @@
+"""Hang detection: a local rank whose progress word stops is declared hung and its group killed.
+
+The supervisor hands every tick's rank views to `HangDetector.observe`. For each live local rank
+it reads the progress word (`daemon/rundir/progress.py`) and keeps, on the daemon's clock, when
+the word last changed. A rank whose word has not changed for its budget is hung:
+
+- in the training loop the budget is `hang_timeout_s`, or, when that is 0 (`auto`),
+  max(60 s, 10 x p99 step time) as the rank's step-duration histogram shows it (60 s before a
+  step has been observed);
+- during start-up and restore the budget is `heartbeat_timeout_s`: a restore beats (marks the
+  word) on every read, so a long restore stays alive while bytes arrive.
+
+On a hang the detector records every local rank's stacks (`STACK_DUMP_SIGNAL`, see
+`daemon/rundir/stacks.py`; a process in state `T` is reported `stopped` instead, it cannot
+answer), logs one `rank_hung` line per rank that is a cause (stopped, or stuck anywhere but in
+a collective) and `rank_waiting` for the ranks that wait in a collective for it, and SIGKILLs
+every local rank's process group so the elastic agent restarts the group (a counted restart;
+with the memory tier the new group restores from memory). Stack dumps take up to
+`_DUMP_WAIT_S` of the supervisor's tick, once per hang.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import structlog
+
+from daemon._lifecycle import kill_group, pid_alive
+from daemon.metrics import spec
+from daemon.observe.collector import RankView
+from daemon.rundir.progress import ProgressPhase, progress_path, read_progress
+from daemon.rundir.stacks import (
+    STACK_DUMP_SIGNAL,
+    innermost_frame,
+    parse_stacks,
+    stacks_path,
+)
+
+__all__ = ["AUTO_FLOOR_S", "HangDetector", "HungRank", "auto_timeout_s", "process_stopped"]
+
+log = structlog.get_logger("trainingd.hang")
+
+AUTO_FLOOR_S = 60.0
+"""The `auto` hang timeout is never below this."""
+_AUTO_FACTOR = 10.0
+_DUMP_WAIT_S = 1.0
+_STEP_HISTOGRAM = "trainingd_train_step_duration_seconds"
+
+
+class HungRank(NamedTuple):
+    """One local rank found without progress at a hang."""
+
+    rank: int
+    """Global rank."""
+    local_rank: int
+    """Rank on this node."""
+    phase: ProgressPhase
+    """Where its progress word stopped."""
+    step: int
+    """The step it was in."""
+    idle_s: float
+    """Seconds without progress."""
+    stopped: bool
+    """The process is stopped (state T): it could not dump its stacks."""
+    frame: str | None
+    """Innermost frame of our code or the job's, from its dump (None: no dump)."""
+
+    @property
+    def cause(self) -> bool:
+        """A cause of the hang (stopped, or stuck outside a collective), not a waiter."""
+        return self.stopped or not self.phase.waiting
+
+
+def auto_timeout_s(views: list[RankView]) -> float:
+    """max(`AUTO_FLOOR_S`, 10 x the p99 step time over the views' step histograms).
+
+    The p99 is the upper edge of the bucket holding it (the last finite edge for +Inf).
+    """
+    buckets = spec(_STEP_HISTOGRAM).buckets
+    counts = [0] * (len(buckets) + 1)
+    for view in views:
+        for per_bucket, _ in view.histograms.get(_STEP_HISTOGRAM, {}).values():
+            counts = [a + b for a, b in zip(counts, per_bucket, strict=False)]
+    total = sum(counts)
+    if total == 0:
+        return AUTO_FLOOR_S
+    seen = 0
+    for i, num in enumerate(counts):
+        seen += num
+        if seen >= 0.99 * total:
+            p99 = buckets[min(i, len(buckets) - 1)]
+            return max(AUTO_FLOOR_S, _AUTO_FACTOR * p99)
+    return AUTO_FLOOR_S
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether the process is stopped (state `T` or `t` in /proc/<pid>/stat)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2 :][:1] in ("T", "t")
+
+
+class HangDetector:
+    """Tracks each local rank's last progress; declares hangs and restarts the group.
+
+    Args:
+        run_dir: the per-run directory (progress words, stack dumps).
+        node: this node's rank (in log lines).
+        hang_timeout_s: budget in the training loop; 0: `auto`.
+        startup_timeout_s: budget during start-up and restore (`heartbeat_timeout_s`).
+        kill: kills one rank's process group (tests inject one).
+        clock: monotonic time source.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        node: int,
+        hang_timeout_s: float,
+        startup_timeout_s: float,
+        kill: Callable[[int], object] = kill_group,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._run_dir = run_dir
+        self._node = node
+        self._timeout_s = hang_timeout_s
+        self._startup_s = startup_timeout_s
+        self._kill = kill
+        self._clock = clock
+        self._last: dict[int, tuple[tuple[int, int], float]] = {}
+        self._declared: set[int] = set()
+        self.num_hangs = 0
+        """Hangs declared on this node since the daemon started."""
+        self.hung: dict[int, bool] = {}
+        """Global rank -> whether it is the cause of the current hang (cleared on progress)."""
+
+    def observe(self, views: list[RankView], now: float | None = None) -> list[HungRank]:
+        """Check the live local ranks once; on a hang, report it and kill the group.
+
+        Returns:
+            The ranks found without progress when a hang was declared now, else [].
+        """
+        now = self._clock() if now is None else now
+        live = [v for v in views if not v.phase.done and pid_alive(v.pid)]
+        if not live:
+            return []
+        newest = max(v.restart for v in live)
+        live = [v for v in live if v.restart == newest]
+        timeout = self._timeout_s or auto_timeout_s(live)
+        stalled: list[tuple[RankView, ProgressPhase, int, float]] = []
+        over = False
+        for view in live:
+            reading = read_progress(progress_path(self._run_dir, view.local_rank))
+            if reading is None:
+                continue
+            key = (view.pid, reading.sequence)
+            last = self._last.get(view.local_rank)
+            if last is None or last[0] != key:
+                self._last[view.local_rank] = (key, now)
+                self._declared.discard(view.pid)
+                self.hung.pop(view.rank, None)
+                continue
+            idle = now - last[1]
+            budget = self._startup_s if reading.phase.startup else timeout
+            stalled.append((view, reading.phase, reading.step, idle))
+            over = over or (idle > budget and view.pid not in self._declared)
+        return self._declare(stalled, live) if over else []
+
+    def _declare(
+        self, stalled: list[tuple[RankView, ProgressPhase, int, float]], live: list[RankView]
+    ) -> list[HungRank]:
+        self.num_hangs += 1
+        stopped = {v.pid: process_stopped(v.pid) for v, *_ in stalled}
+        dumps = {v.rank: stacks_path(self._run_dir, v.rank) for v, *_ in stalled}
+        sizes = {r: _size(p) for r, p in dumps.items()}
+        for view, *_ in stalled:
+            if not stopped[view.pid]:
+                try:
+                    os.kill(view.pid, STACK_DUMP_SIGNAL)
+                except OSError:
+                    stopped[view.pid] = False
+        deadline = self._clock() + _DUMP_WAIT_S
+        waiting = [v.rank for v, *_ in stalled if not stopped[v.pid]]
+        while waiting and self._clock() < deadline:
+            time.sleep(0.05)
+            waiting = [r for r in waiting if _size(dumps[r]) <= sizes[r]]
+        found = []
+        for view, phase, step, idle in stalled:
+            frame = None
+            if not stopped[view.pid]:
+                try:
+                    text = dumps[view.rank].read_text()[sizes[view.rank] :]
+                except OSError:
+                    text = ""
+                inner = innermost_frame(parse_stacks(text))
+                frame = str(inner) if inner is not None else None
+            found.append(
+                HungRank(view.rank, view.local_rank, phase, step, idle, stopped[view.pid], frame)
+            )
+        # A stopped process explains its peers' stall; else whoever is stuck outside a
+        # collective; else (all wait in collectives: the cause is on another node) all of them.
+        causes = [h for h in found if h.stopped] or [h for h in found if h.cause] or found
+        for h in found:
+            event = "rank_hung" if h in causes else "rank_waiting"
+            log.error(
+                event,
+                rank=h.rank,
+                node=self._node,
+                phase=h.phase.value,
+                step=h.step,
+                seconds_without_progress=round(h.idle_s, 1),
+                frame="stopped" if h.stopped else h.frame,
+                state="stopped" if h.stopped else "running",
+                stacks=str(dumps[h.rank]),
+            )
+            self.hung[h.rank] = h in causes
+        # Every local rank goes: the agent restarts the whole group (a counted restart).
+        for view in live:
+            self._declared.add(view.pid)
+            self._kill(view.pid)
+        log.error("hang_restarting_group", node=self._node, ranks=[v.rank for v in live])
+        return found
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
