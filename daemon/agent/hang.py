@@ -7,8 +7,10 @@ the word last changed. A rank whose word has not changed for its budget is hung:
 - in the training loop the budget is `hang_timeout_s`, or, when that is 0 (`auto`),
   max(60 s, 10 x p99 step time) as the rank's step-duration histogram shows it (60 s before a
   step has been observed);
-- during start-up and restore the budget is `heartbeat_timeout_s`: a restore beats (marks the
-  word) on every read, so a long restore stays alive while bytes arrive.
+- during start-up and restore the budget is the larger of that and `heartbeat_timeout_s`: a
+  restore beats (marks the word) on every read, so a long restore stays alive while bytes
+  arrive, and one stuck on storage fails `/healthz` after `heartbeat_timeout_s` but is restarted
+  only past the hang budget (a restart does not unstick the storage, and costs a restart).
 
 On a hang the detector records every local rank's stacks (`STACK_DUMP_SIGNAL`, see
 `daemon/rundir/stacks.py`; a process in state `T` is reported `stopped` instead, it cannot
@@ -168,7 +170,9 @@ class HangDetector:
                 self.hung.pop(view.rank, None)
                 continue
             idle = now - last[1]
-            budget = self._startup_s if reading.phase.startup else timeout
+            # Start-up and restore never get less than training: a read stuck on storage
+            # turns /healthz stale after heartbeat_timeout_s; a restart would not unstick it.
+            budget = max(self._startup_s, timeout) if reading.phase.startup else timeout
             stalled.append((view, reading.phase, reading.step, idle))
             over = over or (idle > budget and view.pid not in self._declared)
         return self._declare(stalled, live) if over else []
