@@ -178,6 +178,9 @@ class ReplicaServer:
             self._refuse(conn, Refusal.PROTOCOL, f"{what}: both slots are being written", peer)
             return
         slot, fd, capacity = reserved
+        # The final reply goes out only once the slot is released: a sender that puts its
+        # next snapshot as soon as it reads the reply must find the slot free.
+        reply: tuple[Refusal | None, dict[str, Any]] | None = None
         try:
             send_frame(conn, {"ok": True})
             t0 = time.perf_counter()
@@ -186,20 +189,26 @@ class ReplicaServer:
             os.close(fd)
             fd = -1
             if trailer != COMMIT:
-                send_frame(conn, {"ok": False, "reason": "superseded", "detail": what})
+                reply = (None, {"ok": False, "reason": "superseded", "detail": what})
                 return
             files = holdings.files(meta.rank)
             mismatch = verify_slot(files.payload_path(slot), meta)
             if mismatch is not None:
-                self._refuse(conn, Refusal.CHECKSUM, f"{what}: {mismatch}", peer)
+                reply = (Refusal.CHECKSUM, {"detail": f"{what}: {mismatch}"})
                 return
             holdings.commit(meta.rank, slot, raw, round_=round_, node=node)
-            send_frame(conn, {"ok": True})
+            reply = (None, {"ok": True})
             log.debug("replica_held", rank=meta.rank, step=meta.step, node=node, slot=slot)
         finally:
             if fd >= 0:
                 os.close(fd)
             holdings.release(meta.rank, slot)
+            if reply is not None:
+                refusal, frame = reply
+                if refusal is None:
+                    send_frame(conn, frame)
+                else:
+                    self._refuse(conn, refusal, frame["detail"], peer)
 
     # ------------------------------------------------------------------ list / get
     def _list(self, conn: socket.socket, request: dict[str, Any]) -> None:

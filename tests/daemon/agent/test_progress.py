@@ -151,12 +151,12 @@ def test_terminal_shows_one_live_status_line_below_every_log_line(tmp_path: Path
         str(TRAININGD), "run", "--nproc-per-node", "2", "--batch-size", "4",
         "--warmup-steps", "1", "--max-steps", "40", "--ckpt-every", "10",
         "--metrics-port", "0", "--ckpt-uri", str(tmp_path / "ckpt"),
-        "--memory-dir", str(tmp_path / "shm"), *GATED_JOB,
+        "--memory-dir", str(tmp_path / "shm"), "--publish-interval-s", "0.2", *GATED_JOB,
     ]  # fmt: skip
     # 40 steps take a few seconds, fewer than a loaded machine's captures may need: the ranks
-    # are held after step 5 until a screen has shown the status line with a step (it shows
-    # the last step published, 4 or 5 while they are held).
-    gate = Gate(tmp_path / "gate", after_steps=5, batch_size=4)
+    # are held after step 10 until a screen has shown the status line with a step (it shows
+    # the last step published: the ranks publish every 0.2 s, and not while held).
+    gate = Gate(tmp_path / "gate", after_steps=10, batch_size=4)
     # The shell keeps the window open after the run so the last screen can be read.
     script = f"{shlex.join(run)}; echo EXIT=$? > {shlex.quote(str(exit_file))}; sleep 600"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAININGD_", "TMUX"))}
