@@ -74,6 +74,7 @@ memory and never call each other; they talk through files in the run directory (
       rank/              the rank process:
         loop.py          the training loop: data -> forward/backward -> step -> metrics -> ckpt.
         data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
+        token_data.py    `--data`: the job trains on token files (`data/`).
         permutation.py   `FeistelPermutation`: a seeded order of [0, n) in O(1) memory.
         telemetry.py     rank-side metric recording, published as the rank's snapshot.
         throughput.py    per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.

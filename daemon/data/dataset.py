@@ -18,7 +18,7 @@ loader's permutation, so 10^9 samples cost nothing to index.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,7 +72,8 @@ class TokenDataset:
         seq_len: tokens per sample's inputs (`T`).
         weights: one weight per source for a mixture (see [Note: how sources are mixed]);
             None concatenates them.
-        storage_options: fsspec options for every source (e.g. an S3 endpoint).
+        storage_options: fsspec options (e.g. an S3 endpoint): one dict for every source, or
+            a function of the source's URI (sources on different filesystems).
         cache_bytes: the read cache per source.
         block_bytes: the read unit of that cache.
 
@@ -87,7 +88,7 @@ class TokenDataset:
         *,
         seq_len: int,
         weights: Sequence[float] | None = None,
-        storage_options: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | Callable[[str], dict[str, Any]] | None = None,
         cache_bytes: int = 32 << 20,
         block_bytes: int = 1 << 20,
     ) -> None:
@@ -102,7 +103,13 @@ class TokenDataset:
                 raise ValueError(f"weights must be > 0, got {list(weights)}")
         self.seq_len = seq_len
         """Tokens per sample's inputs."""
-        self.infos: list[TokenFileInfo] = [read_info(s, storage_options) for s in sources]
+        options = [
+            storage_options(s) if callable(storage_options) else (storage_options or {})
+            for s in sources
+        ]
+        self.infos: list[TokenFileInfo] = [
+            read_info(s, o) for s, o in zip(sources, options, strict=True)
+        ]
         """Each source's sidecar."""
         self._lens = [(info.num_tokens - 1) // seq_len for info in self.infos]
         for source, n in zip(sources, self._lens, strict=True):
@@ -114,9 +121,9 @@ class TokenDataset:
                 size=info.num_tokens * info.itemsize,
                 block_bytes=block_bytes,
                 cache_bytes=cache_bytes,
-                storage_options=storage_options,
+                storage_options=o,
             )
-            for source, info in zip(sources, self.infos, strict=True)
+            for source, info, o in zip(sources, self.infos, options, strict=True)
         ]
         self._total = sum(self._lens)
         self._offsets = [0]
