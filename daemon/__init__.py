@@ -71,6 +71,7 @@ memory and never call each other; they talk through files in the run directory (
         token_file.py    the `.bin` + JSON sidecar format; `write_token_file`, `read_info`.
         reader.py        `BlockCache`: range reads through a bounded LRU of aligned blocks.
         dataset.py       `TokenDataset`: seq_len + 1 token samples, files mixed by weight.
+        prepare.py       `trainingd prepare-data`: text files to a token file.
       rank/              the rank process:
         loop.py          the training loop: data -> forward/backward -> step -> metrics -> ckpt.
         data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
@@ -91,8 +92,8 @@ Layering (who may import whom; every import counts, `tests/daemon/test_layering.
     rank/, worker    shared, rundir/, jobs/, data/; never agent/ or observe/.
     observe/         shared, rundir/; never rank/ or agent/.
     agent/           shared, rundir/, jobs/, observe/; never rank/ or worker.
-    cli              shared, agent/, worker: the one place both sides meet, to hand the agent
-                     its rank entry point.
+    cli              shared, agent/, worker, data/ (`prepare-data`): the one place both sides
+                     meet, to hand the agent its rank entry point.
 So the two processes depend only on what they share: the run directory's files, the metric
 catalog, the config and the job (CONTRACTS.md, "The daemon and its ranks").
 """

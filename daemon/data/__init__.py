@@ -10,13 +10,34 @@ Module plan:
                    of aligned blocks (S3 reads only what a sample needs, memory stays bounded).
     dataset.py     `TokenDataset`: samples of `seq_len + 1` tokens over one or many files, a
                    weighted mixture of sources; a `daemon.jobs.job.Dataset`.
+    prepare.py     `trainingd prepare-data` / `python -m daemon.data.prepare`: text files to a
+                   token file (bytes, or a local `tokenizers` tokenizer file).
 
 This package imports only the daemon's shared modules (`tests/daemon/test_layering.py`).
+Its names load on first use (PEP 562), so `trainingd --help` (which imports `prepare.py` for
+its flags) imports neither numpy nor torch.
 """
 
 from __future__ import annotations
 
-from daemon.data.dataset import TokenDataset
-from daemon.data.token_file import TokenFileInfo, read_info, write_token_file
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from daemon.data.dataset import TokenDataset
+    from daemon.data.token_file import TokenFileInfo, read_info, write_token_file
 
 __all__ = ["TokenDataset", "TokenFileInfo", "read_info", "write_token_file"]
+
+_LAZY = {
+    "TokenDataset": "daemon.data.dataset",
+    "TokenFileInfo": "daemon.data.token_file",
+    "read_info": "daemon.data.token_file",
+    "write_token_file": "daemon.data.token_file",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'daemon.data' has no attribute {name!r}")

@@ -41,7 +41,7 @@ ALLOWED: dict[str, set[str]] = {
     "observe": SHARED | {"rundir"},
     "agent": SHARED | {"rundir", "jobs", "observe"},
     # The daemon process's entry hands the agent the rank entry point (`run_daemon(cfg, entry)`).
-    "cli": SHARED | {"agent", "worker"},
+    "cli": SHARED | {"agent", "worker", "data"},
     "default_job": {"jobs"},
     "__init__": SHARED | {"jobs"},
 }
