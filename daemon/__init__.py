@@ -75,6 +75,7 @@ memory and never call each other; they talk through files in the run directory (
       rank/              the rank process:
         loop.py          the training loop: data -> forward/backward -> step -> metrics -> ckpt.
         data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
+        prefetch.py      `PrefetchingLoader`: the next batches read on a background thread.
         token_data.py    `--data`: the job trains on token files (`data/`).
         permutation.py   `FeistelPermutation`: a seeded order of [0, n) in O(1) memory.
         telemetry.py     rank-side metric recording, published as the rank's snapshot.

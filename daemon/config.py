@@ -281,6 +281,9 @@ class TrainSettings:
     data_weights: str = ""
     """Comma-separated mixture weights, one per `data` file (a file drawn more often than its
     size repeats); empty: the files are concatenated, each sample once per epoch."""
+    data_prefetch: int = 2
+    """Micro-batches each rank reads ahead on a background thread, so reading (S3 range
+    reads) is off the step's path; 0 reads on the training thread."""
     max_steps: int = 300
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
     strategy: StrategyName = StrategyName.OPTIM_GRADS_PARAMS
@@ -326,7 +329,7 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "micro_batches", "lr", "threads_per_rank")
-        _non_negative(self, "shard_group_size")
+        _non_negative(self, "shard_group_size", "data_prefetch")
         if self.shard_group_size and self.strategy is StrategyName.NO_SHARD:
             raise ValueError(
                 f"shard_group_size={self.shard_group_size} with strategy=no_shard: no_shard "
