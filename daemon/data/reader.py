@@ -59,7 +59,9 @@ class BlockCache:
                 self._blocks.move_to_end(index)
                 return hit
         start = index * self._block
-        data = bytes(self._fs.cat_file(self._path, start, min(start + self._block, self._size)))
+        data = bytes(
+            self._fs.cat_file(self._path, start=start, end=min(start + self._block, self._size))
+        )
         with self._lock:
             self.num_requests += 1
             self._blocks[index] = data

@@ -13,6 +13,7 @@ import torch
 from daemon.data import TokenDataset, write_token_file
 from daemon.data.reader import BlockCache
 from daemon.rank.data import ShardedLoader
+from tests.support.s3 import S3Target
 
 
 def _file(root: str, name: str, tokens: np.ndarray, vocab: int = 1000) -> str:
@@ -90,3 +91,14 @@ def test_short_or_missing_sources_are_refused(tmp_path: Path) -> None:
         TokenDataset([str(tmp_path / "none.bin")], seq_len=8)
     with pytest.raises(ValueError, match="at least one"):
         TokenDataset([], seq_len=8)
+
+
+def test_s3_sources_are_read_by_ranges(s3: S3Target) -> None:
+    # s3fs's cat_file takes (path, version_id, start, end): ranges must be passed by keyword.
+    path = f"{s3.uri}/tokens/a.bin"
+    write_token_file(
+        path, [np.arange(4001) % 1000], vocab_size=1000, storage_options=s3.storage_options
+    )
+    ds = TokenDataset([path], seq_len=100, storage_options=s3.storage_options, block_bytes=256)
+    assert torch.equal(ds[7][0], torch.arange(700, 800))
+    assert torch.equal(ds[39][1], torch.arange(3901, 4001) % 1000)
