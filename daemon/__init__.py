@@ -67,9 +67,17 @@ memory and never call each other; they talk through files in the run directory (
         state.py         `NodeState` / `NodePhase`: the node's lifecycle.
         collector.py     rank snapshots read at scrape time; the Prometheus collector.
         status.py        `StatusBoard`: the status page's and `/api/status`'s data.
+      data/              token datasets (used by the ranks and by jobs):
+        token_file.py    the `.bin` + JSON sidecar format; `write_token_file`, `read_info`.
+        reader.py        `BlockCache`: range reads through a bounded LRU of aligned blocks.
+        dataset.py       `TokenDataset`: seq_len + 1 token samples, files mixed by weight.
+        prepare.py       `trainingd prepare-data`: text files to a token file.
       rank/              the rank process:
         loop.py          the training loop: data -> forward/backward -> step -> metrics -> ckpt.
         data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
+        prefetch.py      `PrefetchingLoader`: the next batches read on a background thread.
+        token_data.py    `--data`: the job trains on token files (`data/`).
+        permutation.py   `FeistelPermutation`: a seeded order of [0, n) in O(1) memory.
         telemetry.py     rank-side metric recording, published as the rank's snapshot.
         throughput.py    per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
         save_failures.py the save failure policy: report, keep training, give up after N.
@@ -80,12 +88,13 @@ memory and never call each other; they talk through files in the run directory (
 Layering (who may import whom; every import counts, `tests/daemon/test_layering.py` checks it):
     shared modules   (config, _config_load, _logging, errors, _version, metrics, _device,
                      _lifecycle, _storage): only each other.
-    rundir/, jobs/   shared modules only.
-    rank/, worker    shared, rundir/, jobs/; never agent/ or observe/.
+    rundir/, jobs/,  shared modules only.
+    data/
+    rank/, worker    shared, rundir/, jobs/, data/; never agent/ or observe/.
     observe/         shared, rundir/; never rank/ or agent/.
     agent/           shared, rundir/, jobs/, observe/; never rank/ or worker.
-    cli              shared, agent/, worker: the one place both sides meet, to hand the agent
-                     its rank entry point.
+    cli              shared, agent/, worker, data/ (`prepare-data`): the one place both sides
+                     meet, to hand the agent its rank entry point.
 So the two processes depend only on what they share: the run directory's files, the metric
 catalog, the config and the job (CONTRACTS.md, "The daemon and its ranks").
 """

@@ -2,7 +2,8 @@
 
 The daemon lists and checks the root (`agent/preflight.py`, `agent/run.py`, the status page's
 checkpoint list); every rank opens it through `ckpt_manager` (`rank/loop.py`). Both must talk to
-the same endpoint, so both take the options from here.
+the same endpoint, so both take the options from here. The ranks read `--data` token files
+(`rank/token_data.py`) with the same S3 endpoint.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from ckpt_manager import S3Options
 from daemon.config import DaemonConfig
 from daemon.errors import StartupCheckError
 
-__all__ = ["s3_storage_options"]
+__all__ = ["data_storage_options", "s3_storage_options"]
 
 
 def _s3_endpoint(cfg: DaemonConfig) -> S3Options:
@@ -32,3 +33,12 @@ def _s3_endpoint(cfg: DaemonConfig) -> S3Options:
 def s3_storage_options(cfg: DaemonConfig) -> dict[str, Any]:
     """fsspec options for the checkpoint root (empty unless it is an `s3://` URI)."""
     return _s3_endpoint(cfg).fsspec_options(cfg.checkpoint.ckpt_uri)
+
+
+def data_storage_options(cfg: DaemonConfig, uri: str) -> dict[str, Any]:
+    """fsspec options for a `--data` token file: the checkpoint root's S3 endpoint for `s3://`.
+
+    Token files and checkpoints usually live on the same object store, so the data side reads
+    with the same endpoint (`[checkpoint] s3_endpoint_url`, else `$AWS_ENDPOINT_URL`).
+    """
+    return _s3_endpoint(cfg).fsspec_options(uri)

@@ -13,6 +13,7 @@ from typing import NoReturn
 from daemon._config_load import add_config_flags, dump_toml, load_config
 from daemon._version import distribution_version
 from daemon.config import RankStart
+from daemon.data import prepare as prepare_data
 from daemon.errors import ConfigError
 
 _EPILOG = """\
@@ -101,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     _add_config_args(show)
+    prepare = sub.add_parser(
+        "prepare-data",
+        allow_abbrev=False,
+        help="turn text files into a token file for --data",
+        description="Text files to one token file (.bin + .json sidecar): bytes, or a "
+        "local tokenizers file's tokens.",
+    )
+    prepare_data.add_arguments(prepare)
     return parser
 
 
@@ -113,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         parser.print_help()
         return EXIT_CONFIG
+    if command == "prepare-data":
+        return prepare_data.run(args)
     if command == "config" and args.pop("config_command") is None:
         parser.parse_args(["config", "--help"])
     config_file = args.pop("config")

@@ -245,6 +245,25 @@ class LaunchSettings:
         return self.min_nodes < self.max_nodes
 
 
+def _check_data(data: str, data_weights: str) -> None:
+    """`data` / `data_weights`: one positive weight per file, weights only with files."""
+    if not data_weights:
+        return
+    if not data:
+        raise ValueError("data_weights without data: name the token files with data=...")
+    files = [f for f in data.split(",") if f.strip()]
+    try:
+        weights = [float(w) for w in data_weights.split(",")]
+    except ValueError:
+        raise ValueError(
+            f"data_weights={data_weights!r}: use comma-separated numbers, e.g. 0.7,0.3"
+        ) from None
+    if len(weights) != len(files) or any(not w > 0 for w in weights):
+        raise ValueError(
+            f"data_weights={data_weights!r}: give one weight > 0 per data file ({len(files)})"
+        )
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class TrainSettings:
     """What each rank trains and how."""
@@ -255,6 +274,16 @@ class TrainSettings:
     """Safetensors weights to start from before step 0 when no checkpoint exists: a
     directory with `model.safetensors.index.json` or `model.safetensors`, or one file; path
     or `s3://`; overrides the job's `init_from`; empty: none."""
+    data: str = ""
+    """Token files to train on instead of the job's `train_data`: comma-separated `.bin`
+    paths or fsspec URIs (`s3://...`), each with its `.json` sidecar (`trainingd
+    prepare-data`); samples are the job's `tokens_per_sample` + 1 tokens; empty: the job's."""
+    data_weights: str = ""
+    """Comma-separated mixture weights, one per `data` file (a file drawn more often than its
+    size repeats); empty: the files are concatenated, each sample once per epoch."""
+    data_prefetch: int = 2
+    """Micro-batches each rank reads ahead on a background thread, so reading (S3 range
+    reads) is off the step's path; 0 reads on the training thread."""
     max_steps: int = 300
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
     strategy: StrategyName = StrategyName.OPTIM_GRADS_PARAMS
@@ -304,7 +333,7 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "micro_batches", "lr", "threads_per_rank")
-        _non_negative(self, "shard_group_size")
+        _non_negative(self, "shard_group_size", "data_prefetch")
         if self.shard_group_size and self.strategy is StrategyName.NO_SHARD:
             raise ValueError(
                 f"shard_group_size={self.shard_group_size} with strategy=no_shard: no_shard "
@@ -319,6 +348,7 @@ class TrainSettings:
         _non_negative(
             self, "max_steps", "warmup_steps", "weight_decay", "grad_clip", "seed", "peak_flops"
         )
+        _check_data(self.data, self.data_weights)
         if not _JOB.match(self.job):
             raise ValueError(f"job={self.job!r}: use module:callable, e.g. mypkg.jobs:build")
 

@@ -391,7 +391,7 @@ CATALOG: tuple[MetricSpec, ...] = (
     ),
     _h(
         "trainingd_train_data_loading_seconds",
-        "Time the loop waited for a batch (all local ranks).",
+        "Time a step waited for its batches (all local ranks; read ahead by a thread).",
         _DATA_S,
     ),
     _c("trainingd_train_tokens_total", "Tokens processed by this node's ranks.", scope=_SUM),

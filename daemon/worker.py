@@ -117,6 +117,7 @@ def run_rank(
     from daemon._device import process_group_backend, resolve_device
     from daemon.jobs.job import JobContext, load_job
     from daemon.rank.loop import run_training
+    from daemon.rank.token_data import with_token_data
 
     become_group_leader()
     # The daemon is the parent of a spawned rank and the grandparent of a forked one.
@@ -167,6 +168,7 @@ def run_rank(
         job = load_job(cfg.train.job)(
             JobContext(rank=rank, world_size=world_size, seed=cfg.train.seed)
         )
+        job = with_token_data(cfg, job)  # --data: the job's model on token files
         telemetry.heartbeat(RankPhase.LOADING)
         log.info("device_selected", device=str(device), backend=dist.get_backend())
         result = run_training(cfg, job, telemetry=telemetry, control=control, device=device)

@@ -5,6 +5,9 @@ Its entry point is `daemon/worker.py` (`elastic_entry`, `python -m daemon.worker
 Module plan:
     loop.py           the training loop: data -> forward/backward -> step -> metrics -> ckpt.
     data.py           `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
+    prefetch.py       `PrefetchingLoader`: batches read ahead on one thread, position as consumed.
+    token_data.py     `--data`: the job's `train_data` replaced by a `TokenDataset` of files.
+    permutation.py    `FeistelPermutation`: the per-epoch order of [0, n), O(1) memory in n.
     telemetry.py      rank-side metric recording, published as the rank's snapshot file.
     throughput.py     per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
     save_failures.py  the run's save failure policy: report, keep training, give up after N.

@@ -1,11 +1,13 @@
 """The rank-sharded, deterministic, checkpointable training-data loader.
 
-Every epoch is a permutation of the sample indices drawn from a generator seeded with
-`(seed, epoch)`; global batch `b` of an epoch is the slice `[b*G, (b+1)*G)` of it, with
-`G = batch_size * world_size`, and rank `r` takes the `r`-th `batch_size` piece. The position is
-counted in *global samples consumed* within the epoch, so it means the same thing at any world
-size (an elastic restart with fewer ranks continues where the job was, not where one rank was),
-and it is identical on every rank: the checkpoint stores it once, as a replicated value.
+Every epoch is a permutation of the sample indices seeded by `(seed, epoch)`: a Feistel network
+computed index by index (`daemon/rank/permutation.py`), so the loader's memory does not grow
+with the number of samples (10^9 virtual samples cost what 10 do). Global batch `b` of an epoch
+is the slice `[b*G, (b+1)*G)` of it, with `G = batch_size * world_size`, and rank `r` takes
+the `r`-th `batch_size` piece. The position is counted in *global samples consumed* within the
+epoch, so it means the same thing at any world size (an elastic restart with fewer ranks
+continues where the job was, not where one rank was), and it is identical on every rank: the
+checkpoint stores it once, as a replicated value.
 A trailing partial global batch is dropped so every rank always gets a full batch.
 With `pin_memory` (a CUDA rank) batches are stacked into page-locked memory, so the rank's
 `non_blocking` copy to the GPU is a real asynchronous DMA.
@@ -18,6 +20,7 @@ from typing import Any
 import torch
 
 from daemon.jobs.job import Dataset
+from daemon.rank.permutation import FeistelPermutation
 
 __all__ = ["ShardedLoader"]
 
@@ -61,14 +64,13 @@ class ShardedLoader:
         """Current epoch (starts at 0)."""
         self.samples_consumed = 0
         """Global samples consumed in the current epoch (all ranks together)."""
-        self._order: list[int] | None = None
+        self._order: FeistelPermutation | None = None
 
-    def _permutation(self) -> list[int]:
-        # A list, read once per epoch: slicing a tensor and `.tolist()` per batch would be a
-        # host read of a tensor per micro-batch (see `tests/daemon/rank/test_loop_host_syncs.py`).
+    def _permutation(self) -> FeistelPermutation:
+        # Plain Python ints, no tensor: reading an index is not a host read of a tensor (see
+        # `tests/daemon/rank/test_loop_host_syncs.py`), and nothing of size n is ever built.
         if self._order is None:
-            gen = torch.Generator().manual_seed(self._seed * 1_000_003 + self.epoch)
-            self._order = torch.randperm(len(self._dataset), generator=gen).tolist()
+            self._order = FeistelPermutation(len(self._dataset), seed=self._seed, epoch=self.epoch)
         return self._order
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +80,8 @@ class ShardedLoader:
             self.samples_consumed = 0
             self._order = None
         start = self.samples_consumed + self._rank * self._batch
-        indices = self._permutation()[start : start + self._batch]
+        order = self._permutation()
+        indices = [order[i] for i in range(start, start + self._batch)]
         self.samples_consumed += self._global
         pairs = [self._dataset[i] for i in indices]
         inputs, targets = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])

@@ -76,6 +76,7 @@ from daemon.jobs.job import JobSpec, fp32_module_classes
 from daemon.rank.data import ShardedLoader
 from daemon.rank.deferral import DeferredSaves
 from daemon.rank.memory_cadence import Cadence, FixedCadence, cadence_for
+from daemon.rank.prefetch import PrefetchingLoader
 from daemon.rank.save_failures import SaveFailurePolicy
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
 from daemon.rank.throughput import gpu_memory, mfu_ratio, peak_flops
@@ -278,7 +279,7 @@ def run_training(
             must be NCCL and `torch.cuda.set_device(device)` done.
     """
     run = _Training(cfg, job, telemetry, control, torch.device("cpu") if device is None else device)
-    with run.manager:
+    with run.manager, run.loader:  # the loader's prefetch thread ends with the run
         run.restore_or_initialize()
         run.start()
         while run.step < cfg.train.max_steps and not run.stopped:
@@ -382,13 +383,17 @@ class _Training:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer.optimizer, _lr_lambda(cfg)
         )
-        self.loader = ShardedLoader(
-            job.train_data,
-            batch_size=tc.batch_size,
-            rank=self.rank,
-            world_size=self.world,
-            seed=tc.seed,
-            pin_memory=device.type == "cuda",
+        self.loader = PrefetchingLoader(
+            ShardedLoader(
+                job.train_data,
+                batch_size=tc.batch_size,
+                rank=self.rank,
+                world_size=self.world,
+                seed=tc.seed,
+                pin_memory=device.type == "cuda",
+            ),
+            depth=tc.data_prefetch,
+            device=device,
         )
         self.memory_tier = _agree_all(_memory_tier_available(cfg), device)
         self.cadence: Cadence = (

@@ -33,8 +33,10 @@ CKPTCTL = BIN / "ckptctl"
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
-GATED_JOB = ["--job", "tests.daemon._gated_job:build"]
-"""Flags that train the default job through the gate (no gate without `Gate.env`)."""
+GATED_JOB = ["--job", "tests.daemon._gated_job:build", "--data-prefetch", "0"]
+"""Flags that train the default job through the gate (no gate without `Gate.env`). The gate
+counts the samples a rank reads; with batches read ahead on a thread it would close steps
+early, so gated runs read on the training thread (`--data-prefetch 0`)."""
 
 
 def session_pids(sid: int) -> list[int]:

@@ -8,7 +8,9 @@ of the worker group's *first* incarnation then counts the samples it fetches and
 about to fetch the first sample past `E2E_GATE_AFTER_SAMPLES`, writes `held-rank<N>` into
 `E2E_GATE_DIR` and waits there until the test creates `open`.
 
-The wait is inside data loading of the next step, so a held rank has finished its steps up to
+Runs read their batches on the training thread (`GATED_JOB` passes `--data-prefetch 0`: a
+prefetch thread would reach the gate ahead of the steps). The wait is inside data loading of
+the next step, so a held rank has finished its steps up to
 the gate, including their stop/checkpoint agreement, and has not started the next: a stop
 request made while it is held is agreed on exactly at the gate step + 1, whatever the machine's
 speed. A group restarted by the agent (`TORCHELASTIC_RESTART_COUNT` > 0) is never held, and a

@@ -35,16 +35,17 @@ ALLOWED: dict[str, set[str]] = {
     **{module: SHARED for module in SHARED},
     "rundir": SHARED,
     "jobs": SHARED,
-    "rank": SHARED | {"rundir", "jobs"},
-    "worker": SHARED | {"rundir", "jobs", "rank"},
+    "data": SHARED,
+    "rank": SHARED | {"rundir", "jobs", "data"},
+    "worker": SHARED | {"rundir", "jobs", "rank", "data"},
     "observe": SHARED | {"rundir"},
     "agent": SHARED | {"rundir", "jobs", "observe"},
     # The daemon process's entry hands the agent the rank entry point (`run_daemon(cfg, entry)`).
-    "cli": SHARED | {"agent", "worker"},
+    "cli": SHARED | {"agent", "worker", "data"},
     "default_job": {"jobs"},
     "__init__": SHARED | {"jobs"},
 }
-SUBPACKAGES = {"agent", "observe", "rank", "jobs", "rundir"}
+SUBPACKAGES = {"agent", "observe", "rank", "jobs", "rundir", "data"}
 # The two processes, checked apart from ALLOWED so that loosening a rule there cannot let one
 # side reach into the other.
 RANK_SIDE = {"rank", "worker"}
