@@ -30,6 +30,8 @@ memory and never call each other; they talk through files in the run directory (
       rundir/            the run directory, the only channel between the two processes:
         control.py       stop / checkpoint requests (daemon writes, ranks poll).
         snapshot.py      the rank snapshot file (ranks write, the daemon reads).
+        progress.py      the rank's progress word: step and phase (ranks write, daemon reads).
+        stacks.py        the ranks' stack dumps on SIGUSR2 and their parsing (hang detection).
       jobs/              what is trained (both processes import it):
         job.py           the job seam: `JobSpec`, `JobContext`, `Dataset`, `load_job`.
         default_job.py   the embedded default job: byte-level GPT on a generated corpus, and
@@ -49,6 +51,7 @@ memory and never call each other; they talk through files in the run directory (
                          the job once (never CUDA, no threads), checked on a first fork.
         _server_state.py runs in that server: its CUDA state after its imports.
         supervisor.py    supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
+        hang.py          hang detection: a rank without progress named, its group restarted.
         http.py          one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
         status_page.py   the status page's HTML.
         progress.py      the live status line on a terminal, `progress` log events off it.

@@ -63,6 +63,7 @@ RANK_MODULES = (
     "daemon._storage",
     "daemon.jobs.job",
     "daemon.rank.loop",
+    "daemon.rank.token_data",
 )
 """What a rank imports when it starts, besides this module and the job: what `run_rank` and
 the loop import lazily (so that the daemon, which imports this module for `elastic_entry`, does

@@ -16,6 +16,8 @@ Module plan:
     _server_state.py  imported last by that server: its CUDA state after its imports.
     supervisor.py   supervisor thread: node phase and readiness, sd_notify, orphan reaping,
                     shutdown budget, progress.
+    hang.py         hang detection: a rank whose progress word stops past its budget is named
+                    (stopped, or its innermost frame from a stack dump) and its group killed.
     http.py         one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
     status_page.py  the status page's HTML (one file, no build step).
     progress.py     the live status line on a terminal, `progress` log events off it.

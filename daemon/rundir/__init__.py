@@ -13,6 +13,9 @@ Module plan:
     control.py   stop / checkpoint requests: `request_stop`, `request_checkpoint`, `clear_stop`
                  (the daemon's side), `RankControl` (the rank's side, signals included).
     snapshot.py  the snapshot file: path, schema, atomic write, tolerant read.
+    progress.py  the progress word: a rank's step and phase in a small mapped file, written at
+                 every phase change (no system call), read by the daemon's hang detection.
+    stacks.py    the ranks' stack dumps (faulthandler on SIGUSR2) and their parsing.
 
 CONTRACTS.md ("The daemon and its ranks") describes these files for readers of either side.
 """
