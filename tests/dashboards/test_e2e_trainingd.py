@@ -45,7 +45,12 @@ from tests.dashboards._evaluate import evaluate_dashboards
 from tests.dashboards._prometheus import PrometheusServer
 from tests.support.dist import free_port
 
-pytestmark = [pytest.mark.prometheus, pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [
+    pytest.mark.prometheus,
+    pytest.mark.slow,
+    pytest.mark.serial,
+    pytest.mark.timeout(420),
+]
 
 TRAININGD = pathlib.Path(sys.executable).parent / "trainingd"
 NPROC = 2

@@ -77,6 +77,7 @@ def test_this_process_is_not_stopped_and_the_auto_floor_holds() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(200)
 def test_a_sigstopped_rank_is_named_stopped_and_the_group_restarts(
     tmp_path: Path, procs: list[DaemonProc]

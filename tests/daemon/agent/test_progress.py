@@ -148,6 +148,7 @@ def _tmux(socket: str, *args: str) -> str:
 
 @pytest.mark.tmux
 @pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(400)
 def test_terminal_shows_one_live_status_line_below_every_log_line(tmp_path: Path) -> None:
     socket = f"trainingd-test-{os.getpid()}"
