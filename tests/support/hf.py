@@ -23,28 +23,21 @@ def tiny_config(kind: str, *, tied: bool = False) -> object:
     """A 2-layer config of `kind` (`llama`, `qwen2` or `gpt2`)."""
     import transformers
 
+    # Llama and Qwen2 share their config's fields (Qwen2's are Llama's with a sliding window).
+    llama_like = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": tied,
+    }
     if kind == "llama":
-        return transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=tied,
-        )
+        return transformers.LlamaConfig(**llama_like)
     if kind == "qwen2":
-        return transformers.Qwen2Config(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=tied,
-        )
+        return transformers.Qwen2Config(**llama_like)
     if kind == "gpt2":
         return transformers.GPT2Config(
             vocab_size=VOCAB,
