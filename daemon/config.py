@@ -446,6 +446,12 @@ class ObservabilitySettings:
     hang_timeout_s: float = 0.0
     """A training rank without progress for this long is hung: stacks dumped, group restarted;
     0 is auto, max(60 s, 10 x p99 step time); start-up and restore use heartbeat_timeout_s."""
+    final_scrape_wait_s: float = 30.0
+    """After a run ends on purpose (max_steps, drained, stopped with a peer), keep /metrics up
+    until one scrape has read the finished state, so the target's disappearance raises no
+    TrainingdDaemonDown; waits at most this long, less once the scraper misses twice its own
+    cadence, and not at all when nothing ever scraped. Keep it under the grace period minus
+    shutdown_timeout_s; 0 turns the wait off."""
     log_format: LogFormat = LogFormat.AUTO
     """`json`, `console`, or `auto` (console on a TTY)."""
     log_level: str = "info"
@@ -460,6 +466,10 @@ class ObservabilitySettings:
         _positive(self, "publish_interval_s", "heartbeat_timeout_s", "log_every_s")
         if not self.hang_timeout_s >= 0:
             raise ValueError(f"hang_timeout_s={self.hang_timeout_s}: use seconds > 0, or 0: auto")
+        if not self.final_scrape_wait_s >= 0:
+            raise ValueError(
+                f"final_scrape_wait_s={self.final_scrape_wait_s}: use seconds >= 0 (0: no wait)"
+            )
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level={self.log_level!r}: use debug, info, warning or error")
 

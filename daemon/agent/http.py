@@ -17,15 +17,16 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from daemon.agent.scrapes import ScrapeTracker
 from daemon.agent.status_page import PAGE
-from daemon.observe.state import NodeState
+from daemon.observe.state import ENDED_PHASES, NodeState
 
 _ENDPOINTS = ["/", "/api/status", "/metrics", "/healthz", "/readyz"]
 
@@ -98,6 +99,8 @@ class MetricsServer:
         status: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self._status = status
+        self.scrapes = ScrapeTracker()
+        """Every answered `/metrics` request (the wait for a final scrape reads it)."""
         self._metrics_app = make_wsgi_app(registry)
         self._state = state
         self._rank_heartbeats = rank_heartbeats
@@ -128,10 +131,18 @@ class MetricsServer:
             self._thread.join(timeout=timeout_s)
         self._server.server_close()
 
+    def _answered(self, body: Iterable[bytes], began_finished: bool) -> Iterator[bytes]:
+        """The body, with the scrape recorded once its bytes went out (wsgiref writes each
+        chunk before asking for the next): a daemon that exits on `served` cuts no reply."""
+        yield from body
+        self.scrapes.served(began_finished=began_finished)
+
     def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "/")
         if path == "/metrics":
-            return self._metrics_app(environ, start_response)
+            # Read before the collect: a scrape that began after the end reports it.
+            began_finished = self._state.status().phase in ENDED_PHASES
+            return self._answered(self._metrics_app(environ, start_response), began_finished)
         if path in ("/healthz", "/livez"):
             ok, body = health(self._state, self._rank_heartbeats, self._timeout_s)
             return _json(start_response, ok, body)

@@ -401,8 +401,16 @@ def run_daemon(
         if outcome.rendezvous_error is not None and code == EXIT_PEER_STOPPED:
             # A later round could not form; if the job is done elsewhere, so is this node.
             code = EXIT_OK if _already_complete(cfg) is not None else code
+        # The run ended on purpose: one scrape must read it before the target vanishes
+        # ([Note: the last scrape must say finished]).
+        state.update(phase=NodePhase.STOPPED)
+        final_scrape = server.scrapes.wait_for_final(obs.final_scrape_wait_s)
         log.info(
-            "daemon_finished", final_step=final, stopped_by=signals.stop_signal, exit_code=code
+            "daemon_finished",
+            final_step=final,
+            stopped_by=signals.stop_signal,
+            exit_code=code,
+            final_scrape=final_scrape.value,
         )
         wall_s = time.monotonic() - started
         end_display()

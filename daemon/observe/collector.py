@@ -27,16 +27,13 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from daemon.metrics import CATALOG, DAEMON_STATES, MetricKind, MetricSpec, Scope
-from daemon.observe.state import NodePhase, NodeState
+from daemon.observe.state import ENDED_PHASES, NodePhase, NodeState
 from daemon.rundir.snapshot import RankPhase, read_snapshot, snapshot_path
 
 if TYPE_CHECKING:
     from daemon.config import DaemonConfig
 
 __all__ = ["NodeCollector", "RankView", "SnapshotAggregator", "config_values", "make_registry"]
-
-_ENDED = (NodePhase.DRAINING, NodePhase.STOPPED)
-"""Phases in which the node is ending its run on purpose (`trainingd_daemon_finished`)."""
 
 
 def config_values(cfg: DaemonConfig) -> dict[str, float]:
@@ -214,7 +211,7 @@ class NodeCollector(Collector):
         reached = step is not None and max_steps is not None and step >= max_steps
         node_values: dict[str, float] = {
             "trainingd_daemon_ready": float(status.ready),
-            "trainingd_daemon_finished": float(status.phase in _ENDED or reached),
+            "trainingd_daemon_finished": float(status.phase in ENDED_PHASES or reached),
             "trainingd_daemon_heartbeat_timestamp_seconds": status.heartbeat_unix_s,
             "trainingd_daemon_start_timestamp_seconds": status.start_unix_s,
             "trainingd_daemon_world_size": float(status.world_size),

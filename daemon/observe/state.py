@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["NodePhase", "NodeState", "NodeStatus"]
+__all__ = ["ENDED_PHASES", "READY_PHASES", "NodePhase", "NodeState", "NodeStatus"]
 
 
 class NodePhase(enum.StrEnum):
@@ -45,6 +45,8 @@ class NodePhase(enum.StrEnum):
 
 
 READY_PHASES = frozenset({NodePhase.TRAINING, NodePhase.CHECKPOINTING})
+ENDED_PHASES = frozenset({NodePhase.DRAINING, NodePhase.STOPPED})
+"""The node is ending its run on purpose (`trainingd_daemon_finished`)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
