@@ -53,6 +53,7 @@ memory and never call each other; they talk through files in the run directory (
         supervisor.py    supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
         hang.py          hang detection: a rank without progress named, its group restarted.
         http.py          one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
+        scrapes.py       scrapes of `/metrics`; the wait for one read of a finished run.
         status_page.py   the status page's HTML.
         progress.py      the live status line on a terminal, `progress` log events off it.
         relay.py         on a terminal: the ranks' output, printed by the daemon.

@@ -19,6 +19,7 @@ Module plan:
     hang.py         hang detection: a rank whose progress word stops past its budget is named
                     (stopped, or its innermost frame from a stack dump) and its group killed.
     http.py         one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
+    scrapes.py      scrapes of `/metrics`; the wait for one read of a finished run.
     status_page.py  the status page's HTML (one file, no build step).
     progress.py     the live status line on a terminal, `progress` log events off it.
     relay.py        on a terminal: the ranks' output, redirected to files, printed by the daemon.
