@@ -172,6 +172,8 @@ class CheckpointManager:
         self._opening: BackgroundOpen | None = None  # coordinator, while the root is pending
         self._root_pending = False
         self._restore_returned = False
+        # The newest step `save()` queued durably ([Note: whose leftover] in the deleter).
+        self._newest_durable_save: int | None = None
         self._deleter: Deleter | None = None
         self._final = Finalizer(
             config=self.config,
@@ -278,6 +280,7 @@ class CheckpointManager:
                 protected=self._protected_steps,
                 grace_s=self.config.uncommitted_grace_s,
                 retry_s=self.config.deletion_retry_s,
+                newest_saved=lambda: self._newest_durable_save,
             )
             # [Note: retention waits for the run's restore] The deleter does nothing (not even
             # on its timer) until this run has restored (`restore()` returned) or committed:
@@ -406,6 +409,7 @@ class CheckpointManager:
                 older_failure = err
         request = self._prepare(step, state, metrics, started)
         self._pending.append(request)
+        self._newest_durable_save = step
         if self._snapshots is not None and request.memory is not None:
             self._snapshots.track(request)
         self._pipeline.submit(request)

@@ -8,6 +8,16 @@ step is uncommitted, never "corrupt"), and removes uncommitted leftovers (folder
 incomplete multipart uploads) older than the grace period. Failures are logged per step and
 retried on the next wake; they never stop the thread, never block the other steps, and never
 hold up a wait or a shutdown for more than `MAX_WAIT_S`.
+
+[Note: whose leftover] The root's start-up removes every uncommitted folder (`drop_dead_attempts`),
+so a leftover seen later was written after it, by one of two writers: this run (a save that
+failed, whose folder the coordinator could not remove; or another rank that started writing a
+step before the coordinator called `save()` for it), or a writer of a dead attempt still
+winding down (a rank polls for its parent's death, and finishes the chunk it is writing). A
+folder at or below the newest step this run has saved durably, with no save in flight, can be
+neither this run's work in progress nor a step it will write again: it is collected at once.
+A folder above it may be another rank of this run running ahead, so it waits out
+`grace_s`, as before.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ class Deleter:
         protected: Callable[[], set[int]],
         grace_s: float,
         retry_s: float,
+        newest_saved: Callable[[], int | None] = lambda: None,
     ) -> None:
         """Start the thread.
 
@@ -60,8 +71,10 @@ class Deleter:
             policy: retention policy (None: keep every committed step).
             saving: whether a save is in flight (the deleter then waits for the next wake).
             protected: steps never deleted (restored from).
-            grace_s: age after which uncommitted leftovers are removed.
+            grace_s: age after which uncommitted leftovers above `newest_saved` are removed.
             retry_s: wake-up period (retries failed deletions).
+            newest_saved: the newest step this run has saved durably (None: none yet);
+                leftovers at or below it are removed at once ([Note: whose leftover]).
         """
         self._storage = storage
         self._policy = policy
@@ -69,6 +82,7 @@ class Deleter:
         self._protected = protected
         self._grace_s = grace_s
         self._retry_s = retry_s
+        self._newest_saved = newest_saved
         self._infos: dict[int, StepInfo] = {}
         self._doomed: set[int] = set()  # deletion started (manifest may be gone): finish them
         self._wake = threading.Event()
@@ -179,13 +193,15 @@ class Deleter:
             return
         abort_orphaned_uploads(self._storage, older_than_s=self._grace_s)
         now = time.time()
+        newest_saved = self._newest_saved()
         for s in uncommitted:
             if self._saving() or self._stop.is_set():
                 return
             if s in self._protected():
                 continue
-            modified = self._storage.modified_unix_s(step_dir(s))
-            if modified is None or now - modified >= self._grace_s:
+            settled = newest_saved is not None and s <= newest_saved  # [Note: whose leftover]
+            modified = None if settled else self._storage.modified_unix_s(step_dir(s))
+            if settled or modified is None or now - modified >= self._grace_s:
                 _log.info("ckpt_gc_uncommitted", ckpt_step=s)
                 # Committed since the listing? Then it is kept: see [Note: a folder with a
                 # manifest is never removed by a failure path] in `catalog.py`.

@@ -31,10 +31,11 @@ socket closes or its parent is gone, so it never outlives the trainer.
 
 Fault injection for tests and chaos drills: `CKPT_MANAGER_WRITER_FAULT=<action>@<step>`
 (optionally `@<step>@<rank>`), action `raise` (the write fails), `exit` (the process dies
-mid-request) or `stall=<seconds>` (a partial temp object is left, then the writer sleeps
-before the real write). Several faults are separated by commas (`raise@2,raise@4`). The
-name has no `TRAININGD_` prefix on purpose: `trainingd run` rejects unknown `TRAININGD_*`
-variables, and a drill runs the writer under it.
+mid-request), `stall=<seconds>` (a partial temp object is left, then the writer sleeps
+before the real write) or `hold=<path>` (the same, until the local file `path` exists: a
+drill decides when a writer outliving its rank writes). Several faults are separated by
+commas (`raise@2,raise@4`). The name has no `TRAININGD_` prefix on purpose: `trainingd run`
+rejects unknown `TRAININGD_*` variables, and a drill runs the writer under it.
 """
 
 from __future__ import annotations
@@ -152,6 +153,10 @@ def _apply_one_fault(
     if action.startswith("stall="):
         storage.write(f"{name}.partial", bytes(data[: len(data) // 2]))
         time.sleep(float(action.removeprefix("stall=")))
+    if action.startswith("hold="):
+        storage.write(f"{name}.partial", bytes(data[: len(data) // 2]))
+        while not os.path.exists(action.removeprefix("hold=")):
+            time.sleep(0.05)
 
 
 class _Server:

@@ -120,13 +120,18 @@ def committed_checkpoints(
 
 
 def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:
-    """Coordinator at start, holding the lease: remove uncommitted folders past the newest commit.
+    """Coordinator at start, holding the lease: remove every uncommitted step folder.
 
-    No live run writes under a leased root, so such a folder is a dead attempt; removing it
-    first guarantees a step folder is never written twice. For the same reason every
-    incomplete multipart upload under the root is aborted: no writer of this run exists yet,
-    so each one was left by a writer killed mid-upload (see [Note: orphaned multipart
-    uploads] in `backends/multipart.py`).
+    No live run writes under a leased root, so such a folder is a dead attempt, whatever its
+    step: past the newest commit, removing it first guarantees a step folder is never written
+    twice; below it, nothing would ever write there again, and leaving it to the deleter's
+    grace period left it for an hour, or for good when the run ended sooner (a run restarted
+    after kills mid-save listed uncommitted steps 5 and 220 once it had finished: issue 33).
+    A writer of a dead attempt that is still winding down can bring a folder back; the
+    deleter collects it ([Note: whose leftover] in `_retention/deleter.py`). For the same
+    reason every incomplete multipart upload under the root is aborted: no writer of this run
+    exists yet, so each one was left by a writer killed mid-upload (see [Note: orphaned
+    multipart uploads] in `backends/multipart.py`).
 
     Returns:
         `(newest committed step, its commit time)`, or None when nothing is committed.
@@ -136,7 +141,7 @@ def drop_dead_attempts(storage: Storage) -> tuple[int, float] | None:
     committed = [s for s in steps if storage.exists(f"{step_dir(s)}/{MANIFEST_NAME}")]
     latest = committed[-1] if committed else None
     for s in steps:
-        if s not in committed and (latest is None or s > latest):
+        if s not in committed:
             _log.warning("ckpt_removing_stale_attempt", ckpt_step=s)
             remove_uncommitted_step(storage, s)
     if latest is None:

@@ -115,22 +115,38 @@ def test_no_deletion_while_a_save_is_in_flight(
         assert mgr.all_steps() == [3]
 
 
-def test_old_uncommitted_leftovers_are_collected(tmp_path: pathlib.Path) -> None:
+def test_leftovers_are_collected_unless_another_rank_may_be_writing_them(
+    tmp_path: pathlib.Path,
+) -> None:
     _save_all(tmp_path, _config(KeepLast(n=5)), {5: 1.0})
-    old, fresh = tmp_path / step_dir(1), tmp_path / step_dir(2)
-    for folder in (old, fresh):
+
+    def orphan(step: int) -> pathlib.Path:
+        folder = tmp_path / step_dir(step)
         folder.mkdir()
         (folder / shard_file_name(0)).write_bytes(b"orphan")
-    hour_ago = time.time() - 3600
-    os.utime(old / shard_file_name(0), (hour_ago, hour_ago))
-    os.utime(old, (hour_ago, hour_ago))
+        return folder
+
+    # Left by dead attempts before this run opened the root, below and above the newest commit.
+    below, above = orphan(1), orphan(9)
     cfg = _config(KeepLast(n=5), uncommitted_grace_s=600)
     with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
-        mgr.save(6, {"t": torch.zeros(1)})
+        assert not below.exists()
+        assert not above.exists()
+        mgr.save(10, {"t": torch.zeros(1)})
         mgr.wait_until_finished()
-        _eventually(lambda: not old.exists())
-        assert fresh.exists()
-        assert mgr.all_steps() == [5, 6]
+        # Written after the root was opened: at or below this run's newest save, a dead
+        # attempt's writer winding down; above it, maybe another rank of this run ahead of
+        # the coordinator ([Note: whose leftover]).
+        late, ahead = orphan(7), orphan(14)
+        hour_ago = time.time() - 3600
+        stale_ahead = orphan(15)
+        os.utime(stale_ahead / shard_file_name(0), (hour_ago, hour_ago))
+        os.utime(stale_ahead, (hour_ago, hour_ago))
+        mgr.save(10 + 3, {"t": torch.ones(1)})
+        mgr.wait_until_finished()
+        _eventually(lambda: not late.exists() and not stale_ahead.exists())
+        assert ahead.exists()
+        assert mgr.all_steps() == [5, 10, 13]
 
 
 def test_failed_deletion_is_logged_and_retried(
