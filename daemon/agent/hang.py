@@ -15,10 +15,13 @@ the word last changed. A rank whose word has not changed for its budget is hung:
 On a hang the detector records every local rank's stacks (`STACK_DUMP_SIGNAL`, see
 `daemon/rundir/stacks.py`; a process in state `T` is reported `stopped` instead, it cannot
 answer), logs one `rank_hung` line per rank that is a cause (stopped, or stuck anywhere but in
-a collective) and `rank_waiting` for the ranks that wait in a collective for it, and SIGKILLs
-every local rank's process group so the elastic agent restarts the group (a counted restart;
-with the memory tier the new group restores from memory). Stack dumps take up to
-`_DUMP_WAIT_S` of the supervisor's tick, once per hang.
+a collective) and `rank_waiting` for the ranks that wait in a collective for it (all of them
+when every stalled rank waits: the cause is on another node, whose daemon names it), records
+the hang in its `HangLedger` (`daemon/observe/hangs.py`: `trainingd_rank_hung`,
+`trainingd_rank_hangs_total`, the status page), and SIGKILLs every local rank's process group
+so the elastic agent restarts the group (a counted restart; with the memory tier the new group
+restores from memory). Stack dumps take up to `_DUMP_WAIT_S` of the supervisor's tick, once
+per hang.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import structlog
 from daemon._lifecycle import kill_group, pid_alive
 from daemon.metrics import spec
 from daemon.observe.collector import RankView
+from daemon.observe.hangs import HangLedger, HangReport
 from daemon.rundir.progress import ProgressPhase, progress_path, read_progress
 from daemon.rundir.stacks import (
     STACK_DUMP_SIGNAL,
@@ -116,8 +120,11 @@ class HangDetector:
         node: this node's rank (in log lines).
         hang_timeout_s: budget in the training loop; 0: `auto`.
         startup_timeout_s: budget during start-up and restore (`heartbeat_timeout_s`).
+        ledger: where declared hangs go for `/metrics` and the status page (a new one if
+            None; `ledger` holds it).
         kill: kills one rank's process group (tests inject one).
         clock: monotonic time source.
+        wall_clock: Unix time source (the reports' `unix_s`).
     """
 
     def __init__(
@@ -127,8 +134,10 @@ class HangDetector:
         node: int,
         hang_timeout_s: float,
         startup_timeout_s: float,
+        ledger: HangLedger | None = None,
         kill: Callable[[int], object] = kill_group,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._run_dir = run_dir
         self._node = node
@@ -136,12 +145,13 @@ class HangDetector:
         self._startup_s = startup_timeout_s
         self._kill = kill
         self._clock = clock
+        self._wall_clock = wall_clock
+        self.ledger = ledger if ledger is not None else HangLedger()
+        """The hangs declared here, read by the collector and the status board."""
         self._last: dict[int, tuple[tuple[int, int], float]] = {}
         self._declared: set[int] = set()
         self.num_hangs = 0
         """Hangs declared on this node since the daemon started."""
-        self.hung: dict[int, bool] = {}
-        """Global rank -> whether it is the cause of the current hang (cleared on progress)."""
 
     def observe(self, views: list[RankView], now: float | None = None) -> list[HungRank]:
         """Check the live local ranks once; on a hang, report it and kill the group.
@@ -167,7 +177,9 @@ class HangDetector:
             if last is None or last[0] != key:
                 self._last[view.local_rank] = (key, now)
                 self._declared.discard(view.pid)
-                self.hung.pop(view.rank, None)
+                if not reading.phase.startup:
+                    # Back in the training loop (a restarted incarnation that restored).
+                    self.ledger.recovered(view.rank)
                 continue
             idle = now - last[1]
             # Start-up and restore never get less than training: a read stuck on storage
@@ -209,27 +221,49 @@ class HangDetector:
                 HungRank(view.rank, view.local_rank, phase, step, idle, stopped[view.pid], frame)
             )
         # A stopped process explains its peers' stall; else whoever is stuck outside a
-        # collective; else (all wait in collectives: the cause is on another node) all of them.
-        causes = [h for h in found if h.stopped] or [h for h in found if h.cause] or found
+        # collective. When every stalled rank waits in a collective the cause is on another
+        # node (whose daemon names it): this node names its ranks waiting, and restarts too.
+        causes = [h for h in found if h.stopped] or [h for h in found if h.cause]
+        unix_s = self._wall_clock()
+        reports = []
         for h in found:
-            event = "rank_hung" if h in causes else "rank_waiting"
-            log.error(
-                event,
+            report = HangReport(
                 rank=h.rank,
+                local_rank=h.local_rank,
                 node=self._node,
                 phase=h.phase.value,
                 step=h.step,
                 seconds_without_progress=round(h.idle_s, 1),
+                stopped=h.stopped,
+                waiting=h.phase.waiting,
+                cause=h in causes,
+                frame=h.frame,
+                stacks=str(dumps[h.rank]),
+                unix_s=unix_s,
+            )
+            reports.append(report)
+            log.error(
+                "rank_hung" if report.cause else "rank_waiting",
+                rank=h.rank,
+                node=self._node,
+                phase=h.phase.value,
+                step=h.step,
+                seconds_without_progress=report.seconds_without_progress,
                 frame="stopped" if h.stopped else h.frame,
                 state="stopped" if h.stopped else "running",
-                stacks=str(dumps[h.rank]),
+                stacks=report.stacks,
             )
-            self.hung[h.rank] = h in causes
+        self.ledger.declare(reports)
         # Every local rank goes: the agent restarts the whole group (a counted restart).
         for view in live:
             self._declared.add(view.pid)
             self._kill(view.pid)
-        log.error("hang_restarting_group", node=self._node, ranks=[v.rank for v in live])
+        log.error(
+            "hang_restarting_group",
+            node=self._node,
+            ranks=[v.rank for v in live],
+            cause_here=bool(causes),
+        )
         return found
 
 

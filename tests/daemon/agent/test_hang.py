@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from daemon.agent.hang import AUTO_FLOOR_S, process_stopped
-from daemon.rundir.progress import ProgressPhase, ProgressWord, read_progress
+from daemon.agent.hang import AUTO_FLOOR_S, HangDetector, process_stopped
+from daemon.observe.collector import RankView
+from daemon.rundir.progress import ProgressPhase, ProgressWord, progress_path, read_progress
+from daemon.rundir.snapshot import RankPhase
 from daemon.rundir.stacks import Frame, innermost_frame, parse_stacks
 from tests.daemon._daemon_proc import DaemonProc, wait_for
 
@@ -76,6 +81,80 @@ def test_this_process_is_not_stopped_and_the_auto_floor_holds() -> None:
     assert AUTO_FLOOR_S == 60.0
 
 
+@pytest.fixture
+def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Stand-ins for rank processes: `sleep` that ignores the stack-dump signal."""
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for proc in started:
+        proc.kill()
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.wait()
+
+
+def _sleeper(started: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    # An ignored signal stays ignored across exec: the stand-in survives the dump request.
+    proc = subprocess.Popen(["sh", "-c", "trap '' USR2; exec sleep 60"])
+    started.append(proc)
+    return proc
+
+
+def _view(rank: int, pid: int, restart: int = 0) -> RankView:
+    return RankView(
+        rank=rank,
+        local_rank=rank,
+        pid=pid,
+        restart=restart,
+        world_size=2,
+        phase=RankPhase.TRAINING,
+        counters={},
+        gauges={},
+        histograms={},
+    )
+
+
+def test_a_stopped_rank_is_the_cause_its_waiting_peer_is_not_and_both_are_killed(
+    tmp_path: Path, sleepers: list[subprocess.Popen[bytes]]
+) -> None:
+    procs = [_sleeper(sleepers), _sleeper(sleepers)]
+    words = [ProgressWord(progress_path(tmp_path, k)) for k in (0, 1)]
+    words[0].mark(ProgressPhase.BACKWARD, 45)
+    words[1].mark(ProgressPhase.COLLECTIVE, 45)
+    os.kill(procs[0].pid, signal.SIGSTOP)
+    wait_for(lambda: process_stopped(procs[0].pid), 10, "the stopped state")
+    killed: list[int] = []
+    detector = HangDetector(
+        tmp_path, node=3, hang_timeout_s=3.0, startup_timeout_s=300.0, kill=killed.append
+    )
+    views = [_view(0, procs[0].pid), _view(1, procs[1].pid)]
+    assert detector.observe(views, now=100.0) == []
+    assert detector.observe(views, now=102.9) == []
+    found = detector.observe(views, now=103.5)
+    assert [(h.rank, h.stopped, h.cause) for h in found] == [(0, True, True), (1, False, False)]
+    assert sorted(killed) == sorted(p.pid for p in procs)
+    ledger = detector.ledger
+    assert ledger.hung_ranks() == [0]
+    assert (ledger.num_hangs(0), ledger.num_hangs(1), detector.num_hangs) == (1, 0, 1)
+    cause, waiter = ledger.last()
+    assert (cause.node, cause.phase, cause.step, cause.stopped) == (3, "backward", 45, True)
+    assert (waiter.phase, waiter.waiting, waiter.cause) == ("collective", True, False)
+    # Declared once: the same stall is not declared again on the next tick.
+    assert detector.observe(views, now=110.0) == []
+    # The restarted incarnation: hung through start-up and restore, recovered in the loop.
+    fresh = [_sleeper(sleepers), _sleeper(sleepers)]
+    views = [_view(k, p.pid, restart=1) for k, p in enumerate(fresh)]
+    words = [ProgressWord(progress_path(tmp_path, k)) for k in (0, 1)]
+    for word in words:
+        word.mark(ProgressPhase.RESTORING, 40)
+    detector.observe(views, now=111.0)
+    assert ledger.hung_ranks() == [0]
+    for word in words:
+        word.mark(ProgressPhase.FORWARD, 40)
+    detector.observe(views, now=112.0)
+    assert ledger.hung_ranks() == []
+    assert ledger.num_hangs(0) == 1
+
+
 @pytest.mark.slow
 @pytest.mark.serial
 @pytest.mark.timeout(200)
@@ -87,6 +166,9 @@ def test_a_sigstopped_rank_is_named_stopped_and_the_group_restarts(
     daemon = DaemonProc(tmp_path, args)
     procs.append(daemon)
     wait_for(lambda: daemon.find("step"), 120, "a first step line")
+    # Every rank exports both hang families from the start, at 0.
+    assert sorted(lab["rank"] for lab, _ in daemon.scrape()["trainingd_rank_hung"]) == ["0", "1"]
+    assert daemon.max_value("trainingd_rank_hangs_total") == 0.0
     victim = daemon.rank_pids()[0]
     stopped_at = time.monotonic()
     os.kill(victim, signal.SIGSTOP)
@@ -98,5 +180,10 @@ def test_a_sigstopped_rank_is_named_stopped_and_the_group_restarts(
     assert hung[0]["frame"] == "stopped", daemon.logs()
     assert hung[0]["state"] == "stopped"
     assert hung[0]["seconds_without_progress"] >= 3
+    rank = str(hung[0]["rank"])
+    assert daemon.max_value("trainingd_rank_hangs_total", rank=rank) == 1.0
+    _, body = daemon.get("/api/status")
+    last = json.loads(body)["hangs"]["last"]
+    assert (last[0]["rank"], last[0]["stopped"], last[0]["cause"]) == (int(rank), True, True)
     assert daemon.wait(150) == 0, daemon.logs()
     assert [int(e["restart"]) for e in daemon.find("restored")][-1] >= 1, daemon.logs()
