@@ -4,7 +4,7 @@ The supervisor hands every tick's rank views to `HangDetector.observe`. For each
 it reads the progress word (`daemon/rundir/progress.py`) and keeps, on the daemon's clock, when
 the word last changed. A rank whose word has not changed for its budget is hung:
 
-- in the training loop the budget is `hang_timeout_s`, or, when that is 0 (`auto`),
+- in the training loop the budget is `hang_timeout_s`, or, when that is `auto` (or 0),
   max(60 s, 10 x p99 step time) as the rank's step-duration histogram shows it (60 s before a
   step has been observed);
 - during start-up and restore the budget is the larger of that and `heartbeat_timeout_s`: a
@@ -118,7 +118,7 @@ class HangDetector:
     Args:
         run_dir: the per-run directory (progress words, stack dumps).
         node: this node's rank (in log lines).
-        hang_timeout_s: budget in the training loop; 0: `auto`.
+        hang_timeout_s: budget in the training loop; None (or 0): `auto`.
         startup_timeout_s: budget during start-up and restore (`heartbeat_timeout_s`).
         ledger: where declared hangs go for `/metrics` and the status page (a new one if
             None; `ledger` holds it).
@@ -132,7 +132,7 @@ class HangDetector:
         run_dir: Path,
         *,
         node: int,
-        hang_timeout_s: float,
+        hang_timeout_s: float | None,
         startup_timeout_s: float,
         ledger: HangLedger | None = None,
         kill: Callable[[int], object] = kill_group,

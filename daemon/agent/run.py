@@ -328,7 +328,7 @@ def run_daemon(
                 hangs=HangDetector(
                     run_dir,
                     node=cfg.launch.node_rank,
-                    hang_timeout_s=obs.hang_timeout_s,
+                    hang_timeout_s=obs.hang_timeout_s.seconds,
                     startup_timeout_s=obs.heartbeat_timeout_s,
                     ledger=hangs,
                 ),
