@@ -15,8 +15,10 @@ the word last changed. A rank whose word has not changed for its budget is hung:
 On a hang the detector records every local rank's stacks (`STACK_DUMP_SIGNAL`, see
 `daemon/rundir/stacks.py`; a process in state `T` is reported `stopped` instead, it cannot
 answer), logs one `rank_hung` line per rank that is a cause (stopped, or stuck anywhere but in
-a collective) and `rank_waiting` for the ranks that wait in a collective for it (all of them
-when every stalled rank waits: the cause is on another node, whose daemon names it), records
+a collective) and `rank_waiting` for the ranks that wait in a collective for it (the phase
+`collective`, or a dump whose training thread blocks in torch.distributed or the engine's
+collective wait, `daemon.rundir.stacks.waits_in_collective`; all of them when every stalled
+rank waits: the cause is on another node, whose daemon names it), records
 the hang in its `HangLedger` (`daemon/observe/hangs.py`: `trainingd_rank_hung`,
 `trainingd_rank_hangs_total`, the status page), and SIGKILLs every local rank's process group
 so the elastic agent restarts the group (a counted restart; with the memory tier the new group
@@ -44,6 +46,7 @@ from daemon.rundir.stacks import (
     innermost_frame,
     parse_stacks,
     stacks_path,
+    waits_in_collective,
 )
 
 __all__ = ["AUTO_FLOOR_S", "HangDetector", "HungRank", "auto_timeout_s", "process_stopped"]
@@ -74,11 +77,15 @@ class HungRank(NamedTuple):
     """The process is stopped (state T): it could not dump its stacks."""
     frame: str | None
     """Innermost frame of our code or the job's, from its dump (None: no dump)."""
+    waiting: bool
+    """It waits in a collective: its phase is `collective`, or its dump shows a collective
+    wait (`daemon.rundir.stacks.waits_in_collective`: the engine's reductions and all-gathers
+    are waited on inside forward and backward)."""
 
     @property
     def cause(self) -> bool:
         """A cause of the hang (stopped, or stuck outside a collective), not a waiter."""
-        return self.stopped or not self.phase.waiting
+        return self.stopped or not self.waiting
 
 
 def auto_timeout_s(views: list[RankView]) -> float:
@@ -203,22 +210,33 @@ class HangDetector:
                 except OSError:
                     stopped[view.pid] = False
         deadline = self._clock() + _DUMP_WAIT_S
-        waiting = [v.rank for v, *_ in stalled if not stopped[v.pid]]
-        while waiting and self._clock() < deadline:
+        pending = [v.rank for v, *_ in stalled if not stopped[v.pid]]
+        while pending and self._clock() < deadline:
             time.sleep(0.05)
-            waiting = [r for r in waiting if _size(dumps[r]) <= sizes[r]]
+            pending = [r for r in pending if _size(dumps[r]) <= sizes[r]]
         found = []
         for view, phase, step, idle in stalled:
-            frame = None
+            frame, waiting = None, phase.waiting
             if not stopped[view.pid]:
                 try:
                     text = dumps[view.rank].read_text()[sizes[view.rank] :]
                 except OSError:
                     text = ""
-                inner = innermost_frame(parse_stacks(text))
+                threads = parse_stacks(text)
+                inner = innermost_frame(threads)
                 frame = str(inner) if inner is not None else None
+                waiting = waiting or waits_in_collective(threads)
             found.append(
-                HungRank(view.rank, view.local_rank, phase, step, idle, stopped[view.pid], frame)
+                HungRank(
+                    view.rank,
+                    view.local_rank,
+                    phase,
+                    step,
+                    idle,
+                    stopped[view.pid],
+                    frame,
+                    waiting,
+                )
             )
         # A stopped process explains its peers' stall; else whoever is stuck outside a
         # collective. When every stalled rank waits in a collective the cause is on another
@@ -235,7 +253,7 @@ class HangDetector:
                 step=h.step,
                 seconds_without_progress=round(h.idle_s, 1),
                 stopped=h.stopped,
-                waiting=h.phase.waiting,
+                waiting=h.waiting,
                 cause=h in causes,
                 frame=h.frame,
                 stacks=str(dumps[h.rank]),

@@ -16,7 +16,7 @@ from daemon.agent.hang import AUTO_FLOOR_S, HangDetector, process_stopped
 from daemon.observe.collector import RankView
 from daemon.rundir.progress import ProgressPhase, ProgressWord, progress_path, read_progress
 from daemon.rundir.snapshot import RankPhase
-from daemon.rundir.stacks import Frame, innermost_frame, parse_stacks
+from daemon.rundir.stacks import Frame, innermost_frame, parse_stacks, waits_in_collective
 from tests.daemon._daemon_proc import DaemonProc, wait_for
 
 _LIB = ("/usr/lib/python3.12", "/venv/lib/python3.12/site-packages")
@@ -59,6 +59,53 @@ def test_our_packages_count_as_ours_even_inside_site_packages() -> None:
 def test_a_dump_without_our_frames_names_none() -> None:
     only_lib = "\n".join(_DUMP.splitlines()[:3])
     assert innermost_frame(parse_stacks(only_lib), _LIB) is None
+
+
+_ENGINE_WAIT = """\
+Thread 0x00007f0000000002 (most recent call first):
+  File "/venv/lib/python3.12/site-packages/torch/distributed/elastic/timer.py", line 80 in run
+
+Current thread 0x00007f0000000001 (most recent call first):
+  File "/venv/lib/python3.12/site-packages/sharding/_comm.py", line 153 in wait
+  File "/venv/lib/python3.12/site-packages/sharding/_reduce.py", line 110 in drain
+  File "/venv/lib/python3.12/site-packages/torch/autograd/graph.py", line 800 in _engine_run
+  File "/jobs/my_job.py", line 30 in loss
+  File "/src/daemon/rank/loop.py", line 557 in forward_backward
+  File "/src/daemon/worker.py", line 170 in run_rank
+"""
+_SPIN = """\
+Thread 0x00007f0000000002 (most recent call first):
+  File "/venv/lib/python3.12/site-packages/torch/distributed/distributed_c10d.py", line 9 in x
+
+Current thread 0x00007f0000000001 (most recent call first):
+  File "/jobs/my_job.py", line 12 in spin
+  File "/venv/lib/python3.12/site-packages/torch/nn/modules/module.py", line 1750 in _call_impl
+  File "/src/daemon/rank/loop.py", line 555 in forward_backward
+  File "/src/daemon/worker.py", line 170 in run_rank
+"""
+_READ = """\
+Current thread 0x00007f0000000001 (most recent call first):
+  File "/usr/lib/python3.12/socket.py", line 720 in readinto
+  File "/src/ckpt_manager/_local.py", line 50 in read
+  File "/src/daemon/rank/loop.py", line 600 in maybe_checkpoint
+  File "/src/daemon/worker.py", line 170 in run_rank
+"""
+
+
+@pytest.mark.parametrize(
+    ("dump", "waits"),
+    [
+        (_DUMP, True),  # blocked in a torch.distributed call the job made
+        (_ENGINE_WAIT, True),  # the engine's gradient reduction, inside backward
+        (_SPIN, False),  # the job's own loop; a torch.distributed thread elsewhere is no wait
+        (_READ, False),  # a read from storage
+        ("", False),  # no dump at all
+    ],
+)
+def test_a_rank_blocked_in_a_collective_is_told_from_one_stuck_itself(
+    dump: str, waits: bool
+) -> None:
+    assert waits_in_collective(parse_stacks(dump), _LIB) is waits
 
 
 def test_the_progress_word_round_trips_and_every_mark_changes_it(tmp_path: Path) -> None:
