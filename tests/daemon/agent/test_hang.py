@@ -17,6 +17,7 @@ from daemon.observe.collector import RankView
 from daemon.rundir.progress import ProgressPhase, ProgressWord, progress_path, read_progress
 from daemon.rundir.snapshot import RankPhase
 from daemon.rundir.stacks import Frame, innermost_frame, parse_stacks, waits_in_collective
+from tests.daemon import _spin_job
 from tests.daemon._daemon_proc import DaemonProc, wait_for
 
 _LIB = ("/usr/lib/python3.12", "/venv/lib/python3.12/site-packages")
@@ -234,3 +235,39 @@ def test_a_sigstopped_rank_is_named_stopped_and_the_group_restarts(
     assert (last[0]["rank"], last[0]["stopped"], last[0]["cause"]) == (int(rank), True, True)
     assert daemon.wait(150) == 0, daemon.logs()
     assert [int(e["restart"]) for e in daemon.find("restored")][-1] >= 1, daemon.logs()
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+@pytest.mark.timeout(200)
+def test_a_rank_spinning_in_the_jobs_code_is_named_by_its_frame_its_peer_waits(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    source = Path(_spin_job.__file__)
+    line = next(
+        n
+        for n, text in enumerate(source.read_text().splitlines(), 1)
+        if _spin_job.SPIN_MARK in text and text.lstrip().startswith("while")
+    )
+    args = ["--nproc-per-node", "2", "--max-steps", "30", "--ckpt-every", "5"]
+    args += ["--batch-size", "4", "--ckpt-uri", str(tmp_path / "ckpt"), "--hang-timeout-s", "5"]
+    args += ["--job", "tests.daemon._spin_job:build", "--data-prefetch", "0"]
+    # Rank 1 spins when it fetches step 11's first sample (its peer blocks in a collective).
+    env = {_spin_job.SPIN_RANK_ENV: "1", _spin_job.SPIN_AFTER_SAMPLES_ENV: str(10 * 4)}
+    daemon = DaemonProc(tmp_path, args, env=env)
+    procs.append(daemon)
+    hung = wait_for(lambda: daemon.find("rank_hung"), 150, "rank_hung")
+    assert len(hung) == 1, daemon.logs()
+    assert hung[0]["rank"] == 1, daemon.logs()
+    assert hung[0]["state"] == "running"
+    assert hung[0]["phase"] == "data"
+    assert hung[0]["step"] == 10
+    assert hung[0]["frame"].endswith(f"tests/daemon/_spin_job.py:{line} in _spin"), hung[0]
+    assert Path(hung[0]["stacks"]).read_text().count("_spin_job.py") >= 1
+    # Rank 0 waits for it in a collective (inside forward or backward, or the agreement).
+    waiting = daemon.find("rank_waiting")
+    assert [e["rank"] for e in waiting] == [0], daemon.logs()
+    assert waiting[0]["phase"] in ("forward", "backward", "collective"), waiting[0]
+    assert daemon.wait(150) == 0, daemon.logs()
+    assert [int(e["restart"]) for e in daemon.find("restored")][-1] >= 1, daemon.logs()
+    assert daemon.find("rank_hung") == hung  # the restarted group trained to the end
