@@ -19,6 +19,7 @@ from daemon.rundir.snapshot import RankPhase
 from daemon.rundir.stacks import Frame, innermost_frame, parse_stacks, waits_in_collective
 from tests.daemon import _spin_job
 from tests.daemon._daemon_proc import DaemonProc, wait_for
+from tests.support.dist import free_port
 
 _LIB = ("/usr/lib/python3.12", "/venv/lib/python3.12/site-packages")
 _DUMP = """\
@@ -249,7 +250,7 @@ def test_a_rank_spinning_in_the_jobs_code_is_named_by_its_frame_its_peer_waits(
         for n, text in enumerate(source.read_text().splitlines(), 1)
         if _spin_job.SPIN_MARK in text and text.lstrip().startswith("while")
     )
-    args = ["--nproc-per-node", "2", "--max-steps", "30", "--ckpt-every", "5"]
+    args = ["--nproc-per-node", "2", "--max-steps", "20", "--ckpt-every", "0"]
     args += ["--batch-size", "4", "--ckpt-uri", str(tmp_path / "ckpt"), "--hang-timeout-s", "5"]
     args += ["--job", "tests.daemon._spin_job:build", "--data-prefetch", "0"]
     # Rank 1 spins when it fetches step 11's first sample (its peer blocks in a collective).
@@ -271,3 +272,34 @@ def test_a_rank_spinning_in_the_jobs_code_is_named_by_its_frame_its_peer_waits(
     assert daemon.wait(150) == 0, daemon.logs()
     assert [int(e["restart"]) for e in daemon.find("restored")][-1] >= 1, daemon.logs()
     assert daemon.find("rank_hung") == hung  # the restarted group trained to the end
+
+
+@pytest.mark.slow
+@pytest.mark.serial
+@pytest.mark.timeout(300)
+def test_of_two_daemons_the_node_of_the_stopped_rank_names_it(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    common = [
+        "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint", endpoint,
+        "--rdzv-timeout-s", "120", "--max-steps", "30", "--ckpt-every", "0",
+        "--ckpt-uri", str(tmp_path / "ckpt"), "--hang-timeout-s", "5",
+    ]  # fmt: skip
+    nodes = [
+        DaemonProc(tmp_path, [*common, "--node-rank", str(k)], name=f"node{k}") for k in (0, 1)
+    ]
+    procs.extend(nodes)
+    wait_for(lambda: nodes[0].find("step"), 150, "a first step line")
+    (victim,) = nodes[1].rank_pids()
+    os.kill(victim, signal.SIGSTOP)
+    hung = wait_for(lambda: nodes[1].find("rank_hung"), 60, "rank_hung on node 1")
+    both = nodes[0].logs() + nodes[1].logs()
+    assert [(e["rank"], e["node"], e["frame"]) for e in hung] == [(1, 1, "stopped")], both
+    assert nodes[1].max_value("trainingd_rank_hangs_total", rank="1") == 1.0
+    # Node 0's rank only waited for it: never named hung there (at most `rank_waiting`).
+    assert nodes[0].find("rank_hung") == [], both
+    assert all(e["rank"] == 0 for e in nodes[0].find("rank_waiting")), both
+    assert nodes[0].max_value("trainingd_rank_hangs_total") == 0.0
+    assert [node.wait(200) for node in nodes] == [0, 0], both
+    assert nodes[0].find("rank_hung") == [], nodes[0].logs()
