@@ -18,7 +18,8 @@ answer), logs one `rank_hung` line per rank that is a cause (stopped, or stuck a
 a collective) and `rank_waiting` for the ranks that wait in a collective for it (the phase
 `collective`, or a dump whose training thread blocks in torch.distributed or the engine's
 collective wait, `daemon.rundir.stacks.waits_in_collective`; all of them when every stalled
-rank waits: the cause is on another node, whose daemon names it), records
+rank waits and the job has other nodes: the cause is on one of those, whose daemon names it;
+with no other node they are all named), records
 the hang in its `HangLedger` (`daemon/observe/hangs.py`: `trainingd_rank_hung`,
 `trainingd_rank_hangs_total`, the status page), and SIGKILLs every local rank's process group
 so the elastic agent restarts the group (a counted restart; with the memory tier the new group
@@ -240,8 +241,11 @@ class HangDetector:
             )
         # A stopped process explains its peers' stall; else whoever is stuck outside a
         # collective. When every stalled rank waits in a collective the cause is on another
-        # node (whose daemon names it): this node names its ranks waiting, and restarts too.
+        # node (whose daemon names it): this node names its ranks waiting, and restarts too;
+        # with no other node (every rank of the job is here) the collective itself hangs.
         causes = [h for h in found if h.stopped] or [h for h in found if h.cause]
+        if not causes and max(v.world_size for v in live) <= len(live):
+            causes = found
         unix_s = self._wall_clock()
         reports = []
         for h in found:

@@ -148,13 +148,13 @@ def _sleeper(started: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
     return proc
 
 
-def _view(rank: int, pid: int, restart: int = 0) -> RankView:
+def _view(rank: int, pid: int, restart: int = 0, world_size: int = 2) -> RankView:
     return RankView(
         rank=rank,
         local_rank=rank,
         pid=pid,
         restart=restart,
-        world_size=2,
+        world_size=world_size,
         phase=RankPhase.TRAINING,
         counters={},
         gauges={},
@@ -202,6 +202,27 @@ def test_a_stopped_rank_is_the_cause_its_waiting_peer_is_not_and_both_are_killed
     detector.observe(views, now=112.0)
     assert ledger.hung_ranks() == []
     assert ledger.num_hangs(0) == 1
+
+
+@pytest.mark.parametrize(("world_size", "named"), [(4, "rank_waiting"), (2, "rank_hung")])
+def test_ranks_that_all_wait_in_a_collective_are_waiting_unless_no_other_node_exists(
+    tmp_path: Path, sleepers: list[subprocess.Popen[bytes]], world_size: int, named: str
+) -> None:
+    procs = [_sleeper(sleepers), _sleeper(sleepers)]
+    for k in (0, 1):
+        ProgressWord(progress_path(tmp_path, k)).mark(ProgressPhase.COLLECTIVE, 7)
+    killed: list[int] = []
+    detector = HangDetector(
+        tmp_path, node=0, hang_timeout_s=3.0, startup_timeout_s=300.0, kill=killed.append
+    )
+    views = [_view(k, p.pid, world_size=world_size) for k, p in enumerate(procs)]
+    detector.observe(views, now=0.0)
+    found = detector.observe(views, now=4.0)
+    # The other node's daemon names its own cause; with no other node, the collective hangs.
+    assert [h.waiting for h in found] == [True, True]
+    assert [r.cause for r in detector.ledger.last()] == [named == "rank_hung"] * 2
+    assert detector.ledger.num_hangs(0) == (1 if named == "rank_hung" else 0)
+    assert len(killed) == 2  # restarted either way
 
 
 @pytest.mark.slow
