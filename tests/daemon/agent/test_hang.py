@@ -251,6 +251,8 @@ def test_a_sigstopped_rank_is_named_stopped_and_the_group_restarts(
     assert hung[0]["state"] == "stopped"
     assert hung[0]["seconds_without_progress"] >= 3
     rank = str(hung[0]["rank"])
+    # Its peer, blocked in a collective for it, is reported waiting, not as a cause.
+    assert [e["rank"] for e in daemon.find("rank_waiting")] == [1 - int(rank)], daemon.logs()
     assert daemon.max_value("trainingd_rank_hangs_total", rank=rank) == 1.0
     _, body = daemon.get("/api/status")
     last = json.loads(body)["hangs"]["last"]
