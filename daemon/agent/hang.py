@@ -175,7 +175,7 @@ class HangDetector:
         live = [v for v in live if v.restart == newest]
         timeout = self._timeout_s or auto_timeout_s(live)
         stalled: list[tuple[RankView, ProgressPhase, int, float]] = []
-        over = False
+        over = trains = False
         for view in live:
             reading = read_progress(progress_path(self._run_dir, view.local_rank))
             if reading is None:
@@ -188,6 +188,7 @@ class HangDetector:
                 if not reading.phase.startup:
                     # Back in the training loop (a restarted incarnation that restored).
                     self.ledger.recovered(view.rank)
+                    trains = True
                 continue
             idle = now - last[1]
             # Start-up and restore never get less than training: a read stuck on storage
@@ -195,6 +196,13 @@ class HangDetector:
             budget = max(self._startup_s, timeout) if reading.phase.startup else timeout
             stalled.append((view, reading.phase, reading.step, idle))
             over = over or (idle > budget and view.pid not in self._declared)
+        if trains:
+            # The node's group trains again: a hung rank it no longer runs (an elastic round
+            # gave the node other global ranks) is not hung any more either.
+            here = {v.rank for v in live}
+            for rank in self.ledger.hung_ranks():
+                if rank not in here:
+                    self.ledger.recovered(rank)
         return self._declare(stalled, live) if over else []
 
     def _declare(

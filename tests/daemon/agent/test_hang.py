@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -136,8 +138,9 @@ def sleepers() -> Iterator[list[subprocess.Popen[bytes]]]:
     started: list[subprocess.Popen[bytes]] = []
     yield started
     for proc in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
-        os.kill(proc.pid, signal.SIGCONT)
         proc.wait()
 
 
@@ -145,6 +148,8 @@ def _sleeper(started: list[subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
     # An ignored signal stays ignored across exec: the stand-in survives the dump request.
     proc = subprocess.Popen(["sh", "-c", "trap '' USR2; exec sleep 60"])
     started.append(proc)
+    # Until the shell has set the trap and become `sleep`, a dump request would kill it.
+    wait_for(lambda: Path(f"/proc/{proc.pid}/comm").read_text().strip() == "sleep", 10, "exec")
     return proc
 
 
@@ -202,6 +207,32 @@ def test_a_stopped_rank_is_the_cause_its_waiting_peer_is_not_and_both_are_killed
     detector.observe(views, now=112.0)
     assert ledger.hung_ranks() == []
     assert ledger.num_hangs(0) == 1
+
+
+def test_a_hung_rank_the_node_no_longer_runs_recovers_when_the_new_group_trains(
+    tmp_path: Path, sleepers: list[subprocess.Popen[bytes]]
+) -> None:
+    procs = [_sleeper(sleepers), _sleeper(sleepers)]
+    words = [ProgressWord(progress_path(tmp_path, k)) for k in (0, 1)]
+    for word in words:
+        word.mark(ProgressPhase.BACKWARD, 9)
+    detector = HangDetector(
+        tmp_path, node=1, hang_timeout_s=3.0, startup_timeout_s=300.0, kill=lambda pid: None
+    )
+    views = [_view(k, p.pid) for k, p in enumerate(procs)]
+    detector.observe(views, now=0.0)
+    detector.observe(views, now=4.0)
+    assert detector.ledger.hung_ranks() == [0, 1]  # both stuck outside a collective
+    # An elastic round gives this node global ranks 2 and 3; the new group trains.
+    fresh = [_sleeper(sleepers), _sleeper(sleepers)]
+    renumbered = [
+        dataclasses.replace(_view(k, p.pid, restart=1), rank=2 + k) for k, p in enumerate(fresh)
+    ]
+    words = [ProgressWord(progress_path(tmp_path, k)) for k in (0, 1)]
+    detector.observe(renumbered, now=5.0)
+    words[0].mark(ProgressPhase.DATA, 9)
+    detector.observe(renumbered, now=6.0)
+    assert detector.ledger.hung_ranks() == []
 
 
 @pytest.mark.parametrize(("world_size", "named"), [(4, "rank_waiting"), (2, "rank_hung")])
