@@ -71,6 +71,7 @@ memory and never call each other; they talk through files in the run directory (
         state.py         `NodeState` / `NodePhase`: the node's lifecycle.
         collector.py     rank snapshots read at scrape time; the Prometheus collector.
         status.py        `StatusBoard`: the status page's and `/api/status`'s data.
+        hangs.py         `HangLedger`: declared hangs for `/metrics` and the status page.
       data/              token datasets (used by the ranks and by jobs):
         token_file.py    the `.bin` + JSON sidecar format; `write_token_file`, `read_info`.
         reader.py        `BlockCache`: range reads through a bounded LRU of aligned blocks.

@@ -35,6 +35,7 @@ from daemon.config import (
     LaunchSettings,
     ObservabilitySettings,
     StepInterval,
+    TimeoutSeconds,
     TrainSettings,
 )
 from daemon.errors import ConfigError
@@ -117,6 +118,8 @@ def _docstrings(section: str) -> dict[str, str]:
 def _allowed(tp: type[Any]) -> str:
     if tp is StepInterval:
         return StepInterval.ALLOWED
+    if tp is TimeoutSeconds:
+        return TimeoutSeconds.ALLOWED
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return "one of " + ", ".join(str(m.value) for m in tp)
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[tp]
@@ -136,6 +139,11 @@ def _parse(key: str, raw: Any, tp: type[Any], origin: str) -> Any:
     if tp is StepInterval:
         try:
             return StepInterval.parse(raw)
+        except ValueError:
+            raise bad() from None
+    if tp is TimeoutSeconds:
+        try:
+            return TimeoutSeconds.parse(raw)
         except ValueError:
             raise bad() from None
     if tp is bool:
@@ -310,6 +318,8 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             metavar = "|".join(str(m.value) for m in tp) if issubclass(tp, enum.Enum) else None
             if tp is StepInterval:
                 shown, metavar = str(default), "auto|N"
+            if tp is TimeoutSeconds:
+                shown, metavar = str(default), "auto|SECONDS"
             group.add_argument(
                 f"--{key.replace('_', '-')}",
                 dest=key,
@@ -324,6 +334,8 @@ def _toml_value(value: Any) -> str:
         value = value.value
     if isinstance(value, StepInterval):
         value = str(value) if value.is_auto else value.steps
+    if isinstance(value, TimeoutSeconds):
+        value = str(value) if value.is_auto else value.seconds
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):

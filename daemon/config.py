@@ -34,6 +34,7 @@ __all__ = [
     "RankStart",
     "StepInterval",
     "StrategyName",
+    "TimeoutSeconds",
     "TrainSettings",
 ]
 
@@ -148,6 +149,57 @@ class StepInterval:
 
     def __str__(self) -> str:
         return "auto" if self.steps is None else str(self.steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeoutSeconds:
+    """A timeout in seconds, or `auto`: derived while the run goes (`hang_timeout_s`).
+
+    Written `auto` or a number of seconds in TOML, flags and variables (`0` is an alias of
+    `auto`, and reads back as it); `parse` reads any of them and `str()` writes it back.
+    """
+
+    seconds: float | None = None
+    """The timeout; None is `auto`."""
+
+    ALLOWED: typing.ClassVar[str] = "auto, or a number of seconds > 0 (0 is auto too)"
+    """What `parse` accepts, for error messages."""
+
+    def __post_init__(self) -> None:
+        value = self.seconds
+        if isinstance(value, bool) or (
+            value is not None and not (isinstance(value, int | float) and 0 <= value < math.inf)
+        ):
+            raise ValueError(f"timeout {value!r}: use {self.ALLOWED}")
+        # 0 is `auto` (the older spelling): one value, whichever way it was written.
+        object.__setattr__(self, "seconds", float(value) if value else None)
+
+    @classmethod
+    def parse(cls, raw: object) -> TimeoutSeconds:
+        """`auto` (any case), or a number of seconds (a number, or its text) of 0 or more.
+
+        Raises:
+            ValueError: anything else (a bool, a negative or infinite number, other text).
+        """
+        if isinstance(raw, str) and raw.strip().lower() == "auto":
+            return cls(None)
+        if isinstance(raw, bool):
+            raise ValueError(f"timeout {raw!r}: use {cls.ALLOWED}")
+        try:
+            seconds = float(str(raw).strip())
+        except ValueError:
+            raise ValueError(f"timeout {raw!r}: use {cls.ALLOWED}") from None
+        if math.isnan(seconds):
+            raise ValueError(f"timeout {raw!r}: use {cls.ALLOWED}")
+        return cls(seconds)
+
+    @property
+    def is_auto(self) -> bool:
+        """Whether the timeout is derived at run time."""
+        return self.seconds is None
+
+    def __str__(self) -> str:
+        return "auto" if self.seconds is None else repr(self.seconds)
 
 
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
@@ -443,9 +495,10 @@ class ObservabilitySettings:
     """Longest time between two metric snapshots of a rank."""
     heartbeat_timeout_s: float = 300.0
     """/healthz fails when a rank's loop has not beaten for this long."""
-    hang_timeout_s: float = 0.0
+    hang_timeout_s: TimeoutSeconds = TimeoutSeconds()
     """A training rank without progress for this long is hung: stacks dumped, group restarted;
-    0 is auto, max(60 s, 10 x p99 step time); start-up and restore use heartbeat_timeout_s."""
+    auto (or 0) is max(60 s, 10 x p99 step time); start-up and restore use at least
+    heartbeat_timeout_s."""
     final_scrape_wait_s: float = 30.0
     """After a run ends on purpose (max_steps, drained, stopped with a peer), keep /metrics up
     until one scrape has read the finished state, so the target's disappearance raises no
@@ -464,8 +517,11 @@ class ObservabilitySettings:
         if not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port={self.metrics_port}: use 0..65535")
         _positive(self, "publish_interval_s", "heartbeat_timeout_s", "log_every_s")
-        if not self.hang_timeout_s >= 0:
-            raise ValueError(f"hang_timeout_s={self.hang_timeout_s}: use seconds > 0, or 0: auto")
+        if not isinstance(self.hang_timeout_s, TimeoutSeconds):
+            raise ValueError(
+                f"hang_timeout_s={self.hang_timeout_s!r}: use {TimeoutSeconds.ALLOWED} "
+                "(a TimeoutSeconds)"
+            )
         if not self.final_scrape_wait_s >= 0:
             raise ValueError(
                 f"final_scrape_wait_s={self.final_scrape_wait_s}: use seconds >= 0 (0: no wait)"

@@ -368,6 +368,17 @@ CATALOG: tuple[MetricSpec, ...] = (
         "trainingd_rank_recovery_seconds",
         "Rank process start to its first completed step (cost of a start or restart).",
     ),
+    # --- per rank: hangs (the daemon's hang detector, `daemon/agent/hang.py`) ---------------
+    _g(
+        "trainingd_rank_hung",
+        "1 while the rank is declared hung (named the cause of a hang), until its restarted "
+        "incarnation trains again; 0 otherwise.",
+    ),
+    _c(
+        "trainingd_rank_hangs_total",
+        "Hangs the rank was named the cause of (no progress for hang_timeout_s; its group was "
+        "restarted).",
+    ),
     _h(
         "trainingd_rank_restart_recovery_seconds",
         "A restored rank's process start to its first completed step, by where the state came "

@@ -4,7 +4,7 @@ The supervisor hands every tick's rank views to `HangDetector.observe`. For each
 it reads the progress word (`daemon/rundir/progress.py`) and keeps, on the daemon's clock, when
 the word last changed. A rank whose word has not changed for its budget is hung:
 
-- in the training loop the budget is `hang_timeout_s`, or, when that is 0 (`auto`),
+- in the training loop the budget is `hang_timeout_s`, or, when that is `auto` (or 0),
   max(60 s, 10 x p99 step time) as the rank's step-duration histogram shows it (60 s before a
   step has been observed);
 - during start-up and restore the budget is the larger of that and `heartbeat_timeout_s`: a
@@ -15,10 +15,16 @@ the word last changed. A rank whose word has not changed for its budget is hung:
 On a hang the detector records every local rank's stacks (`STACK_DUMP_SIGNAL`, see
 `daemon/rundir/stacks.py`; a process in state `T` is reported `stopped` instead, it cannot
 answer), logs one `rank_hung` line per rank that is a cause (stopped, or stuck anywhere but in
-a collective) and `rank_waiting` for the ranks that wait in a collective for it, and SIGKILLs
-every local rank's process group so the elastic agent restarts the group (a counted restart;
-with the memory tier the new group restores from memory). Stack dumps take up to
-`_DUMP_WAIT_S` of the supervisor's tick, once per hang.
+a collective) and `rank_waiting` for the ranks that wait in a collective for it (the phase
+`collective`, or a dump whose training thread blocks in torch.distributed or the engine's
+collective wait, `daemon.rundir.stacks.waits_in_collective`; all of them when every stalled
+rank waits and the job has other nodes: the cause is on one of those, whose daemon names it;
+with no other node they are all named), records
+the hang in its `HangLedger` (`daemon/observe/hangs.py`: `trainingd_rank_hung`,
+`trainingd_rank_hangs_total`, the status page), and SIGKILLs every local rank's process group
+so the elastic agent restarts the group (a counted restart; with the memory tier the new group
+restores from memory). Stack dumps take up to `_DUMP_WAIT_S` of the supervisor's tick, once
+per hang.
 """
 
 from __future__ import annotations
@@ -34,12 +40,14 @@ import structlog
 from daemon._lifecycle import kill_group, pid_alive
 from daemon.metrics import spec
 from daemon.observe.collector import RankView
+from daemon.observe.hangs import HangLedger, HangReport
 from daemon.rundir.progress import ProgressPhase, progress_path, read_progress
 from daemon.rundir.stacks import (
     STACK_DUMP_SIGNAL,
     innermost_frame,
     parse_stacks,
     stacks_path,
+    waits_in_collective,
 )
 
 __all__ = ["AUTO_FLOOR_S", "HangDetector", "HungRank", "auto_timeout_s", "process_stopped"]
@@ -70,11 +78,15 @@ class HungRank(NamedTuple):
     """The process is stopped (state T): it could not dump its stacks."""
     frame: str | None
     """Innermost frame of our code or the job's, from its dump (None: no dump)."""
+    waiting: bool
+    """It waits in a collective: its phase is `collective`, or its dump shows a collective
+    wait (`daemon.rundir.stacks.waits_in_collective`: the engine's reductions and all-gathers
+    are waited on inside forward and backward)."""
 
     @property
     def cause(self) -> bool:
         """A cause of the hang (stopped, or stuck outside a collective), not a waiter."""
-        return self.stopped or not self.phase.waiting
+        return self.stopped or not self.waiting
 
 
 def auto_timeout_s(views: list[RankView]) -> float:
@@ -114,10 +126,13 @@ class HangDetector:
     Args:
         run_dir: the per-run directory (progress words, stack dumps).
         node: this node's rank (in log lines).
-        hang_timeout_s: budget in the training loop; 0: `auto`.
+        hang_timeout_s: budget in the training loop; None (or 0): `auto`.
         startup_timeout_s: budget during start-up and restore (`heartbeat_timeout_s`).
+        ledger: where declared hangs go for `/metrics` and the status page (a new one if
+            None; `ledger` holds it).
         kill: kills one rank's process group (tests inject one).
         clock: monotonic time source.
+        wall_clock: Unix time source (the reports' `unix_s`).
     """
 
     def __init__(
@@ -125,10 +140,12 @@ class HangDetector:
         run_dir: Path,
         *,
         node: int,
-        hang_timeout_s: float,
+        hang_timeout_s: float | None,
         startup_timeout_s: float,
+        ledger: HangLedger | None = None,
         kill: Callable[[int], object] = kill_group,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._run_dir = run_dir
         self._node = node
@@ -136,12 +153,13 @@ class HangDetector:
         self._startup_s = startup_timeout_s
         self._kill = kill
         self._clock = clock
+        self._wall_clock = wall_clock
+        self.ledger = ledger if ledger is not None else HangLedger()
+        """The hangs declared here, read by the collector and the status board."""
         self._last: dict[int, tuple[tuple[int, int], float]] = {}
         self._declared: set[int] = set()
         self.num_hangs = 0
         """Hangs declared on this node since the daemon started."""
-        self.hung: dict[int, bool] = {}
-        """Global rank -> whether it is the cause of the current hang (cleared on progress)."""
 
     def observe(self, views: list[RankView], now: float | None = None) -> list[HungRank]:
         """Check the live local ranks once; on a hang, report it and kill the group.
@@ -157,7 +175,7 @@ class HangDetector:
         live = [v for v in live if v.restart == newest]
         timeout = self._timeout_s or auto_timeout_s(live)
         stalled: list[tuple[RankView, ProgressPhase, int, float]] = []
-        over = False
+        over = trains = False
         for view in live:
             reading = read_progress(progress_path(self._run_dir, view.local_rank))
             if reading is None:
@@ -167,7 +185,10 @@ class HangDetector:
             if last is None or last[0] != key:
                 self._last[view.local_rank] = (key, now)
                 self._declared.discard(view.pid)
-                self.hung.pop(view.rank, None)
+                if not reading.phase.startup:
+                    # Back in the training loop (a restarted incarnation that restored).
+                    self.ledger.recovered(view.rank)
+                    trains = True
                 continue
             idle = now - last[1]
             # Start-up and restore never get less than training: a read stuck on storage
@@ -175,6 +196,13 @@ class HangDetector:
             budget = max(self._startup_s, timeout) if reading.phase.startup else timeout
             stalled.append((view, reading.phase, reading.step, idle))
             over = over or (idle > budget and view.pid not in self._declared)
+        if trains:
+            # The node's group trains again: a hung rank it no longer runs (an elastic round
+            # gave the node other global ranks) is not hung any more either.
+            here = {v.rank for v in live}
+            for rank in self.ledger.hung_ranks():
+                if rank not in here:
+                    self.ledger.recovered(rank)
         return self._declare(stalled, live) if over else []
 
     def _declare(
@@ -191,45 +219,81 @@ class HangDetector:
                 except OSError:
                     stopped[view.pid] = False
         deadline = self._clock() + _DUMP_WAIT_S
-        waiting = [v.rank for v, *_ in stalled if not stopped[v.pid]]
-        while waiting and self._clock() < deadline:
+        pending = [v.rank for v, *_ in stalled if not stopped[v.pid]]
+        while pending and self._clock() < deadline:
             time.sleep(0.05)
-            waiting = [r for r in waiting if _size(dumps[r]) <= sizes[r]]
+            pending = [r for r in pending if _size(dumps[r]) <= sizes[r]]
         found = []
         for view, phase, step, idle in stalled:
-            frame = None
+            frame, waiting = None, phase.waiting
             if not stopped[view.pid]:
                 try:
                     text = dumps[view.rank].read_text()[sizes[view.rank] :]
                 except OSError:
                     text = ""
-                inner = innermost_frame(parse_stacks(text))
+                threads = parse_stacks(text)
+                inner = innermost_frame(threads)
                 frame = str(inner) if inner is not None else None
+                waiting = waiting or waits_in_collective(threads)
             found.append(
-                HungRank(view.rank, view.local_rank, phase, step, idle, stopped[view.pid], frame)
+                HungRank(
+                    view.rank,
+                    view.local_rank,
+                    phase,
+                    step,
+                    idle,
+                    stopped[view.pid],
+                    frame,
+                    waiting,
+                )
             )
         # A stopped process explains its peers' stall; else whoever is stuck outside a
-        # collective; else (all wait in collectives: the cause is on another node) all of them.
-        causes = [h for h in found if h.stopped] or [h for h in found if h.cause] or found
+        # collective. When every stalled rank waits in a collective the cause is on another
+        # node (whose daemon names it): this node names its ranks waiting, and restarts too;
+        # with no other node (every rank of the job is here) the collective itself hangs.
+        causes = [h for h in found if h.stopped] or [h for h in found if h.cause]
+        if not causes and max(v.world_size for v in live) <= len(live):
+            causes = found
+        unix_s = self._wall_clock()
+        reports = []
         for h in found:
-            event = "rank_hung" if h in causes else "rank_waiting"
-            log.error(
-                event,
+            report = HangReport(
                 rank=h.rank,
+                local_rank=h.local_rank,
                 node=self._node,
                 phase=h.phase.value,
                 step=h.step,
                 seconds_without_progress=round(h.idle_s, 1),
+                stopped=h.stopped,
+                waiting=h.waiting,
+                cause=h in causes,
+                frame=h.frame,
+                stacks=str(dumps[h.rank]),
+                unix_s=unix_s,
+            )
+            reports.append(report)
+            log.error(
+                "rank_hung" if report.cause else "rank_waiting",
+                rank=h.rank,
+                node=self._node,
+                phase=h.phase.value,
+                step=h.step,
+                seconds_without_progress=report.seconds_without_progress,
                 frame="stopped" if h.stopped else h.frame,
                 state="stopped" if h.stopped else "running",
-                stacks=str(dumps[h.rank]),
+                stacks=report.stacks,
             )
-            self.hung[h.rank] = h in causes
+        self.ledger.declare(reports)
         # Every local rank goes: the agent restarts the whole group (a counted restart).
         for view in live:
             self._declared.add(view.pid)
             self._kill(view.pid)
-        log.error("hang_restarting_group", node=self._node, ranks=[v.rank for v in live])
+        log.error(
+            "hang_restarting_group",
+            node=self._node,
+            ranks=[v.rank for v in live],
+            cause_here=bool(causes),
+        )
         return found
 
 

@@ -66,6 +66,7 @@ from daemon.config import DaemonConfig
 from daemon.errors import ConfigError, StartupCheckError
 from daemon.metrics import build_info_labels
 from daemon.observe.collector import NodeCollector, SnapshotAggregator, config_values, make_registry
+from daemon.observe.hangs import HangLedger
 from daemon.observe.state import NodePhase, NodeState
 from daemon.observe.status import StatusBoard
 from daemon.rundir.control import request_checkpoint, request_stop
@@ -296,6 +297,7 @@ def run_daemon(
             if cfg.num_memory_replicas and memory.claimed:
                 replicas = ReplicaService(cfg, memory.path, endpoint)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
+            hangs = HangLedger()
             collector = NodeCollector(
                 aggregator,
                 state,
@@ -304,12 +306,14 @@ def run_daemon(
                 config=config_values(cfg),
                 tier_bytes=memory.tier_bytes,
                 replica_values=replicas.values if replicas is not None else None,
+                hangs=hangs,
             )
             board = StatusBoard(
                 max_steps=cfg.train.max_steps,
                 ckpt_uri=cfg.checkpoint.ckpt_uri,
                 storage_options=s3_storage_options(cfg),
                 tier_bytes=memory.tier_bytes,
+                hangs=hangs,
             )
             if chosen is LogFormat.CONSOLE and sys.stderr.isatty():
                 live = LiveProgress(board)
@@ -324,8 +328,9 @@ def run_daemon(
                 hangs=HangDetector(
                     run_dir,
                     node=cfg.launch.node_rank,
-                    hang_timeout_s=obs.hang_timeout_s,
+                    hang_timeout_s=obs.hang_timeout_s.seconds,
                     startup_timeout_s=obs.heartbeat_timeout_s,
+                    ledger=hangs,
                 ),
             )
             try:

@@ -3,9 +3,10 @@
 It draws everything from `/api/status` (see `daemon/observe/status.py`), fetched on load and
 then every `REFRESH_MS`: step/ETA, an inline-SVG loss curve, throughput, the committed
 checkpoints, the tiers (the memory tier's bytes, local and replica, the newest memory and
-durable steps), per-rank heartbeats and the last error. Elements carry ids (`step`, `eta`,
-`loss-curve`, `checkpoints`, `tiers`, `memory-step`, `durable-step`, `memory-bytes`, `ranks`,
-`last-error`) so tests and scripts can read the rendered page.
+durable steps), per-rank heartbeats, the hangs (the ranks hung now, every rank of the last
+declared hang) and the last error. Elements carry ids (`step`, `eta`, `loss-curve`,
+`checkpoints`, `tiers`, `memory-step`, `durable-step`, `memory-bytes`, `ranks`, `hung-ranks`,
+`last-hang`, `last-error`) so tests and scripts can read the rendered page.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ svg{background:#fff;border:1px solid #ddd;border-radius:6px}
 <h2>Ranks</h2>
 <table id="ranks"><thead><tr><th>rank</th><th>local</th><th>pid</th><th>phase</th>
 <th>step</th><th>restart</th><th>heartbeat age</th></tr></thead><tbody></tbody></table>
+<h2>Hangs</h2>
+<div>hung now: <b id="hung-ranks">none</b></div>
+<table id="last-hang"><thead><tr><th>rank</th><th>node</th><th>role</th><th>phase</th>
+<th>step</th><th>state</th><th>innermost frame</th><th>without progress</th><th>when</th>
+</tr></thead><tbody></tbody></table>
 <h2>Last error</h2><div id="last-error" class="muted">none</div>
 <script>
 "use strict";
@@ -116,6 +122,13 @@ function render(s) {
   rows($("ranks").tBodies[0], s.ranks, (r) => [[String(r.rank), true], [String(r.local_rank), true],
     [String(r.pid), true], [r.phase, false], [String(r.step), true], [String(r.restart), true],
     [r.heartbeat_age_s === null ? "-" : r.heartbeat_age_s.toFixed(1) + " s", true]]);
+  const hung = s.hangs.hung_ranks;
+  $("hung-ranks").textContent = hung.length ? "rank " + hung.join(", rank ") : "none";
+  rows($("last-hang").tBodies[0], s.hangs.last, (h) => [[String(h.rank), true],
+    [String(h.node), true], [h.cause ? "hung" : "waiting", false], [h.phase, false],
+    [String(h.step), true], [h.stopped ? "stopped" : "running", false], [h.frame || "-", false],
+    [h.seconds_without_progress.toFixed(1) + " s", true],
+    [dur(s.now_unix_s - h.unix_s) + " ago", true]]);
   const e = s.last_error;
   const ago = e ? " (" + dur(s.now_unix_s - e.unix_s) + " ago)" : "";
   $("last-error").textContent = e ? e.message + ago : "none";

@@ -6,7 +6,9 @@ Module plan:
     collector.py  the rank snapshots read at scrape time (`SnapshotAggregator`, `RankView`) and
                   the Prometheus collector of `daemon.metrics.CATALOG` (`NodeCollector`).
     status.py     `StatusBoard`: what the status page and `/api/status` show (loss history,
-                  rates, ETA, committed checkpoints, last error).
+                  rates, ETA, committed checkpoints, hangs, last error).
+    hangs.py      `HangLedger`: the hangs the agent's detector declared (hung ranks, hangs per
+                  rank, the last hang), read by the collector and the status board.
 
 Read by the agent's HTTP server, supervisor and progress sinks (`daemon/agent/`); it imports
 no agent module, and nothing of the rank side: ranks reach it only through their snapshot files

@@ -27,6 +27,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from daemon.metrics import CATALOG, DAEMON_STATES, MetricKind, MetricSpec, Scope
+from daemon.observe.hangs import HangLedger
 from daemon.observe.state import ENDED_PHASES, NodePhase, NodeState
 from daemon.rundir.snapshot import RankPhase, read_snapshot, snapshot_path
 
@@ -173,6 +174,8 @@ class NodeCollector(Collector):
         replica_values: the `trainingd_memory_replica_*` families' values, by family and
             label value ("" without a label), read at each scrape
             (`daemon.agent.replica.ReplicaService.values`); None: 0.
+        hangs: the hang detector's ledger (`trainingd_rank_hung`, `trainingd_rank_hangs_total`,
+            per rank that published); None: 0.
     """
 
     def __init__(
@@ -185,6 +188,7 @@ class NodeCollector(Collector):
         config: dict[str, float] | None = None,
         tier_bytes: Callable[[], Mapping[str, float]] | None = None,
         replica_values: Callable[[], Mapping[str, Mapping[str, float]]] | None = None,
+        hangs: HangLedger | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("run_id is empty: pass DaemonConfig.run_id")
@@ -195,6 +199,7 @@ class NodeCollector(Collector):
         self._config = dict(config or {})
         self._tier_bytes = tier_bytes
         self._replica_values = replica_values
+        self._hangs = hangs if hangs is not None else HangLedger()
 
     def describe(self) -> Iterable[Metric]:
         """Empty families with the catalog's names (lets the registry detect duplicates)."""
@@ -244,6 +249,15 @@ class NodeCollector(Collector):
                 for lv in s.label_values or ("",):
                     labels = [*run, lv] if s.label else run
                     fam.add_metric(labels, float(values.get(lv, 0.0)))  # type: ignore[attr-defined]
+            elif s.name in _HANG_FAMILIES:
+                # Per rank, from the daemon's hang detector (not the rank's own snapshot).
+                fam = _family(s)
+                hang_value = (
+                    self._hangs.hung if s.name == "trainingd_rank_hung" else self._hangs.num_hangs
+                )
+                for view in views:
+                    ids = [*run, str(view.rank), str(view.local_rank)]
+                    fam.add_metric(ids, float(hang_value(view.rank)))  # type: ignore[attr-defined]
             elif s.scope is Scope.NODE:
                 node_cls = (
                     CounterMetricFamily if s.kind is MetricKind.COUNTER else GaugeMetricFamily
@@ -264,6 +278,9 @@ class NodeCollector(Collector):
                 if views:
                     _add_samples(fam, s, _summed(s, views), run)
             yield fam
+
+
+_HANG_FAMILIES = frozenset({"trainingd_rank_hung", "trainingd_rank_hangs_total"})
 
 
 def _summed(s: MetricSpec, views: list[RankView]) -> RankView:

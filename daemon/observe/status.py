@@ -14,6 +14,10 @@ The tiers (`tiers` in `/api/status`): the memory tier's bytes on this node by ki
 never in a request), the newest step the node's ranks hold in memory (the lowest over its
 local ranks: a memory step is restorable only when every rank holds it) and the newest
 durable step (the ranks' last commit, else the newest step of the listing).
+
+The hangs (`hangs` in `/api/status`, `hung` on each rank): the ranks hung now and every rank
+of the last declared hang (rank, node, phase, step, innermost frame, stopped or not, cause or
+waiter), read from the hang detector's `HangLedger` (`daemon/observe/hangs.py`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import structlog
 
 from ckpt_manager import CheckpointError, CommittedCheckpoint, committed_checkpoints
 from daemon.observe.collector import RankView
+from daemon.observe.hangs import HangLedger
 from daemon.observe.state import NodeStatus
 
 __all__ = ["CHECKPOINT_REFRESH_S", "HISTORY_POINTS", "StatusBoard", "format_duration"]
@@ -56,6 +61,7 @@ class StatusBoard:
         list_checkpoints: replaces `committed_checkpoints` (tests).
         tier_bytes: the memory tier's bytes by kind (`local`, `replica`), read at each
             `observe` (`daemon.agent.memory_dir.NodeMemoryDir.tier_bytes`); None: 0.
+        hangs: the hang detector's ledger; None: no hang is ever shown.
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class StatusBoard:
         clock: Callable[[], float] = time.time,
         list_checkpoints: Callable[[], list[CommittedCheckpoint]] | None = None,
         tier_bytes: Callable[[], Mapping[str, float]] | None = None,
+        hangs: HangLedger | None = None,
     ) -> None:
         self.max_steps = max_steps
         """The run's target step."""
@@ -76,6 +83,7 @@ class StatusBoard:
         )
         self._clock = clock
         self._tier_bytes = tier_bytes
+        self._hangs = hangs if hangs is not None else HangLedger()
         self._tiers: dict[str, Any] = _tiers({}, None, None)
         self._lock = threading.Lock()
         self._loss: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY_POINTS)
@@ -153,6 +161,7 @@ class StatusBoard:
                     "heartbeat_age_s": _age(
                         now, v.gauge("trainingd_rank_heartbeat_timestamp_seconds")
                     ),
+                    "hung": self._hangs.hung(v.rank),
                 }
                 for v in sorted(views, key=lambda v: v.local_rank)
             ]
@@ -218,6 +227,10 @@ class StatusBoard:
                     ],
                 },
                 "tiers": self._tier_view(),
+                "hangs": {
+                    "hung_ranks": self._hangs.hung_ranks(),
+                    "last": [r.as_dict() for r in self._hangs.last()],
+                },
                 "last_error": None if self._last_error is None else dict(self._last_error),
                 "endpoints": ["/", "/api/status", "/metrics", "/healthz", "/readyz"],
             }

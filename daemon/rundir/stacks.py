@@ -6,7 +6,10 @@ directory. faulthandler writes from the C signal handler, so a rank whose Python
 C call (a collective, a read) still answers; a stopped process (SIGSTOP) cannot, and the daemon
 reports it as `stopped` instead (`daemon/agent/hang.py`). `innermost_frame` picks the frame an
 operator wants from a dump: the innermost one of our packages or of the job, not of the
-interpreter or a library.
+interpreter or a library. `waits_in_collective` tells a rank that waits for a peer from one
+that is stuck itself: the engine's gradient reductions and all-gathers are waited on inside
+the forward and backward passes, so the progress phase alone (`collective` only for the
+loop's per-step agreement) cannot.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = [
     "is_ours_or_jobs",
     "parse_stacks",
     "stacks_path",
+    "waits_in_collective",
 ]
 
 STACK_DUMP_SIGNAL = signal.SIGUSR2
@@ -34,6 +38,10 @@ STACK_DUMP_SIGNAL = signal.SIGUSR2
 _OUR_PACKAGES = ("daemon", "sharding", "ckpt_manager")
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)")
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)')
+_COLLECTIVE_LIBRARY = "/torch/distributed/"
+"""A library frame under this path is a collective (or the process group's store) waiting."""
+_COLLECTIVE_WAITS = (("sharding/_comm.py", "wait"),)
+"""Frames of ours that block on an issued collective (`PendingCollective.wait`)."""
 _OPEN_DUMPS: list[IO[str]] = []
 """The open dump file (faulthandler needs it open for the life of the process)."""
 
@@ -103,6 +111,15 @@ def is_ours_or_jobs(file: str, library_roots: tuple[str, ...] | None = None) -> 
     return not any(file.startswith(root.rstrip("/") + "/") for root in roots)
 
 
+def _training_first(threads: list[list[Frame]]) -> list[list[Frame]]:
+    """The threads, those whose stack passes through our rank entry or loop first."""
+
+    def trains(frames: list[Frame]) -> bool:
+        return any(f.file.endswith(("daemon/worker.py", "daemon/rank/loop.py")) for f in frames)
+
+    return [t for t in threads if trains(t)] + [t for t in threads if not trains(t)]
+
+
 def innermost_frame(
     threads: list[list[Frame]], library_roots: tuple[str, ...] | None = None
 ) -> Frame | None:
@@ -112,13 +129,33 @@ def innermost_frame(
     rank entry (`daemon/worker.py`) or loop; without one, the first thread with any frame of
     ours or the job's. None when no thread has one.
     """
-
-    def trains(frames: list[Frame]) -> bool:
-        return any(f.file.endswith(("daemon/worker.py", "daemon/rank/loop.py")) for f in frames)
-
-    ordered = [t for t in threads if trains(t)] + [t for t in threads if not trains(t)]
-    for frames in ordered:
+    for frames in _training_first(threads):
         for frame in frames:
             if is_ours_or_jobs(frame.file, library_roots):
                 return frame
     return None
+
+
+def waits_in_collective(
+    threads: list[list[Frame]], library_roots: tuple[str, ...] | None = None
+) -> bool:
+    """Whether the thread that trains is blocked waiting on a collective (for its peers).
+
+    It is when, from its innermost frame outwards up to the first frame of ours or the job's,
+    a library frame is torch.distributed's, or that first frame of ours is the engine's wait
+    on an issued collective (`sharding/_comm.py` `wait`). A rank spinning in the job's code,
+    or stuck in a read or a lock, is not.
+    """
+    ordered = _training_first(threads)
+    if not ordered or not ordered[0]:
+        return False
+    for frame in ordered[0]:
+        if not is_ours_or_jobs(frame.file, library_roots):
+            if _COLLECTIVE_LIBRARY in frame.file:
+                return True
+            continue
+        return any(
+            frame.file.endswith(path) and frame.function == function
+            for path, function in _COLLECTIVE_WAITS
+        )
+    return False

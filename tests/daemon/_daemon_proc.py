@@ -33,10 +33,15 @@ CKPTCTL = BIN / "ckptctl"
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
-GATED_JOB = ["--job", "tests.daemon._gated_job:build", "--data-prefetch", "0"]
+GATED_JOB = [
+    "--job", "tests.daemon._gated_job:build", "--data-prefetch", "0",
+    "--hang-timeout-s", str(_gated_job.HOLD_TIMEOUT_S + 30),
+]  # fmt: skip
 """Flags that train the default job through the gate (no gate without `Gate.env`). The gate
 counts the samples a rank reads; with batches read ahead on a thread it would close steps
-early, so gated runs read on the training thread (`--data-prefetch 0`)."""
+early, so gated runs read on the training thread (`--data-prefetch 0`). A held rank makes no
+progress: the hang budget outlasts the gate's own `HOLD_TIMEOUT_S`, else a hold longer than
+the auto budget (60 s, reached under load) would be restarted as a hang."""
 
 
 def session_pids(sid: int) -> list[int]:

@@ -12,7 +12,15 @@ import torch
 
 from ckpt_manager import AnyOf, AsyncMode, KeepBest, KeepEvery, KeepInterval, KeepLast, MetricMode
 from daemon._config_load import config_keys, config_reference, dump_toml, load_config
-from daemon.config import DaemonConfig, Device, Precision, StepInterval, StrategyName
+from daemon.config import (
+    DaemonConfig,
+    Device,
+    ObservabilitySettings,
+    Precision,
+    StepInterval,
+    StrategyName,
+    TimeoutSeconds,
+)
 from daemon.errors import ConfigError
 
 BIN = Path(sys.executable).parent
@@ -139,6 +147,37 @@ def test_memory_tier_keys_default_to_auto_in_dev_shm_and_come_from_anywhere(
         dumped = dump_toml(cfg)
         assert ("memory_every = 7" if setting == "7" else 'memory_every = "auto"') in dumped
         assert load_config({}, env={}, file=_write(tmp_path, dumped)) == cfg
+
+
+def test_hang_timeout_is_auto_by_default_zero_is_auto_too_and_other_text_is_refused(
+    tmp_path: Path,
+) -> None:
+    assert load_config({}, env={}).observability.hang_timeout_s.is_auto
+    assert 'hang_timeout_s = "auto"' in dump_toml(load_config({}, env={}))
+    quoted = _write(tmp_path, '[observability]\nhang_timeout_s = "Auto"\n')
+    assert load_config({}, env={}, file=quoted).observability.hang_timeout_s.is_auto
+    number = _write(tmp_path, "[observability]\nhang_timeout_s = 4\n")
+    assert load_config({}, env={}, file=number).observability.hang_timeout_s.seconds == 4.0
+    env = {"TRAININGD_HANG_TIMEOUT_S": "2.5"}
+    assert load_config({}, env=env).observability.hang_timeout_s == TimeoutSeconds(2.5)
+    assert load_config({"hang_timeout_s": "auto"}, env=env).observability.hang_timeout_s.is_auto
+    # 0 stays an alias of auto and is shown, and written back, as auto.
+    zero = load_config({"hang_timeout_s": "0"}, env={})
+    assert zero.observability.hang_timeout_s.is_auto
+    assert str(zero.observability.hang_timeout_s) == "auto"
+    for setting in ("7.5", "auto"):
+        cfg = load_config({"hang_timeout_s": setting}, env={})
+        dumped = dump_toml(cfg)
+        expected = "hang_timeout_s = 7.5" if setting == "7.5" else 'hang_timeout_s = "auto"'
+        assert expected in dumped
+        assert load_config({}, env={}, file=_write(tmp_path, dumped)) == cfg
+    for bad in ("soon", "-1", "inf", "nan", "true"):
+        with pytest.raises(ConfigError, match=r"hang_timeout_s=.* is invalid: use auto, or a"):
+            load_config({"hang_timeout_s": bad}, env={})
+    with pytest.raises(ConfigError, match=r"hang_timeout_s=True .* is invalid: use auto"):
+        load_config({}, env={}, file=_write(tmp_path, "[observability]\nhang_timeout_s = true\n"))
+    with pytest.raises(ValueError, match=r"hang_timeout_s=3.0: use auto, or a number"):
+        ObservabilitySettings(hang_timeout_s=3.0)  # type: ignore[arg-type]
 
 
 def test_memory_replicas_default_to_one_with_several_nodes_and_refuse_what_the_ring_cannot_hold(

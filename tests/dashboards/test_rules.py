@@ -29,6 +29,8 @@ REQUIRED_ALERTS = {
     "TrainingdDaemonDown",
     # Peer replicas of the memory tier.
     "TrainingdMemoryReplicaLagging",
+    # Hangs (issue #30 item 1).
+    "TrainingdRankHung",
 }
 _BY_CLAUSE = re.compile(r"\bby\s*\(([^)]*)\)")
 _HEADING = re.compile(r"^## (\S+)\s*$", re.MULTILINE)

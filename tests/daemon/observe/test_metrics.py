@@ -27,6 +27,8 @@ _NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|memory|rank|build|config
 _UNITS = ("_seconds", "_bytes", "_total", "_ratio", "_depth", "_step", "_info", "_loss",
           "_norm", "_rate", "_size", "_ranks", "_state", "_ready", "_inflight", "_finished",
           "_steps", "_restarts", "_failures", "_peak", "_bound",
+          # A 0/1 state like _ready and _finished: the rank is declared hung (issue #30 names it).
+          "_hung",
           # A rate gauge: tokens/s of the last step (issue #17 names it), not a counter's rate.
           "_per_second")  # fmt: skip
 
