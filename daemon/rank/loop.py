@@ -7,7 +7,8 @@ the optimizer; `ckpt_manager` receives plain state dicts. The state saved at a s
      "optimizer": optimizer.sharded_state_dict(),
      "scheduler": scheduler.state_dict(),          # plain JSON values, replicated
      "data": loader.state_dict(),                  # global position, identical on every rank
-     "rng": RankLocal({"torch": ..., "python": ...})}   # per rank
+     "rng": RankLocal({"torch": ..., "python": ...}),   # per rank
+     "__model_files__": {"config.json": ...}}       # only from a --init-from with a config
 
 and a restore puts back every piece, so a resumed run is bitwise the run that was not stopped
 (CPU, fp32): same weights, optimizer moments, LR, data order and RNG streams.
@@ -73,6 +74,7 @@ from daemon.jobs.init_from import (
     storage_options_for,
 )
 from daemon.jobs.job import JobSpec, fp32_module_classes
+from daemon.jobs.model_files import MODEL_FILES_KEY, read_model_files
 from daemon.rank.data import ShardedLoader
 from daemon.rank.deferral import DeferredSaves
 from daemon.rank.memory_cadence import Cadence, FixedCadence, cadence_for
@@ -260,6 +262,17 @@ def _init_source(cfg: DaemonConfig, job: JobSpec, expected: dict[str, Any]) -> I
     return check_source(expected, uri, job.init_key_map, options)
 
 
+def _model_files(cfg: DaemonConfig, job: JobSpec, rank: int) -> dict[str, Any]:
+    """`{MODEL_FILES_KEY: {name: text}}` of the init source's `config.json` etc., or `{}`."""
+    uri = cfg.train.init_from or job.init_from
+    if not uri:
+        return {}
+    files = read_model_files(uri, storage_options_for(uri, cfg.checkpoint.s3_endpoint_url))
+    if not files and rank == 0:
+        log.warning("init_from_has_no_config", uri=uri, note="exports will have no config.json")
+    return {MODEL_FILES_KEY: files} if files else {}
+
+
 def run_training(
     cfg: DaemonConfig,
     job: JobSpec,
@@ -357,6 +370,8 @@ class _Training:
         self.micro_batches = cfg.micro_batches_at(self.world)
         # `--init-from` weights are checked against the unsharded model's tensors, taken here.
         self._init_expected = expected_tensors(job.model) if tc.init_from or job.init_from else {}
+        # The init source's config.json etc., saved with every step (`jobs/model_files.py`).
+        self.model_files = _model_files(cfg, job, self.rank)
         precision = MixedPrecisionPolicy(
             param_dtype=getattr(torch, tc.param_dtype.value),
             reduce_dtype=getattr(torch, tc.reduce_dtype.value),
@@ -431,6 +446,7 @@ class _Training:
             "scheduler": self.scheduler.state_dict(),
             "data": self.loader.state_dict(),
             "rng": RankLocal(_rng_state(self.device)),
+            **self.model_files,
         }
 
     # --- before the first step ----------------------------------------------------------------
@@ -450,8 +466,10 @@ class _Training:
         # behind /healthz (published at most every `publish_interval_s`), so a restore of any
         # length stays healthy while bytes arrive, and one stuck in a read goes stale after
         # `heartbeat_timeout_s`; the supervisor extends systemd's start timeout on the same beats.
+        template = self.state()
+        template.pop(MODEL_FILES_KEY, None)  # a plain value, and older steps lack it
         restored = manager.restore(
-            step=None, into=self.state(), on_progress=lambda _progress: telemetry.heartbeat()
+            step=None, into=template, on_progress=lambda _progress: telemetry.heartbeat()
         )
         if restored is not None:
             self.step = restored.step
