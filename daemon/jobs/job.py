@@ -13,6 +13,8 @@ model initialisation is identical on every rank):
             model=model,
             train_data=MyDataset(),                     # len() and [i] -> (inputs, targets)
             loss_fn=torch.nn.functional.cross_entropy,  # loss_fn(model(inputs), targets)
+            # or: [i] -> {"input_ids": ..., "attention_mask": ..., "labels": ...}, passed
+            # as model(**batch); loss_fn=None takes outputs.loss, else loss_fn(outputs, batch)
             unit_modules=(MyBlock,),                    # FSDP units (None: auto-detect)
             init_fn=None,                               # meta model: init per module
             sample=my_sample,                           # optional: text shown at the end
@@ -29,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -41,14 +43,18 @@ __all__ = ["Dataset", "JobContext", "JobSpec", "fp32_module_classes", "load_job"
 
 @runtime_checkable
 class Dataset(Protocol):
-    """Indexable samples: `len(ds)` and `ds[i] -> (inputs, targets)` tensors of fixed shape."""
+    """Indexable samples: `len(ds)` and `ds[i]`, tensors of fixed shape.
+
+    A sample is `(inputs, targets)` or a dict of tensors passed to the model as keyword
+    arguments (`input_ids`, `attention_mask`, `labels`, ...); see `daemon/rank/batch.py`.
+    """
 
     def __len__(self) -> int:
         """Number of samples."""
         ...
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample `index` as `(inputs, targets)`."""
+    def __getitem__(self, index: int) -> Any:
+        """Sample `index`: `(inputs, targets)` or a dict of tensors."""
         ...
 
 
@@ -72,8 +78,10 @@ class JobSpec:
     """The full (unsharded) model; the daemon wraps it with the sharding engine."""
     train_data: Dataset
     """Training samples; the daemon shards them by rank and checkpoints the position."""
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    """`loss_fn(model(inputs), targets)` -> scalar mean loss."""
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    """The scalar mean loss: `loss_fn(model(inputs), targets)` for `(inputs, targets)` samples,
+    `loss_fn(model(**batch), batch)` for dict samples; None (dict samples only) takes the
+    model's own `outputs.loss` (a Hugging Face model computes it from the batch's `labels`)."""
     unit_modules: tuple[type[nn.Module], ...] | None = None
     """Module classes that become FSDP units; None lets the engine detect repeated blocks."""
     tokens_per_sample: int = 0
@@ -106,8 +114,11 @@ class JobSpec:
             raise JobError("JobSpec.train_data needs __len__ and __getitem__")
         if len(self.train_data) == 0:
             raise JobError("JobSpec.train_data is empty")
-        if not callable(self.loss_fn):
-            raise JobError("JobSpec.loss_fn must be callable: loss_fn(outputs, targets)")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise JobError(
+                "JobSpec.loss_fn must be None (dict samples: outputs.loss) or callable: "
+                "loss_fn(outputs, targets)"
+            )
         if self.tokens_per_sample < 0:
             raise JobError("JobSpec.tokens_per_sample must be 0 (auto) or positive")
         if self.flops_per_token < 0:

@@ -75,6 +75,7 @@ from daemon.jobs.init_from import (
 )
 from daemon.jobs.job import JobSpec, fp32_module_classes
 from daemon.jobs.model_files import MODEL_FILES_KEY, read_model_files
+from daemon.rank.batch import Batch, collate, forward_loss, num_tokens, to_device
 from daemon.rank.data import ShardedLoader
 from daemon.rank.deferral import DeferredSaves
 from daemon.rank.memory_cadence import Cadence, FixedCadence, cadence_for
@@ -233,9 +234,7 @@ def _materialize_optimizer_state(
     `_forget_optimizer_state` leaves exactly a fresh start.
     """
     samples = [job.train_data[i] for i in range(min(2, len(job.train_data)))]
-    inputs = torch.stack([x for x, _ in samples]).to(device)
-    targets = torch.stack([y for _, y in samples]).to(device)
-    loss = job.loss_fn(model(inputs), targets) * 0.0
+    loss = forward_loss(model, job.loss_fn, to_device(collate(samples), device)) * 0.0
     loss.backward()  # type: ignore[no-untyped-call]
     rates = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
@@ -554,24 +553,21 @@ class _Training:
         if self.stopped:
             log.info("stopping", step=self.step, signal=self.control.stop_signal)
 
-    def next_batches(self) -> list[tuple[torch.Tensor, ...]]:
+    def next_batches(self) -> list[Batch]:
         """This step's micro-batches, on the device (copies from pinned memory overlap)."""
-        return [
-            tuple(t.to(self.device, non_blocking=True) for t in self.loader.next_batch())
-            for _ in range(self.micro_batches)
-        ]
+        return [to_device(self.loader.next_batch(), self.device) for _ in range(self.micro_batches)]
 
-    def forward_backward(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Accumulate gradients over the micro-batches (reduced on the last); the loss sum.
 
         The loss stays on the device ([Note: one host read per step]).
         """
         loss_sum = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(batches):
+        for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 self.telemetry.mark(ProgressPhase.FORWARD)
-                loss = self.job.loss_fn(self.model(inputs), targets) / len(batches)
+                loss = forward_loss(self.model, self.job.loss_fn, batch) / len(batches)
                 self.telemetry.mark(ProgressPhase.BACKWARD)
                 loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
@@ -634,7 +630,7 @@ class _Training:
 
     def record_step(
         self,
-        batches: list[tuple[torch.Tensor, ...]],
+        batches: list[Batch],
         agreed: _Agreement,
         *,
         lr: float,
@@ -647,7 +643,7 @@ class _Training:
         telemetry.set("trainingd_train_step", self.step)
         telemetry.observe("trainingd_train_step_duration_seconds", step_s)
         telemetry.observe("trainingd_train_data_loading_seconds", data_s)
-        step_tokens = self.tokens_per_step or sum(int(b[0].numel()) for b in batches)
+        step_tokens = self.tokens_per_step or sum(num_tokens(b) for b in batches)
         self.num_tokens += step_tokens
         telemetry.inc("trainingd_train_tokens_total", step_tokens)
         telemetry.set("trainingd_train_tokens_per_second", step_tokens / step_s)
