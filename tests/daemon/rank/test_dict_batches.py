@@ -2,7 +2,7 @@
 
 Each sample is `{"input_ids", "attention_mask", "labels"}` (right padding on some rows, the
 padded labels -100), passed as `model(**batch)`; with no `loss_fn` the loss is the model's
-own `outputs.loss`. On 2 ranks the loop (`run_training`) under two strategies must end with
+own `outputs.loss`. On 2 ranks the loop (`run_training`) under every strategy must end with
 the weights and loss of a DDP reference that runs the same steps by hand: the loader's order,
 AdamW in the same groups, the warmup schedule and gradient clipping.
 """
@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow
 
 _SEQ = 8
-_STRATEGIES = ("no_shard", "optim_grads_params")
+_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 class _Padded(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
