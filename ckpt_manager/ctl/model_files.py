@@ -14,13 +14,15 @@ import os
 from typing import Any
 
 from ckpt_manager._format.manifest import Manifest
-from ckpt_manager._types import MODEL_FILES_KEY
 
 __all__ = ["recorded_model_files", "write_local_model_files"]
 
 
 def recorded_model_files(m: Manifest) -> dict[str, str]:
     """`{name: text}` recorded in the step (empty when the run recorded none)."""
+    # Here, not at the top: `_types` imports torch, which this module never needs.
+    from ckpt_manager._types import MODEL_FILES_KEY
+
     tree: Any = m.tree
     if tree[0] != "d":
         return {}
