@@ -216,7 +216,7 @@ def _load_file(target: str, path: Path) -> ModuleType:
     name = job_module_name(target)
     loaded = sys.modules.get(name)
     if loaded is not None and getattr(loaded, "__file__", None) == str(path):
-        return loaded  # the fork server preloaded it, or a second call
+        return loaded  # a second call in this process (e.g. the start-up checks)
     if not path.is_file():
         raise JobError(f"job {target!r}: no such file {path}")
     spec = importlib.util.spec_from_file_location(name, path)
