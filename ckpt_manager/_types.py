@@ -28,6 +28,16 @@ ALIASES_KEY = "__aliases__"
 turn it into shared keys; restoring into a template whose checkpoint lacks it keeps the
 template's (ties come from the module)."""
 
+MODEL_FILES_KEY = "__model_files__"
+"""Contract key (CONTRACTS.md): `{file name: text}` at the top level of a saved state, the files
+that describe the model (a Hugging Face `config.json`, `generation_config.json`); `ckptctl
+restore --format safetensors` writes them beside the exported weights."""
+
+GROUP_NAMES_KEY = "param_names"
+"""Contract key (CONTRACTS.md): the parameter names of one group in an optimizer's
+`param_groups`. The DCP export renames it to torch's `"params"` (`get_optimizer_state_dict`
+layout)."""
+
 
 @runtime_checkable
 class ShardedTensorLike(Protocol):

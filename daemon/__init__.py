@@ -39,6 +39,7 @@ memory and never call each other; they talk through files in the run directory (
         gpt.py           the default job's byte-level GPT and `generate`.
         init_from.py     `--init-from` / `JobSpec.init_from`: safetensors checked against the
                          model, each rank reading only its shards' byte ranges.
+        model_files.py   the init source's `config.json` etc., saved with every step.
       agent/             the daemon process:
         run.py           `trainingd run` from start-up checks to exit code.
         preflight.py     start-up checks -> exit 2.
@@ -80,6 +81,7 @@ memory and never call each other; they talk through files in the run directory (
       rank/              the rank process:
         loop.py          the training loop: data -> forward/backward -> step -> metrics -> ckpt.
         data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
+        batch.py         a micro-batch (`(inputs, targets)` or a dict for `model(**batch)`).
         prefetch.py      `PrefetchingLoader`: the next batches read on a background thread.
         token_data.py    `--data`: the job trains on token files (`data/`).
         permutation.py   `FeistelPermutation`: a seeded order of [0, n) in O(1) memory.

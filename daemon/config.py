@@ -204,6 +204,7 @@ class TimeoutSeconds:
 
 _NNODES = re.compile(r"^(\d+)(?::(\d+))?$")
 _JOB = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_JOB_FILE = re.compile(r"^[^:]*(\.py|/[^/:]+):[A-Za-z_]\w*$")  # path/to/job.py:callable
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -321,7 +322,8 @@ class TrainSettings:
     """What each rank trains and how."""
 
     job: str = "daemon.default_job:build"
-    """`module:callable` returning a `daemon.JobSpec` (model, datasets, loss)."""
+    """`module:callable` (a module importable from the current directory or `sys.path`) or
+    `path/to/job.py:callable`, returning a `daemon.JobSpec` (model, datasets, loss)."""
     init_from: str = ""
     """Safetensors weights to start from before step 0 when no checkpoint exists: a
     directory with `model.safetensors.index.json` or `model.safetensors`, or one file; path
@@ -401,8 +403,11 @@ class TrainSettings:
             self, "max_steps", "warmup_steps", "weight_decay", "grad_clip", "seed", "peak_flops"
         )
         _check_data(self.data, self.data_weights)
-        if not _JOB.match(self.job):
-            raise ValueError(f"job={self.job!r}: use module:callable, e.g. mypkg.jobs:build")
+        if not _JOB.match(self.job) and not _JOB_FILE.match(self.job):
+            raise ValueError(
+                f"job={self.job!r}: use module:callable or path/to/job.py:callable, e.g. "
+                "mypkg.jobs:build"
+            )
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -631,7 +636,9 @@ class DaemonConfig:
         """The run id: `launch.run_id`, or `<job module>-<hash of job and checkpoint root>`."""
         if self.launch.run_id:
             return self.launch.run_id
-        module = self.train.job.split(":", 1)[0].rsplit(".", 1)[-1]
+        where = self.train.job.rpartition(":")[0]
+        # `pkg.my_job:build` -> my_job; `path/to/my_job.py:build` -> my_job.
+        module = where.rsplit("/", 1)[-1].removesuffix(".py").rsplit(".", 1)[-1]
         # A valid explicit id starts with a letter or digit; so does a derived one (`_x` -> `x`).
         name = module.strip("_").replace("_", "-") or "job"
         digest = hashlib.sha256(f"{self.train.job}\n{self.checkpoint.ckpt_uri}".encode())

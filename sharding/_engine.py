@@ -88,6 +88,9 @@ class Engine:
         self.buckets = [b for group in unit_buckets for b in group]
         self.root = len(unit_buckets) - 1
         self.state = TrainingState.IDLE
+        self.summoned = False
+        """Inside `summon_full_params()`: every unit is whole, so the inner module may run
+        (without grad) and the unit hooks have nothing to do ([Note: generation])."""
         self.is_last_microbatch = True
         num = len(unit_buckets)
         self._fwd_calls = [0] * num
@@ -121,8 +124,8 @@ class Engine:
     # ---- forward ----
 
     def check_wrapped(self) -> None:
-        """Raise if the inner module runs outside the wrapper (state IDLE)."""
-        if self.state is TrainingState.IDLE:
+        """Raise if the inner module runs outside the wrapper (state IDLE, not summoned)."""
+        if self.state is TrainingState.IDLE and not self.summoned:
             raise UnwrappedModuleError(
                 "the wrapped module was called directly; call the FullyShardedDataParallel "
                 "wrapper instead (its forward gathers weights and its hooks reduce gradients)"
@@ -162,6 +165,8 @@ class Engine:
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         """Unit `index` is about to run forward."""
         self.check_wrapped()
+        if self.summoned:
+            return None  # already whole; no gradient work ([Note: generation])
         if self.state is TrainingState.BACKWARD:
             self.wait_pending_weights(index)
             if self.gather is not None:

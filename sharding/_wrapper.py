@@ -331,7 +331,9 @@ class FullyShardedDataParallel(nn.Module):
         gathered on entry and released on exit (peak memory: the whole model in the compute
         dtype); under the other strategies parameters are whole anyway. Parameters inside
         hold the compute weights (`param_dtype`), e.g. for `model.state_dict()`, norms or
-        evaluation code that reads weights. Do not run the wrapper's forward inside.
+        evaluation code that reads weights. Do not run the wrapper's forward inside; the
+        inner module may be called inside without grad (`model.module(...)`,
+        `model.module.generate(...)`: [Note: generation] at `generate`).
 
         Args:
             writeback: copy edits made inside back into the engine's weights on exit (every
@@ -351,6 +353,7 @@ class FullyShardedDataParallel(nn.Module):
         self._summoned = True
         try:
             self._engine.gather_all()
+            self._engine.summoned = True
             yield
             if writeback:
                 for bucket in self._engine.buckets:
@@ -361,8 +364,34 @@ class FullyShardedDataParallel(nn.Module):
                 for p in pending:
                     p.wait()
         finally:
+            self._engine.summoned = False
             self._engine.reshard_all()
             self._summoned = False
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The inner module's `generate(*args, **kwargs)` (e.g. a Hugging Face model's).
+
+        [Note: generation] Generation calls the inner module many times, with inputs (and a
+        cache) the wrapper's forward does not see. It runs inside `summon_full_params()` and
+        `torch.no_grad()`: every unit is gathered once on entry (collective: every rank calls
+        `generate` together; peak memory is the whole model in the compute dtype under
+        `OPTIM_GRADS_PARAMS`) and released on exit, and the unit hooks stand aside meanwhile.
+        The same holds for any inference code: inside `with model.summon_full_params():` the
+        inner module (`model.module(...)`, `model.module.generate(...)`) may be called
+        without grad.
+
+        Raises:
+            AttributeError: the inner module has no `generate`.
+            ShardingError: called inside forward/backward or inside `summon_full_params()`.
+        """
+        generate = getattr(self.module, "generate", None)
+        if not callable(generate):
+            raise AttributeError(
+                f"the wrapped {type(self.module).__name__} has no generate(); run your own "
+                "decoding loop on model.module inside `with model.summon_full_params():`"
+            )
+        with torch.no_grad(), self.summon_full_params():
+            return generate(*args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the engine's accumulated gradients (as `DistributedOptimizer.zero_grad`).

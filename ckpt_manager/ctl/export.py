@@ -42,6 +42,7 @@ __all__ = [
     "safetensors_metadata",
     "safetensors_sources",
     "select",
+    "with_aliases",
     "write_safetensors_file",
 ]
 
@@ -280,7 +281,7 @@ def export_torch(
         if tag == "v":
             return body
         if tag == "d":
-            return _with_aliases({k: build(v) for k, v in body})
+            return with_aliases({k: build(v) for k, v in body})
         if tag in ("l", "t"):
             items = [build(v) for v in body]
             return tuple(items) if tag == "t" else items
@@ -312,7 +313,7 @@ def export_torch(
     return len(sources)
 
 
-def _with_aliases(d: dict[str, Any]) -> dict[str, Any]:
+def with_aliases(d: dict[str, Any]) -> dict[str, Any]:
     """Resolve a state dict's `ALIASES_KEY` (`{tied name: saved name}`, CONTRACTS.md).
 
     Each alias becomes a key holding the very tensor of its target (one storage in the

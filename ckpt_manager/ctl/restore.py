@@ -38,9 +38,10 @@ from ckpt_manager.ctl.export import (
 )
 from ckpt_manager.ctl.export_dcp import export_dcp
 from ckpt_manager.ctl.export_sharded import INDEX_NAME, export_sharded_safetensors, parse_size
+from ckpt_manager.ctl.model_files import recorded_model_files, write_local_model_files
 from ckpt_manager.ctl.render import Progress, format_bytes
 from ckpt_manager.ctl.reshard import plan_reshard, write_resharded
-from ckpt_manager.ctl.sink import OutputFile
+from ckpt_manager.ctl.sink import OutputFile, split_uri
 
 __all__ = ["OutputFormat", "RestoreRequest", "run_restore"]
 
@@ -169,9 +170,23 @@ def run_restore(req: RestoreRequest, flags: StorageFlags) -> Iterator[str]:
             file=sys.stderr,
         )
     total = selected_bytes(manifest, sel)
+    files = recorded_model_files(manifest) if kind is OutputFormat.SAFETENSORS else {}
+    if kind is OutputFormat.SAFETENSORS:
+        _note_model_files(req, files)
     if kind is OutputFormat.DCP or req.max_shard_size is not None:
         yield _export_directory(req, source, manifest, sel, total)
+        if files:
+            directory = local_path(req.to)
+            assert directory is not None  # RestoreRequest refused other destinations
+            write_local_model_files(files, directory)
+            yield f"step {step}: wrote {', '.join(files)} to {directory}"
         return
+    parent = split_uri(req.to)[0]
+    beside = {} if split_uri(req.to)[1] != _SINGLE_NAME else files
+    # Constructed first: an existing config.json without --force fails before the weights.
+    extra = [
+        (OutputFile(f"{parent}/{n}", flags, overwrite=req.overwrite), t) for n, t in beside.items()
+    ]
     output = OutputFile(req.to, flags, overwrite=req.overwrite)
     progress = Progress(total, 1)
     try:
@@ -186,6 +201,30 @@ def run_restore(req: RestoreRequest, flags: StorageFlags) -> Iterator[str]:
     yield (
         f"step {step}: wrote {count} tensors ({format_bytes(total)}) as {kind.value} to {req.to}"
     )
+    for extra_file, text in extra:
+        with extra_file.writing() as local, open(local, "w", encoding="utf-8") as out:
+            out.write(text)
+        yield f"step {step}: wrote {extra_file.name} beside it"
+
+
+_SINGLE_NAME = "model.safetensors"  # the single-file name `from_pretrained(folder)` reads
+
+
+def _note_model_files(req: RestoreRequest, files: dict[str, str]) -> None:
+    """One stderr line when a safetensors export will have no `config.json` beside it."""
+    if "config.json" not in files:
+        print(
+            "ckptctl restore: note: the step records no config.json (the run did not start "
+            "from --init-from a save_pretrained directory with one): from_pretrained needs "
+            "one beside the export",
+            file=sys.stderr,
+        )
+    elif req.max_shard_size is None and split_uri(req.to)[1] != _SINGLE_NAME:
+        print(
+            f"ckptctl restore: note: the step records {', '.join(files)}; name the output "
+            f"{_SINGLE_NAME} (or use --max-shard-size) to get them beside the weights",
+            file=sys.stderr,
+        )
 
 
 def _export_directory(

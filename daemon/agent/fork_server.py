@@ -91,11 +91,15 @@ def preload_modules(job: str, entry_module: str, rank_modules: Sequence[str]) ->
     """What the server imports: torch, the rank's modules, the entry's and the job's module.
 
     Args:
-        job: the job, `module:callable`.
+        job: the job, `module:callable` or `path/to/job.py:callable` (a file is loaded by
+            each rank, not preloaded: only modules are imported by name).
         entry_module: the module of the rank entry point (`daemon.worker`).
         rank_modules: what the entry imports when it starts (`daemon.worker.RANK_MODULES`).
     """
-    wanted = ["torch", *rank_modules, entry_module, job.partition(":")[0], _STATE_MODULE]
+    where = job.rpartition(":")[0]
+    # The same test as `daemon.jobs.job.load_job`'s, which this module cannot import (torch).
+    by_name = [] if where.endswith(".py") or "/" in where else [where]
+    wanted = ["torch", *rank_modules, entry_module, *by_name, _STATE_MODULE]
     return list(dict.fromkeys(wanted))
 
 

@@ -13,7 +13,6 @@ weights fit the job's model (names, shapes, dtypes: `daemon/jobs/init_from.py`).
 
 from __future__ import annotations
 
-import importlib
 import uuid
 from pathlib import Path
 
@@ -35,15 +34,13 @@ _CONNECT_TIMEOUT_S = 3.0
 
 
 def _check_job(cfg: DaemonConfig) -> None:
-    module_name, _, attr = cfg.train.job.partition(":")
+    from daemon.errors import JobError
+    from daemon.jobs.job import load_job
+
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise StartupCheckError(
-            f"job={cfg.train.job!r}: cannot import {module_name}: {err}"
-        ) from None
-    if not callable(getattr(module, attr, None)):
-        raise StartupCheckError(f"job={cfg.train.job!r}: {module_name} has no callable {attr!r}")
+        load_job(cfg.train.job)
+    except JobError as err:
+        raise StartupCheckError(str(err)) from None
 
 
 def _check_local_dir(path: Path, what: str) -> None:

@@ -10,6 +10,8 @@ Module plan:
     init_from.py    `--init-from` / `JobSpec.init_from`: Hugging Face safetensors (sharded with
                     an index, or one file) checked against the model, then each rank reads
                     only its shards' byte ranges before step 0.
+    model_files.py  the init source's `config.json` / `generation_config.json`, recorded with
+                    every step so a safetensors export loads with `from_pretrained`.
 
 Both processes import it: ranks build and train the job, the daemon builds it on the meta
 device at start-up to check `--init-from` against it (`daemon/agent/preflight.py`).

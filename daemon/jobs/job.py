@@ -1,6 +1,6 @@
-"""The job seam: what `--job module:callable` must return.
+"""The job seam: what `--job module:callable` (or `--job path/to/job.py:callable`) must return.
 
-A job is a callable `build(ctx: JobContext) -> JobSpec`, importable by every rank (it runs in
+A job is a callable `build(ctx: JobContext) -> JobSpec`, loadable by every rank (it runs in
 each rank process, after the process group exists and after `torch.manual_seed(ctx.seed)`, so
 model initialisation is identical on every rank):
 
@@ -13,6 +13,8 @@ model initialisation is identical on every rank):
             model=model,
             train_data=MyDataset(),                     # len() and [i] -> (inputs, targets)
             loss_fn=torch.nn.functional.cross_entropy,  # loss_fn(model(inputs), targets)
+            # or: [i] -> {"input_ids": ..., "attention_mask": ..., "labels": ...}, passed
+            # as model(**batch); loss_fn=None takes outputs.loss, else loss_fn(outputs, batch)
             unit_modules=(MyBlock,),                    # FSDP units (None: auto-detect)
             init_fn=None,                               # meta model: init per module
             sample=my_sample,                           # optional: text shown at the end
@@ -28,27 +30,43 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from daemon.errors import JobError
 
-__all__ = ["Dataset", "JobContext", "JobSpec", "fp32_module_classes", "load_job"]
+__all__ = [
+    "Dataset",
+    "JobContext",
+    "JobSpec",
+    "fp32_module_classes",
+    "job_module_name",
+    "load_job",
+]
 
 
 @runtime_checkable
 class Dataset(Protocol):
-    """Indexable samples: `len(ds)` and `ds[i] -> (inputs, targets)` tensors of fixed shape."""
+    """Indexable samples: `len(ds)` and `ds[i]`, tensors of fixed shape.
+
+    A sample is `(inputs, targets)` or a dict of tensors passed to the model as keyword
+    arguments (`input_ids`, `attention_mask`, `labels`, ...); see `daemon/rank/batch.py`.
+    """
 
     def __len__(self) -> int:
         """Number of samples."""
         ...
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample `index` as `(inputs, targets)`."""
+    def __getitem__(self, index: int) -> Any:
+        """Sample `index`: `(inputs, targets)` or a dict of tensors."""
         ...
 
 
@@ -72,8 +90,10 @@ class JobSpec:
     """The full (unsharded) model; the daemon wraps it with the sharding engine."""
     train_data: Dataset
     """Training samples; the daemon shards them by rank and checkpoints the position."""
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    """`loss_fn(model(inputs), targets)` -> scalar mean loss."""
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
+    """The scalar mean loss: `loss_fn(model(inputs), targets)` for `(inputs, targets)` samples,
+    `loss_fn(model(**batch), batch)` for dict samples; None (dict samples only) takes the
+    model's own `outputs.loss` (a Hugging Face model computes it from the batch's `labels`)."""
     unit_modules: tuple[type[nn.Module], ...] | None = None
     """Module classes that become FSDP units; None lets the engine detect repeated blocks."""
     tokens_per_sample: int = 0
@@ -106,8 +126,11 @@ class JobSpec:
             raise JobError("JobSpec.train_data needs __len__ and __getitem__")
         if len(self.train_data) == 0:
             raise JobError("JobSpec.train_data is empty")
-        if not callable(self.loss_fn):
-            raise JobError("JobSpec.loss_fn must be callable: loss_fn(outputs, targets)")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise JobError(
+                "JobSpec.loss_fn must be None (dict samples: outputs.loss) or callable: "
+                "loss_fn(outputs, targets)"
+            )
         if self.tokens_per_sample < 0:
             raise JobError("JobSpec.tokens_per_sample must be 0 (auto) or positive")
         if self.flops_per_token < 0:
@@ -125,20 +148,91 @@ class JobSpec:
 
 
 def load_job(target: str) -> Callable[[JobContext], JobSpec]:
-    """Import `module:callable`.
+    """The job callable `target` names: `module:callable` or `path/to/job.py:callable`.
+
+    A module is imported as usual, with the current directory on `sys.path` (appended, so it
+    never shadows an installed module), so `--job my_job:build` works next to `my_job.py`. A
+    file path (ending in `.py` or holding a `/`) is loaded from that file, its folder appended
+    to `sys.path` so it can import its neighbours; it is registered in `sys.modules` as
+    `job_module_name(target)`.
 
     Raises:
-        JobError: the module cannot be imported or has no such callable.
+        JobError: a malformed target, a module or file that cannot be loaded, or no such
+            callable in it.
     """
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise JobError(f"job {target!r}: cannot import {module_name}: {err}") from err
+    where, attr = _split(target)
+    path = _file_of(where)
+    if path is None:
+        _append_to_sys_path(os.getcwd())
+        try:
+            module = importlib.import_module(where)
+        except ImportError as err:
+            raise JobError(
+                f"job {target!r}: cannot import {where}: {err} (a module importable from the "
+                "current directory or sys.path, or a file: path/to/job.py:callable)"
+            ) from err
+    else:
+        module = _load_file(target, path)
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise JobError(f"job {target!r}: {module_name} has no callable {attr!r}")
+        raise JobError(f"job {target!r}: {where} has no callable {attr!r}")
     return fn
+
+
+def job_module_name(target: str) -> str:
+    """The name the job's module has in `sys.modules` once `load_job(target)` loaded it."""
+    where, _ = _split(target)
+    path = _file_of(where)
+    return where if path is None else f"trainingd_job_{_identifier(path.stem)}"
+
+
+def _split(target: str) -> tuple[str, str]:
+    where, sep, attr = target.rpartition(":")
+    if not sep or not where or not attr.isidentifier():
+        raise JobError(
+            f"job {target!r}: expected module:callable or path/to/job.py:callable "
+            "(e.g. my_job:build)"
+        )
+    return where, attr
+
+
+def _file_of(where: str) -> Path | None:
+    """The job file `where` names, or None for a module name."""
+    if where.endswith(".py") or "/" in where or os.sep in where:
+        return Path(where).expanduser().resolve()
+    return None
+
+
+def _identifier(stem: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in stem)
+
+
+def _append_to_sys_path(folder: str) -> None:
+    if folder not in sys.path and not (folder == os.getcwd() and "" in sys.path):
+        sys.path.append(folder)
+
+
+def _load_file(target: str, path: Path) -> ModuleType:
+    name = job_module_name(target)
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+        return loaded  # a second call in this process (e.g. the start-up checks)
+    if not path.is_file():
+        raise JobError(f"job {target!r}: no such file {path}")
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise JobError(f"job {target!r}: {path} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    _append_to_sys_path(str(path.parent))
+    sys.modules[name] = module  # dataclasses and pickling look classes up by module name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise JobError(
+            f"job {target!r}: loading {path} failed: {type(err).__name__}: {err}"
+        ) from err
+    return module
 
 
 def fp32_module_classes(model: nn.Module, names: str) -> tuple[type[nn.Module], ...]:

@@ -5,6 +5,7 @@ Its entry point is `daemon/worker.py` (`elastic_entry`, `python -m daemon.worker
 Module plan:
     loop.py           the training loop: data -> forward/backward -> step -> metrics -> ckpt.
     data.py           `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
+    batch.py          a micro-batch: `(inputs, targets)` or a dict (`model(**batch)`), its loss.
     prefetch.py       `PrefetchingLoader`: batches read ahead on one thread, position as consumed.
     token_data.py     `--data`: the job's `train_data` replaced by a `TokenDataset` of files.
     permutation.py    `FeistelPermutation`: the per-epoch order of [0, n), O(1) memory in n.

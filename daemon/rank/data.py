@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from daemon.jobs.job import Dataset
+from daemon.rank.batch import Batch, collate, pin
 from daemon.rank.permutation import FeistelPermutation
 
 __all__ = ["ShardedLoader"]
@@ -73,8 +72,8 @@ class ShardedLoader:
             self._order = FeistelPermutation(len(self._dataset), seed=self._seed, epoch=self.epoch)
         return self._order
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next micro-batch as stacked `(inputs, targets)`."""
+    def next_batch(self) -> Batch:
+        """This rank's next micro-batch: stacked `(inputs, targets)` or a dict (`batch.py`)."""
         if self.samples_consumed + self._global > len(self._dataset):
             self.epoch += 1
             self.samples_consumed = 0
@@ -83,11 +82,8 @@ class ShardedLoader:
         order = self._permutation()
         indices = [order[i] for i in range(start, start + self._batch)]
         self.samples_consumed += self._global
-        pairs = [self._dataset[i] for i in indices]
-        inputs, targets = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-        if self._pin:
-            return inputs.pin_memory(), targets.pin_memory()
-        return inputs, targets
+        batch = collate([self._dataset[i] for i in indices])
+        return pin(batch) if self._pin else batch
 
     def state_dict(self) -> dict[str, Any]:
         """The position: `{"epoch", "samples_consumed", "seed"}` (plain JSON)."""

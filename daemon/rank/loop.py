@@ -7,7 +7,8 @@ the optimizer; `ckpt_manager` receives plain state dicts. The state saved at a s
      "optimizer": optimizer.sharded_state_dict(),
      "scheduler": scheduler.state_dict(),          # plain JSON values, replicated
      "data": loader.state_dict(),                  # global position, identical on every rank
-     "rng": RankLocal({"torch": ..., "python": ...})}   # per rank
+     "rng": RankLocal({"torch": ..., "python": ...}),   # per rank
+     "__model_files__": {"config.json": ...}}       # only from a --init-from with a config
 
 and a restore puts back every piece, so a resumed run is bitwise the run that was not stopped
 (CPU, fp32): same weights, optimizer moments, LR, data order and RNG streams.
@@ -73,6 +74,8 @@ from daemon.jobs.init_from import (
     storage_options_for,
 )
 from daemon.jobs.job import JobSpec, fp32_module_classes
+from daemon.jobs.model_files import MODEL_FILES_KEY, read_model_files
+from daemon.rank.batch import Batch, collate, forward_loss, num_tokens, to_device
 from daemon.rank.data import ShardedLoader
 from daemon.rank.deferral import DeferredSaves
 from daemon.rank.memory_cadence import Cadence, FixedCadence, cadence_for
@@ -231,9 +234,7 @@ def _materialize_optimizer_state(
     `_forget_optimizer_state` leaves exactly a fresh start.
     """
     samples = [job.train_data[i] for i in range(min(2, len(job.train_data)))]
-    inputs = torch.stack([x for x, _ in samples]).to(device)
-    targets = torch.stack([y for _, y in samples]).to(device)
-    loss = job.loss_fn(model(inputs), targets) * 0.0
+    loss = forward_loss(model, job.loss_fn, to_device(collate(samples), device)) * 0.0
     loss.backward()  # type: ignore[no-untyped-call]
     rates = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
@@ -258,6 +259,17 @@ def _init_source(cfg: DaemonConfig, job: JobSpec, expected: dict[str, Any]) -> I
         return None
     options = storage_options_for(uri, cfg.checkpoint.s3_endpoint_url)
     return check_source(expected, uri, job.init_key_map, options)
+
+
+def _model_files(cfg: DaemonConfig, job: JobSpec, rank: int) -> dict[str, Any]:
+    """`{MODEL_FILES_KEY: {name: text}}` of the init source's `config.json` etc., or `{}`."""
+    uri = cfg.train.init_from or job.init_from
+    if not uri:
+        return {}
+    files = read_model_files(uri, storage_options_for(uri, cfg.checkpoint.s3_endpoint_url))
+    if not files and rank == 0:
+        log.warning("init_from_has_no_config", uri=uri, note="exports will have no config.json")
+    return {MODEL_FILES_KEY: files} if files else {}
 
 
 def run_training(
@@ -357,6 +369,8 @@ class _Training:
         self.micro_batches = cfg.micro_batches_at(self.world)
         # `--init-from` weights are checked against the unsharded model's tensors, taken here.
         self._init_expected = expected_tensors(job.model) if tc.init_from or job.init_from else {}
+        # The init source's config.json etc., saved with every step (`jobs/model_files.py`).
+        self.model_files = _model_files(cfg, job, self.rank)
         precision = MixedPrecisionPolicy(
             param_dtype=getattr(torch, tc.param_dtype.value),
             reduce_dtype=getattr(torch, tc.reduce_dtype.value),
@@ -431,6 +445,7 @@ class _Training:
             "scheduler": self.scheduler.state_dict(),
             "data": self.loader.state_dict(),
             "rng": RankLocal(_rng_state(self.device)),
+            **self.model_files,
         }
 
     # --- before the first step ----------------------------------------------------------------
@@ -450,8 +465,10 @@ class _Training:
         # behind /healthz (published at most every `publish_interval_s`), so a restore of any
         # length stays healthy while bytes arrive, and one stuck in a read goes stale after
         # `heartbeat_timeout_s`; the supervisor extends systemd's start timeout on the same beats.
+        template = self.state()
+        template.pop(MODEL_FILES_KEY, None)  # a plain value, and older steps lack it
         restored = manager.restore(
-            step=None, into=self.state(), on_progress=lambda _progress: telemetry.heartbeat()
+            step=None, into=template, on_progress=lambda _progress: telemetry.heartbeat()
         )
         if restored is not None:
             self.step = restored.step
@@ -536,24 +553,21 @@ class _Training:
         if self.stopped:
             log.info("stopping", step=self.step, signal=self.control.stop_signal)
 
-    def next_batches(self) -> list[tuple[torch.Tensor, ...]]:
+    def next_batches(self) -> list[Batch]:
         """This step's micro-batches, on the device (copies from pinned memory overlap)."""
-        return [
-            tuple(t.to(self.device, non_blocking=True) for t in self.loader.next_batch())
-            for _ in range(self.micro_batches)
-        ]
+        return [to_device(self.loader.next_batch(), self.device) for _ in range(self.micro_batches)]
 
-    def forward_backward(self, batches: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    def forward_backward(self, batches: list[Batch]) -> torch.Tensor:
         """Accumulate gradients over the micro-batches (reduced on the last); the loss sum.
 
         The loss stays on the device ([Note: one host read per step]).
         """
         loss_sum = torch.zeros((), device=self.device)
-        for i, (inputs, targets) in enumerate(batches):
+        for i, batch in enumerate(batches):
             last = i == len(batches) - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 self.telemetry.mark(ProgressPhase.FORWARD)
-                loss = self.job.loss_fn(self.model(inputs), targets) / len(batches)
+                loss = forward_loss(self.model, self.job.loss_fn, batch) / len(batches)
                 self.telemetry.mark(ProgressPhase.BACKWARD)
                 loss.backward()  # type: ignore[no-untyped-call]
             loss_sum += loss.detach()
@@ -616,7 +630,7 @@ class _Training:
 
     def record_step(
         self,
-        batches: list[tuple[torch.Tensor, ...]],
+        batches: list[Batch],
         agreed: _Agreement,
         *,
         lr: float,
@@ -629,7 +643,7 @@ class _Training:
         telemetry.set("trainingd_train_step", self.step)
         telemetry.observe("trainingd_train_step_duration_seconds", step_s)
         telemetry.observe("trainingd_train_data_loading_seconds", data_s)
-        step_tokens = self.tokens_per_step or sum(int(b[0].numel()) for b in batches)
+        step_tokens = self.tokens_per_step or sum(num_tokens(b) for b in batches)
         self.num_tokens += step_tokens
         telemetry.inc("trainingd_train_tokens_total", step_tokens)
         telemetry.set("trainingd_train_tokens_per_second", step_tokens / step_s)

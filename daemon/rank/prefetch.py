@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from daemon.rank.batch import Batch
 from daemon.rank.data import ShardedLoader
 
 __all__ = ["PrefetchingLoader"]
@@ -34,7 +35,7 @@ _POLL_S = 0.1
 
 
 class _Read(NamedTuple):
-    batch: tuple[torch.Tensor, torch.Tensor]
+    batch: Batch
     position: dict[str, Any]
 
 
@@ -110,8 +111,8 @@ class PrefetchingLoader:
         self.close()
 
     # --- the loader's interface ---------------------------------------------------------------
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next micro-batch as stacked `(inputs, targets)`.
+    def next_batch(self) -> Batch:
+        """This rank's next micro-batch (`ShardedLoader.next_batch`).
 
         Raises:
             TimeoutError: no batch within `timeout_s`.

@@ -34,11 +34,17 @@ def with_token_data(cfg: DaemonConfig, job: JobSpec) -> JobSpec:
     """`job` with `train_data` read from `cfg.train.data` (unchanged when that is empty).
 
     Raises:
-        JobError: the files' vocabulary does not fit the model's token table.
+        JobError: the files' vocabulary does not fit the model's token table, or the job
+            has no `loss_fn` for their `(inputs, targets)` samples.
         FileNotFoundError / ValueError: a file is missing or not a token file.
     """
     if not cfg.train.data:
         return job
+    if job.loss_fn is None:
+        raise JobError(
+            "--data gives (inputs, targets) samples, and the job has no loss_fn: give "
+            "JobSpec.loss_fn(outputs, targets) (e.g. cross-entropy of outputs.logits)"
+        )
     sources = [s.strip() for s in cfg.train.data.split(",") if s.strip()]
     weights = (
         [float(w) for w in cfg.train.data_weights.split(",")] if cfg.train.data_weights else None

@@ -80,10 +80,16 @@ class DaemonProc:
         args: flags after `trainingd run` (a free metrics port and JSON logs are added).
         env: extra environment variables.
         name: distinguishes log files when a test runs several daemons.
+        cwd: its working directory (None: the test's).
     """
 
     def __init__(
-        self, workdir: Path, args: list[str], env: dict[str, str] | None = None, name: str = "d"
+        self,
+        workdir: Path,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        name: str = "d",
+        cwd: Path | None = None,
     ) -> None:
         self.stderr_path = workdir / f"{name}.stderr"
         self.stdout_path = workdir / f"{name}.stdout"
@@ -107,7 +113,7 @@ class DaemonProc:
         cmd = [str(TRAININGD), "run", "--metrics-port", "0", "--log-format", "json", *args]
         with open(self.stderr_path, "wb") as err, open(self.stdout_path, "wb") as out:
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=err, env=full_env, start_new_session=True
+                cmd, stdout=out, stderr=err, env=full_env, start_new_session=True, cwd=cwd
             )
         self.pid = self.proc.pid
 

@@ -41,6 +41,14 @@ def test_files_with_a_larger_vocabulary_than_the_model_are_refused(tmp_path: Pat
         with_token_data(cfg, build(_CTX))
 
 
+def test_a_job_without_a_loss_fn_is_refused(tmp_path: Path) -> None:
+    path = str(tmp_path / "a.bin")
+    write_token_file(path, [np.arange(1000) % 256], vocab_size=256)
+    job = dataclasses.replace(build(_CTX), loss_fn=None)  # as a job of dict samples may be
+    with pytest.raises(JobError, match="has no loss_fn"):
+        with_token_data(load_config({"data": path}, env={}), job)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
