@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from daemon.metrics import CATALOG, DAEMON_STATES, MetricKind, MetricSpec, Scope
 from daemon.observe.hangs import HangLedger
 from daemon.observe.state import ENDED_PHASES, NodePhase, NodeState
+from daemon.observe.stragglers import StragglerLedger
 from daemon.rundir.snapshot import RankPhase, read_snapshot, snapshot_path
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ def config_values(cfg: DaemonConfig) -> dict[str, float]:
         "trainingd_config_max_consecutive_save_failures": float(
             cfg.checkpoint.max_consecutive_save_failures
         ),
+        "trainingd_config_straggler_threshold": cfg.observability.straggler_threshold,
     }
 
 
@@ -176,6 +178,8 @@ class NodeCollector(Collector):
             (`daemon.agent.replica.ReplicaService.values`); None: 0.
         hangs: the hang detector's ledger (`trainingd_rank_hung`, `trainingd_rank_hangs_total`,
             per rank that published); None: 0.
+        stragglers: the straggler watch's ledger (`trainingd_rank_straggler_episodes_total`,
+            per rank that published); None: 0.
     """
 
     def __init__(
@@ -189,6 +193,7 @@ class NodeCollector(Collector):
         tier_bytes: Callable[[], Mapping[str, float]] | None = None,
         replica_values: Callable[[], Mapping[str, Mapping[str, float]]] | None = None,
         hangs: HangLedger | None = None,
+        stragglers: StragglerLedger | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("run_id is empty: pass DaemonConfig.run_id")
@@ -200,6 +205,7 @@ class NodeCollector(Collector):
         self._tier_bytes = tier_bytes
         self._replica_values = replica_values
         self._hangs = hangs if hangs is not None else HangLedger()
+        self._stragglers = stragglers if stragglers is not None else StragglerLedger()
 
     def describe(self) -> Iterable[Metric]:
         """Empty families with the catalog's names (lets the registry detect duplicates)."""
@@ -258,6 +264,13 @@ class NodeCollector(Collector):
                 for view in views:
                     ids = [*run, str(view.rank), str(view.local_rank)]
                     fam.add_metric(ids, float(hang_value(view.rank)))  # type: ignore[attr-defined]
+            elif s.name == "trainingd_rank_straggler_episodes_total":
+                # Per rank, from the daemon's straggler watch.
+                fam = _family(s)
+                for view in views:
+                    ids = [*run, str(view.rank), str(view.local_rank)]
+                    episodes = float(self._stragglers.num_episodes(view.rank))
+                    fam.add_metric(ids, episodes)  # type: ignore[attr-defined]
             elif s.scope is Scope.NODE:
                 node_cls = (
                     CounterMetricFamily if s.kind is MetricKind.COUNTER else GaugeMetricFamily
