@@ -12,8 +12,8 @@ the step's one host read, so no extra sync. The figures meet in the all-reduce t
 runs each step ([Note: one all-reduce per step agrees on stop and checkpoint] in `loop.py`):
 the agreement tensor gets one slot per rank, each rank writes its previous step's compute
 time into its own slot and zeros elsewhere, and the sum is every rank's figure on every rank:
-one collective, `world` floats longer. `straggler_window_steps = 0` leaves the slots out (the overhead benchmark's
-"off").
+one collective, `world` floats longer. `straggler_window_steps = 0` leaves the slots out
+(the overhead benchmark's "off").
 
 `StragglerWindow` keeps the last `straggler_window_steps` rows (none older than
 `straggler_window_s`); a rank's score is its median over the window divided by the median over
