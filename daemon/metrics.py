@@ -360,7 +360,7 @@ CATALOG: tuple[MetricSpec, ...] = (
         scope=_NODE,
     ),
     _g(
-        "trainingd_config_straggler_threshold",
+        "trainingd_config_straggler_threshold_ratio",
         "Configured straggler_threshold: a rank's score at or above it names a straggler.",
         scope=_NODE,
     ),

@@ -18,6 +18,8 @@ Module plan:
                     shutdown budget, progress.
     hang.py         hang detection: a rank whose progress word stops past its budget is named
                     (stopped, or its innermost frame from a stack dump) and its group killed.
+    straggler.py    the straggler watch: a rank whose exported score reaches the threshold is
+                    named (`rank_straggler`), optionally its group killed.
     http.py         one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
     scrapes.py      scrapes of `/metrics`; the wait for one read of a finished run.
     status_page.py  the status page's HTML (one file, no build step).

@@ -48,7 +48,7 @@ def config_values(cfg: DaemonConfig) -> dict[str, float]:
         "trainingd_config_max_consecutive_save_failures": float(
             cfg.checkpoint.max_consecutive_save_failures
         ),
-        "trainingd_config_straggler_threshold": cfg.observability.straggler_threshold,
+        "trainingd_config_straggler_threshold_ratio": cfg.observability.straggler_threshold,
     }
 
 
