@@ -44,8 +44,8 @@ holds fewer): the first steps of a process (allocation, warm-up) vary too much t
 
 
 _SCORE_EVERY = 5
-"""The probe scores every this many steps: a median over the window moves slowly, and the
-sort it costs (~1 ms at 1024 ranks) is then a fifth of that per step."""
+"""The probe scores every this many steps (a tenth of a smaller window): a median over the
+window moves slowly, and the sort it costs (~1 ms at 1024 ranks) is then a fifth per step."""
 
 
 class StragglerWindow:
@@ -171,6 +171,7 @@ class StragglerProbe:
         self._wait_s = 0.0
         self._events: list[tuple[Any, Any]] = []
         self._num_observed = 0
+        self._score_every = max(1, min(_SCORE_EVERY, settings.straggler_window_steps // 10))
         # Exported from the start, at 0 (nothing measured yet).
         telemetry.set("trainingd_rank_straggler_score", 0.0, self._node)
         telemetry.set("trainingd_rank_compute_seconds", 0.0)
@@ -213,7 +214,7 @@ class StragglerProbe:
             return  # the first step: nobody has a figure yet
         self.window.observe(summed)
         self._num_observed += 1
-        if self._num_observed % _SCORE_EVERY:
+        if self._num_observed % self._score_every:
             return
         medians = self.window.medians()
         if medians is None:
