@@ -111,7 +111,7 @@ class StragglerWatch:
             log.info(
                 "rank_straggler_recovered",
                 rank=rank,
-                node=report.node if node is None else node,
+                node=report.node if node is None or node < 0 else node,
                 score=None if score is None else round(score, 3),
                 seconds=round((report.recovered_unix_s or report.unix_s) - report.unix_s, 1),
             )
