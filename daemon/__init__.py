@@ -32,6 +32,8 @@ memory and never call each other; they talk through files in the run directory (
         snapshot.py      the rank snapshot file (ranks write, the daemon reads).
         progress.py      the rank's progress word: step and phase (ranks write, daemon reads).
         stacks.py        the ranks' stack dumps on SIGUSR2 and their parsing (hang detection).
+        failure.py       the rank error file: exception, step, phase, traceback tail (ranks
+                         write it when they fail, the daemon classifies the failure).
       jobs/              what is trained (both processes import it):
         job.py           the job seam: `JobSpec`, `JobContext`, `Dataset`, `load_job`.
         default_job.py   the embedded default job: byte-level GPT on a generated corpus, and
@@ -52,6 +54,9 @@ memory and never call each other; they talk through files in the run directory (
         _server_state.py runs in that server: its CUDA state after its imports.
         supervisor.py    supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
         hang.py          hang detection: a rank without progress named, its group restarted.
+        failures.py      rank failures classified, counted, shown; deterministic ones and the
+                         job's own before training end the run (exit 1 / exit 2).
+        scrapes.py       when `/metrics` was read; the wait for one read of a finished run.
         http.py          one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
         status_page.py   the status page's HTML.
         progress.py      the live status line on a terminal, `progress` log events off it.

@@ -3,9 +3,9 @@
 It draws everything from `/api/status` (see `daemon/observe/status.py`), fetched on load and
 then every `REFRESH_MS`: step/ETA, an inline-SVG loss curve, throughput, the committed
 checkpoints, the tiers (the memory tier's bytes, local and replica, the newest memory and
-durable steps), per-rank heartbeats and the last error. Elements carry ids (`step`, `eta`,
-`loss-curve`, `checkpoints`, `tiers`, `memory-step`, `durable-step`, `memory-bytes`, `ranks`,
-`last-error`) so tests and scripts can read the rendered page.
+durable steps), per-rank heartbeats, the last error and the last rank failures. Elements
+carry ids (`step`, `eta`, `loss-curve`, `checkpoints`, `tiers`, `memory-step`, `durable-step`,
+`memory-bytes`, `ranks`, `last-error`, `failures`) so tests and scripts can read the page.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ svg{background:#fff;border:1px solid #ddd;border-radius:6px}
 <table id="ranks"><thead><tr><th>rank</th><th>local</th><th>pid</th><th>phase</th>
 <th>step</th><th>restart</th><th>heartbeat age</th></tr></thead><tbody></tbody></table>
 <h2>Last error</h2><div id="last-error" class="muted">none</div>
+<h2>Rank failures</h2>
+<table id="failures"><thead><tr><th>when</th><th>rank</th><th>node</th><th>attempt</th>
+<th>reason</th><th>step</th><th>error</th></tr></thead><tbody></tbody></table>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
@@ -119,6 +122,12 @@ function render(s) {
   const e = s.last_error;
   const ago = e ? " (" + dur(s.now_unix_s - e.unix_s) + " ago)" : "";
   $("last-error").textContent = e ? e.message + ago : "none";
+  rows($("failures").tBodies[0], (s.failures || []).slice().reverse(), (f) => [
+    [dur(s.now_unix_s - f.unix_s) + " ago", true], [String(f.rank), true],
+    [String(f.node), true], [String(f.restart + 1), true], [f.reason, false],
+    [f.step === null ? "-" : String(f.step), true],
+    [f.exc_type ? f.exc_type + ": " + f.message
+      : (f.signal ? "killed by " + f.signal : "exit code " + f.exit_code), false]]);
 }
 async function refresh() {
   try {

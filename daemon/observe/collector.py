@@ -173,6 +173,8 @@ class NodeCollector(Collector):
         replica_values: the `trainingd_memory_replica_*` families' values, by family and
             label value ("" without a label), read at each scrape
             (`daemon.agent.replica.ReplicaService.values`); None: 0.
+        failure_counts: rank failures by reason (`trainingd_rank_failures_total`), read at each
+            scrape (`daemon.agent.failures.FailureTracker.counts`); None: 0.
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class NodeCollector(Collector):
         config: dict[str, float] | None = None,
         tier_bytes: Callable[[], Mapping[str, float]] | None = None,
         replica_values: Callable[[], Mapping[str, Mapping[str, float]]] | None = None,
+        failure_counts: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("run_id is empty: pass DaemonConfig.run_id")
@@ -195,6 +198,7 @@ class NodeCollector(Collector):
         self._config = dict(config or {})
         self._tier_bytes = tier_bytes
         self._replica_values = replica_values
+        self._failure_counts = failure_counts
 
     def describe(self) -> Iterable[Metric]:
         """Empty families with the catalog's names (lets the registry detect duplicates)."""
@@ -244,6 +248,11 @@ class NodeCollector(Collector):
                 for lv in s.label_values or ("",):
                     labels = [*run, lv] if s.label else run
                     fam.add_metric(labels, float(values.get(lv, 0.0)))  # type: ignore[attr-defined]
+            elif s.name == "trainingd_rank_failures_total":
+                fam = _family(s)
+                counts = self._failure_counts() if self._failure_counts is not None else {}
+                for reason in s.label_values:
+                    fam.add_metric([*run, reason], float(counts.get(reason, 0.0)))  # type: ignore[attr-defined]
             elif s.scope is Scope.NODE:
                 node_cls = (
                     CounterMetricFamily if s.kind is MetricKind.COUNTER else GaugeMetricFamily
