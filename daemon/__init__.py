@@ -87,6 +87,7 @@ memory and never call each other; they talk through files in the run directory (
         token_data.py    `--data`: the job trains on token files (`data/`).
         permutation.py   `FeistelPermutation`: a seeded order of [0, n) in O(1) memory.
         telemetry.py     rank-side metric recording, published as the rank's snapshot.
+        phase_watch.py   a checkpoint call that lasts is published as `checkpointing`.
         throughput.py    per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
         save_failures.py the save failure policy: report, keep training, give up after N.
         deferral.py      durable saves deferred while an earlier write is in flight, then owed.

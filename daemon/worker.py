@@ -217,15 +217,16 @@ def run_rank(
         }
     finally:
         telemetry.heartbeat(RankPhase.EXITED)
+        telemetry.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         watch.close()
 
 
 def _failed_step(telemetry: RankTelemetry) -> int | None:
-    """The step a failing rank was in: the last completed one + 1 in the training loop (a
-    checkpoint call after step N counts as N + 1), the last one while its final save is
-    committed, None before training started."""
+    """The step a failing rank was in: the last completed one + 1 in the training loop, the
+    last completed one in its checkpoint call or while its final save is committed, None
+    before training started."""
     phase = telemetry.phase
     completed = telemetry.snapshot()["gauges"].get("trainingd_train_step", {}).get("")
     if completed is None or phase not in _IN_TRAINING:
@@ -233,7 +234,9 @@ def _failed_step(telemetry: RankTelemetry) -> int | None:
     return int(completed) + (1 if phase is RankPhase.TRAINING else 0)
 
 
-_IN_TRAINING = frozenset({RankPhase.TRAINING, RankPhase.STOPPING, RankPhase.FINISHING})
+_IN_TRAINING = frozenset(
+    {RankPhase.TRAINING, RankPhase.CHECKPOINTING, RankPhase.STOPPING, RankPhase.FINISHING}
+)
 
 
 def _is_config_failure(err: BaseException, building_job: bool) -> bool:
