@@ -24,9 +24,11 @@ a stuck peer), never when the job itself fails the same way each time. So:
                  run ends at once with exit 2 and one line, as a start-up check would.
   DETERMINISTIC  a rank failed with the same exception (type and message) at the same step
                  as in the previous attempt: the run ends with exit 1 and a summary naming
-                 rank, step and error (`summary_lines`). Failures before the first step other
-                 than CONFIG (a restore from unreachable storage) keep being retried: storage
-                 comes back, a job does not change.
+                 rank, step and error (`summary_lines`). Every local rank's error file of the
+                 attempt counts, not only the processes the agent found dead first: when
+                 every rank raises, which one exits first varies. Failures before the first
+                 step other than CONFIG (a restore from unreachable storage) keep being
+                 retried: storage comes back, a job does not change.
   RETRY          anything else, while `max_restarts` allows.
 The comparison is per node: each node's daemon sees its own ranks' failures.
 """
@@ -206,6 +208,7 @@ class FailureTracker:
         hung: global rank -> whether it caused the current hang (`HangDetector.hung`), read
             when a failure comes in; None: no hang detection.
         board: the status page's board, told each failure, or None.
+        local_ranks: rank processes on this node (whose error files an attempt may have).
     """
 
     def __init__(
@@ -215,8 +218,10 @@ class FailureTracker:
         node: int,
         hung: Callable[[], Mapping[int, bool]] | None = None,
         board: StatusBoard | None = None,
+        local_ranks: int = 1,
     ) -> None:
         self._run_dir = run_dir
+        self._local_ranks = local_ranks
         self._node = node
         self._hung = hung
         self._board = board
@@ -265,21 +270,33 @@ class FailureTracker:
             log.error("rank_failed", **f.as_dict(), traceback_tail=tail)
             if self._board is not None:
                 self._board.note_failure(f.as_dict(), f.describe())
+        # The attempt's other ranks that raised too, whether or not their process has
+        # exited yet: their errors count for the comparison, not as failures seen here.
+        found = {f.local_rank for f in failures}
+        others = []
+        for local in range(self._local_ranks):
+            error = None if local in found else read_error(error_path(self._run_dir, local))
+            if error is not None and error.restart == restart:
+                reason = failure_reason(1, error, error.rank in hung)
+                others.append(RankFailure(error.rank, local, self._node, restart, reason, 1, error))
         with self._lock:
             for f in failures:
                 self._counts[f.reason] += 1
                 self._last.append(f)
-            return self._decide(failures, restart)
+            return self._decide(failures, others, restart)
 
-    def _decide(self, failures: list[RankFailure], restart: int) -> Verdict:
+    def _decide(
+        self, failures: list[RankFailure], others: list[RankFailure], restart: int
+    ) -> Verdict:
         """[Note: when a failure is not worth a retry] (caller holds the lock)."""
         config = [f for f in failures if f.reason is FailureReason.CONFIG]
         if config:
             self.verdict, self.decisive = Verdict.CONFIG, config
             return self.verdict
-        signatures = {s for f in failures if (s := f.signature) is not None}
-        self._signatures[restart] = signatures
-        repeated = [f for f in failures if f.signature in self._signatures.get(restart - 1, ())]
+        attempt = failures + others
+        self._signatures[restart] = {s for f in attempt if (s := f.signature) is not None}
+        previous = self._signatures.get(restart - 1, set())
+        repeated = [f for f in attempt if f.signature in previous]
         if repeated:
             self.verdict, self.decisive = Verdict.DETERMINISTIC, repeated
         return self.verdict

@@ -312,7 +312,11 @@ def run_daemon(
                 startup_timeout_s=obs.heartbeat_timeout_s,
             )
             failures = FailureTracker(
-                run_dir, node=cfg.launch.node_rank, hung=lambda: hangs.hung, board=board
+                run_dir,
+                node=cfg.launch.node_rank,
+                hung=lambda: hangs.hung,
+                board=board,
+                local_ranks=cfg.launch.nproc_per_node,
             )
             collector = NodeCollector(
                 aggregator,

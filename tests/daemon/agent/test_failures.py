@@ -157,3 +157,15 @@ def test_hung_ranks_are_named_so(tmp_path: Path) -> None:
     assert tracker.last_failure_line() == (
         "last failure: rank 1 (node 0): hung (killed by the hang detector)"
     )
+
+
+def test_every_rank_raising_is_deterministic_whichever_exits_first(tmp_path: Path) -> None:
+    # Both ranks raise the same error at step 3 in both attempts; the agent finds rank 0 dead
+    # first in attempt 0 and rank 1 first in attempt 1 (rank 0 still unwinding).
+    tracker = FailureTracker(tmp_path, node=0, local_ranks=2)
+    for restart, first in ((0, 0), (1, 1)):
+        for local in (0, 1):
+            _write(tmp_path, local_rank=local, rank=local, restart=restart)
+        verdict = tracker.record([RankExit(first, first, 1)], restart=restart)
+    assert verdict is Verdict.DETERMINISTIC
+    assert tracker.counts()["exception"] == 2  # failures the agent saw, not the other files
