@@ -40,6 +40,11 @@ the daemon's peer replicas publish their address there and copy a lost node's sn
 The restart budget spans the daemon's life: each round's agent gets what the earlier rounds left
 of `max_restarts`, and ranks number their incarnations across rounds (`restart_offset`), so the
 restarts gauge counts failures only, never membership changes.
+
+Each failed attempt is handed to `on_failure` (the daemon's `FailureTracker.record`,
+`failures.py`) before the agent decides to restart: it records the failures and may end the
+retries at once (a deterministic failure, or the job's own before training), as a spent
+budget would.
 """
 
 from __future__ import annotations
