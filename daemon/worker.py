@@ -14,7 +14,9 @@ Both read the rank layout from torchrun's environment (`RANK`, `LOCAL_RANK`, `WO
 `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RESTART_COUNT`, `GROUP_RANK`). Start-up order matters:
 become a process-group leader and start the parent watch before anything can spawn (see
 `daemon/_lifecycle.py`), publish a first snapshot (so the daemon knows the pid), then join the
-process group, build the job and train.
+process group, build the job and train. A rank whose entry point raises writes why into the
+run directory before it exits (`daemon/rundir/failure.py`: exception, step, phase, whether the
+job or its configuration failed before training), for the daemon's `agent/failures.py`.
 
 On CUDA (`--device`, `daemon/_device.py`) local rank `r` trains on GPU `r`: the device is set
 before the process group exists, so NCCL binds each rank to its own GPU.

@@ -246,7 +246,12 @@ class _RoundAgent(LocalElasticAgent):
             RankExit(local_rank=f.local_rank, rank=rank, exit_code=f.exitcode)
             for rank, f in result.failures.items()
         ]
-        if not self._on_failure(exits, self._restart_offset + attempt):
+        try:
+            retry = self._on_failure(exits, self._restart_offset + attempt)
+        except Exception:  # recording a failure must never cost the group its restart
+            log.exception("failure_hook_failed")
+            retry = True
+        if not retry:
             # [Note: when a failure is not worth a retry] in `failures.py`: the agent then
             # stops the other ranks and returns the failure, as when the budget is spent.
             self._remaining_restarts = 0
