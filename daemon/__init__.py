@@ -32,6 +32,8 @@ memory and never call each other; they talk through files in the run directory (
         snapshot.py      the rank snapshot file (ranks write, the daemon reads).
         progress.py      the rank's progress word: step and phase (ranks write, daemon reads).
         stacks.py        the ranks' stack dumps on SIGUSR2 and their parsing (hang detection).
+        failure.py       the rank error file: exception, step, phase, traceback tail (ranks
+                         write it when they fail, the daemon classifies the failure).
       jobs/              what is trained (both processes import it):
         job.py           the job seam: `JobSpec`, `JobContext`, `Dataset`, `load_job`.
         default_job.py   the embedded default job: byte-level GPT on a generated corpus, and
@@ -53,6 +55,9 @@ memory and never call each other; they talk through files in the run directory (
         _server_state.py runs in that server: its CUDA state after its imports.
         supervisor.py    supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
         hang.py          hang detection: a rank without progress named, its group restarted.
+        failures.py      rank failures classified, counted, shown; deterministic ones and the
+                         job's own before training end the run (exit 1 / exit 2).
+        scrapes.py       when `/metrics` was read; the wait for one read of a finished run.
         http.py          one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
         scrapes.py       scrapes of `/metrics`; the wait for one read of a finished run.
         status_page.py   the status page's HTML.
@@ -86,6 +91,7 @@ memory and never call each other; they talk through files in the run directory (
         token_data.py    `--data`: the job trains on token files (`data/`).
         permutation.py   `FeistelPermutation`: a seeded order of [0, n) in O(1) memory.
         telemetry.py     rank-side metric recording, published as the rank's snapshot.
+        phase_watch.py   a checkpoint call that lasts is published as `checkpointing`.
         throughput.py    per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
         save_failures.py the save failure policy: report, keep training, give up after N.
         deferral.py      durable saves deferred while an earlier write is in flight, then owed.

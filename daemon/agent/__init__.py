@@ -18,6 +18,10 @@ Module plan:
                     shutdown budget, progress.
     hang.py         hang detection: a rank whose progress word stops past its budget is named
                     (stopped, or its innermost frame from a stack dump) and its group killed.
+    failures.py     rank failures: classified (config, exception, oom, signal, exit code, hung),
+                    logged, counted, shown; the same error at the same step twice (exit 1) or
+                    the job's own failure before training (exit 2) ends the retries.
+    scrapes.py      when `/metrics` was read; the wait for one scrape of a finished run.
     http.py         one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
     scrapes.py      scrapes of `/metrics`; the wait for one read of a finished run.
     status_page.py  the status page's HTML (one file, no build step).

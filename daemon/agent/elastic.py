@@ -40,6 +40,11 @@ the daemon's peer replicas publish their address there and copy a lost node's sn
 The restart budget spans the daemon's life: each round's agent gets what the earlier rounds left
 of `max_restarts`, and ranks number their incarnations across rounds (`restart_offset`), so the
 restarts gauge counts failures only, never membership changes.
+
+Each failed attempt is handed to `on_failure` (the daemon's `FailureTracker.record`,
+`failures.py`) before the agent decides to restart: it records the failures and may end the
+retries at once (a deterministic failure, or the job's own before training), as a spent
+budget would.
 """
 
 from __future__ import annotations
@@ -52,7 +57,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -65,13 +75,14 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from daemon.agent.failures import RankExit
 from daemon.agent.fork_server import START_METHOD, ForkServer, preload_modules, warm_entry
 from daemon.agent.relay import RankOutputRelay, RelayLogsSpecs
 from daemon.config import DaemonConfig, RankStart
 from daemon.errors import ForkServerError
 from daemon.rundir.control import clear_stop
 
-__all__ = ["ElasticLauncher", "LaunchOutcome", "MembershipWatch", "RoundHook"]
+__all__ = ["ElasticLauncher", "FailureHook", "LaunchOutcome", "MembershipWatch", "RoundHook"]
 
 log = structlog.get_logger("trainingd.elastic")
 
@@ -93,6 +104,11 @@ RoundHook = Callable[[Any, int, int, list[int], int], None]
 `hook(store, group_rank, num_nodes, global_ranks, world_size)`: the round's rendezvous store,
 this node's rank among the round's nodes, their number, this node's global ranks and the world
 size (`ReplicaService.on_rendezvous`)."""
+
+FailureHook = Callable[[list[RankExit], int], bool]
+"""Called with the failed ranks of an attempt and its restart count (membership rounds
+included); returns whether the group may be restarted (`FailureTracker.record` allows it
+unless the verdict says the failure is not worth a retry)."""
 
 Entry = Callable[..., dict[str, Any] | None]
 """A rank entry point: `entry(cfg, run_dir, daemon_pid, restart_offset, relayed)` -> its summary
@@ -200,11 +216,46 @@ class MembershipWatch(RendezvousHandler):
 
 
 class _RoundAgent(LocalElasticAgent):
-    """torch's local agent, calling a `RoundHook` between each rendezvous and its ranks."""
+    """torch's local agent, calling a `RoundHook` between each rendezvous and its ranks, and a
+    `FailureHook` on each failed attempt (which may end the retries)."""
 
-    def __init__(self, *args: Any, on_rendezvous: RoundHook | None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        on_rendezvous: RoundHook | None,
+        on_failure: FailureHook | None = None,
+        restart_offset: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._on_rendezvous = on_rendezvous
+        self._on_failure = on_failure
+        self._restart_offset = restart_offset
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if self._on_failure is None or result.state not in (
+            WorkerState.FAILED,
+            WorkerState.UNHEALTHY,
+        ):
+            return result
+        # torch's own attempt count (`TORCHELASTIC_RESTART_COUNT` of the failed ranks), on top
+        # of the earlier rounds'; the agent lowers `_remaining_restarts` only after this.
+        attempt = worker_group.spec.max_restarts - self._remaining_restarts
+        exits = [
+            RankExit(local_rank=f.local_rank, rank=rank, exit_code=f.exitcode)
+            for rank, f in result.failures.items()
+        ]
+        try:
+            retry = self._on_failure(exits, self._restart_offset + attempt)
+        except Exception:  # recording a failure must never cost the group its restart
+            log.exception("failure_hook_failed")
+            retry = True
+        if not retry:
+            # [Note: when a failure is not worth a retry] in `failures.py`: the agent then
+            # stops the other ranks and returns the failure, as when the budget is spent.
+            self._remaining_restarts = 0
+        return result
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self._on_rendezvous is not None and worker_group.workers:
@@ -254,6 +305,7 @@ class ElasticLauncher:
         rank_modules: what `entry` imports when it starts; the fork server imports them
             ahead, with the entry's and the job's modules.
         on_rendezvous: called after each rendezvous, before the ranks start (`RoundHook`).
+        on_failure: called on each failed attempt; False ends the retries (`FailureHook`).
     """
 
     def __init__(
@@ -266,8 +318,10 @@ class ElasticLauncher:
         relay: RankOutputRelay | None = None,
         rank_modules: Sequence[str] = (),
         on_rendezvous: RoundHook | None = None,
+        on_failure: FailureHook | None = None,
     ) -> None:
         self._cfg = cfg
+        self._on_failure = on_failure
         self._on_rendezvous = on_rendezvous
         self._relay = relay
         self._run_dir = run_dir
@@ -385,6 +439,8 @@ class ElasticLauncher:
         agent = _RoundAgent(
             spec=spec,
             on_rendezvous=self._on_rendezvous,
+            on_failure=self._on_failure,
+            restart_offset=restart_offset,
             logs_specs=self._logs_specs(),
             start_method=START_METHOD if warm else "spawn",
             shutdown_timeout=_AGENT_SHUTDOWN_S,

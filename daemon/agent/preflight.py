@@ -106,7 +106,12 @@ def _check_init_from(cfg: DaemonConfig) -> None:
             with torch.device("meta"):
                 job = build(context)
         except Exception:  # any job code may refuse meta tensors: build it for real
-            job = build(context)
+            try:
+                job = build(context)
+            except Exception as err:  # the job's own code: its failure is a start-up one
+                raise JobError(
+                    f"job={cfg.train.job!r}: its build raised {type(err).__name__}: {err}"
+                ) from err
         check_source(
             job.model,
             uri,

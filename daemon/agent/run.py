@@ -11,7 +11,9 @@
     by the next one) -> exit 0 when the ranks reached max_steps,
     128+N when a signal N stopped this node (final checkpoint committed; also on a second
     signal, at once), 75 when a peer's stop ended this node's run (fixed `--nnodes N`; elastic:
-    only when no new round can form), 1 when the ranks failed for good
+    only when no new round can form), 1 when the ranks failed for good (`max_restarts` spent,
+    or the same error at the same step twice: `failures.py`; a short summary on stdout), 2 when
+    the job failed on the ranks before training (one line)
     ([Note: exit codes tell finished from stopped]).
 A root that already holds a checkpoint at `max_steps` ends the run right after the start-up
 checks (one line, exit 0, no rank started). The last lines on stdout say how the run ended
@@ -52,6 +54,7 @@ from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._storage import s3_storage_options
 from daemon._version import distribution_version
 from daemon.agent import fork_server
+from daemon.agent.failures import FailureTracker, Verdict
 from daemon.agent.hang import HangDetector
 from daemon.agent.http import MetricsServer
 from daemon.agent.memory_budget import start_memory_tier
@@ -298,6 +301,20 @@ def run_daemon(
                 replicas = ReplicaService(cfg, memory.path, endpoint)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
             hangs = HangLedger()
+            board = StatusBoard(
+                max_steps=cfg.train.max_steps,
+                ckpt_uri=cfg.checkpoint.ckpt_uri,
+                storage_options=s3_storage_options(cfg),
+                tier_bytes=memory.tier_bytes,
+                hangs=hangs,
+            )
+            failures = FailureTracker(
+                run_dir,
+                node=cfg.launch.node_rank,
+                hung=lambda: dict.fromkeys(hangs.hung_ranks(), True),
+                board=board,
+                local_ranks=cfg.launch.nproc_per_node,
+            )
             collector = NodeCollector(
                 aggregator,
                 state,
@@ -307,13 +324,7 @@ def run_daemon(
                 tier_bytes=memory.tier_bytes,
                 replica_values=replicas.values if replicas is not None else None,
                 hangs=hangs,
-            )
-            board = StatusBoard(
-                max_steps=cfg.train.max_steps,
-                ckpt_uri=cfg.checkpoint.ckpt_uri,
-                storage_options=s3_storage_options(cfg),
-                tier_bytes=memory.tier_bytes,
-                hangs=hangs,
+                failure_counts=failures.counts,
             )
             if chosen is LogFormat.CONSOLE and sys.stderr.isatty():
                 live = LiveProgress(board)
@@ -390,14 +401,13 @@ def run_daemon(
             relay=relay,
             rank_modules=rank_modules,
             on_rendezvous=_round_hook(cfg, replicas),
+            on_failure=lambda exits, restart: failures.record(exits, restart) is Verdict.RETRY,
         )
         try:
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
         except ChildFailedError as err:
             end_display()  # the ranks' last lines (their tracebacks) come before this record
-            board.note_error(f"workers failed for good: {err}")
-            log.error("workers_failed", max_restarts=cfg.launch.max_restarts, error=str(err))
-            return EXIT_FAILED
+            return _failed(cfg, failures, board, err)
         if supervisor.budget_exceeded.is_set():
             return EXIT_FAILED
         results = outcome.summary_results()
@@ -441,6 +451,36 @@ def run_daemon(
         notifier.close()
         if owned:
             shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _failed(cfg: DaemonConfig, failures: FailureTracker, board: StatusBoard, err: Exception) -> int:
+    """End a run whose ranks failed for good: the record, the lines, the exit code.
+
+    A failure of the job or its configuration before training exits 2 with one line on
+    stderr, as a start-up check; a deterministic one, or a spent restart budget, exits 1 with
+    a short summary on stdout ([Note: when a failure is not worth a retry] in `failures.py`).
+    """
+    if failures.verdict is Verdict.CONFIG:
+        line = failures.config_line()
+        board.note_error(line)
+        log.error("workers_failed", verdict=failures.verdict.value, error=line)
+        print(f"trainingd: {line}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    if failures.verdict is Verdict.DETERMINISTIC:
+        lines = failures.summary_lines()
+        board.note_error(lines[0])
+        log.error("workers_failed", verdict=failures.verdict.value, error=lines[0])
+        lines[0] = f"run {cfg.run_id} {lines[0]}"
+    else:
+        restarts = cfg.launch.max_restarts
+        board.note_error(f"workers failed for good: {err}")
+        log.error("workers_failed", max_restarts=restarts, error=str(err))
+        lines = [f"run {cfg.run_id} failed: the ranks failed after {restarts} restarts"]
+        last = failures.last_failure_line()
+        if last is not None:
+            lines.append(f"  {last}")
+    print("\n".join(f"trainingd: {line}" for line in lines), flush=True)
+    return EXIT_FAILED
 
 
 def _round_hook(cfg: DaemonConfig, replicas: ReplicaService | None) -> RoundHook | None:

@@ -4,9 +4,9 @@ It draws everything from `/api/status` (see `daemon/observe/status.py`), fetched
 then every `REFRESH_MS`: step/ETA, an inline-SVG loss curve, throughput, the committed
 checkpoints, the tiers (the memory tier's bytes, local and replica, the newest memory and
 durable steps), per-rank heartbeats, the hangs (the ranks hung now, every rank of the last
-declared hang) and the last error. Elements carry ids (`step`, `eta`, `loss-curve`,
-`checkpoints`, `tiers`, `memory-step`, `durable-step`, `memory-bytes`, `ranks`, `hung-ranks`,
-`last-hang`, `last-error`) so tests and scripts can read the rendered page.
+declared hang), the last error and the last rank failures. Elements carry ids (`step`, `eta`,
+`loss-curve`, `checkpoints`, `tiers`, `memory-step`, `durable-step`, `memory-bytes`, `ranks`,
+`hung-ranks`, `last-hang`, `last-error`, `failures`) so tests and scripts can read the page.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ svg{background:#fff;border:1px solid #ddd;border-radius:6px}
 <th>step</th><th>state</th><th>innermost frame</th><th>without progress</th><th>when</th>
 </tr></thead><tbody></tbody></table>
 <h2>Last error</h2><div id="last-error" class="muted">none</div>
+<h2>Rank failures</h2>
+<table id="failures"><thead><tr><th>when</th><th>rank</th><th>node</th><th>attempt</th>
+<th>reason</th><th>step</th><th>error</th></tr></thead><tbody></tbody></table>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
@@ -132,6 +135,12 @@ function render(s) {
   const e = s.last_error;
   const ago = e ? " (" + dur(s.now_unix_s - e.unix_s) + " ago)" : "";
   $("last-error").textContent = e ? e.message + ago : "none";
+  rows($("failures").tBodies[0], (s.failures || []).slice().reverse(), (f) => [
+    [dur(s.now_unix_s - f.unix_s) + " ago", true], [String(f.rank), true],
+    [String(f.node), true], [String(f.restart + 1), true], [f.reason, false],
+    [f.step === null ? "-" : String(f.step), true],
+    [f.exc_type ? f.exc_type + ": " + f.message
+      : (f.signal ? "killed by " + f.signal : "exit code " + f.exit_code), false]]);
 }
 async function refresh() {
   try {

@@ -3,7 +3,9 @@
 `StatusBoard` is fed by the supervisor thread (`observe`, every tick, with the same rank views
 `/metrics` uses) and read by HTTP handler threads (`snapshot`). It keeps what no single
 snapshot holds: the loss history (one point per new step seen, the last `HISTORY_POINTS`),
-a tokens/s and steps/s estimate over a sliding window, and the last error seen on this node.
+a tokens/s and steps/s estimate over a sliding window, the last error seen on this node, and
+its last rank failures (`failures`: rank, reason, step, error; `note_failure`, from
+`daemon/agent/failures.py`).
 
 The checkpoint list comes from ckpt_manager's torch-free `committed_checkpoints`, read by the
 board's own thread at most every `CHECKPOINT_REFRESH_S`, so a slow object store never blocks
@@ -35,7 +37,13 @@ from daemon.observe.collector import RankView
 from daemon.observe.hangs import HangLedger
 from daemon.observe.state import NodeStatus
 
-__all__ = ["CHECKPOINT_REFRESH_S", "HISTORY_POINTS", "StatusBoard", "format_duration"]
+__all__ = [
+    "CHECKPOINT_REFRESH_S",
+    "FAILURES_SHOWN",
+    "HISTORY_POINTS",
+    "StatusBoard",
+    "format_duration",
+]
 
 log = structlog.get_logger("trainingd.status")
 
@@ -43,6 +51,8 @@ HISTORY_POINTS = 1000
 """Loss points kept for the curve (oldest dropped first)."""
 CHECKPOINT_REFRESH_S = 3.0
 """How often the board re-reads the checkpoint root's committed steps."""
+FAILURES_SHOWN = 5
+"""Rank failures kept for the page (newest last)."""
 _RATE_WINDOW_S = 10.0
 
 
@@ -93,6 +103,7 @@ class StatusBoard:
         self._checkpoints: list[CommittedCheckpoint] = []
         self._checkpoints_error: str | None = None
         self._last_error: dict[str, Any] | None = None
+        self._failures: collections.deque[dict[str, Any]] = collections.deque(maxlen=FAILURES_SHOWN)
         self._restarts = 0
         self._failed_saves = 0.0
         self._stop = threading.Event()
@@ -115,6 +126,16 @@ class StatusBoard:
         """Record `message` as the node's last error (shown on the page)."""
         with self._lock:
             self._last_error = {"message": message, "unix_s": self._clock()}
+
+    def note_failure(self, failure: Mapping[str, Any], text: str) -> None:
+        """Record a rank failure (`RankFailure.as_dict()`, and its one-line `text`).
+
+        It becomes the node's last error and heads the page's failures.
+        """
+        now = self._clock()
+        with self._lock:
+            self._failures.append({**failure, "text": text, "unix_s": now})
+            self._last_error = {"message": f"rank failed: {text}", "unix_s": now}
 
     def observe(self, views: list[RankView], status: NodeStatus) -> None:
         """Take in one supervisor tick: loss point, rates, rank heartbeats, errors."""
@@ -142,9 +163,13 @@ class StatusBoard:
                 self._samples.popleft()
             if status.restarts > self._restarts:
                 self._restarts = status.restarts
+                cause = (
+                    f"after {self._failures[-1]['text']}"
+                    if self._failures
+                    else "see the rank logs above the restart"
+                )
                 self._last_error = {
-                    "message": f"worker group restarted (restart {status.restarts}); "
-                    "see the rank logs above the restart",
+                    "message": f"worker group restarted (restart {status.restarts}); {cause}",
                     "unix_s": now,
                 }
             if failed > self._failed_saves:
@@ -232,6 +257,7 @@ class StatusBoard:
                     "last": [r.as_dict() for r in self._hangs.last()],
                 },
                 "last_error": None if self._last_error is None else dict(self._last_error),
+                "failures": [dict(f) for f in self._failures],
                 "endpoints": ["/", "/api/status", "/metrics", "/healthz", "/readyz"],
             }
 

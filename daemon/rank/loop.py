@@ -544,7 +544,9 @@ class _Training:
         self._feed_cadence(agreed, step_s)
         self.record_step(batches, agreed, lr=lr, data_s=data_s, step_s=step_s)
         mark(ProgressPhase.CHECKPOINT)
-        self.maybe_checkpoint(agreed)
+        # [Note: a blocked checkpoint call says checkpointing] in `daemon/rank/phase_watch.py`.
+        with self.telemetry.in_phase(RankPhase.CHECKPOINTING):
+            self.maybe_checkpoint(agreed)
         self.telemetry.heartbeat()
         max_steps = self.cfg.train.max_steps
         if self.rank == 0 and (self.step % 10 == 0 or self.step == max_steps):

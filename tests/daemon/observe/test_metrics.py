@@ -14,7 +14,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckpt_manager import ManagerStats, SaveReport, SaveResult
 from daemon.config import CheckpointSettings, DaemonConfig, TrainSettings
-from daemon.metrics import CATALOG, MetricKind, MetricSpec, Scope, build_info_labels, spec
+from daemon.metrics import (
+    CATALOG,
+    RANK_FAILURE_REASONS,
+    MetricKind,
+    MetricSpec,
+    Scope,
+    build_info_labels,
+    spec,
+)
 from daemon.observe.collector import NodeCollector, SnapshotAggregator, config_values, make_registry
 from daemon.observe.state import NodePhase, NodeState
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
@@ -307,3 +315,21 @@ def test_null_telemetry_mirrors_rank_telemetry() -> None:
     null.heartbeat(RankPhase.TRAINING)
     null.on_collective("all_gather", 1024, 0.001)
     assert not null.publish(force=True)
+
+
+def test_rank_failures_are_exported_by_reason_zero_from_the_start(tmp_path: Path) -> None:
+    counts: dict[str, float] = {}
+    collector = NodeCollector(
+        SnapshotAggregator(tmp_path, 1),
+        NodeState(local_ranks=1),
+        {},
+        run_id="r",
+        failure_counts=lambda: counts,
+    )
+    name = "trainingd_rank_failures_total"
+    s = _scrape(collector)
+    assert {dict(k)["reason"]: v for k, v in s[name].items()} == dict.fromkeys(
+        RANK_FAILURE_REASONS, 0.0
+    )
+    counts["exception"] = 2.0
+    assert _value(_scrape(collector), name, run_id="r", reason="exception") == 2.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ckpt_manager import CommittedCheckpoint, StorageError
 from daemon.observe.collector import RankView
 from daemon.observe.state import NodePhase, NodeState
-from daemon.observe.status import HISTORY_POINTS, StatusBoard, format_duration
+from daemon.observe.status import FAILURES_SHOWN, HISTORY_POINTS, StatusBoard, format_duration
 from daemon.rundir.snapshot import RankPhase
 
 
@@ -79,6 +79,24 @@ def test_restarts_failed_saves_and_listing_errors_are_reported() -> None:
     assert "restart 1" in board.snapshot()["last_error"]["message"]
     board.refresh_checkpoints()
     assert board.snapshot()["checkpoints"]["error"] == "cannot list /x"
+
+
+def test_rank_failures_are_listed_and_explain_the_restart() -> None:
+    state = NodeState(local_ranks=1)
+    board = StatusBoard(max_steps=10, ckpt_uri="/x", clock=lambda: 100.0)
+    board.observe([_view(1, 1.0, 1.0)], state.update(step=1))
+    for n in range(FAILURES_SHOWN + 1):
+        board.note_failure({"rank": n, "reason": "exception"}, f"rank {n} (node 0): E: boom")
+    status = board.snapshot()
+    assert [f["rank"] for f in status["failures"]] == list(range(1, FAILURES_SHOWN + 1))
+    assert status["failures"][-1]["text"] == f"rank {FAILURES_SHOWN} (node 0): E: boom"
+    assert (
+        status["last_error"]["message"] == f"rank failed: rank {FAILURES_SHOWN} (node 0): E: boom"
+    )
+    board.observe([_view(1, 1.0, 1.0)], state.update(restarts=1))
+    assert board.snapshot()["last_error"]["message"] == (
+        f"worker group restarted (restart 1); after rank {FAILURES_SHOWN} (node 0): E: boom"
+    )
 
 
 def test_tiers_show_the_memory_bytes_and_the_newest_memory_and_durable_steps() -> None:
