@@ -213,6 +213,13 @@ class LaunchSettings:
     rdzv_last_call_s: int = 30
     """Elastic `MIN:MAX` only: once MIN nodes are in a rendezvous, how long it waits for more
     before the job goes on without them (torch's `last_call_timeout`)."""
+    rdzv_store_timeout_s: int = 60
+    """How long one call to the rendezvous store waits for its answer (torch's `read_timeout`);
+    a call that times out starts a store outage (`rdzv_store_grace_s`)."""
+    rdzv_store_grace_s: float = 120.0
+    """How long an unreachable rendezvous store (its host paused, a network blip) is ridden
+    out while the ranks keep training; past it, this node stops with exit 75 (README, "Store
+    outages")."""
     max_restarts: int = 3
     """Worker-group restarts the elastic agent may do before the run fails."""
     rank_start: RankStart = RankStart.FORK_SERVER
@@ -231,7 +238,13 @@ class LaunchSettings:
 
     def __post_init__(self) -> None:
         _positive(
-            self, "nproc_per_node", "rdzv_timeout_s", "rdzv_last_call_s", "shutdown_timeout_s"
+            self,
+            "nproc_per_node",
+            "rdzv_timeout_s",
+            "rdzv_last_call_s",
+            "rdzv_store_timeout_s",
+            "rdzv_store_grace_s",
+            "shutdown_timeout_s",
         )
         _non_negative(self, "node_rank", "max_restarts")
         match = _NNODES.match(self.nnodes)

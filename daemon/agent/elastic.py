@@ -67,6 +67,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from daemon.agent.fork_server import START_METHOD, ForkServer, preload_modules, warm_entry
 from daemon.agent.relay import RankOutputRelay, RelayLogsSpecs
+from daemon.agent.store_guard import StoreGuard
 from daemon.config import DaemonConfig, RankStart, RdzvBackend
 from daemon.errors import ForkServerError
 from daemon.rundir.control import clear_stop
@@ -239,6 +240,8 @@ def _rendezvous_parameters(cfg: DaemonConfig, endpoint: str) -> RendezvousParame
         last_call_timeout=lc.rdzv_last_call_s,
         keep_alive_interval=_KEEP_ALIVE_S,
         keep_alive_max_attempt=_KEEP_ALIVE_ATTEMPTS,
+        # Both backends read it: a store call that gets no answer in time starts an outage.
+        read_timeout=lc.rdzv_store_timeout_s,
         **backend_options,
     )
 
@@ -282,7 +285,12 @@ class ElasticLauncher:
         # agent keeps only SIGQUIT, its "stop the workers now" path (as `elastic_launch` sets).
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
         self._params = _rendezvous_parameters(cfg, endpoint)
-        inner = get_rendezvous_handler(self._params)
+        # [Note: a store outage is not a crash] in store_guard.py.
+        inner = StoreGuard(
+            get_rendezvous_handler(self._params),
+            endpoint=endpoint,
+            grace_s=cfg.launch.rdzv_store_grace_s,
+        )
         self._watch = MembershipWatch(inner, on_waiting) if cfg.launch.elastic else None
         self._handler: RendezvousHandler = self._watch or inner
 
