@@ -394,6 +394,10 @@ def run_daemon(
             # The store's host is lost or paused past the grace, or the first rendezvous could
             # not form ([Note: a store outage is not a crash] in store_guard.py): restart me.
             end_display()
+            complete = _already_complete(cfg)
+            if complete is not None:  # a closed rendezvous: the job is done elsewhere
+                print(complete, flush=True)
+                return EXIT_OK
             line = _rendezvous_line(cfg, err)
             board.note_error(line)
             log.error("rendezvous_lost", endpoint=endpoint, error=line, exit_code=EXIT_PEER_STOPPED)
