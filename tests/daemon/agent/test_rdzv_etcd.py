@@ -75,6 +75,8 @@ def _node_args(endpoint: str, root: Path, node_rank: int) -> list[str]:
         "--rdzv-timeout-s", "120", "--rdzv-last-call-s", "3",
         "--max-steps", str(_MAX_STEPS), "--ckpt-uri", str(root), "--ckpt-every", "4",
         "--batch-size", str(_BATCH_SIZE), "--strategy", "optim_grads_params", *GATED_JOB,
+        # Held ranks make no progress: the hang detector must not restart them meanwhile.
+        "--hang-timeout-s", "600",
     ]  # fmt: skip
 
 
