@@ -14,7 +14,7 @@ A round whose ranks return *stopped* without a signal on this node ended for a m
 change, and the next round starts at once:
 - shrink: a peer was stopped (SIGTERM: every rank agreed on the step and committed a final
   checkpoint). The peer leaves the rendezvous open (it closes it only when the job is done), its
-  heartbeats stop, and the c10d rendezvous drops it after `keep_alive_interval x
+  heartbeats stop, and the rendezvous (c10d or etcd-v2) drops it after `keep_alive_interval x
   keep_alive_max_attempt` (`_KEEP_ALIVE_S` x `_KEEP_ALIVE_ATTEMPTS`); the remaining nodes form
   the next round once MIN are present and `rdzv_last_call_s` has passed. A peer that *died*
   (SIGKILL) makes the ranks here fail in their next collective; the agent restarts them into a
@@ -78,7 +78,8 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from daemon.agent.failures import RankExit
 from daemon.agent.fork_server import START_METHOD, ForkServer, preload_modules, warm_entry
 from daemon.agent.relay import RankOutputRelay, RelayLogsSpecs
-from daemon.config import DaemonConfig, RankStart
+from daemon.agent.store_guard import StoreGuard
+from daemon.config import DaemonConfig, RankStart, RdzvBackend
 from daemon.errors import ForkServerError
 from daemon.rundir.control import clear_stop
 
@@ -160,7 +161,7 @@ class MembershipWatch(RendezvousHandler):
     membership change ([Note: membership changes end a round gracefully]).
 
     Args:
-        inner: the real (c10d) handler.
+        inner: the real (c10d or etcd-v2) handler.
         on_waiting: called with the number of waiting nodes, once per round.
     """
 
@@ -273,20 +274,26 @@ def _rendezvous_parameters(cfg: DaemonConfig, endpoint: str) -> RendezvousParame
     lc = cfg.launch
     host = endpoint.rsplit(":", 1)[0]
     loopback = host in ("127.0.0.1", "localhost", "::1", "[::1]")
+    # [Note: which rendezvous backend] in daemon/config.py: with c10d node 0 hosts the store
+    # (said explicitly so two daemons on one host agree); with etcd-v2 no node does.
+    backend_options: dict[str, Any] = {"is_host": lc.node_rank == 0}
+    if lc.rdzv_backend is RdzvBackend.ETCD_V2:
+        backend_options = {}
     return RendezvousParameters(
-        backend="c10d",
+        backend=lc.rdzv_backend.value,
         endpoint=endpoint,
         run_id=cfg.rdzv_id,
         min_nodes=lc.min_nodes,
         max_nodes=lc.max_nodes,
         local_addr="127.0.0.1" if loopback else None,
-        # Node 0 hosts the rendezvous store; said explicitly so two daemons on one host agree.
-        is_host=lc.node_rank == 0,
         join_timeout=lc.rdzv_timeout_s,
         timeout=lc.rdzv_timeout_s,
         last_call_timeout=lc.rdzv_last_call_s,
         keep_alive_interval=_KEEP_ALIVE_S,
         keep_alive_max_attempt=_KEEP_ALIVE_ATTEMPTS,
+        # Both backends read it: a store call that gets no answer in time starts an outage.
+        read_timeout=lc.rdzv_store_timeout_s,
+        **backend_options,
     )
 
 
@@ -298,7 +305,7 @@ class ElasticLauncher:
         run_dir: per-run directory (agent logs under `elastic/`, control files).
         entry: the rank entry point, called as
             `entry(cfg, run_dir, daemon_pid, restart_offset, relayed)`.
-        endpoint: `host:port` of the c10d rendezvous store.
+        endpoint: `host:port` of the rendezvous: node 0's c10d store, or the etcd server.
         on_waiting: elastic jobs only: called when a node waits to join (ask the ranks to stop).
         relay: on a terminal, the daemon's relay of the ranks' output (their stdout/stderr go
             to files it prints above the live line, `relay.py`); None leaves them as they are.
@@ -332,7 +339,12 @@ class ElasticLauncher:
         # agent keeps only SIGQUIT, its "stop the workers now" path (as `elastic_launch` sets).
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
         self._params = _rendezvous_parameters(cfg, endpoint)
-        inner = get_rendezvous_handler(self._params)
+        # [Note: a store outage is not a crash] in store_guard.py.
+        inner = StoreGuard(
+            get_rendezvous_handler(self._params),
+            endpoint=endpoint,
+            grace_s=cfg.launch.rdzv_store_grace_s,
+        )
         self._watch = MembershipWatch(inner, on_waiting) if cfg.launch.elastic else None
         self._handler: RendezvousHandler = self._watch or inner
 

@@ -11,9 +11,10 @@
     by the next one) -> exit 0 when the ranks reached max_steps,
     128+N when a signal N stopped this node (final checkpoint committed; also on a second
     signal, at once), 75 when a peer's stop ended this node's run (fixed `--nnodes N`; elastic:
-    only when no new round can form), 1 when the ranks failed for good (`max_restarts` spent,
-    or the same error at the same step twice: `failures.py`; a short summary on stdout), 2 when
-    the job failed on the ranks before training (one line)
+    only when no new round can form) or the rendezvous store is lost (`store_guard.py`: one
+    line), 1 when the ranks failed for good (`max_restarts` spent, or the same error at the
+    same step twice: `failures.py`; a short summary on stdout), 2 when the job failed on the
+    ranks before training (one line)
     ([Note: exit codes tell finished from stopped]).
 A root that already holds a checkpoint at `max_steps` ends the run right after the start-up
 checks (one line, exit 0, no rank started). The last lines on stdout say how the run ended
@@ -263,6 +264,7 @@ def run_daemon(
             rank fork server imports them ahead (`daemon/agent/fork_server.py`).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     from daemon.agent.elastic import ElasticLauncher
 
@@ -392,19 +394,32 @@ def run_daemon(
         # with "connection refused". Unshared, each attempt gets its own store (rank 0 hosts it
         # on a port the agent picks per round).
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        launcher = ElasticLauncher(
-            cfg,
-            run_dir,
-            entry,
-            endpoint,
-            on_waiting=lambda waiting: _on_nodes_waiting(run_dir, waiting),
-            relay=relay,
-            rank_modules=rank_modules,
-            on_rendezvous=_round_hook(cfg, replicas),
-            on_failure=lambda exits, restart: failures.record(exits, restart) is Verdict.RETRY,
-        )
         try:
+            launcher = ElasticLauncher(
+                cfg,
+                run_dir,
+                entry,
+                endpoint,
+                on_waiting=lambda waiting: _on_nodes_waiting(run_dir, waiting),
+                relay=relay,
+                rank_modules=rank_modules,
+                on_rendezvous=_round_hook(cfg, replicas),
+                on_failure=lambda exits, restart: failures.record(exits, restart) is Verdict.RETRY,
+            )
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
+        except RendezvousError as err:
+            # The store's host is lost or paused past the grace, or the first rendezvous could
+            # not form ([Note: a store outage is not a crash] in store_guard.py): restart me.
+            end_display()
+            complete = _already_complete(cfg)
+            if complete is not None:  # a closed rendezvous: the job is done elsewhere
+                print(complete, flush=True)
+                return EXIT_OK
+            line = _rendezvous_line(cfg, err)
+            board.note_error(line)
+            log.error("rendezvous_lost", endpoint=endpoint, error=line, exit_code=EXIT_PEER_STOPPED)
+            print(f"trainingd: {line}", file=sys.stderr, flush=True)
+            return EXIT_PEER_STOPPED
         except ChildFailedError as err:
             end_display()  # the ranks' last lines (their tracebacks) come before this record
             return _failed(cfg, failures, board, err)
@@ -489,6 +504,19 @@ def _round_hook(cfg: DaemonConfig, replicas: ReplicaService | None) -> RoundHook
     if replicas is not None:
         return replicas.on_rendezvous
     return announce_without_replicas(cfg.run_id) if cfg.launch.max_nodes > 1 else None
+
+
+def _rendezvous_line(cfg: DaemonConfig, err: BaseException) -> str:
+    """One line for a rendezvous that failed or a store that is lost (exit 75)."""
+    lc = cfg.launch
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    cause = err.__cause__
+    if cause is not None and str(cause).strip():
+        reason += f" ({type(cause).__name__}: {str(cause).strip().splitlines()[0]})"
+    return (
+        f"rendezvous at {lc.rdzv_endpoint or 'loopback'} ({lc.rdzv_backend.value}) failed: "
+        f"{reason}; exit 75 (restart me once the rendezvous host is back)"
+    )
 
 
 def _on_nodes_waiting(run_dir: Path, waiting: int) -> None:
