@@ -346,7 +346,8 @@ class TrainSettings:
     `val_data` or a job's `val_data`); 0: never."""
     eval_batches: int = 4
     """Micro-batches of `batch_size` each rank evaluates: the same ones every evaluation (the
-    first `eval_batches x batch_size x world size` validation samples)."""
+    first `eval_batches x batch_size x world size` validation samples; with `nnodes` MIN:MAX,
+    at MAX nodes: fewer nodes evaluate more per rank, so the set stays the same)."""
     max_steps: int = 300
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
     strategy: StrategyName = StrategyName.OPTIM_GRADS_PARAMS

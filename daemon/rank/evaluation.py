@@ -4,7 +4,9 @@
 micro-batches of `batch_size` samples: rank `r`'s batch `b` is the samples from
 `(b x world + r) x batch_size` on, so together the ranks cover the first
 `eval_batches x batch_size x world` samples of `val_data` (wrapping around a smaller set), the
-same ones at every evaluation. Each batch's mean loss is weighted by its tokens
+same ones at every evaluation (batch `k` of the set is always samples `k x batch_size` on; an
+elastic job evaluates `eval_batches x max world / world` batches per rank, so every world size
+evaluates the same batches). Each batch's mean loss is weighted by its tokens
 (`batch.num_tokens`), and one all-reduce sums `[loss x tokens, tokens]` over the ranks: the
 result is what one process computes over the same batches, whatever the world size. The
 forwards run under `torch.no_grad()` with the model in `eval()` mode (dropout off), put back in

@@ -374,7 +374,9 @@ class _Training:
             every=tc.eval_every,
             max_steps=tc.max_steps,
             batch_size=tc.batch_size,
-            num_batches=tc.eval_batches,
+            # An elastic job evaluates the same samples at any world size, as it trains the
+            # same global batch ([Note: an elastic job keeps its global batch]).
+            num_batches=tc.eval_batches * self.micro_batches // tc.micro_batches,
             rank=self.rank,
             world_size=self.world,
             device=device,

@@ -193,6 +193,10 @@ def test_indices_cover_the_first_samples_once_across_ranks() -> None:
     ]
     assert sorted(i for batches in by_rank for batch in batches for i in batch) == list(range(12))
     assert eval_indices(5, batch_size=2, num_batches=2, rank=1, world_size=2) == [[2, 3], [1, 2]]
+    # An elastic job: 2 ranks evaluate twice the batches of 4 ranks, the same batches in all.
+    two = [eval_indices(100, batch_size=3, num_batches=4, rank=r, world_size=2) for r in range(2)]
+    four = [eval_indices(100, batch_size=3, num_batches=2, rank=r, world_size=4) for r in range(4)]
+    assert sorted(b for rank in two for b in rank) == sorted(b for rank in four for b in rank)
 
 
 def test_eval_every_without_val_data_is_refused() -> None:
