@@ -46,6 +46,10 @@ wraps it, batches come from pinned host memory and are copied with `non_blocking
 copy overlaps the host's work on the next micro-batch), and the per-step agreement tensor lives
 on the device, as NCCL requires. The CUDA RNG state is saved with the CPU one.
 
+With `eval_every` on, a due step measures the validation loss after its metrics and before
+its checkpoint (`evaluation.py`: forwards only, one all-reduce); a save of that step carries it
+as `val_loss` beside `loss`, for `KeepBest` (a deferred save, taken at a later step, does not).
+
 A run that reached `max_steps` ends with the job's `sample` (if it has one): every rank takes
 part in gathering the full weights (`full_state_dict`, collective), rank 0 calls the hook.
 """
