@@ -89,7 +89,8 @@ memory and never call each other; they talk through files in the run directory (
         data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
         batch.py         a micro-batch (`(inputs, targets)` or a dict for `model(**batch)`).
         prefetch.py      `PrefetchingLoader`: the next batches read on a background thread.
-        token_data.py    `--data`: the job trains on token files (`data/`).
+        token_data.py    `--data` / `--val-data`: the job trains (validates) on token files.
+        evaluation.py    the validation loss every `eval_every` steps, averaged over ranks.
         permutation.py   `FeistelPermutation`: a seeded order of [0, n) in O(1) memory.
         telemetry.py     rank-side metric recording, published as the rank's snapshot.
         phase_watch.py   a checkpoint call that lasts is published as `checkpointing`.

@@ -381,6 +381,16 @@ class TrainSettings:
     data_prefetch: int = 2
     """Micro-batches each rank reads ahead on a background thread, so reading (S3 range
     reads) is off the step's path; 0 reads on the training thread."""
+    val_data: str = ""
+    """Token files to validate on instead of the job's `val_data`: comma-separated `.bin`
+    paths or fsspec URIs, as `data`; empty: the job's (if any)."""
+    eval_every: int = 0
+    """Evaluate the validation loss every this many steps and at `max_steps` (needs
+    `val_data` or a job's `val_data`); 0: never."""
+    eval_batches: int = 4
+    """Micro-batches of `batch_size` each rank evaluates: the same ones every evaluation (the
+    first `eval_batches x batch_size x world size` validation samples; with `nnodes` MIN:MAX,
+    at MAX nodes: fewer nodes evaluate more per rank, so the set stays the same)."""
     max_steps: int = 300
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
     strategy: StrategyName = StrategyName.OPTIM_GRADS_PARAMS
@@ -430,7 +440,8 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "micro_batches", "lr", "threads_per_rank")
-        _non_negative(self, "shard_group_size", "data_prefetch")
+        _non_negative(self, "shard_group_size", "data_prefetch", "eval_every")
+        _positive(self, "eval_batches")
         if self.shard_group_size and self.strategy is StrategyName.NO_SHARD:
             raise ValueError(
                 f"shard_group_size={self.shard_group_size} with strategy=no_shard: no_shard "

@@ -432,6 +432,17 @@ CATALOG: tuple[MetricSpec, ...] = (
         scope=_JOB,
     ),
     _g("trainingd_train_learning_rate", "Learning rate used by the last step.", scope=_JOB),
+    _g(
+        "trainingd_val_loss",
+        "Validation loss of the last evaluation (token-weighted mean over all ranks' eval "
+        "batches; NaN until the first, exported only with eval_every on).",
+        scope=_JOB,
+    ),
+    _g(
+        "trainingd_val_step",
+        "Step of the last validation loss (0 until the first evaluation).",
+        scope=_JOB,
+    ),
     # --- per rank: speed and device (GPU series exist only on CUDA ranks) -------------------
     _g(
         "trainingd_train_tokens_per_second",

@@ -174,7 +174,7 @@ def run_rank(
         job = load_job(cfg.train.job)(
             JobContext(rank=rank, world_size=world_size, seed=cfg.train.seed)
         )
-        job = with_token_data(cfg, job)  # --data: the job's model on token files
+        job = with_token_data(cfg, job)  # --data / --val-data: the job's model on token files
         building_job = False
         telemetry.heartbeat(RankPhase.LOADING)
         log.info("device_selected", device=str(device), backend=dist.get_backend())

@@ -3,9 +3,10 @@
 `StatusBoard` is fed by the supervisor thread (`observe`, every tick, with the same rank views
 `/metrics` uses) and read by HTTP handler threads (`snapshot`). It keeps what no single
 snapshot holds: the loss history (one point per new step seen, the last `HISTORY_POINTS`),
-a tokens/s and steps/s estimate over a sliding window, the last error seen on this node, and
-its last rank failures (`failures`: rank, reason, step, error; `note_failure`, from
-`daemon/agent/failures.py`).
+the validation loss history (`val_loss`: one point per evaluation, from `trainingd_val_loss`
+at `trainingd_val_step`), a tokens/s and steps/s estimate over a sliding window, the last
+error seen on this node, and its last rank failures (`failures`: rank, reason, step, error;
+`note_failure`, from `daemon/agent/failures.py`).
 
 The checkpoint list comes from ckpt_manager's torch-free `committed_checkpoints`, read by the
 board's own thread at most every `CHECKPOINT_REFRESH_S`, so a slow object store never blocks
@@ -25,6 +26,7 @@ waiter), read from the hang detector's `HangLedger` (`daemon/observe/hangs.py`).
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -58,6 +60,15 @@ _RATE_WINDOW_S = 10.0
 
 def _counter(view: RankView, name: str, label: str = "") -> float:
     return view.counters.get(name, {}).get(label, 0.0)
+
+
+def _val_point(views: list[RankView]) -> tuple[int, float] | None:
+    """`(step, val_loss)` of the ranks' last evaluation; None before the first (step 0, NaN)."""
+    for view in views:
+        step, value = view.gauge("trainingd_val_step"), view.gauge("trainingd_val_loss")
+        if step is not None and step > 0 and value is not None and math.isfinite(value):
+            return int(step), value
+    return None
 
 
 class StatusBoard:
@@ -97,6 +108,10 @@ class StatusBoard:
         self._tiers: dict[str, Any] = _tiers({}, None, None)
         self._lock = threading.Lock()
         self._loss: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY_POINTS)
+        # The validation loss, one point per evaluation (`daemon/rank/evaluation.py`).
+        self._val_loss: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=HISTORY_POINTS
+        )
         self._samples: collections.deque[tuple[float, float, int]] = collections.deque()
         self._ranks: list[dict[str, Any]] = []
         self._node: dict[str, Any] = {}
@@ -143,6 +158,7 @@ class StatusBoard:
         tokens = sum(_counter(v, "trainingd_train_tokens_total") for v in views)
         failed = sum(_counter(v, "trainingd_ckpt_saves_total", "failed") for v in views)
         loss = next((x for v in views if (x := v.gauge("trainingd_train_loss")) is not None), None)
+        val_point = _val_point(views)
         step = status.step
         held = dict(self._tier_bytes()) if self._tier_bytes is not None else {}
         in_memory = [v.gauge("trainingd_memory_newest_step") for v in views]
@@ -158,6 +174,10 @@ class StatusBoard:
                 and (not self._loss or self._loss[-1][0] < step)
             ):
                 self._loss.append((step, loss))
+            if val_point is not None and (
+                not self._val_loss or self._val_loss[-1][0] < val_point[0]
+            ):
+                self._val_loss.append(val_point)
             self._samples.append((now, tokens, step or 0))
             while len(self._samples) > 2 and now - self._samples[0][0] > _RATE_WINDOW_S:
                 self._samples.popleft()
@@ -238,6 +258,7 @@ class StatusBoard:
                 "tokens_per_s": round(tokens_per_s, 1),
                 "steps_per_s": round(steps_per_s, 3),
                 "loss": [[s, x] for s, x in self._loss],
+                "val_loss": [[s, x] for s, x in self._val_loss],
                 "ranks": [dict(r) for r in self._ranks],
                 "checkpoints": {
                     "uri": self._ckpt_uri,

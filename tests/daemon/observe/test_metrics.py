@@ -31,7 +31,10 @@ from tests.support.metric_names import ISSUE_METRICS
 
 REQUIRED = set(ISSUE_METRICS)
 
-_NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|memory|rank|build|config|gpu)_[a-z0-9_]+$")
+# `val`: the validation loss and its step (issue #31 names `trainingd_val_loss`).
+_NAME = re.compile(
+    r"^trainingd_(daemon|train|fsdp|ckpt|memory|rank|build|config|gpu|val)_[a-z0-9_]+$"
+)
 _UNITS = ("_seconds", "_bytes", "_total", "_ratio", "_depth", "_step", "_info", "_loss",
           "_norm", "_rate", "_size", "_ranks", "_state", "_ready", "_inflight", "_finished",
           "_steps", "_restarts", "_failures", "_peak", "_bound",

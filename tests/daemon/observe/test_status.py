@@ -148,3 +148,19 @@ def test_format_duration_matches_the_page() -> None:
     assert format_duration(5.4) == "5s"
     assert format_duration(3725) == "1h 2m 5s"
     assert format_duration(120) == "2m 0s"
+
+
+def test_val_loss_is_one_point_per_evaluation_none_before_the_first() -> None:
+    state = NodeState(local_ranks=1)
+    board = StatusBoard(max_steps=100, ckpt_uri="/x", list_checkpoints=list)
+    nan = float("nan")
+    for step in range(1, 8):
+        evaluated = step - step % 3  # evaluations at steps 3 and 6
+        val = {"trainingd_val_step": float(evaluated), "trainingd_val_loss": 2.0 - evaluated / 10}
+        if evaluated == 0:
+            val = {"trainingd_val_step": 0.0, "trainingd_val_loss": nan}
+        status = state.update(phase=NodePhase.TRAINING, step=step)
+        board.observe([_view(step, 3.0, 10.0 * step, gauges=val)], status)
+        if step == 2:
+            assert board.snapshot()["val_loss"] == []
+    assert board.snapshot()["val_loss"] == [[3, 1.7], [6, 1.4]]
