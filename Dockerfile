@@ -6,8 +6,9 @@
 #
 # Two stages: the venv is built in the first and copied into a slim runtime image that runs as
 # an unprivileged user (uid 10001, as the Kubernetes securityContext expects) with nothing to
-# download at run time. Writable paths at run time are volumes: the run directory
-# (TRAININGD_RUN_DIR), /tmp (HOME) and /dev/shm; the checkpoint root is S3 or a mounted volume.
+# download at run time; the `etcd` extra is in, for `rdzv_backend = "etcd-v2"`. Writable paths
+# at run time are volumes: the run directory (TRAININGD_RUN_DIR), /tmp (HOME) and /dev/shm; the
+# checkpoint root is S3 or a mounted volume.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
@@ -22,7 +23,7 @@ COPY daemon ./daemon
 RUN python -m venv /opt/trainingd/.venv \
  && /opt/trainingd/.venv/bin/pip install --no-cache-dir --disable-pip-version-check \
       ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==${TORCH_VERSION}" \
- && /opt/trainingd/.venv/bin/pip install --no-cache-dir --disable-pip-version-check . \
+ && /opt/trainingd/.venv/bin/pip install --no-cache-dir --disable-pip-version-check '.[etcd]' \
  && /opt/trainingd/.venv/bin/trainingd --version
 
 FROM ${PYTHON_IMAGE}

@@ -12,11 +12,12 @@ PYTEST_ARGS ?=
 PYTEST_PARALLEL ?= -n 2 --dist loadfile
 # System tools some tests need, from Debian packages: promtool and prometheus (tests/dashboards),
 # chromium (the status page test, tests/daemon/test_status_page.py), systemd-analyze (the unit
-# file test), tmux (the live status line test, tests/daemon/agent/test_progress.py).
-SYSTEM_TOOLS := promtool prometheus chromium systemd-analyze tmux
-SYSTEM_PACKAGES := prometheus chromium systemd tmux
+# file test), tmux (the live status line test, tests/daemon/agent/test_progress.py), etcd (the
+# etcd-v2 rendezvous tests, tests/daemon/agent/test_rdzv_etcd.py; each starts its own on loopback).
+SYSTEM_TOOLS := promtool prometheus chromium systemd-analyze tmux etcd
+SYSTEM_PACKAGES := prometheus chromium systemd tmux etcd-server
 
-.PHONY: venv system-tools stop-packaged-prometheus run test lint format clean bench
+.PHONY: venv system-tools stop-packaged-services run test lint format clean bench
 
 venv: $(STAMP)
 
@@ -42,18 +43,23 @@ system-tools:
 	else \
 	  export DEBIAN_FRONTEND=noninteractive; \
 	  if apt-get update -qq && apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES); then \
-	    $(MAKE) --no-print-directory stop-packaged-prometheus; exit 0; \
+	    $(MAKE) --no-print-directory stop-packaged-services; exit 0; \
 	  fi; why="apt-get install failed"; \
 	fi; \
 	echo "system-tools: missing$$missing and cannot install $(SYSTEM_PACKAGES) ($$why): the tests that need them will skip (run as root with apt-get to install)"
 
 # The package starts a service on install where an init system runs; the tests start their own
 # server on a free loopback port, so stop the packaged one (by its service, not by name).
-stop-packaged-prometheus:
+stop-packaged-services:
 	@if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet prometheus 2>/dev/null; then \
 	  systemctl stop prometheus; \
 	elif [ -x /etc/init.d/prometheus ]; then \
 	  /etc/init.d/prometheus stop >/dev/null 2>&1 || true; \
+	fi
+	@if command -v systemctl >/dev/null 2>&1 && systemctl is-active --quiet etcd 2>/dev/null; then \
+	  systemctl stop etcd; \
+	elif [ -x /etc/init.d/etcd ]; then \
+	  /etc/init.d/etcd stop >/dev/null 2>&1 || true; \
 	fi
 
 # Two parts: the suite on 2 workers, then the `serial` tests alone (they judge timing from

@@ -85,7 +85,10 @@ class CheckpointConfig:
     lease_ttl_s: float = 120.0
     """A lease not refreshed for this long is expired and may be taken over."""
     uncommitted_grace_s: float = 3600.0
-    """Uncommitted step folders older than this (and not in flight) are garbage-collected."""
+    """Uncommitted step folders that appear above the newest step this run has saved (another
+    rank may be writing them ahead of the coordinator) are garbage-collected once older than
+    this; every other one goes at once (at the root's start-up, or once this run has saved a
+    later step)."""
     deletion_retry_s: float = 30.0
     """Delay before a failed retention deletion is retried."""
     verify_checksums: bool = True

@@ -32,6 +32,8 @@ memory and never call each other; they talk through files in the run directory (
         snapshot.py      the rank snapshot file (ranks write, the daemon reads).
         progress.py      the rank's progress word: step and phase (ranks write, daemon reads).
         stacks.py        the ranks' stack dumps on SIGUSR2 and their parsing (hang detection).
+        failure.py       the rank error file: exception, step, phase, traceback tail (ranks
+                         write it when they fail, the daemon classifies the failure).
       jobs/              what is trained (both processes import it):
         job.py           the job seam: `JobSpec`, `JobContext`, `Dataset`, `load_job`.
         default_job.py   the embedded default job: byte-level GPT on a generated corpus, and
@@ -48,11 +50,15 @@ memory and never call each other; they talk through files in the run directory (
         memory_budget.py the tier's start-up budget: tmpfs, cgroup, estimated need -> one line;
                          exit 2 (explicit memory_every) or durable-only (auto) when unfit.
         elastic.py       the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
+        store_guard.py   rendezvous-store outages ridden out within a grace, then exit 75.
         fork_server.py   warm rank starts: ranks fork from a server that imported torch and
                          the job once (never CUDA, no threads), checked on a first fork.
         _server_state.py runs in that server: its CUDA state after its imports.
         supervisor.py    supervisor thread: phase/readiness, sd_notify, orphan reaping, progress.
         hang.py          hang detection: a rank without progress named, its group restarted.
+        failures.py      rank failures classified, counted, shown; deterministic ones and the
+                         job's own before training end the run (exit 1 / exit 2).
+        scrapes.py       when `/metrics` was read; the wait for one read of a finished run.
         straggler.py     the straggler watch: a rank slower than its peers named.
         http.py          one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
         scrapes.py       scrapes of `/metrics`; the wait for one read of a finished run.
@@ -85,9 +91,11 @@ memory and never call each other; they talk through files in the run directory (
         data.py          `ShardedLoader`: rank-sharded, deterministic, checkpointable position.
         batch.py         a micro-batch (`(inputs, targets)` or a dict for `model(**batch)`).
         prefetch.py      `PrefetchingLoader`: the next batches read on a background thread.
-        token_data.py    `--data`: the job trains on token files (`data/`).
+        token_data.py    `--data` / `--val-data`: the job trains (validates) on token files.
+        evaluation.py    the validation loss every `eval_every` steps, averaged over ranks.
         permutation.py   `FeistelPermutation`: a seeded order of [0, n) in O(1) memory.
         telemetry.py     rank-side metric recording, published as the rank's snapshot.
+        phase_watch.py   a checkpoint call that lasts is published as `checkpointing`.
         throughput.py    per-rank tokens/s, MFU (peak FLOP/s table) and CUDA memory figures.
         save_failures.py the save failure policy: report, keep training, give up after N.
         deferral.py      durable saves deferred while an earlier write is in flight, then owed.

@@ -30,8 +30,10 @@ examples:
 every config key is a flag (--max-steps), a TRAININGD_* variable (TRAININGD_MAX_STEPS) and a
 key of the TOML file ([train] max_steps); precedence: flag > variable > file > default.
 exit codes: 0 reached max_steps; 143 (130) stopped by SIGTERM (SIGINT) on this node, final
-checkpoint committed; 75 stopped because another node was stopped (restart me; with --nnodes
-MIN:MAX the other nodes go on instead); 1 workers failed; 2 bad config or start-up check.
+checkpoint committed; 75 stopped because another node was stopped, or the rendezvous store
+was lost (restart me; with --nnodes MIN:MAX the other nodes go on instead); 1 workers failed
+(max_restarts spent, or the same error at the same step twice); 2 bad config, start-up check,
+or the job failed before training.
 """
 
 EXIT_CONFIG = 2

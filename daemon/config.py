@@ -32,6 +32,7 @@ __all__ = [
     "ObservabilitySettings",
     "Precision",
     "RankStart",
+    "RdzvBackend",
     "StepInterval",
     "StragglerAction",
     "StrategyName",
@@ -101,6 +102,24 @@ class RankStart(enum.StrEnum):
     the job (no CUDA, no threads): a start or restart skips seconds of imports."""
     SPAWN = "spawn"
     """A fresh interpreter per rank (multiprocessing's spawn), each importing everything."""
+
+
+class RdzvBackend(enum.StrEnum):
+    """Where the job's rendezvous lives (torch elastic's backends of the same names).
+
+    [Note: which rendezvous backend] `c10d` needs nothing outside trainingd: node 0's daemon
+    hosts the store, so the job lives only as long as node 0 does (a fixed `--nnodes N` job
+    restarts everything anyway; an elastic `MIN:MAX` job cannot go on without node 0). `etcd-v2`
+    keeps the rendezvous in an etcd server (v2 API) that outlives every node: an elastic job goes
+    on with the surviving nodes whichever node is lost, node 0 included, and takes a replacement
+    back. It costs one more service to run (a small StatefulSet, `deploy/kubernetes/etcd/`).
+    """
+
+    C10D = "c10d"
+    """A TCP store hosted by node 0's daemon at `rdzv_endpoint`."""
+    ETCD_V2 = "etcd-v2"
+    """An external etcd server (v2 API, `--enable-v2=true`) at `rdzv_endpoint`; no node is
+    special. Needs the `python-etcd` package (`pip install 'trainingd[etcd]'`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,9 +252,14 @@ class LaunchSettings:
     """Nodes in the job: `N`, or `MIN:MAX` (torchrun's syntax) for an elastic job that goes on
     with fewer nodes when one leaves (down to MIN) and grows again when it returns (up to MAX)."""
     node_rank: int = 0
-    """This node's index; node 0 hosts the rendezvous store at `rdzv_endpoint`."""
+    """This node's index; with `rdzv_backend = "c10d"` node 0 hosts the rendezvous store at
+    `rdzv_endpoint`."""
+    rdzv_backend: RdzvBackend = RdzvBackend.C10D
+    """`c10d`: node 0's daemon hosts the rendezvous; `etcd-v2`: an etcd server at
+    `rdzv_endpoint` does, and the job outlives any node (README, "Rendezvous: c10d or etcd")."""
     rdzv_endpoint: str = ""
-    """`host:port` of the c10d rendezvous; empty runs a single node on a free loopback port."""
+    """`host:port` of the rendezvous: node 0's (c10d) or the etcd server's (etcd-v2); empty
+    runs a single c10d node on a free loopback port."""
     rdzv_id: str = ""
     """Rendezvous id shared by all nodes of the job; empty uses the run id."""
     rdzv_timeout_s: int = 300
@@ -243,6 +267,13 @@ class LaunchSettings:
     rdzv_last_call_s: int = 30
     """Elastic `MIN:MAX` only: once MIN nodes are in a rendezvous, how long it waits for more
     before the job goes on without them (torch's `last_call_timeout`)."""
+    rdzv_store_timeout_s: int = 60
+    """How long one call to the rendezvous store waits for its answer (torch's `read_timeout`);
+    a call that times out starts a store outage (`rdzv_store_grace_s`)."""
+    rdzv_store_grace_s: float = 120.0
+    """How long an unreachable rendezvous store (its host paused, a network blip) is ridden
+    out while the ranks keep training; past it, this node stops with exit 75 (README, "Store
+    outages")."""
     max_restarts: int = 3
     """Worker-group restarts the elastic agent may do before the run fails."""
     rank_start: RankStart = RankStart.FORK_SERVER
@@ -261,7 +292,13 @@ class LaunchSettings:
 
     def __post_init__(self) -> None:
         _positive(
-            self, "nproc_per_node", "rdzv_timeout_s", "rdzv_last_call_s", "shutdown_timeout_s"
+            self,
+            "nproc_per_node",
+            "rdzv_timeout_s",
+            "rdzv_last_call_s",
+            "rdzv_store_timeout_s",
+            "rdzv_store_grace_s",
+            "shutdown_timeout_s",
         )
         _non_negative(self, "node_rank", "max_restarts")
         match = _NNODES.match(self.nnodes)
@@ -272,6 +309,12 @@ class LaunchSettings:
             raise ValueError(f"nnodes={self.nnodes!r}: need 1 <= MIN <= MAX")
         if self.node_rank >= hi:
             raise ValueError(f"node_rank={self.node_rank}: must be below nnodes ({hi})")
+        etcd = self.rdzv_backend is RdzvBackend.ETCD_V2
+        if etcd and not self.rdzv_endpoint:
+            raise ValueError(
+                "rdzv_endpoint is empty: rdzv_backend=etcd-v2 needs the etcd "
+                "server's host:port, e.g. etcd:2379"
+            )
         if hi > 1 and not self.rdzv_endpoint:
             raise ValueError("rdzv_endpoint is empty: several nodes need host:port of node 0")
         if self.rdzv_endpoint and ":" not in self.rdzv_endpoint:
@@ -339,6 +382,16 @@ class TrainSettings:
     data_prefetch: int = 2
     """Micro-batches each rank reads ahead on a background thread, so reading (S3 range
     reads) is off the step's path; 0 reads on the training thread."""
+    val_data: str = ""
+    """Token files to validate on instead of the job's `val_data`: comma-separated `.bin`
+    paths or fsspec URIs, as `data`; empty: the job's (if any)."""
+    eval_every: int = 0
+    """Evaluate the validation loss every this many steps and at `max_steps` (needs
+    `val_data` or a job's `val_data`); 0: never."""
+    eval_batches: int = 4
+    """Micro-batches of `batch_size` each rank evaluates: the same ones every evaluation (the
+    first `eval_batches x batch_size x world size` validation samples; with `nnodes` MIN:MAX,
+    at MAX nodes: fewer nodes evaluate more per rank, so the set stays the same)."""
     max_steps: int = 300
     """Optimizer steps of the whole run (a resumed run continues up to it)."""
     strategy: StrategyName = StrategyName.OPTIM_GRADS_PARAMS
@@ -388,7 +441,8 @@ class TrainSettings:
 
     def __post_init__(self) -> None:
         _positive(self, "batch_size", "micro_batches", "lr", "threads_per_rank")
-        _non_negative(self, "shard_group_size", "data_prefetch")
+        _non_negative(self, "shard_group_size", "data_prefetch", "eval_every")
+        _positive(self, "eval_batches")
         if self.shard_group_size and self.strategy is StrategyName.NO_SHARD:
             raise ValueError(
                 f"shard_group_size={self.shard_group_size} with strategy=no_shard: no_shard "

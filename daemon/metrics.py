@@ -56,6 +56,7 @@ __all__ = [
     "CATALOG",
     "DAEMON_STATES",
     "QUEUE_DEPTH_BUCKETS",
+    "RANK_FAILURE_REASONS",
     "RANK_LABELS",
     "REPLICA_FAILURE_REASONS",
     "RUN_LABEL",
@@ -286,6 +287,16 @@ REPLICA_FAILURE_REASONS: tuple[str, ...] = (
 """Values of the `reason` label of `trainingd_memory_replica_failures_total` (the daemon's
 `daemon.agent.replica.protocol.Refusal`)."""
 _QUEUES = ("allgather", "reduce")
+RANK_FAILURE_REASONS: tuple[str, ...] = (
+    "config",
+    "exception",
+    "oom",
+    "signal",
+    "exit_code",
+    "hung",
+)
+"""Values of the `reason` label of `trainingd_rank_failures_total` (the daemon's
+`daemon.agent.failures.FailureReason`)."""
 _NODE, _JOB, _SUM = Scope.NODE, Scope.JOB, Scope.NODE_SUM
 
 CATALOG: tuple[MetricSpec, ...] = (
@@ -332,6 +343,14 @@ CATALOG: tuple[MetricSpec, ...] = (
         "trainingd_daemon_restarts_total",
         "Worker group restarts done by the elastic agent on this node.",
         scope=_NODE,
+    ),
+    _c(
+        "trainingd_rank_failures_total",
+        "Rank process failures on this node, by reason (the job or its configuration before "
+        "training, an exception, out of memory, a signal, an exit code, a declared hang).",
+        scope=_NODE,
+        label="reason",
+        values=RANK_FAILURE_REASONS,
     ),
     # --- node: the job's own thresholds (what the alerts compare against) ---------------------
     _g(
@@ -434,6 +453,17 @@ CATALOG: tuple[MetricSpec, ...] = (
         scope=_JOB,
     ),
     _g("trainingd_train_learning_rate", "Learning rate used by the last step.", scope=_JOB),
+    _g(
+        "trainingd_val_loss",
+        "Validation loss of the last evaluation (token-weighted mean over all ranks' eval "
+        "batches; NaN until the first, exported only with eval_every on).",
+        scope=_JOB,
+    ),
+    _g(
+        "trainingd_val_step",
+        "Step of the last validation loss (0 until the first evaluation).",
+        scope=_JOB,
+    ),
     # --- per rank: speed and device (GPU series exist only on CUDA ranks) -------------------
     _g(
         "trainingd_train_tokens_per_second",

@@ -14,7 +14,9 @@ Both read the rank layout from torchrun's environment (`RANK`, `LOCAL_RANK`, `WO
 `MASTER_ADDR`, `MASTER_PORT`, `TORCHELASTIC_RESTART_COUNT`, `GROUP_RANK`). Start-up order matters:
 become a process-group leader and start the parent watch before anything can spawn (see
 `daemon/_lifecycle.py`), publish a first snapshot (so the daemon knows the pid), then join the
-process group, build the job and train.
+process group, build the job and train. A rank whose entry point raises writes why into the
+run directory before it exits (`daemon/rundir/failure.py`: exception, step, phase, whether the
+job or its configuration failed before training), for the daemon's `agent/failures.py`.
 
 On CUDA (`--device`, `daemon/_device.py`) local rank `r` trains on GPU `r`: the device is set
 before the process group exists, so NCCL binds each rank to its own GPU.
@@ -42,9 +44,10 @@ from daemon._config_load import add_config_flags, load_config
 from daemon._lifecycle import ParentWatch, become_group_leader
 from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon.config import DaemonConfig
-from daemon.errors import ConfigError
+from daemon.errors import ConfigError, JobError
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
 from daemon.rundir.control import RankControl
+from daemon.rundir.failure import error_path, rank_error, write_error
 from daemon.rundir.progress import progress_path
 from daemon.rundir.snapshot import RankPhase, snapshot_path
 from daemon.rundir.stacks import install_stack_dump
@@ -160,16 +163,19 @@ def run_rank(
     # rank turns SIGTERM/SIGINT into a graceful stop (torchrun forwards them to its workers).
     control = RankControl(run_dir, graceful_signals=not supervised)
     torch.set_num_threads(cfg.train.threads_per_rank)
+    building_job = False
     try:
         device = resolve_device(cfg.train.device, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(process_group_backend(device), timeout=_COLLECTIVE_TIMEOUT)
         torch.manual_seed(cfg.train.seed)
+        building_job = True
         job = load_job(cfg.train.job)(
             JobContext(rank=rank, world_size=world_size, seed=cfg.train.seed)
         )
-        job = with_token_data(cfg, job)  # --data: the job's model on token files
+        job = with_token_data(cfg, job)  # --data / --val-data: the job's model on token files
+        building_job = False
         telemetry.heartbeat(RankPhase.LOADING)
         log.info("device_selected", device=str(device), backend=dist.get_backend())
         result = run_training(cfg, job, telemetry=telemetry, control=control, device=device)
@@ -180,9 +186,25 @@ def run_rank(
             loss=result.last_loss,
         )
         dist.barrier()
-    except Exception:
+    except Exception as err:
         # The agent keeps only the first failure's traceback; every rank's goes to the log.
         log.exception("rank_failed")
+        if isinstance(telemetry, RankTelemetry) and run_dir is not None:
+            # [Note: the rank writes its own error file] in `daemon/rundir/failure.py`.
+            step = _failed_step(telemetry)
+            record = rank_error(
+                err,
+                rank=rank,
+                local_rank=local_rank,
+                restart=restart,
+                phase=telemetry.phase.value,
+                step=step,
+                config=step is None and _is_config_failure(err, building_job),
+            )
+            try:
+                write_error(error_path(run_dir, local_rank), record)
+            except OSError as write_err:  # the failure itself must still reach the agent
+                log.warning("rank_error_file_failed", error=str(write_err))
         raise
     else:
         return {
@@ -197,9 +219,36 @@ def run_rank(
         }
     finally:
         telemetry.heartbeat(RankPhase.EXITED)
+        telemetry.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         watch.close()
+
+
+def _failed_step(telemetry: RankTelemetry) -> int | None:
+    """The step a failing rank was in: the last completed one + 1 in the training loop, the
+    last completed one in its checkpoint call or while its final save is committed, None
+    before training started."""
+    phase = telemetry.phase
+    completed = telemetry.snapshot()["gauges"].get("trainingd_train_step", {}).get("")
+    if completed is None or phase not in _IN_TRAINING:
+        return None
+    return int(completed) + (1 if phase is RankPhase.TRAINING else 0)
+
+
+_IN_TRAINING = frozenset(
+    {RankPhase.TRAINING, RankPhase.CHECKPOINTING, RankPhase.STOPPING, RankPhase.FINISHING}
+)
+
+
+def _is_config_failure(err: BaseException, building_job: bool) -> bool:
+    """Whether a failure before training comes from the job or its configuration (exit 2).
+
+    The job's import or build raising, whatever the exception (it is the job's own code), and,
+    later before the first step, a `JobError` (`--init-from` weights that do not fit, a job
+    that returned something else than a `JobSpec`), a `ConfigError` or an `ImportError`.
+    """
+    return building_job or isinstance(err, JobError | ConfigError | ImportError)
 
 
 @_recorded

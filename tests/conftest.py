@@ -3,7 +3,8 @@
 [Note: missing system tools] Tests marked `prometheus` need the `promtool` and `prometheus`
 binaries (Debian's `prometheus` package), tests marked `browser` need `chromium` (Debian's
 `chromium` package), tests marked `systemd` need `systemd-analyze` (Debian's `systemd`), tests
-marked `tmux` need `tmux` (Debian's `tmux`); `make test` installs them as root with apt-get. Where
+marked `tmux` need `tmux` (Debian's `tmux`), tests marked `etcd` need `etcd` (Debian's
+`etcd-server`); `make test` installs them as root with apt-get. Where
 they are missing those tests skip with one reason, printed in the header and the `-ra` summary.
 In strict mode (`STRICT_SYSTEM_TOOLS=1`, or `CI=true`; `.ci/run` sets the former) the same
 tests fail instead, so CI never loses that coverage silently. This hook is the only place that
@@ -35,6 +36,7 @@ SYSTEM_TOOLS = {
     "browser": ("chromium",),
     "systemd": ("systemd-analyze",),
     "tmux": ("tmux",),
+    "etcd": ("etcd",),
 }
 """Marker -> binaries its tests need on PATH."""
 SYSTEM_PACKAGES = {
@@ -42,6 +44,7 @@ SYSTEM_PACKAGES = {
     "browser": "chromium",
     "systemd": "systemd",
     "tmux": "tmux",
+    "etcd": "etcd-server",
 }
 """Marker -> the Debian package that provides its binaries."""
 

@@ -18,6 +18,16 @@ folder at or below the newest step this run has saved durably, with no save in f
 neither this run's work in progress nor a step it will write again: it is collected at once.
 A folder above it may be another rank of this run running ahead, so it waits out
 `grace_s`, as before.
+
+[Note: retention is not starved by back-to-back saves] Retention waits for a moment with no
+save in flight, so that deletions do not compete with a save's writes. With the memory tier
+the durable saves follow each other with no gap (a due save is deferred while one is in
+flight, then taken at once), and such a moment may never come: a run of 80 commits had
+deleted 55 steps, 25 over `keep_last`, when it was killed. So once passes have been put off
+for `max_defer_s`, retention runs while a save is in flight (it never deletes the newest
+committed step, and an in-flight step is not committed, so the plan is the same). The
+collection of uncommitted leftovers still never runs then: the in-flight save's own folder
+is one.
 """
 
 from __future__ import annotations
@@ -41,8 +51,11 @@ from ckpt_manager._store.steps import (
 from ckpt_manager._store.storage import Storage
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError, StepNotFoundError
 
-__all__ = ["MAX_WAIT_S", "Deleter"]
+__all__ = ["MAX_DEFER_S", "MAX_WAIT_S", "Deleter"]
 
+MAX_DEFER_S = 30.0
+"""Longest retention waits for a moment with no save in flight ([Note: retention is not
+starved by back-to-back saves])."""
 MAX_WAIT_S = 5.0
 """Longest a save, a wait or a shutdown waits for retention ([Note: retention never holds
 anything up])."""
@@ -63,6 +76,7 @@ class Deleter:
         grace_s: float,
         retry_s: float,
         newest_saved: Callable[[], int | None] = lambda: None,
+        max_defer_s: float = MAX_DEFER_S,
     ) -> None:
         """Start the thread.
 
@@ -75,6 +89,8 @@ class Deleter:
             retry_s: wake-up period (retries failed deletions).
             newest_saved: the newest step this run has saved durably (None: none yet);
                 leftovers at or below it are removed at once ([Note: whose leftover]).
+            max_defer_s: retention runs during a save once put off this long ([Note:
+                retention is not starved by back-to-back saves]).
         """
         self._storage = storage
         self._policy = policy
@@ -83,6 +99,8 @@ class Deleter:
         self._grace_s = grace_s
         self._retry_s = retry_s
         self._newest_saved = newest_saved
+        self._max_defer_s = max_defer_s
+        self._deferred_since: float | None = None  # monotonic; None: not put off
         self._infos: dict[int, StepInfo] = {}
         self._doomed: set[int] = set()  # deletion started (manifest may be gone): finish them
         self._wake = threading.Event()
@@ -136,10 +154,11 @@ class Deleter:
                 return
             if not self._armed.is_set():
                 continue  # the run has neither restored nor committed yet
-            if self._saving():
+            if self._held_back():
                 continue  # a save is in flight; the manager wakes us when it settles
             try:
                 self._pass()
+                self._deferred_since = None  # a pass ran: the next one may wait again
             except CheckpointError as err:
                 self.num_failures += 1
                 _log.warning("ckpt_retention_failed", error=str(err), retry_in_s=self._retry_s)
@@ -148,6 +167,16 @@ class Deleter:
                 _log.exception("ckpt_retention_crashed", error=str(err))
             finally:
                 self._idle.set()  # the pass ended: a failure is retried, never waited for
+
+    def _held_back(self) -> bool:
+        """A save is in flight and retention has not been put off for `max_defer_s` yet."""
+        if not self._saving():
+            self._deferred_since = None
+            return False
+        now = time.monotonic()
+        if self._deferred_since is None:
+            self._deferred_since = now
+        return now - self._deferred_since < self._max_defer_s
 
     def _info(self, step: int) -> StepInfo | None:
         found = self._infos.get(step)
@@ -165,7 +194,7 @@ class Deleter:
 
     def _pass(self) -> None:
         for s in sorted(self._doomed):
-            if self._saving() or self._stop.is_set():
+            if self._held_back() or self._stop.is_set():
                 return
             if s not in self._protected():
                 self._delete_step(s)
@@ -181,7 +210,7 @@ class Deleter:
         if self._policy is not None:
             protected = pinned_steps(self._storage) | self._protected()
             for s in plan_deletions(self._policy, infos, protected=protected):
-                if self._saving() or self._stop.is_set():
+                if self._held_back() or self._stop.is_set():
                     return  # a save started (or shutdown): stop; the next wake resumes
                 if s in self._protected():
                     continue  # restored from since the plan was made

@@ -8,7 +8,10 @@ Module plan:
     memory_dir.py   the node's memory-tier directory (tmpfs): claimed with an owner record at
                     start, this run's stale ones reclaimed, removed at every exit.
     memory_budget.py  the memory tier's start-up budget line; exit 2 or durable-only if unfit.
-    elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
+    elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`);
+                    the rendezvous on c10d (node 0's store) or etcd-v2 (an etcd server).
+    store_guard.py  rendezvous-store outages ridden out within `rdzv_store_grace_s`; past it,
+                    or with the store's host gone, exit 75 with one line.
     replica/        peer replicas of the memory tier: a server, a sender to the next node
                     (node ring), the fetch of a lost node's snapshots before its ranks start.
     fork_server.py  warm rank starts: ranks fork from a server that imported torch and the
@@ -18,6 +21,10 @@ Module plan:
                     shutdown budget, progress.
     hang.py         hang detection: a rank whose progress word stops past its budget is named
                     (stopped, or its innermost frame from a stack dump) and its group killed.
+    failures.py     rank failures: classified (config, exception, oom, signal, exit code, hung),
+                    logged, counted, shown; the same error at the same step twice (exit 1) or
+                    the job's own failure before training (exit 2) ends the retries.
+    scrapes.py      when `/metrics` was read; the wait for one scrape of a finished run.
     straggler.py    the straggler watch: a rank whose exported score reaches the threshold is
                     named (`rank_straggler`), optionally its group killed.
     http.py         one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.

@@ -14,7 +14,7 @@ A round whose ranks return *stopped* without a signal on this node ended for a m
 change, and the next round starts at once:
 - shrink: a peer was stopped (SIGTERM: every rank agreed on the step and committed a final
   checkpoint). The peer leaves the rendezvous open (it closes it only when the job is done), its
-  heartbeats stop, and the c10d rendezvous drops it after `keep_alive_interval x
+  heartbeats stop, and the rendezvous (c10d or etcd-v2) drops it after `keep_alive_interval x
   keep_alive_max_attempt` (`_KEEP_ALIVE_S` x `_KEEP_ALIVE_ATTEMPTS`); the remaining nodes form
   the next round once MIN are present and `rdzv_last_call_s` has passed. A peer that *died*
   (SIGKILL) makes the ranks here fail in their next collective; the agent restarts them into a
@@ -40,6 +40,11 @@ the daemon's peer replicas publish their address there and copy a lost node's sn
 The restart budget spans the daemon's life: each round's agent gets what the earlier rounds left
 of `max_restarts`, and ranks number their incarnations across rounds (`restart_offset`), so the
 restarts gauge counts failures only, never membership changes.
+
+Each failed attempt is handed to `on_failure` (the daemon's `FailureTracker.record`,
+`failures.py`) before the agent decides to restart: it records the failures and may end the
+retries at once (a deterministic failure, or the job's own before training), as a spent
+budget would.
 """
 
 from __future__ import annotations
@@ -52,7 +57,12 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -65,13 +75,15 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from daemon.agent.failures import RankExit
 from daemon.agent.fork_server import START_METHOD, ForkServer, preload_modules, warm_entry
 from daemon.agent.relay import RankOutputRelay, RelayLogsSpecs
-from daemon.config import DaemonConfig, RankStart
+from daemon.agent.store_guard import StoreGuard
+from daemon.config import DaemonConfig, RankStart, RdzvBackend
 from daemon.errors import ForkServerError
 from daemon.rundir.control import clear_stop
 
-__all__ = ["ElasticLauncher", "LaunchOutcome", "MembershipWatch", "RoundHook"]
+__all__ = ["ElasticLauncher", "FailureHook", "LaunchOutcome", "MembershipWatch", "RoundHook"]
 
 log = structlog.get_logger("trainingd.elastic")
 
@@ -93,6 +105,11 @@ RoundHook = Callable[[Any, int, int, list[int], int], None]
 `hook(store, group_rank, num_nodes, global_ranks, world_size)`: the round's rendezvous store,
 this node's rank among the round's nodes, their number, this node's global ranks and the world
 size (`ReplicaService.on_rendezvous`)."""
+
+FailureHook = Callable[[list[RankExit], int], bool]
+"""Called with the failed ranks of an attempt and its restart count (membership rounds
+included); returns whether the group may be restarted (`FailureTracker.record` allows it
+unless the verdict says the failure is not worth a retry)."""
 
 Entry = Callable[..., dict[str, Any] | None]
 """A rank entry point: `entry(cfg, run_dir, daemon_pid, restart_offset, relayed)` -> its summary
@@ -144,7 +161,7 @@ class MembershipWatch(RendezvousHandler):
     membership change ([Note: membership changes end a round gracefully]).
 
     Args:
-        inner: the real (c10d) handler.
+        inner: the real (c10d or etcd-v2) handler.
         on_waiting: called with the number of waiting nodes, once per round.
     """
 
@@ -200,11 +217,46 @@ class MembershipWatch(RendezvousHandler):
 
 
 class _RoundAgent(LocalElasticAgent):
-    """torch's local agent, calling a `RoundHook` between each rendezvous and its ranks."""
+    """torch's local agent, calling a `RoundHook` between each rendezvous and its ranks, and a
+    `FailureHook` on each failed attempt (which may end the retries)."""
 
-    def __init__(self, *args: Any, on_rendezvous: RoundHook | None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        on_rendezvous: RoundHook | None,
+        on_failure: FailureHook | None = None,
+        restart_offset: int = 0,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._on_rendezvous = on_rendezvous
+        self._on_failure = on_failure
+        self._restart_offset = restart_offset
+
+    def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
+        result = super()._monitor_workers(worker_group)
+        if self._on_failure is None or result.state not in (
+            WorkerState.FAILED,
+            WorkerState.UNHEALTHY,
+        ):
+            return result
+        # torch's own attempt count (`TORCHELASTIC_RESTART_COUNT` of the failed ranks), on top
+        # of the earlier rounds'; the agent lowers `_remaining_restarts` only after this.
+        attempt = worker_group.spec.max_restarts - self._remaining_restarts
+        exits = [
+            RankExit(local_rank=f.local_rank, rank=rank, exit_code=f.exitcode)
+            for rank, f in result.failures.items()
+        ]
+        try:
+            retry = self._on_failure(exits, self._restart_offset + attempt)
+        except Exception:  # recording a failure must never cost the group its restart
+            log.exception("failure_hook_failed")
+            retry = True
+        if not retry:
+            # [Note: when a failure is not worth a retry] in `failures.py`: the agent then
+            # stops the other ranks and returns the failure, as when the budget is spent.
+            self._remaining_restarts = 0
+        return result
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         if self._on_rendezvous is not None and worker_group.workers:
@@ -222,20 +274,26 @@ def _rendezvous_parameters(cfg: DaemonConfig, endpoint: str) -> RendezvousParame
     lc = cfg.launch
     host = endpoint.rsplit(":", 1)[0]
     loopback = host in ("127.0.0.1", "localhost", "::1", "[::1]")
+    # [Note: which rendezvous backend] in daemon/config.py: with c10d node 0 hosts the store
+    # (said explicitly so two daemons on one host agree); with etcd-v2 no node does.
+    backend_options: dict[str, Any] = {"is_host": lc.node_rank == 0}
+    if lc.rdzv_backend is RdzvBackend.ETCD_V2:
+        backend_options = {}
     return RendezvousParameters(
-        backend="c10d",
+        backend=lc.rdzv_backend.value,
         endpoint=endpoint,
         run_id=cfg.rdzv_id,
         min_nodes=lc.min_nodes,
         max_nodes=lc.max_nodes,
         local_addr="127.0.0.1" if loopback else None,
-        # Node 0 hosts the rendezvous store; said explicitly so two daemons on one host agree.
-        is_host=lc.node_rank == 0,
         join_timeout=lc.rdzv_timeout_s,
         timeout=lc.rdzv_timeout_s,
         last_call_timeout=lc.rdzv_last_call_s,
         keep_alive_interval=_KEEP_ALIVE_S,
         keep_alive_max_attempt=_KEEP_ALIVE_ATTEMPTS,
+        # Both backends read it: a store call that gets no answer in time starts an outage.
+        read_timeout=lc.rdzv_store_timeout_s,
+        **backend_options,
     )
 
 
@@ -247,13 +305,14 @@ class ElasticLauncher:
         run_dir: per-run directory (agent logs under `elastic/`, control files).
         entry: the rank entry point, called as
             `entry(cfg, run_dir, daemon_pid, restart_offset, relayed)`.
-        endpoint: `host:port` of the c10d rendezvous store.
+        endpoint: `host:port` of the rendezvous: node 0's c10d store, or the etcd server.
         on_waiting: elastic jobs only: called when a node waits to join (ask the ranks to stop).
         relay: on a terminal, the daemon's relay of the ranks' output (their stdout/stderr go
             to files it prints above the live line, `relay.py`); None leaves them as they are.
         rank_modules: what `entry` imports when it starts; the fork server imports them
             ahead, with the entry's and the job's modules.
         on_rendezvous: called after each rendezvous, before the ranks start (`RoundHook`).
+        on_failure: called on each failed attempt; False ends the retries (`FailureHook`).
     """
 
     def __init__(
@@ -266,8 +325,10 @@ class ElasticLauncher:
         relay: RankOutputRelay | None = None,
         rank_modules: Sequence[str] = (),
         on_rendezvous: RoundHook | None = None,
+        on_failure: FailureHook | None = None,
     ) -> None:
         self._cfg = cfg
+        self._on_failure = on_failure
         self._on_rendezvous = on_rendezvous
         self._relay = relay
         self._run_dir = run_dir
@@ -278,7 +339,12 @@ class ElasticLauncher:
         # agent keeps only SIGQUIT, its "stop the workers now" path (as `elastic_launch` sets).
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
         self._params = _rendezvous_parameters(cfg, endpoint)
-        inner = get_rendezvous_handler(self._params)
+        # [Note: a store outage is not a crash] in store_guard.py.
+        inner = StoreGuard(
+            get_rendezvous_handler(self._params),
+            endpoint=endpoint,
+            grace_s=cfg.launch.rdzv_store_grace_s,
+        )
         self._watch = MembershipWatch(inner, on_waiting) if cfg.launch.elastic else None
         self._handler: RendezvousHandler = self._watch or inner
 
@@ -385,6 +451,8 @@ class ElasticLauncher:
         agent = _RoundAgent(
             spec=spec,
             on_rendezvous=self._on_rendezvous,
+            on_failure=self._on_failure,
+            restart_offset=restart_offset,
             logs_specs=self._logs_specs(),
             start_method=START_METHOD if warm else "spawn",
             shutdown_timeout=_AGENT_SHUTDOWN_S,

@@ -7,12 +7,15 @@ and writable (a probe file is written and removed; for S3 the endpoint must acce
 connection within a few seconds and the bucket must exist), no other live process holds the
 root's lease (the one line names its host, pid, run id and last refresh; see
 `ckpt_manager.check_root_lease`), the per-run directory is writable, the configured device
-exists (`--device cuda` on a node without CUDA, or more ranks than GPUs), and `--init-from`
-weights fit the job's model (names, shapes, dtypes: `daemon/jobs/init_from.py`).
+exists (`--device cuda` on a node without CUDA, or more ranks than GPUs), `rdzv_backend =
+"etcd-v2"` has its client library (`python-etcd`), and `--init-from` weights fit the job's model
+(names, shapes, dtypes: `daemon/jobs/init_from.py`).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import uuid
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from ckpt_manager import (
 )
 from daemon._device import cuda_problem
 from daemon._storage import s3_storage_options
-from daemon.config import DaemonConfig
+from daemon.config import DaemonConfig, RdzvBackend
 from daemon.errors import StartupCheckError
 
 __all__ = ["check_startup"]
@@ -41,6 +44,15 @@ def _check_job(cfg: DaemonConfig) -> None:
         load_job(cfg.train.job)
     except JobError as err:
         raise StartupCheckError(str(err)) from None
+
+
+def _check_rendezvous(cfg: DaemonConfig) -> None:
+    # Without it torch falls back to a stub that fails at the first rendezvous, with a traceback.
+    if cfg.launch.rdzv_backend is RdzvBackend.ETCD_V2 and importlib.util.find_spec("etcd") is None:
+        raise StartupCheckError(
+            "rdzv_backend=etcd-v2 needs the python-etcd package: "
+            "pip install 'trainingd[etcd]' (or python-etcd==0.4.5), or use rdzv_backend=c10d"
+        )
 
 
 def _check_local_dir(path: Path, what: str) -> None:
@@ -106,7 +118,12 @@ def _check_init_from(cfg: DaemonConfig) -> None:
             with torch.device("meta"):
                 job = build(context)
         except Exception:  # any job code may refuse meta tensors: build it for real
-            job = build(context)
+            try:
+                job = build(context)
+            except Exception as err:  # the job's own code: its failure is a start-up one
+                raise JobError(
+                    f"job={cfg.train.job!r}: its build raised {type(err).__name__}: {err}"
+                ) from err
         check_source(
             job.model,
             uri,
@@ -126,6 +143,7 @@ def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
     problem = cuda_problem(cfg.train.device, cfg.launch.nproc_per_node)
     if problem is not None:
         raise StartupCheckError(problem)
+    _check_rendezvous(cfg)
     _check_job(cfg)
     if cfg.train.init_from and not _resuming(cfg):
         _check_init_from(cfg)

@@ -11,7 +11,10 @@
     by the next one) -> exit 0 when the ranks reached max_steps,
     128+N when a signal N stopped this node (final checkpoint committed; also on a second
     signal, at once), 75 when a peer's stop ended this node's run (fixed `--nnodes N`; elastic:
-    only when no new round can form), 1 when the ranks failed for good
+    only when no new round can form) or the rendezvous store is lost (`store_guard.py`: one
+    line), 1 when the ranks failed for good (`max_restarts` spent, or the same error at the
+    same step twice: `failures.py`; a short summary on stdout), 2 when the job failed on the
+    ranks before training (one line)
     ([Note: exit codes tell finished from stopped]).
 A root that already holds a checkpoint at `max_steps` ends the run right after the start-up
 checks (one line, exit 0, no rank started). The last lines on stdout say how the run ended
@@ -52,6 +55,7 @@ from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._storage import s3_storage_options
 from daemon._version import distribution_version
 from daemon.agent import fork_server
+from daemon.agent.failures import FailureTracker, Verdict
 from daemon.agent.hang import HangDetector
 from daemon.agent.http import MetricsServer
 from daemon.agent.memory_budget import start_memory_tier
@@ -262,6 +266,7 @@ def run_daemon(
             rank fork server imports them ahead (`daemon/agent/fork_server.py`).
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     from daemon.agent.elastic import ElasticLauncher
 
@@ -301,6 +306,21 @@ def run_daemon(
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
             hangs = HangLedger()
             stragglers = StragglerLedger()
+            board = StatusBoard(
+                max_steps=cfg.train.max_steps,
+                ckpt_uri=cfg.checkpoint.ckpt_uri,
+                storage_options=s3_storage_options(cfg),
+                tier_bytes=memory.tier_bytes,
+                hangs=hangs,
+                stragglers=stragglers,
+            )
+            failures = FailureTracker(
+                run_dir,
+                node=cfg.launch.node_rank,
+                hung=lambda: dict.fromkeys(hangs.hung_ranks(), True),
+                board=board,
+                local_ranks=cfg.launch.nproc_per_node,
+            )
             collector = NodeCollector(
                 aggregator,
                 state,
@@ -310,14 +330,7 @@ def run_daemon(
                 tier_bytes=memory.tier_bytes,
                 replica_values=replicas.values if replicas is not None else None,
                 hangs=hangs,
-                stragglers=stragglers,
-            )
-            board = StatusBoard(
-                max_steps=cfg.train.max_steps,
-                ckpt_uri=cfg.checkpoint.ckpt_uri,
-                storage_options=s3_storage_options(cfg),
-                tier_bytes=memory.tier_bytes,
-                hangs=hangs,
+                failure_counts=failures.counts,
                 stragglers=stragglers,
             )
             if chosen is LogFormat.CONSOLE and sys.stderr.isatty():
@@ -391,23 +404,35 @@ def run_daemon(
         # with "connection refused". Unshared, each attempt gets its own store (rank 0 hosts it
         # on a port the agent picks per round).
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        launcher = ElasticLauncher(
-            cfg,
-            run_dir,
-            entry,
-            endpoint,
-            on_waiting=lambda waiting: _on_nodes_waiting(run_dir, waiting),
-            relay=relay,
-            rank_modules=rank_modules,
-            on_rendezvous=_round_hook(cfg, replicas),
-        )
         try:
+            launcher = ElasticLauncher(
+                cfg,
+                run_dir,
+                entry,
+                endpoint,
+                on_waiting=lambda waiting: _on_nodes_waiting(run_dir, waiting),
+                relay=relay,
+                rank_modules=rank_modules,
+                on_rendezvous=_round_hook(cfg, replicas),
+                on_failure=lambda exits, restart: failures.record(exits, restart) is Verdict.RETRY,
+            )
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
+        except RendezvousError as err:
+            # The store's host is lost or paused past the grace, or the first rendezvous could
+            # not form ([Note: a store outage is not a crash] in store_guard.py): restart me.
+            end_display()
+            complete = _already_complete(cfg)
+            if complete is not None:  # a closed rendezvous: the job is done elsewhere
+                print(complete, flush=True)
+                return EXIT_OK
+            line = _rendezvous_line(cfg, err)
+            board.note_error(line)
+            log.error("rendezvous_lost", endpoint=endpoint, error=line, exit_code=EXIT_PEER_STOPPED)
+            print(f"trainingd: {line}", file=sys.stderr, flush=True)
+            return EXIT_PEER_STOPPED
         except ChildFailedError as err:
             end_display()  # the ranks' last lines (their tracebacks) come before this record
-            board.note_error(f"workers failed for good: {err}")
-            log.error("workers_failed", max_restarts=cfg.launch.max_restarts, error=str(err))
-            return EXIT_FAILED
+            return _failed(cfg, failures, board, err)
         if supervisor.budget_exceeded.is_set():
             return EXIT_FAILED
         results = outcome.summary_results()
@@ -453,12 +478,55 @@ def run_daemon(
             shutil.rmtree(run_dir, ignore_errors=True)
 
 
+def _failed(cfg: DaemonConfig, failures: FailureTracker, board: StatusBoard, err: Exception) -> int:
+    """End a run whose ranks failed for good: the record, the lines, the exit code.
+
+    A failure of the job or its configuration before training exits 2 with one line on
+    stderr, as a start-up check; a deterministic one, or a spent restart budget, exits 1 with
+    a short summary on stdout ([Note: when a failure is not worth a retry] in `failures.py`).
+    """
+    if failures.verdict is Verdict.CONFIG:
+        line = failures.config_line()
+        board.note_error(line)
+        log.error("workers_failed", verdict=failures.verdict.value, error=line)
+        print(f"trainingd: {line}", file=sys.stderr, flush=True)
+        return EXIT_CONFIG
+    if failures.verdict is Verdict.DETERMINISTIC:
+        lines = failures.summary_lines()
+        board.note_error(lines[0])
+        log.error("workers_failed", verdict=failures.verdict.value, error=lines[0])
+        lines[0] = f"run {cfg.run_id} {lines[0]}"
+    else:
+        restarts = cfg.launch.max_restarts
+        board.note_error(f"workers failed for good: {err}")
+        log.error("workers_failed", max_restarts=restarts, error=str(err))
+        lines = [f"run {cfg.run_id} failed: the ranks failed after {restarts} restarts"]
+        last = failures.last_failure_line()
+        if last is not None:
+            lines.append(f"  {last}")
+    print("\n".join(f"trainingd: {line}" for line in lines), flush=True)
+    return EXIT_FAILED
+
+
 def _round_hook(cfg: DaemonConfig, replicas: ReplicaService | None) -> RoundHook | None:
     """What runs after each rendezvous: the replica ring's, or, on a node of a multi-node job
     that keeps none, its empty part in the address exchange (the others must not wait)."""
     if replicas is not None:
         return replicas.on_rendezvous
     return announce_without_replicas(cfg.run_id) if cfg.launch.max_nodes > 1 else None
+
+
+def _rendezvous_line(cfg: DaemonConfig, err: BaseException) -> str:
+    """One line for a rendezvous that failed or a store that is lost (exit 75)."""
+    lc = cfg.launch
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    cause = err.__cause__
+    if cause is not None and str(cause).strip():
+        reason += f" ({type(cause).__name__}: {str(cause).strip().splitlines()[0]})"
+    return (
+        f"rendezvous at {lc.rdzv_endpoint or 'loopback'} ({lc.rdzv_backend.value}) failed: "
+        f"{reason}; exit 75 (restart me once the rendezvous host is back)"
+    )
 
 
 def _on_nodes_waiting(run_dir: Path, waiting: int) -> None:

@@ -1,13 +1,15 @@
 """The status page served at `/`: one self-contained HTML document (no CDN, no build step).
 
 It draws everything from `/api/status` (see `daemon/observe/status.py`), fetched on load and
-then every `REFRESH_MS`: step/ETA, an inline-SVG loss curve, throughput, the committed
+then every `REFRESH_MS`: step/ETA, an inline-SVG loss curve (the validation loss drawn on it
+in orange), throughput, the committed
 checkpoints, the tiers (the memory tier's bytes, local and replica, the newest memory and
 durable steps), per-rank heartbeats, the hangs (the ranks hung now, every rank of the last
-declared hang), the stragglers (named now, the newest episodes) and the last error. Elements
-carry ids (`step`, `eta`, `loss-curve`, `checkpoints`, `tiers`, `memory-step`, `durable-step`,
-`memory-bytes`, `ranks`, `hung-ranks`, `last-hang`, `straggler-ranks`, `stragglers`,
-`last-error`) so tests and scripts can read the rendered page.
+declared hang), the stragglers (named now, the newest episodes), the last error and the last
+rank failures. Elements carry ids (`step`, `eta`, `loss-curve`, `val-loss`, `val-loss-line`,
+`checkpoints`, `tiers`, `memory-step`, `durable-step`, `memory-bytes`, `ranks`, `hung-ranks`,
+`last-hang`, `straggler-ranks`, `stragglers`, `last-error`, `failures`) so tests and scripts
+can read the rendered page.
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ svg{background:#fff;border:1px solid #ddd;border-radius:6px}
  <div class="card">step<b id="step">-</b></div>
  <div class="card">ETA<b id="eta">-</b></div>
  <div class="card">loss<b id="loss">-</b></div>
+ <div class="card">val loss<b id="val-loss">-</b></div>
  <div class="card">throughput<b id="throughput">-</b></div>
  <div class="card">restarts<b id="restarts">-</b></div>
 </div>
 <h2>Loss</h2>
 <svg id="loss-curve" width="720" height="240" viewBox="0 0 720 240" data-points="0">
  <polyline id="loss-line" fill="none" stroke="#1f6feb" stroke-width="1.5" points=""></polyline>
+ <polyline id="val-loss-line" fill="none" stroke="#d9480f" stroke-width="1.5" points=""
+  data-points="0"></polyline>
  <text id="loss-max" x="4" y="14" font-size="11" fill="#777"></text>
  <text id="loss-min" x="4" y="234" font-size="11" fill="#777"></text>
 </svg>
@@ -70,6 +75,9 @@ svg{background:#fff;border:1px solid #ddd;border-radius:6px}
 <th>median compute</th><th>named</th><th>recovered</th><th>restarted</th>
 </tr></thead><tbody></tbody></table>
 <h2>Last error</h2><div id="last-error" class="muted">none</div>
+<h2>Rank failures</h2>
+<table id="failures"><thead><tr><th>when</th><th>rank</th><th>node</th><th>attempt</th>
+<th>reason</th><th>step</th><th>error</th></tr></thead><tbody></tbody></table>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
@@ -94,16 +102,24 @@ function rows(tbody, items, cells) {
     return tr;
   }));
 }
-function curve(points) {
+function curve(points, val) {
   const svg = $("loss-curve"), W = 720, H = 240, P = 20;
   svg.dataset.points = String(points.length);
-  if (points.length < 2) { $("loss-line").setAttribute("points", ""); return; }
-  const xs = points.map((p) => p[0]), ys = points.map((p) => p[1]);
+  $("val-loss-line").dataset.points = String(val.length);
+  if (points.length < 2) {
+    $("loss-line").setAttribute("points", ""); $("val-loss-line").setAttribute("points", "");
+    return;
+  }
+  // One scale for both series: the validation points sit on the training curve's axes.
+  const all = points.concat(val);
+  const xs = all.map((p) => p[0]), ys = all.map((p) => p[1]);
   const x0 = Math.min(...xs), x1 = Math.max(...xs), y0 = Math.min(...ys), y1 = Math.max(...ys);
   const sx = (x) => P + (W - 2 * P) * (x - x0) / Math.max(1e-9, x1 - x0);
   const sy = (y) => H - P - (H - 2 * P) * (y - y0) / Math.max(1e-9, y1 - y0);
   $("loss-line").setAttribute("points",
     points.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" "));
+  $("val-loss-line").setAttribute("points",
+    val.map((p) => sx(p[0]).toFixed(1) + "," + sy(p[1]).toFixed(1)).join(" "));
   $("loss-max").textContent = y1.toFixed(4);
   $("loss-min").textContent = y0.toFixed(4) + "  (steps " + x0 + "-" + x1 + ")";
 }
@@ -115,7 +131,9 @@ function render(s) {
   $("loss").textContent = last === null ? "-" : last.toFixed(4);
   $("throughput").textContent = Math.round(s.tokens_per_s).toLocaleString("en") + " tok/s";
   $("restarts").textContent = String(s.node.restarts ?? 0);
-  curve(s.loss);
+  const lastVal = s.val_loss.length ? s.val_loss[s.val_loss.length - 1] : null;
+  $("val-loss").textContent = lastVal === null ? "-" : lastVal[1].toFixed(4) + " @" + lastVal[0];
+  curve(s.loss, s.val_loss);
   const t = s.tiers, num = (x) => x === null || x === undefined ? "-" : String(x);
   $("memory-step").textContent = num(t.newest_memory_step);
   $("durable-step").textContent = num(t.newest_durable_step);
@@ -146,6 +164,12 @@ function render(s) {
   const e = s.last_error;
   const ago = e ? " (" + dur(s.now_unix_s - e.unix_s) + " ago)" : "";
   $("last-error").textContent = e ? e.message + ago : "none";
+  rows($("failures").tBodies[0], (s.failures || []).slice().reverse(), (f) => [
+    [dur(s.now_unix_s - f.unix_s) + " ago", true], [String(f.rank), true],
+    [String(f.node), true], [String(f.restart + 1), true], [f.reason, false],
+    [f.step === null ? "-" : String(f.step), true],
+    [f.exc_type ? f.exc_type + ": " + f.message
+      : (f.signal ? "killed by " + f.signal : "exit code " + f.exit_code), false]]);
 }
 async function refresh() {
   try {

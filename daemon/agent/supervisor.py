@@ -51,7 +51,7 @@ every 5 s, and only after progress ([Note: extend systemd's timeouts only while 
 progress] in `notify.py`)."""
 
 _LOADING = frozenset({RankPhase.STARTING, RankPhase.LOADING, RankPhase.RESTORING})
-_SAVING = frozenset({RankPhase.STOPPING, RankPhase.FINISHING})
+_SAVING = frozenset({RankPhase.CHECKPOINTING, RankPhase.STOPPING, RankPhase.FINISHING})
 
 
 def derive_phase(views: list[RankView], local_ranks: int) -> tuple[NodePhase, int | None]:

@@ -12,6 +12,7 @@ model initialisation is identical on every rank):
         return JobSpec(
             model=model,
             train_data=MyDataset(),                     # len() and [i] -> (inputs, targets)
+            val_data=MyDataset(split="val"),            # optional: [train] eval_every
             loss_fn=torch.nn.functional.cross_entropy,  # loss_fn(model(inputs), targets)
             # or: [i] -> {"input_ids": ..., "attention_mask": ..., "labels": ...}, passed
             # as model(**batch); loss_fn=None takes outputs.loss, else loss_fn(outputs, batch)
@@ -90,6 +91,9 @@ class JobSpec:
     """The full (unsharded) model; the daemon wraps it with the sharding engine."""
     train_data: Dataset
     """Training samples; the daemon shards them by rank and checkpoints the position."""
+    val_data: Dataset | None = None
+    """Validation samples (the same kind as `train_data`), evaluated every `[train]
+    eval_every` steps (`daemon/rank/evaluation.py`); `--val-data` overrides it; None: none."""
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None
     """The scalar mean loss: `loss_fn(model(inputs), targets)` for `(inputs, targets)` samples,
     `loss_fn(model(**batch), batch)` for dict samples; None (dict samples only) takes the
@@ -126,6 +130,10 @@ class JobSpec:
             raise JobError("JobSpec.train_data needs __len__ and __getitem__")
         if len(self.train_data) == 0:
             raise JobError("JobSpec.train_data is empty")
+        if self.val_data is not None and not isinstance(self.val_data, Dataset):
+            raise JobError("JobSpec.val_data must be None or have __len__ and __getitem__")
+        if self.val_data is not None and len(self.val_data) == 0:
+            raise JobError("JobSpec.val_data is empty: give None (no validation) or samples")
         if self.loss_fn is not None and not callable(self.loss_fn):
             raise JobError(
                 "JobSpec.loss_fn must be None (dict samples: outputs.loss) or callable: "

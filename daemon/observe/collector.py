@@ -178,6 +178,8 @@ class NodeCollector(Collector):
             (`daemon.agent.replica.ReplicaService.values`); None: 0.
         hangs: the hang detector's ledger (`trainingd_rank_hung`, `trainingd_rank_hangs_total`,
             per rank that published); None: 0.
+        failure_counts: rank failures by reason (`trainingd_rank_failures_total`), read at each
+            scrape (`daemon.agent.failures.FailureTracker.counts`); None: 0.
         stragglers: the straggler watch's ledger (`trainingd_rank_straggler_episodes_total`,
             per rank that published); None: 0.
     """
@@ -193,6 +195,7 @@ class NodeCollector(Collector):
         tier_bytes: Callable[[], Mapping[str, float]] | None = None,
         replica_values: Callable[[], Mapping[str, Mapping[str, float]]] | None = None,
         hangs: HangLedger | None = None,
+        failure_counts: Callable[[], Mapping[str, float]] | None = None,
         stragglers: StragglerLedger | None = None,
     ) -> None:
         if not run_id:
@@ -205,6 +208,7 @@ class NodeCollector(Collector):
         self._tier_bytes = tier_bytes
         self._replica_values = replica_values
         self._hangs = hangs if hangs is not None else HangLedger()
+        self._failure_counts = failure_counts
         self._stragglers = stragglers if stragglers is not None else StragglerLedger()
 
     def describe(self) -> Iterable[Metric]:
@@ -264,6 +268,11 @@ class NodeCollector(Collector):
                 for view in views:
                     ids = [*run, str(view.rank), str(view.local_rank)]
                     fam.add_metric(ids, float(hang_value(view.rank)))  # type: ignore[attr-defined]
+            elif s.name == "trainingd_rank_failures_total":
+                fam = _family(s)
+                counts = self._failure_counts() if self._failure_counts is not None else {}
+                for reason in s.label_values:
+                    fam.add_metric([*run, reason], float(counts.get(reason, 0.0)))  # type: ignore[attr-defined]
             elif s.name == "trainingd_rank_straggler_episodes_total":
                 # Per rank, from the daemon's straggler watch.
                 fam = _family(s)

@@ -3,7 +3,10 @@
 `StatusBoard` is fed by the supervisor thread (`observe`, every tick, with the same rank views
 `/metrics` uses) and read by HTTP handler threads (`snapshot`). It keeps what no single
 snapshot holds: the loss history (one point per new step seen, the last `HISTORY_POINTS`),
-a tokens/s and steps/s estimate over a sliding window, and the last error seen on this node.
+the validation loss history (`val_loss`: one point per evaluation, from `trainingd_val_loss`
+at `trainingd_val_step`), a tokens/s and steps/s estimate over a sliding window, the last
+error seen on this node, and its last rank failures (`failures`: rank, reason, step, error;
+`note_failure`, from `daemon/agent/failures.py`).
 
 The checkpoint list comes from ckpt_manager's torch-free `committed_checkpoints`, read by the
 board's own thread at most every `CHECKPOINT_REFRESH_S`, so a slow object store never blocks
@@ -28,6 +31,7 @@ score, median compute seconds, when named and recovered), read from the straggle
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -41,7 +45,13 @@ from daemon.observe.hangs import HangLedger
 from daemon.observe.state import NodeStatus
 from daemon.observe.stragglers import StragglerLedger
 
-__all__ = ["CHECKPOINT_REFRESH_S", "HISTORY_POINTS", "StatusBoard", "format_duration"]
+__all__ = [
+    "CHECKPOINT_REFRESH_S",
+    "FAILURES_SHOWN",
+    "HISTORY_POINTS",
+    "StatusBoard",
+    "format_duration",
+]
 
 log = structlog.get_logger("trainingd.status")
 
@@ -49,6 +59,8 @@ HISTORY_POINTS = 1000
 """Loss points kept for the curve (oldest dropped first)."""
 CHECKPOINT_REFRESH_S = 3.0
 """How often the board re-reads the checkpoint root's committed steps."""
+FAILURES_SHOWN = 5
+"""Rank failures kept for the page (newest last)."""
 _RATE_WINDOW_S = 10.0
 
 
@@ -59,6 +71,15 @@ def _score(view: RankView) -> float:
 
 def _counter(view: RankView, name: str, label: str = "") -> float:
     return view.counters.get(name, {}).get(label, 0.0)
+
+
+def _val_point(views: list[RankView]) -> tuple[int, float] | None:
+    """`(step, val_loss)` of the ranks' last evaluation; None before the first (step 0, NaN)."""
+    for view in views:
+        step, value = view.gauge("trainingd_val_step"), view.gauge("trainingd_val_loss")
+        if step is not None and step > 0 and value is not None and math.isfinite(value):
+            return int(step), value
+    return None
 
 
 class StatusBoard:
@@ -101,12 +122,17 @@ class StatusBoard:
         self._tiers: dict[str, Any] = _tiers({}, None, None)
         self._lock = threading.Lock()
         self._loss: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY_POINTS)
+        # The validation loss, one point per evaluation (`daemon/rank/evaluation.py`).
+        self._val_loss: collections.deque[tuple[int, float]] = collections.deque(
+            maxlen=HISTORY_POINTS
+        )
         self._samples: collections.deque[tuple[float, float, int]] = collections.deque()
         self._ranks: list[dict[str, Any]] = []
         self._node: dict[str, Any] = {}
         self._checkpoints: list[CommittedCheckpoint] = []
         self._checkpoints_error: str | None = None
         self._last_error: dict[str, Any] | None = None
+        self._failures: collections.deque[dict[str, Any]] = collections.deque(maxlen=FAILURES_SHOWN)
         self._restarts = 0
         self._failed_saves = 0.0
         self._stop = threading.Event()
@@ -130,12 +156,23 @@ class StatusBoard:
         with self._lock:
             self._last_error = {"message": message, "unix_s": self._clock()}
 
+    def note_failure(self, failure: Mapping[str, Any], text: str) -> None:
+        """Record a rank failure (`RankFailure.as_dict()`, and its one-line `text`).
+
+        It becomes the node's last error and heads the page's failures.
+        """
+        now = self._clock()
+        with self._lock:
+            self._failures.append({**failure, "text": text, "unix_s": now})
+            self._last_error = {"message": f"rank failed: {text}", "unix_s": now}
+
     def observe(self, views: list[RankView], status: NodeStatus) -> None:
         """Take in one supervisor tick: loss point, rates, rank heartbeats, errors."""
         now = self._clock()
         tokens = sum(_counter(v, "trainingd_train_tokens_total") for v in views)
         failed = sum(_counter(v, "trainingd_ckpt_saves_total", "failed") for v in views)
         loss = next((x for v in views if (x := v.gauge("trainingd_train_loss")) is not None), None)
+        val_point = _val_point(views)
         step = status.step
         held = dict(self._tier_bytes()) if self._tier_bytes is not None else {}
         in_memory = [v.gauge("trainingd_memory_newest_step") for v in views]
@@ -151,14 +188,22 @@ class StatusBoard:
                 and (not self._loss or self._loss[-1][0] < step)
             ):
                 self._loss.append((step, loss))
+            if val_point is not None and (
+                not self._val_loss or self._val_loss[-1][0] < val_point[0]
+            ):
+                self._val_loss.append(val_point)
             self._samples.append((now, tokens, step or 0))
             while len(self._samples) > 2 and now - self._samples[0][0] > _RATE_WINDOW_S:
                 self._samples.popleft()
             if status.restarts > self._restarts:
                 self._restarts = status.restarts
+                cause = (
+                    f"after {self._failures[-1]['text']}"
+                    if self._failures
+                    else "see the rank logs above the restart"
+                )
                 self._last_error = {
-                    "message": f"worker group restarted (restart {status.restarts}); "
-                    "see the rank logs above the restart",
+                    "message": f"worker group restarted (restart {status.restarts}); {cause}",
                     "unix_s": now,
                 }
             if failed > self._failed_saves:
@@ -229,6 +274,7 @@ class StatusBoard:
                 "tokens_per_s": round(tokens_per_s, 1),
                 "steps_per_s": round(steps_per_s, 3),
                 "loss": [[s, x] for s, x in self._loss],
+                "val_loss": [[s, x] for s, x in self._val_loss],
                 "ranks": [dict(r) for r in self._ranks],
                 "checkpoints": {
                     "uri": self._ckpt_uri,
@@ -252,6 +298,7 @@ class StatusBoard:
                     "recent": [r.as_dict() for r in self._stragglers.recent()],
                 },
                 "last_error": None if self._last_error is None else dict(self._last_error),
+                "failures": [dict(f) for f in self._failures],
                 "endpoints": ["/", "/api/status", "/metrics", "/healthz", "/readyz"],
             }
 

@@ -48,6 +48,10 @@ wraps it, batches come from pinned host memory and are copied with `non_blocking
 copy overlaps the host's work on the next micro-batch), and the per-step agreement tensor lives
 on the device, as NCCL requires. The CUDA RNG state is saved with the CPU one.
 
+With `eval_every` on, a due step measures the validation loss after its metrics and before
+its checkpoint (`evaluation.py`: forwards only, one all-reduce); a save of that step carries it
+as `val_loss` beside `loss`, for `KeepBest` (a deferred save, taken at a later step, does not).
+
 A run that reached `max_steps` ends with the job's `sample` (if it has one): every rank takes
 part in gathering the full weights (`full_state_dict`, collective), rank 0 calls the hook.
 """
@@ -81,6 +85,7 @@ from daemon.jobs.model_files import MODEL_FILES_KEY, read_model_files
 from daemon.rank.batch import Batch, collate, forward_loss, num_tokens, to_device
 from daemon.rank.data import ShardedLoader
 from daemon.rank.deferral import DeferredSaves
+from daemon.rank.evaluation import Evaluator
 from daemon.rank.memory_cadence import Cadence, FixedCadence, cadence_for
 from daemon.rank.prefetch import PrefetchingLoader
 from daemon.rank.save_failures import SaveFailurePolicy
@@ -371,6 +376,20 @@ class _Training:
         # Elastic jobs keep the global batch at any world size ([Note: an elastic job keeps its
         # global batch] in `daemon/config.py`); fixed ones accumulate `micro_batches`.
         self.micro_batches = cfg.micro_batches_at(self.world)
+        # The validation loss (`evaluation.py`); its value at a step goes into that step's save.
+        self.evaluator = Evaluator(
+            job,
+            every=tc.eval_every,
+            max_steps=tc.max_steps,
+            batch_size=tc.batch_size,
+            # An elastic job evaluates the same samples at any world size, as it trains the
+            # same global batch ([Note: an elastic job keeps its global batch]).
+            num_batches=tc.eval_batches * self.micro_batches // tc.micro_batches,
+            rank=self.rank,
+            world_size=self.world,
+            device=device,
+            telemetry=telemetry,
+        )
         # `--init-from` weights are checked against the unsharded model's tensors, taken here.
         self._init_expected = expected_tensors(job.model) if tc.init_from or job.init_from else {}
         # The init source's config.json etc., saved with every step (`jobs/model_files.py`).
@@ -557,8 +576,11 @@ class _Training:
         self._feed_cadence(agreed, step_s)
         self.stragglers.step_done(self._last_step_s, self.model.stats.snapshot())
         self.record_step(batches, agreed, lr=lr, data_s=data_s, step_s=step_s)
+        self.evaluator.maybe_evaluate(self.model, self.step)  # the eval hook (when due)
         mark(ProgressPhase.CHECKPOINT)
-        self.maybe_checkpoint(agreed)
+        # [Note: a blocked checkpoint call says checkpointing] in `daemon/rank/phase_watch.py`.
+        with self.telemetry.in_phase(RankPhase.CHECKPOINTING):
+            self.maybe_checkpoint(agreed)
         self.telemetry.heartbeat()
         max_steps = self.cfg.train.max_steps
         if self.rank == 0 and (self.step % 10 == 0 or self.step == max_steps):
@@ -695,7 +717,7 @@ class _Training:
                 functools.partial(
                     self._tolerate_memory_failure,
                     functools.partial(
-                        self.manager.save, step, self.state(), metrics={"loss": agreed.loss}
+                        self.manager.save, step, self.state(), metrics=self.metrics(agreed.loss)
                     ),
                 )
             )
@@ -709,6 +731,14 @@ class _Training:
         )
         self.telemetry.update_checkpoints(self.manager.stats())
         self.telemetry.set("trainingd_ckpt_consecutive_save_failures", self.failures.consecutive)
+
+    def metrics(self, loss: float) -> dict[str, float]:
+        """The metrics saved with the current step: its loss, and `val_loss` when it was
+        evaluated (`KeepBest` ranks only steps that have its metric)."""
+        last = self.evaluator.last
+        if last is not None and last[0] == self.step:
+            return {"loss": loss, "val_loss": last[1]}
+        return {"loss": loss}
 
     def snapshot_to_memory(self, step: int) -> None:
         """Snapshot the state into the memory tier alone ([Note: the memory tier in the loop])."""
@@ -754,7 +784,7 @@ class _Training:
         """Every save in flight must commit before the process exits."""
         manager, step = self.manager, self.step
         self.telemetry.heartbeat(RankPhase.STOPPING if self.stopped else RankPhase.FINISHING)
-        final_metrics = {"loss": self.last_loss or 0.0}
+        final_metrics = self.metrics(self.last_loss or 0.0)
         if self.saved_step != step:
             self.failures.guard(
                 functools.partial(manager.save, step, self.state(), metrics=final_metrics)

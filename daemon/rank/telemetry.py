@@ -3,7 +3,8 @@
 See [Note: one endpoint per node, ranks publish snapshots] in `daemon/metrics.py`. A rank records
 into plain dicts (no Prometheus objects in the training processes) and publishes its cumulative
 values as one snapshot file (`daemon/rundir/snapshot.py` holds its format), at most every
-`publish_interval_s` and when forced (phase changes, exit).
+`publish_interval_s` and when forced (phase changes, exit). A phase entered for a call that is
+usually quick (`in_phase`: a checkpoint call) is published only if it lasts (`phase_watch.py`).
 
 The engines' observers (`sharding.CollectiveObserver`, `ckpt_manager.SaveObserver`) are methods
 of `RankTelemetry`, so the engines never see Prometheus either. `NullTelemetry` has the same
@@ -13,15 +14,17 @@ recording and observer methods, doing nothing, for a loop that should record not
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.metrics import spec
+from daemon.rank.phase_watch import PhaseWatch
 from daemon.rundir.progress import ProgressPhase, ProgressWord
 from daemon.rundir.snapshot import SNAPSHOT_SCHEMA, RankPhase, write_snapshot
 
@@ -96,6 +99,9 @@ class RankTelemetry:
         self._histograms: dict[str, dict[str, _Histogram]] = {}
         self._phase = RankPhase.STARTING
         self._last_publish = float("-inf")
+        # The watch's thread publishes too: one writer at a time (one temp file name).
+        self._publish_lock = threading.Lock()
+        self._watch = PhaseWatch(lambda: self.publish(force=True))
         self.started_unix_s = clock()
         """When this rank process started recording (for `trainingd_rank_recovery_seconds`)."""
         if path is not None:
@@ -159,6 +165,30 @@ class RankTelemetry:
         """Record in the progress word that the rank entered `phase` (at `step`)."""
         if self._progress is not None:
             self._progress.mark(phase, step)
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: RankPhase) -> Iterator[None]:
+        """Be in `phase` for the block; published only if the block lasts.
+
+        See [Note: a blocked checkpoint call says checkpointing] in `phase_watch.py`. A block
+        that raises leaves the rank in `phase` (where it failed).
+        """
+        previous = self._phase
+        self._phase = phase
+        self._watch.arm()
+        try:
+            yield
+        except BaseException:
+            self._watch.disarm()
+            raise
+        published = self._watch.disarm()
+        self._phase = previous
+        if published:
+            self.publish(force=True)
+
+    def close(self) -> None:
+        """End the phase watch's thread (the snapshot file stays)."""
+        self._watch.close()
 
     @property
     def phase(self) -> RankPhase:
@@ -236,8 +266,9 @@ class RankTelemetry:
         now = time.monotonic()
         if not force and now - self._last_publish < self._interval_s:
             return False
-        self._last_publish = now
-        write_snapshot(self._path, self.snapshot())
+        with self._publish_lock:
+            self._last_publish = now
+            write_snapshot(self._path, self.snapshot())
         return True
 
 
@@ -273,6 +304,14 @@ class NullTelemetry:
 
     def mark(self, phase: ProgressPhase, step: int | None = None) -> None:
         """Do nothing (`RankTelemetry.mark` updates the progress word)."""
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: RankPhase) -> Iterator[None]:
+        """A context that does nothing (`RankTelemetry.in_phase` enters a rank phase)."""
+        yield
+
+    def close(self) -> None:
+        """Do nothing (`RankTelemetry.close` ends the phase watch)."""
 
     def on_collective(self, op: str, num_bytes: int, seconds: float) -> None:
         """`sharding.CollectiveObserver` that ignores the collective."""

@@ -1,4 +1,5 @@
-"""`--data`: the job trains on token files instead of its own `train_data`.
+"""`--data` / `--val-data`: the job trains (validates) on token files instead of its own
+`train_data` (`val_data`).
 
 The job still gives the model, loss and `tokens_per_sample` (the sample length); the daemon
 swaps its dataset for a `daemon.data.TokenDataset` over the configured files. A file whose
@@ -31,24 +32,37 @@ def _token_table_size(model: nn.Module) -> int | None:
 
 
 def with_token_data(cfg: DaemonConfig, job: JobSpec) -> JobSpec:
-    """`job` with `train_data` read from `cfg.train.data` (unchanged when that is empty).
+    """`job` with `train_data` read from `cfg.train.data` and `val_data` from
+    `cfg.train.val_data` (each unchanged when its setting is empty).
 
     Raises:
         JobError: the files' vocabulary does not fit the model's token table, or the job
             has no `loss_fn` for their `(inputs, targets)` samples.
         FileNotFoundError / ValueError: a file is missing or not a token file.
     """
-    if not cfg.train.data:
-        return job
+    tc = cfg.train
+    if tc.data:
+        weights = [float(w) for w in tc.data_weights.split(",")] if tc.data_weights else None
+        job = dataclasses.replace(
+            job, train_data=_token_dataset(cfg, job, tc.data, "--data", weights)
+        )
+    if tc.val_data:
+        job = dataclasses.replace(
+            job, val_data=_token_dataset(cfg, job, tc.val_data, "--val-data", None)
+        )
+    return job
+
+
+def _token_dataset(
+    cfg: DaemonConfig, job: JobSpec, files: str, flag: str, weights: list[float] | None
+) -> TokenDataset:
+    """A `TokenDataset` over the comma-separated `files`, checked against the job's model."""
     if job.loss_fn is None:
         raise JobError(
-            "--data gives (inputs, targets) samples, and the job has no loss_fn: give "
+            f"{flag} gives (inputs, targets) samples, and the job has no loss_fn: give "
             "JobSpec.loss_fn(outputs, targets) (e.g. cross-entropy of outputs.logits)"
         )
-    sources = [s.strip() for s in cfg.train.data.split(",") if s.strip()]
-    weights = (
-        [float(w) for w in cfg.train.data_weights.split(",")] if cfg.train.data_weights else None
-    )
+    sources = [s.strip() for s in files.split(",") if s.strip()]
     dataset = TokenDataset(
         sources,
         seq_len=job.tokens_per_sample,
@@ -58,7 +72,7 @@ def with_token_data(cfg: DaemonConfig, job: JobSpec) -> JobSpec:
     table = _token_table_size(job.model)
     if table is not None and dataset.vocab_size > table:
         raise JobError(
-            f"--data files have a vocabulary of {dataset.vocab_size} tokens but the job's model "
-            f"embeds {table}; tokenize for this model, or use a job whose model fits"
+            f"{flag} files have a vocabulary of {dataset.vocab_size} tokens but the job's "
+            f"model embeds {table}; tokenize for this model, or use a job whose model fits"
         )
-    return dataclasses.replace(job, train_data=dataset)
+    return dataset

@@ -7,6 +7,7 @@ one directory per run (`--run-dir`, else under `$RUNTIME_DIRECTORY` or the temp 
       control/stop           exists once a stop was requested   (daemon writes, ranks poll)
       control/checkpoint     checkpoint request counter         (daemon writes, ranks poll)
       ranks/local-<k>.json   local rank k's snapshot            (rank writes, daemon reads)
+      ranks/local-<k>.error.json  why local rank k failed       (rank writes, daemon reads)
       elastic/               the elastic agent's rank logs      (daemon only)
 
 Module plan:
@@ -16,6 +17,8 @@ Module plan:
     progress.py  the progress word: a rank's step and phase in a small mapped file, written at
                  every phase change (no system call), read by the daemon's hang detection.
     stacks.py    the ranks' stack dumps (faulthandler on SIGUSR2) and their parsing.
+    failure.py   the rank error file: exception, step, phase, traceback tail, whether the job
+                 or its configuration failed before training (the daemon's `agent/failures.py`).
 
 CONTRACTS.md ("The daemon and its ranks") describes these files for readers of either side.
 """

@@ -34,8 +34,8 @@ SNAPSHOT_SCHEMA = 2
 class RankPhase(enum.StrEnum):
     """Where a rank process is (`phase` in its snapshot); the daemon derives the node's phase.
 
-    In order: starting -> loading -> restoring -> training -> stopping | finishing -> finished
-    -> exited (a failing rank goes to exited from any phase).
+    In order: starting -> loading -> restoring -> training (<-> checkpointing) -> stopping |
+    finishing -> finished -> exited (a failing rank goes to exited from any phase).
     """
 
     STARTING = "starting"
@@ -46,6 +46,9 @@ class RankPhase(enum.StrEnum):
     """Wrapping the model and restoring the latest committed checkpoint (or `--init-from`)."""
     TRAINING = "training"
     """In the training loop (saves scheduled there run in the background)."""
+    CHECKPOINTING = "checkpointing"
+    """In the training loop, in a checkpoint call that has lasted (a `save()` waiting for a
+    slot or for storage): published only after `daemon.rank.phase_watch.LINGER_S`."""
     STOPPING = "stopping"
     """Left the loop on an agreed stop: the final save is being committed."""
     FINISHING = "finishing"

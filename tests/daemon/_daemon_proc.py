@@ -232,6 +232,7 @@ class Gate:
         batch_size: the run's `--batch-size` (one micro-batch per step).
         later_samples: for gate generations 1, 2, ...: samples each rank fetches before it is
             held again (steps x batch size x micro-batches at that generation's world size).
+        hold_restarts: hold groups the agent restarted too (`_gated_job.GATE_RESTARTS_ENV`).
     """
 
     def __init__(
@@ -241,6 +242,7 @@ class Gate:
         after_steps: int,
         batch_size: int,
         later_samples: tuple[int, ...] = (),
+        hold_restarts: bool = False,
     ) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.directory = directory
@@ -248,6 +250,7 @@ class Gate:
         self.env = {
             _gated_job.GATE_DIR_ENV: str(directory),
             _gated_job.GATE_AFTER_SAMPLES_ENV: ",".join(str(n) for n in counts),
+            **({_gated_job.GATE_RESTARTS_ENV: "1"} if hold_restarts else {}),
         }
         """Environment for `DaemonProc(env=...)`."""
 

@@ -13,7 +13,8 @@ prefetch thread would reach the gate ahead of the steps). The wait is inside dat
 the next step, so a held rank has finished its steps up to
 the gate, including their stop/checkpoint agreement, and has not started the next: a stop
 request made while it is held is agreed on exactly at the gate step + 1, whatever the machine's
-speed. A group restarted by the agent (`TORCHELASTIC_RESTART_COUNT` > 0) is never held, and a
+speed. A group restarted by the agent (`TORCHELASTIC_RESTART_COUNT` > 0) is not held unless
+`E2E_GATE_RESTARTS` is set (then it is held like a new group of its generation, below), and a
 hold gives up after `HOLD_TIMEOUT_S` (the rank fails) so nothing waits forever.
 
 Gates come in generations, for runs whose daemon starts new groups without a restart count
@@ -43,6 +44,9 @@ GATE_DIR_ENV = "E2E_GATE_DIR"
 GATE_AFTER_SAMPLES_ENV = "E2E_GATE_AFTER_SAMPLES"
 """Samples a rank fetches before it is held (steps x batch size x micro-batches), one count per
 generation, comma-separated."""
+GATE_RESTARTS_ENV = "E2E_GATE_RESTARTS"
+"""Set (to 1) to hold restarted groups too: a node that lost its peer and goes on alone after
+a restart (an elastic job's shrink on a death) is held at its generation's count."""
 HOLD_TIMEOUT_S = 150.0
 """A held rank fails after this long without `open` (the test died or forgot to open)."""
 
@@ -100,7 +104,8 @@ def build(ctx: JobContext) -> JobSpec:
     """The default job, its data held at the gate when `E2E_GATE_DIR` is set (see above)."""
     spec = default_job.build(ctx)
     gate_dir = os.environ.get(GATE_DIR_ENV)
-    if not gate_dir or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if not gate_dir or (restarted and not os.environ.get(GATE_RESTARTS_ENV)):
         return spec
     counts = [int(n) for n in os.environ[GATE_AFTER_SAMPLES_ENV].split(",")]
     generation = _generation(Path(gate_dir))

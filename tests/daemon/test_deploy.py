@@ -327,6 +327,44 @@ def test_jobset_example_runs_the_same_pods_with_gang_restart(tmp_path: Path) -> 
     assert env["TRAININGD_RDZV_ENDPOINT"] == f"{pod0}:{port}"
 
 
+def test_the_etcd_rendezvous_example_serves_the_v2_api_where_the_configmap_points(
+    tmp_path: Path,
+) -> None:
+    folder = DEPLOY / "kubernetes" / "etcd"
+    kustomization = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["etcd.yaml"]
+    docs = {doc["kind"]: doc for doc in yaml.safe_load_all((folder / "etcd.yaml").read_text())}
+    assert set(docs) == {"Service", "StatefulSet"}
+    service, sts = docs["Service"], docs["StatefulSet"]["spec"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert sts["serviceName"] == service["metadata"]["name"]
+    replicas = sts["replicas"]
+    assert replicas % 2 == 1  # a quorum survives the loss of a member
+    container = sts["template"]["spec"]["containers"][0]
+    # torch's etcd-v2 backend speaks the v2 API: on behind the flag, and gone in etcd 3.6.
+    assert "--enable-v2=true" in container["command"]
+    assert re.search(r":v3\.[45]\.\d+$", container["image"]), container["image"]
+    flags = dict(f.split("=", 1) for f in container["command"] if f.startswith("--"))
+    members = flags["--initial-cluster"].split(",")
+    assert len(members) == replicas
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    client_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "client")
+
+    # The ConfigMap's etcd lines, uncommented, are a real configuration naming that Service.
+    text = _docs()["ConfigMap"]["data"]["trainingd.toml"]
+    start = text.index("#   nnodes")
+    etcd_lines = [line.replace("#   ", "", 1) for line in text[start:].splitlines()[:3]]
+    c10d = ("nnodes", "rdzv_backend", "rdzv_endpoint")
+    lines = [line for line in text.splitlines() if not line.strip().startswith(c10d)]
+    at = lines.index("[launch]") + 1
+    path = tmp_path / "etcd.toml"
+    path.write_text("\n".join([*lines[:at], *etcd_lines, *lines[at:]]))
+    cfg = load_config({}, env={"TRAININGD_NODE_RANK": "1"}, file=path)
+    assert cfg.launch.rdzv_backend.value == "etcd-v2"
+    assert cfg.launch.elastic
+    assert cfg.launch.rdzv_endpoint == f"{service['metadata']['name']}:{client_port}"
+
+
 # --- offline schema validation (kubernetes-validate's bundled core schemas) -----------------
 K8S_VERSION = "1.33"
 """Kubernetes release whose schemas the manifests must satisfy (podFailurePolicy is GA since

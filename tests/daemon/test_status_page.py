@@ -16,8 +16,10 @@ import subprocess
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 
+from daemon.data import write_token_file
 from tests.daemon._daemon_proc import DaemonProc, committed_steps, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.browser]
@@ -78,6 +80,9 @@ class Rendered(NamedTuple):
     durable_step: str
     memory_step: str
     memory_bytes: str
+    val_points: int
+    val_polyline: int
+    val_loss: str
 
 
 def _load(url: str, profile: Path, *extra: str) -> Rendered:
@@ -93,6 +98,10 @@ def _load(url: str, profile: Path, *extra: str) -> Rendered:
     durable_step = re.search(r'id="durable-step">([^<]*)<', dom)
     memory_step = re.search(r'id="memory-step">([^<]*)<', dom)
     memory_bytes = re.search(r'id="memory-bytes">([^<]*)<', dom)
+    val_line = re.search(r'id="val-loss-line"[^>]*points="([^"]*)"[^>]*data-points="(\d+)"', dom)
+    val_loss = re.search(r'id="val-loss">([^<]*)<', dom)
+    assert val_line is not None, dom[-3000:]
+    assert val_loss is not None, dom[-3000:]
     assert points is not None, dom[-3000:]
     assert line is not None, dom[-3000:]
     assert step is not None, dom[-3000:]
@@ -114,6 +123,9 @@ def _load(url: str, profile: Path, *extra: str) -> Rendered:
         durable_step=durable_step.group(1),
         memory_step=memory_step.group(1),
         memory_bytes=memory_bytes.group(1),
+        val_points=int(val_line.group(2)),
+        val_polyline=len(val_line.group(1).split()),
+        val_loss=val_loss.group(1),
     )
 
 
@@ -125,15 +137,20 @@ def _api(d: DaemonProc) -> dict[str, Any]:
 
 def test_status_page_in_a_real_browser(tmp_path: Path, procs: list[DaemonProc]) -> None:
     root = tmp_path / "ckpt"
-    d = DaemonProc(tmp_path, [*_ARGS, "--ckpt-uri", str(root)])
+    # A validation file of random bytes (the default GPT's vocabulary), evaluated every 5 steps.
+    val = tmp_path / "val.bin"
+    tokens = np.random.default_rng(0).integers(0, 256, 4096)
+    write_token_file(str(val), [tokens], vocab_size=256)
+    evals = ["--val-data", str(val), "--eval-every", "5", "--eval-batches", "1"]
+    d = DaemonProc(tmp_path, [*_ARGS, "--ckpt-uri", str(root), *evals])
     procs.append(d)
 
     def enough() -> bool:
         assert d.exit_code() is None, d.logs()
         s = _api(d)
-        return len(s["loss"]) >= 20 and bool(s["checkpoints"]["committed"])
+        return len(s["loss"]) >= 20 and bool(s["checkpoints"]["committed"]) and bool(s["val_loss"])
 
-    wait_for(enough, 240, "20 loss points and a committed checkpoint on /api/status")
+    wait_for(enough, 240, "20 loss points, a val loss and a committed checkpoint on /api/status")
     assert d.get("/metrics")[0] == 200  # the other endpoints are unchanged
     assert d.get("/readyz")[0] == 200
 
@@ -142,6 +159,10 @@ def test_status_page_in_a_real_browser(tmp_path: Path, procs: list[DaemonProc]) 
     assert first.polyline == first.points
     assert first.max_steps == 100000
     assert first.eta != "-", first
+    # The validation loss: its card (value @ step) and its points on the loss curve.
+    assert first.val_points >= 1, first
+    assert first.val_polyline == (first.val_points if first.points >= 2 else 0), first
+    assert re.fullmatch(r"\d+\.\d{4} @\d+", first.val_loss), first
     assert first.num_ranks == 2, first
     table = first.checkpoints
     assert table, first

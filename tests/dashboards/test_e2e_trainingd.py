@@ -1,8 +1,9 @@
 """End to end: a real `trainingd run`, a real Prometheus scraping it, every dashboard query.
 
 The `trainingd` console script trains the default job on 2 local ranks with frequent
-checkpoints and its metrics on a free loopback port (read from its `daemon_started` log event).
-A `prometheus` on 127.0.0.1 scrapes it every second with the recording and alert rules loaded.
+checkpoints and validations (`--val-data`, `--eval-every`) and its metrics on a free loopback
+port (read from its `daemon_started` log event). A `prometheus` on 127.0.0.1 scrapes it every
+second with the recording and alert rules loaded.
 Once the run has trained and committed a checkpoint, every variable, panel and annotation query
 of every dashboard (variables substituted: *All*, then the first value of each) must return at
 least one series, every rule must evaluate cleanly, and the daemon's own `/metrics` must carry
@@ -36,9 +37,11 @@ import time
 import urllib.request
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from daemon.data import write_token_file
 from daemon.metrics import CATALOG
 from tests.dashboards import _promql as promql
 from tests.dashboards._evaluate import evaluate_dashboards
@@ -86,6 +89,12 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        # Validation data (random bytes, the default GPT's vocabulary), so the validation loss
+        # family has values by the first checkpoint (`--eval-every` = `--ckpt-every`).
+        val = self.workdir / "val.bin"
+        if not val.exists():
+            tokens = np.random.default_rng(0).integers(0, 256, 4096)
+            write_token_file(str(val), [tokens], vocab_size=256)
         args = [
             str(TRAININGD),
             "run",
@@ -93,6 +102,9 @@ class Daemon:
             # Far more steps than the test needs: it stops the run itself once checked.
             "--max-steps=100000",
             "--ckpt-every=5",
+            f"--val-data={val}",
+            "--eval-every=5",
+            "--eval-batches=1",
             f"--ckpt-uri={self.workdir / 'ckpt'}",
             f"--run-dir={self.workdir / 'run'}",
             "--metrics-host=127.0.0.1",

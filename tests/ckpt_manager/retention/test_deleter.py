@@ -227,3 +227,27 @@ def test_gc_aborts_incomplete_uploads_past_the_grace_period(seaweed: Any) -> Non
         assert deleter.flush(20.0)
         deleter.close(20.0)
         assert num_uploads() == left
+
+
+def test_back_to_back_saves_do_not_starve_retention(tmp_path: pathlib.Path) -> None:
+    # A save is always in flight (the memory tier's durable saves follow each other with no
+    # gap): retention runs anyway once put off for max_defer_s, the leftover GC never does.
+    assert _save_all(
+        tmp_path, CheckpointConfig(async_mode=AsyncMode.SYNC), {1: 1.0, 2: 1.0, 3: 1.0}
+    )
+    leftover = tmp_path / step_dir(9)
+    leftover.mkdir()
+    (leftover / shard_file_name(0)).write_bytes(b"a save in flight")
+    st = Storage(str(tmp_path))
+    deleter = Deleter(
+        st, KeepLast(n=1), saving=lambda: True, protected=set, grace_s=0.0, retry_s=0.05,
+        max_defer_s=0.5,
+    )  # fmt: skip
+    started = time.monotonic()
+    try:
+        deleter.arm()
+        _eventually(lambda: deleter.num_deleted == 2)
+        assert time.monotonic() - started >= 0.5  # put off first
+        assert [p.name for p in sorted(tmp_path.glob("step-*"))] == [step_dir(3), step_dir(9)]
+    finally:
+        deleter.close(5.0)

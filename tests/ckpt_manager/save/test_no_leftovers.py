@@ -1,10 +1,13 @@
 """Kills at each point of a save leave nothing behind once a clean run has finished (issue 33).
 
-Each run is a process (`_killed_saver.py`) SIGKILLed with its writer (its whole process group,
-as a killed rank's group goes) at one point of a save: staging, writing (a partial object in
-the folder), commit (every file written, no manifest). The next run, holding the lease, must
-collect the folder whatever its step (below or above the step it resumes from); after a clean
-finish `ckptctl list --all` lists committed steps only. On local disk and on S3 (moto).
+Each run is a process (`_killed_saver.py`) SIGKILLed at one point of a save: staging, commit
+(every file written, no manifest), both with its writer (its whole process group, as a killed
+rank's group goes), and writing (a partial object under the root), where the writer outlives
+its run: held by a fault until the next run has opened the root, it then writes its step's
+files (a rank's writer finishes the chunk it is writing before it sees its parent gone). The
+next run, holding the lease, must collect every such folder whatever its step (below or above
+the step it resumes from); after a clean finish `ckptctl list --all` lists committed steps
+only. On local disk and on S3 (moto).
 """
 
 from __future__ import annotations
@@ -32,38 +35,47 @@ from tests.support.s3 import S3Target
 pytestmark = pytest.mark.timeout(300)
 
 _READY_TIMEOUT_S = 120.0
-_KILLS = (
-    # (point, step committed first, step killed mid-save)
-    ("staging", 2, 3),
-    ("writing", 4, 9),  # left above the next run's resume point
-    ("commit", 6, 7),  # left below the step the last run commits
-)
 
 
-def _run(root: str, options: dict[str, Any], commit: int, kill: int, point: str, tmp: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if point == "writing":
-        env[FAULT_ENV] = f"stall=3600@{kill}"
-    ready, log = tmp / f"ready-{commit}", tmp / f"run-{commit}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.ckpt_manager.save._killed_saver", root,
-             json.dumps(options), str(commit), str(kill), point, str(ready)],
-            stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )  # fmt: skip
-    try:
+class _Run:
+    """One `_killed_saver` process in its own session, its output in a log file."""
+
+    def __init__(
+        self, root: str, options: dict[str, Any], tmp: Path, commit: int, kill: int, point: str
+    ) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.release = tmp / f"release-{commit}"
+        if point == "writing":
+            env[FAULT_ENV] = f"hold={self.release}@{kill}"
+        self.ready, self.go, self.log = (tmp / f"{n}-{commit}" for n in ("ready", "go", "log"))
+        self.point = point
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.ckpt_manager.save._killed_saver", root,
+                 json.dumps(options), str(commit), str(kill), point, str(self.ready),
+                 str(self.go)],
+                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )  # fmt: skip
+
+    def wait_ready(self) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S
-        while kill and not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the run never reached {point}:\n{log.read_text()[-4000:]}")
+        while not self.ready.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the run never reached {self.point}:\n{self.log.read_text()[-4000:]}")
             time.sleep(0.05)
-        if not kill:
-            assert proc.wait(timeout=_READY_TIMEOUT_S) == 0, log.read_text()[-4000:]
-    finally:
-        # The run and its writer, as a killed rank's process group goes.
+
+    def finish(self) -> None:
+        self.go.write_text("go")
+        code = self.proc.wait(timeout=_READY_TIMEOUT_S)
+        assert code == 0, self.log.read_text()[-4000:]
+
+    def kill(self, *, writer_too: bool = True) -> None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+            if writer_too:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            else:
+                os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
 
 
 def _uncommitted(storage: Storage) -> list[int]:
@@ -72,20 +84,46 @@ def _uncommitted(storage: Storage) -> list[int]:
     ]
 
 
-def _kill_at_every_point_then_finish(root: str, options: dict[str, Any], tmp: Path) -> None:
-    storage = Storage(root, options)
-    leftover: list[int] = []
-    for point, commit, kill in _KILLS:
-        _run(root, options, commit, kill, point, tmp)
-        # The run that left `kill` behind collected the leftovers of the one before it.
-        assert set(_uncommitted(storage)) <= {kill}, (point, _uncommitted(storage))
-        leftover = _uncommitted(storage)
-    assert leftover, "the last kill left no folder: the test did not exercise a leftover"
-    _run(root, options, 8, 0, "", tmp)  # a clean finish
-    assert _uncommitted(storage) == []
+def _names(root: str, options: dict[str, Any]) -> list[str]:
     fs, path = fsspec.core.url_to_fs(root, **options)
     fs.invalidate_cache()
-    assert not [n for n in fs.find(path) if n.endswith(".partial")]  # spread prefixes too
+    return [str(n) for n in fs.find(path)]
+
+
+def _kill_at_every_point_then_finish(root: str, options: dict[str, Any], tmp: Path) -> None:
+    storage = Storage(root, options)
+    runs: list[_Run] = []
+    try:
+        for point, commit, kill in (("staging", 2, 3), ("commit", 4, 5)):
+            run = _Run(root, options, tmp, commit, kill, point)
+            runs.append(run)
+            run.wait_ready()
+            run.kill()
+            # The run that left `kill` behind collected the leftover of the one before it.
+            assert set(_uncommitted(storage)) <= {kill}, (point, _uncommitted(storage))
+        assert _uncommitted(storage) == [5], "the commit point left no folder"
+        zombie = _Run(root, options, tmp, 6, 9, "writing")
+        runs.append(zombie)
+        zombie.wait_ready()
+        zombie.kill(writer_too=False)  # its writer holds mid-write
+        last = _Run(root, options, tmp, 8, 0, "")
+        runs.append(last)
+        last.wait_ready()  # it opened the root (removing every leftover) and committed 8
+        assert _uncommitted(storage) == []
+        zombie.release.write_text("write")  # now the orphaned writer writes step 9's files
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while not any(
+            step_dir(9) in n and n.endswith(".index.json") for n in _names(root, options)
+        ):
+            assert time.monotonic() < deadline, "the orphaned writer never wrote step 9"
+            time.sleep(0.05)
+        assert _uncommitted(storage) == [9]  # below the step the last run saves next
+        last.finish()
+        assert _uncommitted(storage) == []
+        assert not [n for n in _names(root, options) if n.endswith(".partial")]
+    finally:
+        for run in runs:
+            run.kill()
 
 
 @pytest.mark.parametrize("backend", ["local", "s3"])
@@ -101,4 +139,4 @@ def test_kills_mid_save_leave_only_committed_steps(
     capsys.readouterr()
     assert ckptctl(["list", root, "--all", "--json", *cli]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert [(r["step"], r["state"]) for r in listed] == [(s, "committed") for s in (2, 4, 6, 8)]
+    assert [(r["step"], r["state"]) for r in listed] == [(s, "committed") for s in (2, 4, 6, 8, 10)]

@@ -33,6 +33,8 @@ NODE_PHASE_OF = {
     RankPhase.TRAINING: NodePhase.TRAINING,
     RankPhase.STOPPING: NodePhase.CHECKPOINTING,
     RankPhase.FINISHING: NodePhase.CHECKPOINTING,
+    # In a checkpoint call that lasted (a save waiting for the writer or storage).
+    RankPhase.CHECKPOINTING: NodePhase.CHECKPOINTING,
     # Left the group: not saving any more (this read `checkpointing` before), not ready.
     RankPhase.FINISHED: NodePhase.RENDEZVOUS,
     RankPhase.EXITED: NodePhase.RENDEZVOUS,

@@ -14,7 +14,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ckpt_manager import ManagerStats, SaveReport, SaveResult
 from daemon.config import CheckpointSettings, DaemonConfig, TrainSettings
-from daemon.metrics import CATALOG, MetricKind, MetricSpec, Scope, build_info_labels, spec
+from daemon.metrics import (
+    CATALOG,
+    RANK_FAILURE_REASONS,
+    MetricKind,
+    MetricSpec,
+    Scope,
+    build_info_labels,
+    spec,
+)
 from daemon.observe.collector import NodeCollector, SnapshotAggregator, config_values, make_registry
 from daemon.observe.state import NodePhase, NodeState
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
@@ -23,7 +31,10 @@ from tests.support.metric_names import ISSUE_METRICS
 
 REQUIRED = set(ISSUE_METRICS)
 
-_NAME = re.compile(r"^trainingd_(daemon|train|fsdp|ckpt|memory|rank|build|config|gpu)_[a-z0-9_]+$")
+# `val`: the validation loss and its step (issue #31 names `trainingd_val_loss`).
+_NAME = re.compile(
+    r"^trainingd_(daemon|train|fsdp|ckpt|memory|rank|build|config|gpu|val)_[a-z0-9_]+$"
+)
 _UNITS = ("_seconds", "_bytes", "_total", "_ratio", "_depth", "_step", "_info", "_loss",
           "_norm", "_rate", "_size", "_ranks", "_state", "_ready", "_inflight", "_finished",
           "_steps", "_restarts", "_failures", "_peak", "_bound",
@@ -309,3 +320,21 @@ def test_null_telemetry_mirrors_rank_telemetry() -> None:
     null.heartbeat(RankPhase.TRAINING)
     null.on_collective("all_gather", 1024, 0.001)
     assert not null.publish(force=True)
+
+
+def test_rank_failures_are_exported_by_reason_zero_from_the_start(tmp_path: Path) -> None:
+    counts: dict[str, float] = {}
+    collector = NodeCollector(
+        SnapshotAggregator(tmp_path, 1),
+        NodeState(local_ranks=1),
+        {},
+        run_id="r",
+        failure_counts=lambda: counts,
+    )
+    name = "trainingd_rank_failures_total"
+    s = _scrape(collector)
+    assert {dict(k)["reason"]: v for k, v in s[name].items()} == dict.fromkeys(
+        RANK_FAILURE_REASONS, 0.0
+    )
+    counts["exception"] = 2.0
+    assert _value(_scrape(collector), name, run_id="r", reason="exception") == 2.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from ckpt_manager import CommittedCheckpoint, StorageError
 from daemon.observe.collector import RankView
 from daemon.observe.state import NodePhase, NodeState
-from daemon.observe.status import HISTORY_POINTS, StatusBoard, format_duration
+from daemon.observe.status import FAILURES_SHOWN, HISTORY_POINTS, StatusBoard, format_duration
 from daemon.rundir.snapshot import RankPhase
 
 
@@ -81,6 +81,24 @@ def test_restarts_failed_saves_and_listing_errors_are_reported() -> None:
     assert board.snapshot()["checkpoints"]["error"] == "cannot list /x"
 
 
+def test_rank_failures_are_listed_and_explain_the_restart() -> None:
+    state = NodeState(local_ranks=1)
+    board = StatusBoard(max_steps=10, ckpt_uri="/x", clock=lambda: 100.0)
+    board.observe([_view(1, 1.0, 1.0)], state.update(step=1))
+    for n in range(FAILURES_SHOWN + 1):
+        board.note_failure({"rank": n, "reason": "exception"}, f"rank {n} (node 0): E: boom")
+    status = board.snapshot()
+    assert [f["rank"] for f in status["failures"]] == list(range(1, FAILURES_SHOWN + 1))
+    assert status["failures"][-1]["text"] == f"rank {FAILURES_SHOWN} (node 0): E: boom"
+    assert (
+        status["last_error"]["message"] == f"rank failed: rank {FAILURES_SHOWN} (node 0): E: boom"
+    )
+    board.observe([_view(1, 1.0, 1.0)], state.update(restarts=1))
+    assert board.snapshot()["last_error"]["message"] == (
+        f"worker group restarted (restart 1); after rank {FAILURES_SHOWN} (node 0): E: boom"
+    )
+
+
 def test_tiers_show_the_memory_bytes_and_the_newest_memory_and_durable_steps() -> None:
     state = NodeState(local_ranks=2)
     held = {"local": 4096.0, "replica": 0.0}
@@ -130,3 +148,19 @@ def test_format_duration_matches_the_page() -> None:
     assert format_duration(5.4) == "5s"
     assert format_duration(3725) == "1h 2m 5s"
     assert format_duration(120) == "2m 0s"
+
+
+def test_val_loss_is_one_point_per_evaluation_none_before_the_first() -> None:
+    state = NodeState(local_ranks=1)
+    board = StatusBoard(max_steps=100, ckpt_uri="/x", list_checkpoints=list)
+    nan = float("nan")
+    for step in range(1, 8):
+        evaluated = step - step % 3  # evaluations at steps 3 and 6
+        val = {"trainingd_val_step": float(evaluated), "trainingd_val_loss": 2.0 - evaluated / 10}
+        if evaluated == 0:
+            val = {"trainingd_val_step": 0.0, "trainingd_val_loss": nan}
+        status = state.update(phase=NodePhase.TRAINING, step=step)
+        board.observe([_view(step, 3.0, 10.0 * step, gauges=val)], status)
+        if step == 2:
+            assert board.snapshot()["val_loss"] == []
+    assert board.snapshot()["val_loss"] == [[3, 1.7], [6, 1.4]]

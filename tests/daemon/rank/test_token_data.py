@@ -1,4 +1,5 @@
-"""`--data`: the job's model trains on token files; the files must fit its vocabulary."""
+"""`--data` / `--val-data`: the job's model trains (validates) on token files; the files must fit
+its vocabulary."""
 
 from __future__ import annotations
 
@@ -31,6 +32,22 @@ def test_data_replaces_the_jobs_dataset_with_samples_of_its_length(tmp_path: Pat
     x, y = data[0]
     assert x.shape == (MODEL.seq_len,)
     assert torch.equal(x[1:], y[:-1])
+
+
+def test_val_data_replaces_the_jobs_val_data_only(tmp_path: Path) -> None:
+    path = str(tmp_path / "val.bin")
+    write_token_file(path, [np.arange(1000) % 256], vocab_size=256)
+    job = build(_CTX)
+    validated = with_token_data(load_config({"val_data": path}, env={}), job)
+    assert validated.train_data is job.train_data
+    assert isinstance(validated.val_data, TokenDataset)
+    x, y = validated.val_data[1]
+    assert x.shape == (MODEL.seq_len,)
+    assert torch.equal(x[1:], y[:-1])
+    big = str(tmp_path / "big.bin")
+    write_token_file(big, [np.arange(1000)], vocab_size=50_257)
+    with pytest.raises(JobError, match="--val-data files have a vocabulary of 50257 tokens"):
+        with_token_data(load_config({"val_data": big}, env={}), job)
 
 
 def test_files_with_a_larger_vocabulary_than_the_model_are_refused(tmp_path: Path) -> None:
