@@ -59,6 +59,7 @@ memory and never call each other; they talk through files in the run directory (
         failures.py      rank failures classified, counted, shown; deterministic ones and the
                          job's own before training end the run (exit 1 / exit 2).
         scrapes.py       when `/metrics` was read; the wait for one read of a finished run.
+        straggler.py     the straggler watch: a rank slower than its peers named.
         http.py          one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
         scrapes.py       scrapes of `/metrics`; the wait for one read of a finished run.
         status_page.py   the status page's HTML.
@@ -79,6 +80,7 @@ memory and never call each other; they talk through files in the run directory (
         collector.py     rank snapshots read at scrape time; the Prometheus collector.
         status.py        `StatusBoard`: the status page's and `/api/status`'s data.
         hangs.py         `HangLedger`: declared hangs for `/metrics` and the status page.
+        stragglers.py    `StragglerLedger`: named stragglers for `/metrics` and the status page.
       data/              token datasets (used by the ranks and by jobs):
         token_file.py    the `.bin` + JSON sidecar format; `write_token_file`, `read_info`.
         reader.py        `BlockCache`: range reads through a bounded LRU of aligned blocks.
@@ -99,6 +101,7 @@ memory and never call each other; they talk through files in the run directory (
         deferral.py      durable saves deferred while an earlier write is in flight, then owed.
         memory_cadence.py when the memory tier snapshots: fixed, or `auto` (within 2% of
                          the step time, adaptive).
+        stragglers.py    compute time per step on the per-step agreement; straggler scores.
 
 Layering (who may import whom; every import counts, `tests/daemon/test_layering.py` checks it):
     shared modules   (config, _config_load, _logging, errors, _version, metrics, _device,

@@ -34,6 +34,7 @@ __all__ = [
     "RankStart",
     "RdzvBackend",
     "StepInterval",
+    "StragglerAction",
     "StrategyName",
     "TimeoutSeconds",
     "TrainSettings",
@@ -542,6 +543,15 @@ class CheckpointSettings:
             )
 
 
+class StragglerAction(enum.StrEnum):
+    """What the daemon does when it names a straggler (`straggler_action`)."""
+
+    NONE = "none"
+    """Name it (log, metric, alert, status page) and nothing else: operators decide."""
+    RESTART = "restart"
+    """Also kill its node's worker group, as the hang detector does (a counted restart)."""
+
+
 @dataclasses.dataclass(kw_only=True, frozen=True)
 class ObservabilitySettings:
     """The metrics/health endpoint and logs."""
@@ -558,6 +568,17 @@ class ObservabilitySettings:
     """A training rank without progress for this long is hung: stacks dumped, group restarted;
     auto (or 0) is max(60 s, 10 x p99 step time); start-up and restore use at least
     heartbeat_timeout_s."""
+    straggler_threshold: float = 1.3
+    """A rank whose median compute time over the window is this many times the median rank's
+    is a straggler (logged `rank_straggler`, its score exported, alert TrainingdRankStraggler)."""
+    straggler_window_steps: int = 50
+    """Steps in the straggler window (also at most `straggler_window_s` old); 0 turns the
+    per-step exchange of compute times off (scores stay 0)."""
+    straggler_window_s: float = 30.0
+    """Seconds the straggler window reaches back at most (slow steps: fewer steps in it)."""
+    straggler_action: StragglerAction = StragglerAction.NONE
+    """What the daemon does about a straggler: `none` (name it; operators decide) or `restart`
+    (kill its group as the hang detector does: a counted restart)."""
     final_scrape_wait_s: float = 30.0
     """After a run ends on purpose (max_steps, drained, stopped with a peer), keep /metrics up
     until one scrape has read the finished state, so the target's disappearance raises no
@@ -580,6 +601,22 @@ class ObservabilitySettings:
             raise ValueError(
                 f"hang_timeout_s={self.hang_timeout_s!r}: use {TimeoutSeconds.ALLOWED} "
                 "(a TimeoutSeconds)"
+            )
+        if not self.straggler_threshold > 1.0:
+            raise ValueError(
+                f"straggler_threshold={self.straggler_threshold}: use a ratio > 1 (e.g. 1.3: "
+                "30% slower than the median rank)"
+            )
+        if self.straggler_window_steps != 0 and self.straggler_window_steps < 5:
+            raise ValueError(
+                f"straggler_window_steps={self.straggler_window_steps}: use 0 (off) or >= 5 "
+                "(a median needs a few steps)"
+            )
+        _positive(self, "straggler_window_s")
+        if not isinstance(self.straggler_action, StragglerAction):
+            raise ValueError(
+                f"straggler_action={self.straggler_action!r}: use "
+                + " or ".join(a.value for a in StragglerAction)
             )
         if not self.final_scrape_wait_s >= 0:
             raise ValueError(

@@ -378,6 +378,11 @@ CATALOG: tuple[MetricSpec, ...] = (
         "Configured max_consecutive_save_failures: failed saves in a row that stop the run.",
         scope=_NODE,
     ),
+    _g(
+        "trainingd_config_straggler_threshold_ratio",
+        "Configured straggler_threshold: a rank's score at or above it names a straggler.",
+        scope=_NODE,
+    ),
     # --- per rank: liveness ------------------------------------------------------------------
     _g(
         "trainingd_rank_heartbeat_timestamp_seconds",
@@ -397,6 +402,22 @@ CATALOG: tuple[MetricSpec, ...] = (
         "trainingd_rank_hangs_total",
         "Hangs the rank was named the cause of (no progress for hang_timeout_s; its group was "
         "restarted).",
+    ),
+    # --- per rank: stragglers (`daemon/rank/stragglers.py`, `daemon/agent/straggler.py`) ----
+    _g(
+        "trainingd_rank_straggler_score",
+        "The rank's median compute time per step over the straggler window divided by the "
+        "median rank's (1: typical; >= straggler_threshold: a straggler; 0: not measured yet).",
+        label="node",
+    ),
+    _g(
+        "trainingd_rank_compute_seconds",
+        "The rank's median compute time per step over the straggler window: step time less "
+        "its waits in collectives (0: not measured yet).",
+    ),
+    _c(
+        "trainingd_rank_straggler_episodes_total",
+        "Times the daemon named the rank a straggler (its score reached straggler_threshold).",
     ),
     _h(
         "trainingd_rank_restart_recovery_seconds",

@@ -25,6 +25,8 @@ Module plan:
                     logged, counted, shown; the same error at the same step twice (exit 1) or
                     the job's own failure before training (exit 2) ends the retries.
     scrapes.py      when `/metrics` was read; the wait for one scrape of a finished run.
+    straggler.py    the straggler watch: a rank whose exported score reaches the threshold is
+                    named (`rank_straggler`), optionally its group killed.
     http.py         one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
     scrapes.py      scrapes of `/metrics`; the wait for one read of a finished run.
     status_page.py  the status page's HTML (one file, no build step).

@@ -65,6 +65,7 @@ from daemon.agent.preflight import check_startup
 from daemon.agent.progress import LiveProgress, ProgressEvents
 from daemon.agent.relay import RankOutputRelay
 from daemon.agent.replica import ReplicaService, announce_without_replicas
+from daemon.agent.straggler import StragglerWatch
 from daemon.agent.supervisor import Supervisor
 from daemon.config import DaemonConfig
 from daemon.errors import ConfigError, StartupCheckError
@@ -73,6 +74,7 @@ from daemon.observe.collector import NodeCollector, SnapshotAggregator, config_v
 from daemon.observe.hangs import HangLedger
 from daemon.observe.state import NodePhase, NodeState
 from daemon.observe.status import StatusBoard
+from daemon.observe.stragglers import StragglerLedger
 from daemon.rundir.control import request_checkpoint, request_stop
 
 if TYPE_CHECKING:
@@ -303,12 +305,14 @@ def run_daemon(
                 replicas = ReplicaService(cfg, memory.path, endpoint)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
             hangs = HangLedger()
+            stragglers = StragglerLedger()
             board = StatusBoard(
                 max_steps=cfg.train.max_steps,
                 ckpt_uri=cfg.checkpoint.ckpt_uri,
                 storage_options=s3_storage_options(cfg),
                 tier_bytes=memory.tier_bytes,
                 hangs=hangs,
+                stragglers=stragglers,
             )
             failures = FailureTracker(
                 run_dir,
@@ -327,6 +331,7 @@ def run_daemon(
                 replica_values=replicas.values if replicas is not None else None,
                 hangs=hangs,
                 failure_counts=failures.counts,
+                stragglers=stragglers,
             )
             if chosen is LogFormat.CONSOLE and sys.stderr.isatty():
                 live = LiveProgress(board)
@@ -344,6 +349,11 @@ def run_daemon(
                     hang_timeout_s=obs.hang_timeout_s.seconds,
                     startup_timeout_s=obs.heartbeat_timeout_s,
                     ledger=hangs,
+                ),
+                stragglers=StragglerWatch(
+                    threshold=obs.straggler_threshold,
+                    action=obs.straggler_action,
+                    ledger=stragglers,
                 ),
             )
             try:

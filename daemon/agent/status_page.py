@@ -5,10 +5,11 @@ then every `REFRESH_MS`: step/ETA, an inline-SVG loss curve (the validation loss
 in orange), throughput, the committed
 checkpoints, the tiers (the memory tier's bytes, local and replica, the newest memory and
 durable steps), per-rank heartbeats, the hangs (the ranks hung now, every rank of the last
-declared hang), the last error and the last rank failures. Elements carry ids (`step`, `eta`,
-`loss-curve`, `val-loss`, `val-loss-line`, `checkpoints`, `tiers`, `memory-step`,
-`durable-step`, `memory-bytes`, `ranks`, `hung-ranks`, `last-hang`, `last-error`, `failures`)
-so tests and scripts can read the rendered page.
+declared hang), the stragglers (named now, the newest episodes), the last error and the last
+rank failures. Elements carry ids (`step`, `eta`, `loss-curve`, `val-loss`, `val-loss-line`,
+`checkpoints`, `tiers`, `memory-step`, `durable-step`, `memory-bytes`, `ranks`, `hung-ranks`,
+`last-hang`, `straggler-ranks`, `stragglers`, `last-error`, `failures`) so tests and scripts
+can read the rendered page.
 """
 
 from __future__ import annotations
@@ -67,6 +68,11 @@ svg{background:#fff;border:1px solid #ddd;border-radius:6px}
 <div>hung now: <b id="hung-ranks">none</b></div>
 <table id="last-hang"><thead><tr><th>rank</th><th>node</th><th>role</th><th>phase</th>
 <th>step</th><th>state</th><th>innermost frame</th><th>without progress</th><th>when</th>
+</tr></thead><tbody></tbody></table>
+<h2>Stragglers</h2>
+<div>stragglers now: <b id="straggler-ranks">none</b></div>
+<table id="stragglers"><thead><tr><th>rank</th><th>node</th><th>score</th>
+<th>median compute</th><th>named</th><th>recovered</th><th>restarted</th>
 </tr></thead><tbody></tbody></table>
 <h2>Last error</h2><div id="last-error" class="muted">none</div>
 <h2>Rank failures</h2>
@@ -147,6 +153,14 @@ function render(s) {
     [String(h.step), true], [h.stopped ? "stopped" : "running", false], [h.frame || "-", false],
     [h.seconds_without_progress.toFixed(1) + " s", true],
     [dur(s.now_unix_s - h.unix_s) + " ago", true]]);
+  const slow = s.stragglers.ranks;
+  $("straggler-ranks").textContent = slow.length ? "rank " + slow.join(", rank ") : "none";
+  rows($("stragglers").tBodies[0], s.stragglers.recent, (g) => [[String(g.rank), true],
+    [String(g.node), true], [g.score.toFixed(2), true],
+    [(g.compute_s * 1000).toFixed(1) + " ms", true], [dur(s.now_unix_s - g.unix_s) + " ago", true],
+    [g.recovered_unix_s === null ? "not yet" : dur(s.now_unix_s - g.recovered_unix_s) + " ago",
+      true],
+    [g.restarted ? "yes" : "no", false]]);
   const e = s.last_error;
   const ago = e ? " (" + dur(s.now_unix_s - e.unix_s) + " ago)" : "";
   $("last-error").textContent = e ? e.message + ago : "none";

@@ -12,7 +12,8 @@ One thread, owned by `Supervisor`, wakes every `_TICK_S`. Each iteration:
    step and loss, `WATCHDOG=1` only while the node is healthy (so a hung training loop is
    caught), `EXTEND_TIMEOUT_USEC=` while starting and while draining, but only after the node
    moved (`TimeoutExtender`: a hung restore must let systemd's start timeout fire);
-5. feeds the hang detector (`hang.py`), which restarts a group whose rank stopped progressing;
+5. feeds the hang detector (`hang.py`), which restarts a group whose rank stopped progressing,
+   and the straggler watch (`straggler.py`), which names a rank slower than its peers;
 6. enforces the shutdown budget: once draining for `shutdown_timeout_s`, it kills the ranks;
 7. hands the views to the progress sink (`progress.py`): the live status line on a terminal,
    `progress` log events off it.
@@ -31,6 +32,7 @@ from daemon.agent.hang import HangDetector
 from daemon.agent.http import health
 from daemon.agent.notify import Notifier, TimeoutExtender
 from daemon.agent.progress import ProgressSink
+from daemon.agent.straggler import StragglerWatch
 from daemon.observe.collector import RankView, SnapshotAggregator
 from daemon.observe.state import NodePhase, NodeState
 from daemon.observe.status import StatusBoard
@@ -89,6 +91,7 @@ class Supervisor:
         progress: where the node's progress goes every tick (live line or events), or None.
         board: the status page's board, fed every tick, or None.
         hangs: the hang detector, fed every tick, or None (`hang.py`).
+        stragglers: the straggler watch, fed every tick, or None (`straggler.py`).
     """
 
     def __init__(
@@ -102,9 +105,11 @@ class Supervisor:
         progress: ProgressSink | None = None,
         board: StatusBoard | None = None,
         hangs: HangDetector | None = None,
+        stragglers: StragglerWatch | None = None,
     ) -> None:
         self._board = board
         self._hangs = hangs
+        self._stragglers = stragglers
         self._state = state
         self._aggregator = aggregator
         self._notifier = notifier
@@ -178,6 +183,8 @@ class Supervisor:
                 log.warning("killed_orphaned_rank_group", pgid=pgid)
         if self._hangs is not None and self._draining_since is None:
             self._hangs.observe(views)
+        if self._stragglers is not None and self._draining_since is None:
+            self._stragglers.observe(views)
         phase, step = derive_phase([v for v in views if pid_alive(v.pid)], self._local_ranks())
         status = self._state.update(
             phase=phase,

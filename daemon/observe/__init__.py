@@ -9,6 +9,8 @@ Module plan:
                   rates, ETA, committed checkpoints, hangs, last error).
     hangs.py      `HangLedger`: the hangs the agent's detector declared (hung ranks, hangs per
                   rank, the last hang), read by the collector and the status board.
+    stragglers.py `StragglerLedger`: the stragglers the agent's watch named (now, episodes per
+                  rank, the newest episodes), read by the collector and the status board.
 
 Read by the agent's HTTP server, supervisor and progress sinks (`daemon/agent/`); it imports
 no agent module, and nothing of the rank side: ranks reach it only through their snapshot files

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from daemon.metrics import CATALOG, DAEMON_STATES, MetricKind, MetricSpec, Scope
 from daemon.observe.hangs import HangLedger
 from daemon.observe.state import ENDED_PHASES, NodePhase, NodeState
+from daemon.observe.stragglers import StragglerLedger
 from daemon.rundir.snapshot import RankPhase, read_snapshot, snapshot_path
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ def config_values(cfg: DaemonConfig) -> dict[str, float]:
         "trainingd_config_max_consecutive_save_failures": float(
             cfg.checkpoint.max_consecutive_save_failures
         ),
+        "trainingd_config_straggler_threshold_ratio": cfg.observability.straggler_threshold,
     }
 
 
@@ -178,6 +180,8 @@ class NodeCollector(Collector):
             per rank that published); None: 0.
         failure_counts: rank failures by reason (`trainingd_rank_failures_total`), read at each
             scrape (`daemon.agent.failures.FailureTracker.counts`); None: 0.
+        stragglers: the straggler watch's ledger (`trainingd_rank_straggler_episodes_total`,
+            per rank that published); None: 0.
     """
 
     def __init__(
@@ -192,6 +196,7 @@ class NodeCollector(Collector):
         replica_values: Callable[[], Mapping[str, Mapping[str, float]]] | None = None,
         hangs: HangLedger | None = None,
         failure_counts: Callable[[], Mapping[str, float]] | None = None,
+        stragglers: StragglerLedger | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("run_id is empty: pass DaemonConfig.run_id")
@@ -204,6 +209,7 @@ class NodeCollector(Collector):
         self._replica_values = replica_values
         self._hangs = hangs if hangs is not None else HangLedger()
         self._failure_counts = failure_counts
+        self._stragglers = stragglers if stragglers is not None else StragglerLedger()
 
     def describe(self) -> Iterable[Metric]:
         """Empty families with the catalog's names (lets the registry detect duplicates)."""
@@ -267,6 +273,13 @@ class NodeCollector(Collector):
                 counts = self._failure_counts() if self._failure_counts is not None else {}
                 for reason in s.label_values:
                     fam.add_metric([*run, reason], float(counts.get(reason, 0.0)))  # type: ignore[attr-defined]
+            elif s.name == "trainingd_rank_straggler_episodes_total":
+                # Per rank, from the daemon's straggler watch.
+                fam = _family(s)
+                for view in views:
+                    ids = [*run, str(view.rank), str(view.local_rank)]
+                    episodes = float(self._stragglers.num_episodes(view.rank))
+                    fam.add_metric(ids, episodes)  # type: ignore[attr-defined]
             elif s.scope is Scope.NODE:
                 node_cls = (
                     CounterMetricFamily if s.kind is MetricKind.COUNTER else GaugeMetricFamily

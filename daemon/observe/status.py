@@ -21,6 +21,11 @@ durable step (the ranks' last commit, else the newest step of the listing).
 The hangs (`hangs` in `/api/status`, `hung` on each rank): the ranks hung now and every rank
 of the last declared hang (rank, node, phase, step, innermost frame, stopped or not, cause or
 waiter), read from the hang detector's `HangLedger` (`daemon/observe/hangs.py`).
+
+The stragglers (`stragglers` in `/api/status`, `straggler_score` and `straggler` on each rank):
+each local rank's score, the ranks named stragglers now and the newest episodes (rank, node,
+score, median compute seconds, when named and recovered), read from the straggler watch's
+`StragglerLedger` (`daemon/observe/stragglers.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from ckpt_manager import CheckpointError, CommittedCheckpoint, committed_checkpo
 from daemon.observe.collector import RankView
 from daemon.observe.hangs import HangLedger
 from daemon.observe.state import NodeStatus
+from daemon.observe.stragglers import StragglerLedger
 
 __all__ = [
     "CHECKPOINT_REFRESH_S",
@@ -56,6 +62,11 @@ CHECKPOINT_REFRESH_S = 3.0
 FAILURES_SHOWN = 5
 """Rank failures kept for the page (newest last)."""
 _RATE_WINDOW_S = 10.0
+
+
+def _score(view: RankView) -> float:
+    """The rank's exported straggler score, whatever its `node` label (0 before one)."""
+    return next(iter(view.gauges.get("trainingd_rank_straggler_score", {}).values()), 0.0)
 
 
 def _counter(view: RankView, name: str, label: str = "") -> float:
@@ -83,6 +94,7 @@ class StatusBoard:
         tier_bytes: the memory tier's bytes by kind (`local`, `replica`), read at each
             `observe` (`daemon.agent.memory_dir.NodeMemoryDir.tier_bytes`); None: 0.
         hangs: the hang detector's ledger; None: no hang is ever shown.
+        stragglers: the straggler watch's ledger; None: no straggler is ever shown.
     """
 
     def __init__(
@@ -95,6 +107,7 @@ class StatusBoard:
         list_checkpoints: Callable[[], list[CommittedCheckpoint]] | None = None,
         tier_bytes: Callable[[], Mapping[str, float]] | None = None,
         hangs: HangLedger | None = None,
+        stragglers: StragglerLedger | None = None,
     ) -> None:
         self.max_steps = max_steps
         """The run's target step."""
@@ -105,6 +118,7 @@ class StatusBoard:
         self._clock = clock
         self._tier_bytes = tier_bytes
         self._hangs = hangs if hangs is not None else HangLedger()
+        self._stragglers = stragglers if stragglers is not None else StragglerLedger()
         self._tiers: dict[str, Any] = _tiers({}, None, None)
         self._lock = threading.Lock()
         self._loss: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY_POINTS)
@@ -207,6 +221,8 @@ class StatusBoard:
                         now, v.gauge("trainingd_rank_heartbeat_timestamp_seconds")
                     ),
                     "hung": self._hangs.hung(v.rank),
+                    "straggler_score": round(_score(v), 3),
+                    "straggler": self._stragglers.straggler(v.rank),
                 }
                 for v in sorted(views, key=lambda v: v.local_rank)
             ]
@@ -276,6 +292,10 @@ class StatusBoard:
                 "hangs": {
                     "hung_ranks": self._hangs.hung_ranks(),
                     "last": [r.as_dict() for r in self._hangs.last()],
+                },
+                "stragglers": {
+                    "ranks": self._stragglers.stragglers(),
+                    "recent": [r.as_dict() for r in self._stragglers.recent()],
                 },
                 "last_error": None if self._last_error is None else dict(self._last_error),
                 "failures": [dict(f) for f in self._failures],

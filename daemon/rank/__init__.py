@@ -21,6 +21,8 @@ Module plan:
                       written is deferred (counted, logged once), taken when the write ends.
     memory_cadence.py when the memory tier snapshots: `FixedCadence` (`memory_every N`) or
                       `AdaptiveCadence` (`auto`: within 2% of the step time).
+    stragglers.py     each rank's compute time per step (step less collective waits), shared on
+                      the per-step agreement; windowed median scores against the median rank.
 
 The rank side never imports the agent side (`daemon/agent/`, `daemon/observe/`): it hears from
 the daemon only through the run directory (`daemon/rundir/`). See the layering in

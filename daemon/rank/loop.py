@@ -18,7 +18,9 @@ After the optimizer step each rank all-reduces `[loss, stop, checkpoint, ..., du
 (sum). The loss becomes the global mean; a stop or checkpoint request seen by any rank is seen
 by all at the same step, which the collective `save()` requires, and so is a durable write
 still in flight on any rank ([Note: a durable save never stalls the loop] in `deferral.py`).
-One tiny collective per step is the whole cost.
+One tiny collective per step is the whole cost. With straggler detection on, one slot per rank
+follows: each rank's compute time of its previous step ([Note: compute time rides on the
+per-step agreement] in `stragglers.py`).
 
 [Note: one host read per step] Reading a device tensor on the host (`float(loss)`, `.item()`)
 blocks until the GPU has caught up, so the host cannot queue the next kernels ahead of it. The
@@ -60,6 +62,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import random
 import time
 from collections.abc import Callable
@@ -86,6 +89,7 @@ from daemon.rank.evaluation import Evaluator
 from daemon.rank.memory_cadence import Cadence, FixedCadence, cadence_for
 from daemon.rank.prefetch import PrefetchingLoader
 from daemon.rank.save_failures import SaveFailurePolicy
+from daemon.rank.stragglers import StragglerProbe
 from daemon.rank.telemetry import NullTelemetry, RankTelemetry
 from daemon.rank.throughput import gpu_memory, mfu_ratio, peak_flops
 from daemon.rundir.control import RankControl
@@ -453,6 +457,15 @@ class _Training:
         self._snapshot_cost_s = 0.0
         self._snapshot_step: int | None = None
         self.deferred = DeferredSaves(telemetry)
+        # [Note: compute time rides on the per-step agreement] in `stragglers.py`.
+        self.stragglers = StragglerProbe(
+            cfg.observability,
+            rank=self.rank,
+            world_size=self.world,
+            node=int(os.environ.get("GROUP_RANK", cfg.launch.node_rank)),
+            telemetry=telemetry,
+            device=device,
+        )
 
     def state(self) -> dict[str, Any]:
         """The state saved at a step (see the module docstring)."""
@@ -561,6 +574,7 @@ class _Training:
         self.last_loss, self.stopped = agreed.loss, agreed.stop
         step_s = time.perf_counter() - step_start
         self._feed_cadence(agreed, step_s)
+        self.stragglers.step_done(self._last_step_s, self.model.stats.snapshot())
         self.record_step(batches, agreed, lr=lr, data_s=data_s, step_s=step_s)
         self.evaluator.maybe_evaluate(self.model, self.step)  # the eval hook (when due)
         mark(ProgressPhase.CHECKPOINT)
@@ -598,7 +612,10 @@ class _Training:
     def optimizer_step(self) -> tuple[torch.Tensor, float]:
         """Clip, step the optimizer and the LR schedule; the gradient norm and the LR used."""
         tc = self.cfg.train
-        grad_norm = self.optimizer.clip_grad_norm_(tc.grad_clip if tc.grad_clip > 0 else math.inf)
+        with self.stragglers.waiting():  # an all-reduce `sharding` does not time
+            grad_norm = self.optimizer.clip_grad_norm_(
+                tc.grad_clip if tc.grad_clip > 0 else math.inf
+            )
         lr = float(self.scheduler.get_last_lr()[0])
         fence_start = time.perf_counter()
         # An async save's snapshot copy must be done before the weights change.
@@ -627,19 +644,16 @@ class _Training:
                 self._last_step_s,
                 self._snapshot_cost_s,
                 float(busy_local),
+                *self.stragglers.slots(),  # one per rank, after the fixed fields
             ]
         )
         agreed = torch.cat([loss_sum.float().reshape(1), flags.to(self.device, non_blocking=True)])
-        dist.all_reduce(agreed)
-        (
-            loss_total,
-            stop_count,
-            ckpt_count,
-            step_s_sum,
-            snapshot_sum,
-            busy_count,
-            grad_norm_value,
-        ) = torch.cat([agreed, grad_norm.float().reshape(1)]).tolist()
+        with self.stragglers.waiting():
+            dist.all_reduce(agreed)
+        values = torch.cat([grad_norm.float().reshape(1), agreed]).tolist()
+        grad_norm_value, loss_total, stop_count, ckpt_count, step_s_sum, snapshot_sum = values[:6]
+        busy_count = values[6]
+        self.stragglers.observe(values[7:])
         return _Agreement(
             loss=loss_total / self.world,
             stop=stop_count > 0,

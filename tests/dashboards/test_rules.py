@@ -31,6 +31,8 @@ REQUIRED_ALERTS = {
     "TrainingdMemoryReplicaLagging",
     # Hangs (issue #30 item 1).
     "TrainingdRankHung",
+    # Stragglers (issue #30 item 2).
+    "TrainingdRankStraggler",
 }
 _BY_CLAUSE = re.compile(r"\bby\s*\(([^)]*)\)")
 _HEADING = re.compile(r"^## (\S+)\s*$", re.MULTILINE)

@@ -40,6 +40,8 @@ _UNITS = ("_seconds", "_bytes", "_total", "_ratio", "_depth", "_step", "_info", 
           "_steps", "_restarts", "_failures", "_peak", "_bound",
           # A 0/1 state like _ready and _finished: the rank is declared hung (issue #30 names it).
           "_hung",
+          # A ratio to the median rank's compute time (issue #30 names it `..._straggler_score`).
+          "_score",
           # A rate gauge: tokens/s of the last step (issue #17 names it), not a counter's rate.
           "_per_second")  # fmt: skip
 
