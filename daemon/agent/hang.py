@@ -223,6 +223,10 @@ class HangDetector:
         while pending and self._clock() < deadline:
             time.sleep(0.05)
             pending = [r for r in pending if _size(dumps[r]) <= sizes[r]]
+        if self._moved_on(stalled):
+            self.num_hangs -= 1
+            log.info("hang_dismissed", ranks=[v.rank for v, *_ in stalled])
+            return []
         found = []
         for view, phase, step, idle in stalled:
             frame, waiting = None, phase.waiting
@@ -295,6 +299,25 @@ class HangDetector:
             cause_here=bool(causes),
         )
         return found
+
+    def _moved_on(self, stalled: list[tuple[RankView, ProgressPhase, int, float]]) -> bool:
+        """Whether a stalled rank's progress word changed while its stacks were dumped.
+
+        [Note: a stall that ends during the stack dump] Two daemons with the same budget
+        declare within moments of each other: the node of a stopped rank kills its group,
+        and a peer rank that waited for it in a collective gets an error and unwinds (its
+        loop marks `exited` first). Its own daemon, dumping its stacks at that moment, would
+        see a running rank outside any collective and name it hung (seen in CI: "in stop" of
+        the checkpoint writer, 0.1 s after the other node's restart). A word that moved is
+        progress: the declaration is dropped and the next tick looks again.
+        """
+        moved = False
+        for view, *_ in stalled:
+            reading = read_progress(progress_path(self._run_dir, view.local_rank))
+            last = self._last.get(view.local_rank)
+            if reading is not None and last is not None and last[0] != (view.pid, reading.sequence):
+                moved = True
+        return moved
 
 
 def _size(path: Path) -> int:

@@ -301,11 +301,18 @@ def run_training(
     """
     run = _Training(cfg, job, telemetry, control, torch.device("cpu") if device is None else device)
     with run.manager, run.loader:  # the loader's prefetch thread ends with the run
-        run.restore_or_initialize()
-        run.start()
-        while run.step < cfg.train.max_steps and not run.stopped:
-            run.train_step()
-        run.drain()
+        try:
+            run.restore_or_initialize()
+            run.start()
+            while run.step < cfg.train.max_steps and not run.stopped:
+                run.train_step()
+            run.drain()
+        except BaseException:
+            # Unwinding (a peer died under a collective, the job raised): the manager's close
+            # may take a while, and it is not the stall the rank was in ([Note: a stall that
+            # ends during the stack dump] in `daemon/agent/hang.py`).
+            telemetry.mark(ProgressPhase.EXITED)
+            raise
     # The job's sample of the trained model (a completed run only).
     sample = None
     if not run.stopped and job.sample is not None:

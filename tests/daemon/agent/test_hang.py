@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -233,6 +234,32 @@ def test_a_hung_rank_the_node_no_longer_runs_recovers_when_the_new_group_trains(
     words[0].mark(ProgressPhase.DATA, 9)
     detector.observe(renumbered, now=6.0)
     assert detector.ledger.hung_ranks() == []
+
+
+def test_a_stall_that_ends_while_the_stacks_are_dumped_is_not_declared(
+    tmp_path: Path, sleepers: list[subprocess.Popen[bytes]]
+) -> None:
+    # The other node restarted its group: this node's rank, which waited for it, unwinds
+    # (its loop marks `exited`) while its daemon waits for the stack dumps.
+    procs = [_sleeper(sleepers)]
+    word = ProgressWord(progress_path(tmp_path, 0))
+    word.mark(ProgressPhase.BACKWARD, 10)
+    killed: list[int] = []
+    detector = HangDetector(
+        tmp_path, node=0, hang_timeout_s=3.0, startup_timeout_s=300.0, kill=killed.append
+    )
+    views = [_view(0, procs[0].pid)]
+    assert detector.observe(views, now=0.0) == []
+    # The stand-in ignores the dump request: the detector waits the whole dump time (1 s).
+    unwinding = threading.Timer(0.2, lambda: word.mark(ProgressPhase.EXITED, 10))
+    unwinding.start()
+    try:
+        assert detector.observe(views, now=4.0) == []
+    finally:
+        unwinding.join()
+    assert killed == []
+    assert detector.ledger.hung_ranks() == []
+    assert detector.num_hangs == 0
 
 
 @pytest.mark.parametrize(("world_size", "named"), [(4, "rank_waiting"), (2, "rank_hung")])
