@@ -405,6 +405,7 @@ class CheckpointManager:
         while len(self._pending) >= self.config.max_inflight:
             try:
                 self._final.run(blocking=True)
+                self._note_durable()
             except SaveFailedError as err:  # the failed request is retired: room was made
                 older_failure = err
         request = self._prepare(step, state, metrics, started)
@@ -416,6 +417,7 @@ class CheckpointManager:
         request.stall_s += time.monotonic() - started
         if self.config.async_mode is AsyncMode.SYNC:
             self._final.run(blocking=True)
+            self._note_durable()
         if older_failure is not None:
             raise older_failure
 
@@ -534,6 +536,7 @@ class CheckpointManager:
             self._final.run(blocking=False)
         finally:
             self._finalize_calls.append(time.monotonic() - t0)
+            self._note_durable()
 
     def wait_until_finished(self) -> None:
         """Block until every save in flight is committed or failed (collective), and every
@@ -545,6 +548,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._final.run(blocking=True)
+        self._note_durable()
         if self._snapshots is not None:
             self._snapshots.collect(self.config.staging_timeout_s, everything=True)
         if self._deleter is not None:
@@ -681,7 +685,9 @@ class CheckpointManager:
         result: RestoreResult | None = None
         try:
             if self._memory is not None and step is None:
-                memory = restore_from_memory(self._memory, self._coord, template)
+                last = self._final.last_committed
+                known = last[0] if last is not None else None
+                memory = restore_from_memory(self._memory, self._coord, template, known)
                 if memory.step is not None:
                     self._log.info("ckpt_restored", ckpt_step=memory.step, source=memory.source)
                     state = unwrap_dtensors(memory.state)
@@ -711,6 +717,8 @@ class CheckpointManager:
                 if durable is not None:
                     state = unwrap_dtensors(durable.state)
                     result = RestoreResult(durable.step, state, "durable", reason)
+                    if self._memory is not None:
+                        self._memory.record_durable(durable.step)
             if result is not None:
                 self._restored_from = result.step  # before `_restoring` is cleared: no gap
         finally:
@@ -721,6 +729,12 @@ class CheckpointManager:
         if self._deleter is not None:
             self._deleter.arm()  # [Note: retention waits for the run's restore]
         return result
+
+    def _note_durable(self) -> None:
+        """Raise the memory tier's durable floor to the newest commit (a no-op when
+        unchanged: [Note: a memory step older than a durable one is stale])."""
+        if self._memory is not None and self._final.last_committed is not None:
+            self._memory.record_durable(self._final.last_committed[0])
 
     # ----------------------------------------------------------------- shutdown
     def _check_open(self) -> None:
@@ -738,6 +752,7 @@ class CheckpointManager:
         try:
             if self._pending:
                 self._final.run(blocking=True)
+                self._note_durable()
         finally:
             self._closed = True
             self._shutdown()

@@ -11,6 +11,8 @@ Modules:
                `SnapshotJob`: the memory part of one save
     load.py    verify a payload's checksum, rebuild its state or fill a template
     agree.py   the restore agreement: the newest step every rank holds and verifies
+    floor.py   the durable floor: the newest step the run holds durably, recorded in the
+               tier so that no memory step older than it is restored (torch-free)
 
 [Note: the memory tier] With `CheckpointConfig(memory=MemoryTierConfig(directory))`, the
 staging buffer of every save is a slot file in `directory` (mapped shared, like the memfd it
@@ -25,7 +27,9 @@ included); the caller owns the directory and removes it.
 `restore()` (no explicit step) first agrees on the newest step every rank holds complete and
 verified in memory (`agree.py`) and rebuilds it from the rank's own slot only: no storage
 read, no collective beyond the agreement and one exchange of the load's outcome. Anything
-else falls back to the durable tier with the reason (`RestoreResult.fallback_reason`).
+else falls back to the durable tier with the reason (`RestoreResult.fallback_reason`), and so
+does a memory step older than a step the run holds durably ([Note: a memory step older than a
+durable one is stale] in `floor.py`).
 Memory steps may be newer than the newest committed step; they never change how durable
 steps are numbered or retained.
 """

@@ -40,6 +40,10 @@ class Offer(NamedTuple):
     """Why each other slot was refused."""
     num_slots: int
     """Slots with a meta (0: this rank has never snapshotted, e.g. a first start)."""
+    floor: int = -1
+    """The newest step this rank knows the run holds durably (-1: none); memory steps below
+    the newest floor of any rank are stale ([Note: a memory step older than a durable one is
+    stale] in `floor.py`)."""
 
 
 def local_offer(
@@ -49,6 +53,7 @@ def local_offer(
     world_size: int,
     template_layout: str | None,
     with_template: bool,
+    floor: int | None = None,
 ) -> tuple[Offer, dict[int, Candidate]]:
     """This rank's offer and its candidates by step.
 
@@ -59,6 +64,7 @@ def local_offer(
         template_layout: the template's layout fingerprint (None: no template).
         with_template: a template was given (without one, sharded pieces cannot be returned
             whole).
+        floor: the newest step this rank knows the run holds durably (None: none).
     """
     reasons: list[str] = []
     candidates: dict[int, Candidate] = {}
@@ -82,7 +88,8 @@ def local_offer(
             continue
         if meta.step not in candidates:  # two slots of one step hold the same bytes
             candidates[meta.step] = Candidate(slot, meta)
-    offer = Offer({step: c.meta.global_layout for step, c in candidates.items()}, reasons, len(raw))
+    steps = {step: c.meta.global_layout for step, c in candidates.items()}
+    offer = Offer(steps, reasons, len(raw), -1 if floor is None else floor)
     return offer, candidates
 
 
@@ -116,8 +123,14 @@ def agree(coord: Coordinator, offer: Offer) -> tuple[int | None, str | None]:
     for other in gathered[1:]:
         common &= set(other.steps)
     agreed = [s for s in common if len({o.steps[s] for o in gathered}) == 1]
-    if agreed:
+    floor = max(o.floor for o in gathered)
+    if agreed and max(agreed) >= floor:
         return max(agreed), None
+    if agreed:
+        return None, (
+            f"the newest step every rank holds in memory ({max(agreed)}) is older than step "
+            f"{floor}, which the run holds durably"
+        )
     return None, _reason(gathered, common)
 
 

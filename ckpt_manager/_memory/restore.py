@@ -15,6 +15,7 @@ import structlog
 from ckpt_manager._coord import Coordinator
 from ckpt_manager._format.tree import flatten
 from ckpt_manager._memory.agree import Offer, agree, local_offer
+from ckpt_manager._memory.floor import read_floor
 from ckpt_manager._memory.load import load_slot
 from ckpt_manager._memory.meta import ORIGIN_LOCAL, ORIGIN_REPLICA
 from ckpt_manager._memory.plan import held_leaves, layout_fingerprints
@@ -45,7 +46,9 @@ def _template_layout(template: Any) -> str:
         return f"unusable template: {err}"
 
 
-def restore_from_memory(tier: MemoryTier, coord: Coordinator, template: Any) -> MemoryRestore:
+def restore_from_memory(
+    tier: MemoryTier, coord: Coordinator, template: Any, known_durable: int | None = None
+) -> MemoryRestore:
     """Restore the newest step every rank holds in memory (collective).
 
     Args:
@@ -53,11 +56,16 @@ def restore_from_memory(tier: MemoryTier, coord: Coordinator, template: Any) -> 
         coord: the manager's start-up group.
         template: the restore template with DTensors wrapped (`dtensor.wrap_dtensors`), or
             None.
+        known_durable: the newest committed step this rank knows of otherwise (the
+            coordinator's, from the root's catalog), or None.
 
     Raises:
         CheckpointError: a collective failed (a peer died).
     """
     log = _log.bind(rank=coord.rank)
+    floors = [
+        s for s in (known_durable, read_floor(tier.files.directory, tier.run_id)) if s is not None
+    ]
     try:
         offer, candidates = local_offer(
             tier.files,
@@ -65,6 +73,7 @@ def restore_from_memory(tier: MemoryTier, coord: Coordinator, template: Any) -> 
             world_size=coord.world_size,
             template_layout=None if template is None else _template_layout(template),
             with_template=template is not None,
+            floor=max(floors, default=None),
         )
     except Exception as err:  # [Note: every rank reaches the exchange]
         offer, candidates = Offer({}, [f"listing the slots failed: {err}"], 1), {}

@@ -26,6 +26,7 @@ import structlog
 from ckpt_manager._config import MemoryTierConfig
 from ckpt_manager._format.checksum import ChecksumAlgorithm
 from ckpt_manager._format.tree import Flattened, TensorLeaf
+from ckpt_manager._memory.floor import write_floor
 from ckpt_manager._memory.meta import SlotMeta, build_meta
 from ckpt_manager._memory.plan import MemoryPlan, MemoryPlanCache
 from ckpt_manager._memory.slots import SlotFiles
@@ -104,6 +105,7 @@ class MemoryTier:
         self._sizes_lock = threading.Lock()
         self._sizes = {k: self.files.payload_size(k) for k in self.files.existing_slots()}
         self._extra_refused: str | None = None
+        self._floor: int | None = None  # the newest step `record_durable` wrote
         self._logged: set[str] = set()
         self.num_snapshots = 0
         """Snapshots completed."""
@@ -196,6 +198,13 @@ class MemoryTier:
             else:
                 self.held[slot] = keep
         self.newest_step = max(self.held.values(), default=step)
+
+    def record_durable(self, step: int) -> None:
+        """The run holds `step` durably (committed or restored): raise the tier's floor
+        ([Note: a memory step older than a durable one is stale] in `floor.py`)."""
+        if self._floor is None or step > self._floor:
+            self._floor = step
+            write_floor(self.files.directory, self.rank, self.run_id, step)
 
     # ------------------------------------------------------------------ staging thread
     def allocate(self, job: SnapshotJob, nbytes: int) -> tuple[int, int] | None:

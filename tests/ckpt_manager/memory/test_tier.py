@@ -201,3 +201,67 @@ def test_a_full_tmpfs_is_a_clear_error_or_a_skipped_extra_slot(
         mgr.maybe_finalize()  # records the durable save's snapshot (the failure came first)
         assert mgr.stats().num_memory_snapshots_failed == 2  # a durable save's snapshot too
         assert sorted(_metas(tiny_tmpfs).values()) == [2]  # the last good snapshot is intact
+
+
+def test_a_memory_step_older_than_a_durable_commit_is_not_restored(tmp_path: pathlib.Path) -> None:
+    # [Note: a memory step older than a durable one is stale]: this tier holds step 4 (as the
+    # nodes of an elastic job do after a shrink), while the run went on elsewhere (another
+    # memory dir) and committed step 7. The restore must not roll the run back to 4.
+    memory, elsewhere, root = tmp_path / "shm", tmp_path / "shm-other", str(tmp_path / "ckpt")
+    memory.mkdir()
+    elsewhere.mkdir()
+    state = {"w": torch.zeros(100), "step": 0}
+    with CheckpointManager(
+        root, CheckpointConfig(memory=MemoryTierConfig(str(memory))), run_id="r"
+    ) as mgr:
+        for step in (3, 4):
+            state["w"] += 1
+            mgr.save(step, state, durable=step == 4)
+            mgr.before_optimizer_step()
+        mgr.wait_until_finished()
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(elsewhere)))
+    with CheckpointManager(root, cfg, run_id="r") as mgr:
+        assert mgr.restore(into=state) is not None
+        for step in (5, 6, 7):
+            state["w"] += 1
+            mgr.save(step, state, durable=step == 7)
+            mgr.before_optimizer_step()
+        mgr.wait_until_finished()
+    assert sorted(_metas(memory).values()) == [3, 4]
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(memory)))
+    with CheckpointManager(root, cfg, run_id="r") as mgr:
+        result = mgr.restore(into={"w": torch.zeros(100), "step": 0})
+    assert result is not None
+    assert (result.step, result.source) == (7, "durable")
+    assert "older than step 7, which the run holds durably" in str(result.fallback_reason)
+    assert torch.equal(result.state["w"], torch.full((100,), 5.0))
+
+
+def test_the_durable_floor_is_the_newest_step_any_rank_recorded(tmp_path: pathlib.Path) -> None:
+    from ckpt_manager._memory.agree import Offer, agree
+    from ckpt_manager._memory.floor import read_floor, write_floor
+
+    assert read_floor(str(tmp_path), "r") is None
+    write_floor(str(tmp_path), 0, "r", 4)
+    write_floor(str(tmp_path), 1, "r", 7)  # another rank of the node saw a newer commit
+    write_floor(str(tmp_path), 2, "other-run", 9)
+    (tmp_path / "durable-floor.rank-00003.json").write_text("{torn")
+    assert read_floor(str(tmp_path), "r") == 7
+
+    class _Group:
+        def __init__(self, offers: list[Offer]) -> None:
+            self.offers = offers
+
+        def all_gather(self, _mine: object) -> list[object]:
+            return [tuple(o) for o in self.offers]
+
+    held = {3: "L", 4: "L"}
+    both_at_4 = [Offer(held, [], 2, 4), Offer(held, [], 2, -1)]
+    assert agree(_Group(both_at_4), both_at_4[0]) == (4, None)  # type: ignore[arg-type]
+    one_saw_7 = [Offer(held, [], 2, -1), Offer(held, [], 2, 7)]
+    step, reason = agree(_Group(one_saw_7), one_saw_7[0])  # type: ignore[arg-type]
+    assert step is None
+    assert reason == (
+        "the newest step every rank holds in memory (4) is older than step 7, which the run "
+        "holds durably"
+    )
