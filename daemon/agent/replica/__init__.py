@@ -19,7 +19,17 @@ Module plan:
 streams to the node of group rank (g + 1) % N; the ring is rebuilt after every rendezvous
 (`service.py`). Replicas are stamped with the run id, the round ([Note: the membership round
 of a replica] in `peers.py`), and the rank's own meta (step, global rank, world size, layouts,
-checksum). Node 0 hosts the rendezvous store, so node 0's loss ends the job as before
+checksum).
+
+[Note: group ranks move between nodes] torch's c10d rendezvous numbers the nodes of a round
+by (host name, agent pid), not by `--node-rank`: a fresh daemon that replaced a lost node can
+take the group rank (so the global ranks) the survivor had, and the survivor the lost node's.
+So a rank's snapshot is looked for wherever it is: a node missing rank r's slots takes them
+from its own `replicas/` (`fetch.py`, copied into its slots) or from a peer, which serves
+both its replicas and its own slots of ranks it ran in an earlier round (`server.py`). Those
+former slots are dropped once a rank of the new round snapshotted (`sender.py`), which is
+after every rank's restore agreement, so after every peer fetched them. Node 0 hosts the
+rendezvous store, so node 0's loss ends the job as before
 (README "Recovery").
 """
 

@@ -28,6 +28,7 @@ import structlog
 
 from ckpt_manager import CheckpointError
 from ckpt_manager.memory_slots import ORIGIN_REPLICA, SlotFiles, SlotMeta, restamp, verify_slot
+from daemon.agent.replica.holdings import complete_slots
 from daemon.agent.replica.protocol import (
     COMMIT,
     ProtocolError,
@@ -39,7 +40,7 @@ from daemon.agent.replica.protocol import (
 from daemon.agent.replica.sender import parse_address
 from daemon.agent.replica.stats import ReplicaStats
 
-__all__ = ["Fetched", "fetch_missing", "missing_ranks"]
+__all__ = ["Fetched", "fetch_missing", "former_ranks", "missing_ranks"]
 
 log = structlog.get_logger("trainingd.replica")
 
@@ -67,6 +68,17 @@ def missing_ranks(tier_dir: str, run_id: str, ranks: Sequence[int]) -> list[int]
     return missing
 
 
+def former_ranks(tier_dir: str, run_id: str, ranks: Sequence[int]) -> list[int]:
+    """Ranks with slot files in `tier_dir` that are not this node's in the round (`ranks`):
+    ranks it ran in an earlier round ([Note: group ranks move between nodes])."""
+    held: set[int] = set()
+    for name in os.listdir(tier_dir):
+        head, dot, _ = name.partition(".slot-")
+        if dot and head.startswith("rank-") and head[5:].isdigit():
+            held.add(int(head[5:]))
+    return sorted(held - set(ranks))
+
+
 def fetch_missing(
     tier_dir: str,
     *,
@@ -76,8 +88,9 @@ def fetch_missing(
     peers: Mapping[int, str],
     stats: ReplicaStats,
     timeout_s: float,
+    own_replicas: str | None = None,
 ) -> Fetched:
-    """Copy `ranks`' replicas from the peer holding the newest into `tier_dir`'s slots.
+    """Copy `ranks`' newest snapshots into `tier_dir`'s slots, from wherever they are held.
 
     Args:
         tier_dir: this node's memory-tier directory.
@@ -87,6 +100,8 @@ def fetch_missing(
         peers: the other nodes' replica servers, `host:port` by group rank.
         stats: the counters.
         timeout_s: socket timeout of each request.
+        own_replicas: this node's `replicas/` directory ([Note: group ranks move between
+            nodes]: a rank this node held replicas of may now be one of its own).
     """
     listings: dict[int, dict[str, Any]] = {}
     for node, address in sorted(peers.items()):
@@ -103,21 +118,32 @@ def fetch_missing(
     steps: dict[int, list[int]] = {}
     reasons: dict[int, str] = {}
     for rank in ranks:
-        offers = [
-            (int(entry["step"]), node, entry)
+        # Each offer's source: (peer node, its own slot?) or (None, False) for this node's own
+        # replicas. The copies come from one source, so two slots never mix two timelines.
+        offers: list[tuple[int, tuple[int | None, bool], Mapping[str, Any]]] = [
+            (int(entry["step"]), (node, entry.get("local") is True), entry)
             for node, reply in listings.items()
             for entry in reply.get("replicas", [])
             if int(entry.get("rank", -1)) == rank
         ]
+        if own_replicas is not None:
+            offers += [
+                (h.meta.step, (None, False), {"step": h.meta.step, "slot": h.slot, "raw": h.raw})
+                for h in complete_slots(SlotFiles(own_replicas, rank), run_id)
+            ]
         if not offers:
             reasons[rank] = f"no peer holds a complete replica of rank {rank}"
             continue
-        best_node = max(offers, key=lambda o: o[0])[1]
-        mine = sorted((o for o in offers if o[1] == best_node), key=lambda o: o[0])
+        best = max(offers, key=lambda o: o[0])[1]
+        mine = sorted((o for o in offers if o[1] == best), key=lambda o: o[0])
         files = SlotFiles(tier_dir, rank)
         expect = _Expect(run_id, rank, world_size, layouts)
-        for local_slot, (step, node, entry) in enumerate(mine[-2:]):
-            why = _fetch_one(peers[node], files, local_slot, entry, expect, stats, timeout_s)
+        for local_slot, (step, (peer, _), entry) in enumerate(mine[-2:]):
+            if peer is None:
+                source = SlotFiles(str(own_replicas), rank)
+                why = _adopt_one(source, files, local_slot, entry, expect, stats)
+            else:
+                why = _fetch_one(peers[peer], files, local_slot, entry, expect, stats, timeout_s)
             if why is None:
                 steps.setdefault(rank, []).append(step)
             else:
@@ -125,6 +151,47 @@ def fetch_missing(
         if rank in steps:
             reasons.pop(rank, None)
     return Fetched(steps, reasons)
+
+
+def _adopt_one(
+    source: SlotFiles,
+    files: SlotFiles,
+    slot: int,
+    entry: Mapping[str, Any],
+    expect: _Expect,
+    stats: ReplicaStats,
+) -> str | None:
+    """Copy one of this node's own replicas into the rank's `slot`; None, or why not."""
+    raw = dict(entry["raw"])
+    meta = SlotMeta.parse(raw)
+    what = f"this node's replica of rank {expect.rank} step {meta.step}"
+    refused = expect.refusal(meta)
+    if refused is not None:
+        stats.failed(refused[0], "replica_fetch_refused", replica=what, detail=refused[1])
+        return f"{what}: {refused[1]}"
+    files.remove_meta(slot)
+    try:
+        fd, capacity = files.allocate(slot, meta.payload_bytes)
+        try:
+            with open(source.payload_path(int(entry["slot"])), "rb") as src:
+                copied = 0
+                while copied < meta.payload_bytes:
+                    n = os.sendfile(fd, src.fileno(), copied, meta.payload_bytes - copied)
+                    if n == 0:
+                        raise OSError(f"{source.payload_path(int(entry['slot']))}: short file")
+                    copied += n
+        finally:
+            os.close(fd)
+    except (CheckpointError, OSError) as err:
+        stats.failed(Refusal.NO_SPACE, "replica_fetch_failed", replica=what, detail=str(err))
+        return f"{what}: {err}"
+    del capacity
+    mismatch = verify_slot(files.payload_path(slot), meta)
+    if mismatch is not None:  # the replica changed while it was copied, or is damaged
+        stats.failed(Refusal.CHECKSUM, "replica_fetch_refused", replica=what, detail=mismatch)
+        return f"{what}: {mismatch}"
+    files.write_meta(slot, restamp(raw, origin=ORIGIN_REPLICA))
+    return None
 
 
 class _Expect(NamedTuple):
@@ -167,7 +234,7 @@ def _fetch_one(
     try:
         with _connect(address, timeout_s) as sock:
             request = {"op": "get", "run_id": expect.run_id, "rank": rank, "step": step}
-            send_frame(sock, {**request, "slot": int(entry["slot"])})
+            send_frame(sock, {**request, "slot": int(entry["slot"]), "local": entry.get("local")})
             reply = recv_frame(sock)
             if reply is None or reply.get("ok") is not True:
                 detail = None if reply is None else reply.get("detail")

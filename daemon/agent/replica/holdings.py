@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 from ckpt_manager.memory_slots import SlotFiles, SlotMeta, restamp
 
-__all__ = ["NUM_REPLICA_SLOTS", "HeldReplica", "ReplicaHoldings"]
+__all__ = ["NUM_REPLICA_SLOTS", "HeldReplica", "ReplicaHoldings", "complete_slots"]
 
 NUM_REPLICA_SLOTS = 2
 """Slots per remote rank."""
@@ -74,18 +74,7 @@ class ReplicaHoldings:
 
     def held(self, rank: int) -> list[HeldReplica]:
         """`rank`'s complete replicas of this run (their metas parse), oldest step first."""
-        files = self.files(rank)
-        found = []
-        for slot, raw in files.read_metas().items():
-            if not isinstance(raw, dict):
-                continue
-            try:
-                meta = SlotMeta.parse(raw)
-            except ValueError:
-                continue
-            if meta.run_id == self.run_id and meta.rank == rank:
-                found.append(HeldReplica(rank, slot, meta, raw))
-        return sorted(found, key=lambda h: h.meta.step)
+        return complete_slots(self.files(rank), self.run_id)
 
     def ranks(self) -> list[int]:
         """Every rank with a slot file here."""
@@ -141,3 +130,19 @@ class ReplicaHoldings:
         self.files(rank).write_meta(slot, stamped)
         with self._lock:
             self._rounds[node] = max(round_, self._rounds.get(node, round_))
+
+
+def complete_slots(files: SlotFiles, run_id: str) -> list[HeldReplica]:
+    """The complete snapshots of `run_id` in `files` (their metas parse and name that rank),
+    oldest step first: replicas under `replicas/`, or a rank's own slots."""
+    found = []
+    for slot, raw in files.read_metas().items():
+        if not isinstance(raw, dict):
+            continue
+        try:
+            meta = SlotMeta.parse(raw)
+        except ValueError:
+            continue
+        if meta.run_id == run_id and meta.rank == files.rank:
+            found.append(HeldReplica(files.rank, slot, meta, raw))
+    return sorted(found, key=lambda h: h.meta.step)

@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import structlog
@@ -87,6 +88,7 @@ class ReplicaSender:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._metas: dict[str, tuple[tuple[int, int, int], Any]] = {}
+        self._former: tuple[tuple[int, ...], float] = ((), 0.0)
         self._sock: socket.socket | None = None
         self._sock_target: str | None = None
         self._thread = threading.Thread(
@@ -94,10 +96,19 @@ class ReplicaSender:
         )
         self._thread.start()
 
-    def set_ring(self, ring: Ring) -> None:
+    def set_ring(self, ring: Ring, *, former: Sequence[int] = ()) -> None:
         """A new round: send to `ring.target` from now on (acknowledgements of another target
-        no longer count)."""
+        no longer count).
+
+        Args:
+            ring: the round's ring.
+            former: ranks whose slots this node still holds from an earlier round
+                ([Note: group ranks move between nodes]): removed once a rank of this round
+                wrote a snapshot, which happens only after every rank's restore agreement,
+                so after every peer that needed them fetched them.
+        """
         with self._lock:
+            self._former = (tuple(former), time.time())
             if ring.target != self._ring.target or ring.target is None:
                 self._done.clear()
                 # Without a peer there is no lag to report.
@@ -119,6 +130,7 @@ class ReplicaSender:
             self._wake.clear()
             with self._lock:
                 ring = self._ring
+            self._drop_former(ring)
             if ring.target is None:
                 continue
             for rank in ring.ranks:
@@ -146,6 +158,32 @@ class ReplicaSender:
                     )
                     self._closed.wait(RETRY_S)
                     break
+
+    def _drop_former(self, ring: Ring) -> None:
+        """Remove the former ranks' slots once a rank of this round snapshotted (`set_ring`)."""
+        with self._lock:
+            former, since = self._former
+        if not former:
+            return
+        for rank in ring.ranks:
+            newest = self._newest(rank)
+            if newest is None:
+                continue
+            with contextlib.suppress(OSError):
+                if os.stat(SlotFiles(self._dir, rank).meta_path(newest[0])).st_mtime > since:
+                    break
+        else:
+            return
+        for rank in former:
+            files = SlotFiles(self._dir, rank)
+            for slot in files.existing_slots():
+                files.remove_meta(slot)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(files.payload_path(slot))
+        log.info("replica_former_slots_dropped", ranks=list(former))
+        with self._lock:
+            if self._former[1] == since:
+                self._former = ((), 0.0)
 
     def _newest(self, rank: int) -> tuple[int, dict[str, Any], SlotMeta] | None:
         """The rank's newest complete snapshot of this run: `(slot, raw meta, parsed)`."""

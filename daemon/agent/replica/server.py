@@ -29,7 +29,7 @@ import structlog
 
 from ckpt_manager import CheckpointError
 from ckpt_manager.memory_slots import SlotFiles, SlotMeta, verify_slot
-from daemon.agent.replica.holdings import ReplicaHoldings
+from daemon.agent.replica.holdings import ReplicaHoldings, complete_slots
 from daemon.agent.replica.protocol import (
     ABORT,
     COMMIT,
@@ -227,6 +227,13 @@ class ReplicaServer:
             for rank in ranks
             for h in holdings.held(rank)
         ]
+        # [Note: group ranks move between nodes]: a rank this node ran in an earlier round is
+        # served from its own slots too.
+        replicas += [
+            {"rank": h.rank, "slot": h.slot, "step": h.meta.step, "round": None, "local": True}
+            for rank in ranks
+            for h in complete_slots(SlotFiles(self._local_dir, rank), holdings.run_id)
+        ]
         send_frame(
             conn,
             {
@@ -243,13 +250,16 @@ class ReplicaServer:
         except (KeyError, TypeError, ValueError) as err:
             send_frame(conn, {"ok": False, "reason": Refusal.PROTOCOL.value, "detail": str(err)})
             return
-        match = [h for h in holdings.held(rank) if h.slot == slot and h.meta.step == step]
+        local = request.get("local") is True
+        files = SlotFiles(self._local_dir, rank) if local else holdings.files(rank)
+        held_here = complete_slots(files, holdings.run_id)
+        match = [h for h in held_here if h.slot == slot and h.meta.step == step]
         if str(request.get("run_id")) != holdings.run_id or not match:
-            detail = f"no replica of rank {rank} step {step} in slot {slot}"
+            where = "snapshot" if local else "replica"
+            detail = f"no {where} of rank {rank} step {step} in slot {slot}"
             send_frame(conn, {"ok": False, "reason": Refusal.PROTOCOL.value, "detail": detail})
             return
         held = match[0]
-        files = holdings.files(rank)
         fd = os.open(files.payload_path(slot), os.O_RDONLY | os.O_CLOEXEC)
         try:
             send_frame(conn, {"ok": True, "meta": held.raw})

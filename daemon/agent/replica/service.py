@@ -14,6 +14,7 @@ without them); it never fails the round.
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import structlog
 
 from daemon.agent.memory_dir import REPLICAS_DIR
-from daemon.agent.replica.fetch import fetch_missing, missing_ranks
+from daemon.agent.replica.fetch import fetch_missing, former_ranks, missing_ranks
 from daemon.agent.replica.holdings import ReplicaHoldings
 from daemon.agent.replica.peers import exchange
 from daemon.agent.replica.sender import ReplicaSender, Ring
@@ -142,7 +143,8 @@ class ReplicaService:
         except Exception as err:  # a failed fetch costs the replicas, never the round
             log.warning("replica_fetch_failed", error=f"{type(err).__name__}: {err}")
         target = peers.addresses[(group_rank + 1) % num_nodes] or None
-        self._sender.set_ring(Ring(peers.round, target, tuple(ranks)))
+        former = former_ranks(self._tier_dir, self._cfg.run_id, ranks)
+        self._sender.set_ring(Ring(peers.round, target, tuple(ranks)), former=former)
         log.info("replica_ring", round=peers.round, group_rank=group_rank, target=target)
 
     def _fetch(
@@ -159,6 +161,7 @@ class ReplicaService:
                 peers=others,
                 stats=self.stats,
                 timeout_s=IO_TIMEOUT_S,
+                own_replicas=os.path.join(self._tier_dir, REPLICAS_DIR),
             )
             log.info(
                 "replica_fetched",

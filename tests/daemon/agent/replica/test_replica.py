@@ -139,6 +139,58 @@ def test_ring_streams_the_newest_snapshot_and_a_fetch_restores_it_as_replica(
     assert torch.equal(restored.state["w"], state["w"])
 
 
+def test_ranks_that_moved_between_nodes_come_back_from_slots_and_own_replicas(
+    tmp_path: Path, nodes: list[_Node]
+) -> None:
+    # [Note: group ranks move between nodes]: the rendezvous orders nodes by host and pid, so
+    # the fresh node that replaced node 1 may take group rank 0. Survivor `a` ran rank 0 and
+    # held node 1's replica of rank 1; now it runs rank 1 and the fresh node `f` runs rank 0.
+    a, f = nodes
+    state = _snapshot(a.tier, [1, 2, 3])
+    other = tmp_path / "node1-old"
+    _snapshot(other, [5, 6])
+    slot, raw = _newest_meta(other)
+    replicas = a.tier / "replicas"
+    (replicas / "rank-00001.slot-0").write_bytes((other / f"rank-00000.slot-{slot}").read_bytes())
+    SlotFiles(str(replicas), 1).write_meta(0, restamp(raw, rank=1, replica_round=1, replica_node=1))
+
+    # The survivor takes rank 1 from its own replicas; the fresh node takes rank 0 from the
+    # survivor's own slots (no replica of rank 0 exists anywhere).
+    got_a = fetch_missing(
+        str(a.tier), run_id=RUN, ranks=[1], world_size=1, peers={0: f.address},
+        stats=ReplicaStats(), timeout_s=10, own_replicas=str(replicas),
+    )  # fmt: skip
+    assert got_a.steps == {1: [6]}, got_a.reasons
+    got_f = fetch_missing(
+        str(f.tier), run_id=RUN, ranks=[0], world_size=1, peers={1: a.address},
+        stats=ReplicaStats(), timeout_s=10, own_replicas=str(f.tier / "replicas"),
+    )  # fmt: skip
+    assert got_f.steps == {0: [2, 3]}, got_f.reasons
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(f.tier)))
+    with CheckpointManager(str(tmp_path / "none"), cfg, run_id=RUN) as mgr:
+        restored = mgr.restore()
+    assert restored is not None
+    assert (restored.step, restored.source) == (3, "replica")
+    assert torch.equal(restored.state["w"], state["w"])
+    adopted = SlotFiles(str(a.tier), 1).read_metas()
+    assert sorted(m["step"] for m in adopted.values() if isinstance(m, dict)) == [6]
+
+    # The survivor's slots of its former rank 0 go once a rank of the new round snapshotted
+    # (every peer fetched what it needed before any rank could).
+    sender = ReplicaSender(str(a.tier), RUN, node=1, stats=ReplicaStats())
+    try:
+        sender.set_ring(Ring(round=2, target=None, ranks=(1,)), former=[0])
+        time.sleep(0.3)
+        assert SlotFiles(str(a.tier), 0).existing_slots() != []  # no new snapshot yet
+        meta_slot, meta = _newest_meta(a.tier, rank=1)
+        SlotFiles(str(a.tier), 1).write_meta(meta_slot, meta)  # rank 1 snapshots
+        _wait(lambda: SlotFiles(str(a.tier), 0).existing_slots() == [], "former slots dropped")
+    finally:
+        sender.close()
+    assert SlotFiles(str(a.tier), 0).read_metas() == {}
+    assert SlotFiles(str(a.tier), 1).read_metas() != {}
+
+
 def test_receiver_refuses_foreign_runs_stale_rounds_bad_checksums_and_a_full_tmpfs(
     tmp_path: Path, nodes: list[_Node], monkeypatch: pytest.MonkeyPatch
 ) -> None:
