@@ -80,6 +80,7 @@ if TYPE_CHECKING:
         CommittedCheckpoint,
         committed_checkpoints,
         latest_committed_step,
+        verify_committed_step,
     )
     from ckpt_manager._types import (
         ManagerStats,
@@ -141,6 +142,7 @@ __all__ = [
     "check_root_writable",
     "committed_checkpoints",
     "latest_committed_step",
+    "verify_committed_step",
 ]
 
 _HOME = {
@@ -154,6 +156,7 @@ _HOME = {
     "CommittedCheckpoint": "_store.steps",
     "committed_checkpoints": "_store.steps",
     "latest_committed_step": "_store.steps",
+    "verify_committed_step": "_store.steps",
     **dict.fromkeys(["AnyOf", "RetentionPolicy", "StepInfo"], "_retention.base"),
     **dict.fromkeys(
         ["KeepBest", "KeepEvery", "KeepInterval", "KeepLast", "MetricMode"], "_retention.policies"

@@ -70,6 +70,31 @@ def latest_committed_step(
     return steps[-1] if steps else None
 
 
+def verify_committed_step(
+    root_uri: str, step: int, storage_options: dict[str, Any] | None = None
+) -> str | None:
+    """Why committed `step` fails verification, or None when every file it lists is there
+    with its size and checksum (as `ckptctl verify` and a restore check it; reads the step).
+
+    Args:
+        root_uri: the checkpoint root (path or `s3://bucket/prefix`).
+        step: the step.
+        storage_options: fsspec options for the root's filesystem (S3 endpoint, credentials).
+
+    Raises:
+        StorageError: the root cannot be read (no verdict).
+    """
+    storage = Storage(root_uri, storage_options)
+    try:
+        manifest = read_manifest(storage, step)
+        verify_files(storage, manifest, sorted(manifest.files), check_crc=True)
+    except StepNotFoundError:
+        return f"step {step} is not committed"
+    except CorruptCheckpointError as err:
+        return str(err)
+    return None
+
+
 class CommittedCheckpoint(NamedTuple):
     """One committed step as its manifest records it (`committed_checkpoints`)."""
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from ckpt_manager import CheckpointError, latest_committed_step
+from ckpt_manager import CheckpointError, latest_committed_step, verify_committed_step
 from daemon._logging import LogFormat, bind_process_context, configure_logging
 from daemon._storage import s3_storage_options
 from daemon._version import distribution_version
@@ -149,13 +149,23 @@ def _rdzv_endpoint(cfg: DaemonConfig) -> str:
 
 
 def _already_complete(cfg: DaemonConfig) -> str | None:
-    """The one line that ends a run whose root already holds `max_steps`, or None to train."""
+    """The one line that ends a run whose root already holds `max_steps` (and that step
+    verifies), or None to train."""
     uri = cfg.checkpoint.ckpt_uri
     try:
         latest = latest_committed_step(uri, s3_storage_options(cfg))
     except CheckpointError:
         return None  # the ranks' own restore reports a root that cannot be listed
     if latest is None or latest < cfg.train.max_steps:
+        return None
+    # The final step must restore, or the run is not done: the ranks then quarantine it,
+    # restore the newest step that verifies and train to `max_steps` again (#32).
+    try:
+        problem = verify_committed_step(uri, latest, s3_storage_options(cfg))
+    except CheckpointError:
+        return None
+    if problem is not None:
+        log.warning("final_step_fails_verification", ckpt_step=latest, problem=problem)
         return None
     return (
         f"trainingd: already at step {latest} of {cfg.train.max_steps} in {uri}; "

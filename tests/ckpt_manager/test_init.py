@@ -57,6 +57,7 @@ EXPECTED = [
     "check_root_writable",
     "committed_checkpoints",
     "latest_committed_step",
+    "verify_committed_step",
 ]
 
 
