@@ -137,7 +137,10 @@ def run_rank(
     bind_process_context(
         rank=rank,
         local_rank=local_rank,
-        node=_env_int("GROUP_RANK", cfg.launch.node_rank),
+        # Under the daemon, the node is its `node_rank` (the label its own lines, metrics and
+        # the hang detector use); c10d's group rank orders nodes by host and pid and may
+        # differ. Under plain torchrun the group rank is all there is.
+        node=cfg.launch.node_rank if run_dir is not None else _env_int("GROUP_RANK", 0),
         run_id=cfg.run_id,
         restart=restart,
     )
