@@ -105,7 +105,10 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
     """
     done, total = 0, len(view)
     while done < total:
-        got = sock.recv_into(view[done:], min(total - done, 1 << 24))
+        # Each slice is released at once, even when the receive fails: a slice a traceback
+        # keeps alive would pin a mapped slot (`recv_payload` could not unmap it).
+        with view[done:] as rest:
+            got = sock.recv_into(rest, min(total - done, 1 << 24))
         if got == 0:
             raise ProtocolError(f"connection closed after {done} of {total} bytes")
         done += got
@@ -162,11 +165,8 @@ def recv_payload(sock: socket.socket, fd: int, capacity: int, nbytes: int) -> by
         # Pre-faulted: one page fault per 4 KiB page would otherwise slow the receive down.
         mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         try:
-            view = memoryview(mm)
-            try:
-                recv_into(sock, view[:nbytes])
-            finally:
-                view.release()
+            with memoryview(mm) as view, view[:nbytes] as payload:
+                recv_into(sock, payload)
         finally:
-            mm.close()
+            mm.close()  # every view of it is released by now, even after a broken receive
     return recv_exact(sock, 1)

@@ -136,6 +136,8 @@ class ReplicaServer:
         except (OSError, ProtocolError) as err:
             if not self._closed.is_set():
                 log.info("replica_connection_closed", peer=peer, error=str(err))
+        except Exception as err:  # one connection's failure is one line, never the server's
+            log.error("replica_connection_failed", peer=peer, error=f"{type(err).__name__}: {err}")
         finally:
             with self._lock:
                 self._conns.discard(conn)

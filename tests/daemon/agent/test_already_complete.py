@@ -35,6 +35,7 @@ def test_a_final_step_that_fails_verification_is_not_complete(tmp_path: Path) ->
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     problem = verify_committed_step(str(root), 3)
-    assert problem is not None and "checksum" in problem, problem
+    assert problem is not None
+    assert "checksum" in problem, problem
     assert _already_complete(cfg) is None
     assert verify_committed_step(str(root), 5) == "step 5 is not committed"

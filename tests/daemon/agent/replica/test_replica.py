@@ -278,3 +278,22 @@ def test_peers_agree_on_a_growing_round_and_every_address() -> None:
         assert results[0] == results[1]
         assert results[0].round == expected_round
         assert results[0].addresses == {0: "h0:0", 1: "h1:1"}
+
+
+def test_a_payload_cut_short_is_a_protocol_error_and_unmaps_the_slot(tmp_path: Path) -> None:
+    # Seen in the 90 s store-pause drill: a sender that gave up mid-put (its receiver's daemon
+    # was stopped) left the receiver's thread dying with `BufferError: cannot close exported
+    # pointers exist` and a traceback on the daemon's stderr, instead of a refused put.
+    from daemon.agent.replica.protocol import ProtocolError, recv_payload
+
+    files = SlotFiles(str(tmp_path), 0)
+    fd, capacity = files.allocate(0, 1 << 20)
+    left, right = socket.socketpair()
+    try:
+        left.sendall(b"x" * 1000)
+        left.close()
+        with pytest.raises(ProtocolError, match="connection closed after 1000 of 1048576 bytes"):
+            recv_payload(right, fd, capacity, 1 << 20)
+    finally:
+        os.close(fd)
+        right.close()
