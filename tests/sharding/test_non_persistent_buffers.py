@@ -4,7 +4,7 @@ A tiny Hugging Face Llama (built in code) wrapped at world size 1 under every st
 sharded state dict holds exactly `module.state_dict()`'s keys (tied names folded into
 `__aliases__`), a state dict that still holds the buffers (as checkpoints written before they
 were left out do) loads, directly and restored by `ckpt_manager` into today's template, and
-the bf16 policy keeps the rotary frequencies in fp32.
+the bf16 policy keeps the rotary frequencies in fp32 (in a tiny Qwen2 too).
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ def _wrap(
     module: torch.nn.Module, strategy: Strategy, precision: MixedPrecisionPolicy | None = None
 ) -> FullyShardedDataParallel:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
-    config = ShardingConfig(
-        strategy=strategy, unit_modules=(LlamaDecoderLayer,), mixed_precision=precision
-    )
+    units = (LlamaDecoderLayer, Qwen2DecoderLayer)
+    config = ShardingConfig(strategy=strategy, unit_modules=units, mixed_precision=precision)
     return FullyShardedDataParallel(module, config)
 
 
@@ -82,8 +82,9 @@ def test_a_state_dict_that_still_holds_the_buffers_loads(strategy: Strategy) -> 
 @pytest.mark.parametrize(
     "strategy", [Strategy.NO_SHARD, Strategy.OPTIM_GRADS_PARAMS], ids=["no_shard", "zero3"]
 )
-def test_bf16_keeps_rotary_frequencies_in_fp32(strategy: Strategy) -> None:
-    ref = tiny_model("llama")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_bf16_keeps_rotary_frequencies_in_fp32(kind: str, strategy: Strategy) -> None:
+    ref = tiny_model(kind)
     precision = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     model = _wrap(copy.deepcopy(ref), strategy, precision)
     buffers = dict(model.module.named_buffers())

@@ -45,6 +45,11 @@ def tiny_config(kind: str, *, tied: bool = False) -> object:
             n_layer=2,
             n_head=4,
             n_positions=64,
+            # No dropout (Llama's and Qwen2's configs have none either): a training step is
+            # the same computation on every strategy, so parity tests can compare steps.
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
             bos_token_id=0,
             eos_token_id=0,
         )

@@ -1,9 +1,11 @@
-"""A tiny Llama trained from `--init-from DIR` exports as something `from_pretrained` loads.
+"""Tiny Llama and GPT-2 trained from `--init-from DIR` export as what `from_pretrained` loads.
 
 The run (the real rank loop, 2 ranks) records DIR's `config.json` and
 `generation_config.json` with its checkpoints; `ckptctl restore --format safetensors` writes
 them beside the weights, and `AutoModelForCausalLM.from_pretrained(export)` loads strict
-(nothing missing, unexpected or mismatched) with logits equal to the trained engine's.
+(nothing missing, unexpected or mismatched) with logits equal to the trained engine's. Both
+models train in the same two spawned ranks (Llama: untied head, rotary buffers; GPT-2: a head
+tied to the embedding, which the checkpoint names once).
 """
 
 from __future__ import annotations
@@ -45,10 +47,22 @@ def _lm_loss(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(outputs.logits.flatten(0, 1), targets.flatten())
 
 
-def _train(rank: int, world_size: int, source: str, ckpt_root: str) -> None:
-    from transformers import LlamaForCausalLM
+_KINDS = ("llama", "gpt2")
+
+
+def _unit_modules(kind: str) -> tuple[type[torch.nn.Module], ...]:
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
+    return (LlamaDecoderLayer,) if kind == "llama" else (GPT2Block,)
+
+
+def _train_all(rank: int, world_size: int, root: str) -> None:
+    for kind in _KINDS:
+        _train(kind, f"{root}/{kind}/src", f"{root}/{kind}/ckpt")
+
+
+def _train(kind: str, source: str, ckpt_root: str) -> None:
     from daemon._config_load import load_config
     from daemon.jobs.job import JobSpec
     from daemon.rank.loop import run_training
@@ -59,10 +73,10 @@ def _train(rank: int, world_size: int, source: str, ckpt_root: str) -> None:
     flags |= {"async_mode": "sync", "device": "cpu", "init_from": source, "warmup_steps": "1"}
     flags |= {"strategy": "optim_grads_params", "lr": "0.01"}
     cfg = load_config(flags, env={})
-    model = tiny_model("llama", seed=2)
-    assert isinstance(model, LlamaForCausalLM)
+    model = tiny_model(kind, seed=2)
+    assert type(model).__name__ == {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[kind]
     job = JobSpec(
-        model=model, train_data=_Tokens(), loss_fn=_lm_loss, unit_modules=(LlamaDecoderLayer,)
+        model=model, train_data=_Tokens(), loss_fn=_lm_loss, unit_modules=_unit_modules(kind)
     )
     run_training(
         cfg, job, telemetry=NullTelemetry(), control=RankControl(None, graceful_signals=False)
@@ -70,14 +84,23 @@ def _train(rank: int, world_size: int, source: str, ckpt_root: str) -> None:
 
 
 def test_an_init_from_run_exports_what_from_pretrained_loads(tmp_path: pathlib.Path) -> None:
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    source = tiny_model("llama", seed=1)
-    source.save_pretrained(tmp_path / "src")
-    GenerationConfig(max_new_tokens=3, bos_token_id=1).save_pretrained(tmp_path / "src")
+    for kind in _KINDS:
+        src = tmp_path / kind / "src"
+        tiny_model(kind, seed=1).save_pretrained(src)
+        GenerationConfig(max_new_tokens=3, bos_token_id=1).save_pretrained(src)
+    run_on_ranks(_train_all, 2, str(tmp_path), timeout_s=300)
+    for kind in _KINDS:
+        _check_export(kind, tmp_path / kind)
+
+
+def _check_export(kind: str, tmp_path: pathlib.Path) -> None:
+    """`kind`'s run (under `tmp_path`: `src/`, `ckpt/`) exports what loads strict."""
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_model(kind, seed=1)
     root = str(tmp_path / "ckpt")
-    run_on_ranks(_train, 2, str(tmp_path / "src"), root, timeout_s=300)
-
     out = tmp_path / "export"
     args = ["restore", root, "latest", "--format", "safetensors", "--only", "model"]
     assert ckptctl([*args, "--to", str(out / "model.safetensors")]) == 0
@@ -86,14 +109,14 @@ def test_an_init_from_run_exports_what_from_pretrained_loads(tmp_path: pathlib.P
     loaded, info = AutoModelForCausalLM.from_pretrained(
         out, output_loading_info=True, attn_implementation="eager"
     )
-    assert not any(info.values()), info  # strict: nothing missing, unexpected, mismatched
+    assert not any(info.values()), (kind, info)  # strict: nothing missing, unexpected, ...
 
     # The trained engine: a fresh wrapped model given the checkpoint's weights.
     with CheckpointManager(root, CheckpointConfig(async_mode=AsyncMode.SYNC), run_id="r") as mgr:
         restored = mgr.restore()
     assert restored is not None
     assert restored.step == 2
-    engine = FullyShardedDataParallel(tiny_model("llama", seed=3), ShardingConfig())
+    engine = FullyShardedDataParallel(tiny_model(kind, seed=3), ShardingConfig())
     engine.load_sharded_state_dict(restored.state["model"])
     ids = torch.randint(0, VOCAB, (2, _SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
