@@ -20,7 +20,11 @@ after verifying each touched file's size and crc32. Works at any world size, and
 process group (`dcp.load(..., no_dist=True)` or a single process).
 
 RankLocal subtrees (per-rank RNG states, data positions) have no DCP equivalent and are left
-out of the metadata, as `ckptctl restore` leaves them out of consolidated files.
+out of the metadata, as `ckptctl restore` leaves them out of consolidated files. Tied names
+(`__aliases__`) are keys of their own, read from their target's pieces, so a tied model's
+`state_dict()` loads as it is. The optimizer keeps our layout (parameters named under
+`param_names`); `ckptctl restore --format dcp` writes torch's `get_optimizer_state_dict`
+layout for tools that need it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from torch.futures import Future
 
 from ckpt_manager._load.regions import StepRegions
 from ckpt_manager._store.storage import Storage
+from ckpt_manager._types import ALIASES_KEY
 from ckpt_manager.errors import CheckpointError, CorruptCheckpointError
 
 __all__ = ["Reader"]
@@ -206,7 +211,8 @@ class Reader(StorageReader):
         if tag == "v":
             return body
         if tag == "d":
-            return {str(k): self._virtual(v, stand_ins) for k, v in body if v[0] != "R"}
+            out = {str(k): self._virtual(v, stand_ins) for k, v in body if v[0] != "R"}
+            return self._with_aliases(out, stand_ins)
         if tag in ("l", "t"):
             items = [self._virtual(v, stand_ins) for v in body if v[0] != "R"]
             return tuple(items) if tag == "t" else items
@@ -216,6 +222,23 @@ class Reader(StorageReader):
             stand_ins[id(meta)] = body
             return meta
         raise CorruptCheckpointError(f"unknown tree node {tag!r} in the step's skeleton")
+
+    @staticmethod
+    def _with_aliases(d: dict[str, Any], stand_ins: dict[int, str]) -> dict[str, Any]:
+        """A dict's `ALIASES_KEY` (`{tied name: saved name}`) resolved: each tied name becomes
+        a key of its own, read from its target's pieces, so the keys are exactly those of the
+        tied module's `state_dict()` (as `dcp.save` of that state dict writes them)."""
+        aliases = d.get(ALIASES_KEY)
+        if not isinstance(aliases, dict):
+            return d
+        out = {k: v for k, v in d.items() if k != ALIASES_KEY}
+        for alias, target in aliases.items():
+            saved = out.get(target) if isinstance(target, str) else None
+            if isinstance(saved, torch.Tensor) and str(alias) not in out:
+                twin = torch.empty_like(saved, device="meta")
+                stand_ins[id(twin)] = stand_ins[id(saved)]
+                out[str(alias)] = twin
+        return out
 
     def _keys_of(self, value: Any, stand_ins: dict[int, str]) -> Any:
         """A value kept for DCP's bytes, its stand-in tensors replaced by `_TensorKey`s."""

@@ -122,3 +122,24 @@ def test_a_corrupted_file_fails_the_load_and_a_missing_step_is_named(tmp_path: A
         dcp.load(_template(), storage_reader=Reader(root, step=1), no_dist=True)
     with pytest.raises(CheckpointException, match="step 7 is not committed"):
         dcp.load(_template(), storage_reader=Reader(root, step=7), no_dist=True)
+
+
+def test_a_tied_models_state_dict_loads_with_every_name(tmp_path: Any) -> None:
+    # A tied head is saved once, its name listed under `__aliases__`: plain torch's
+    # `model.state_dict()` has both names, and DCP's load must find both (before, it failed
+    # with "Missing key in checkpoint state_dict: model.head.weight").
+    model = torch.nn.ModuleDict({"emb": torch.nn.Embedding(6, 4), "head": torch.nn.Linear(4, 6)})
+    model["head"].weight = model["emb"].weight
+    saved = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
+    saved["__aliases__"] = {"head.weight": "emb.weight"}
+    with CheckpointManager(str(tmp_path / "ckpt"), CheckpointConfig(), run_id="r") as mgr:
+        mgr.save(1, {"model": saved})
+        mgr.wait_until_finished()
+    target = torch.nn.ModuleDict({"emb": torch.nn.Embedding(6, 4), "head": torch.nn.Linear(4, 6)})
+    state = {"model": target.state_dict()}
+    assert "head.weight" in state["model"]
+    dcp.load(state, storage_reader=Reader(str(tmp_path / "ckpt")))
+    target.load_state_dict(state["model"])
+    assert torch.equal(target["head"].weight, model["emb"].weight)
+    assert torch.equal(target["emb"].weight, model["emb"].weight)
+    assert torch.equal(target["head"].bias, model["head"].bias)
