@@ -5,9 +5,12 @@ Issue 30. Four runs of `trainingd run` with the default job on 2 local ranks (CP
 1. a clean run of `--steps` steps (2000 by default): `false_positives_clean_run` counts the
    `rank_straggler` and `rank_hung` lines it logged (must be 0); its step time is the
    "detection on" figure;
-2. the same run with `--straggler-window-steps 0` (the per-step exchange off):
-   `detection_overhead` = the mean step time on / off (from rank 0's `step` lines, the first
-   20 steps left out), <= 1.01 wanted;
+2. `--overhead-rounds` pairs of shorter runs (`--overhead-steps` each), detection on and off
+   (`--straggler-window-steps 0`: the per-step exchange off), the order alternating from
+   round to round so a drifting load cancels: `detection_overhead` is the median of the
+   rounds' on / off ratios of mean step time (rank 0's `step` lines, the first 20 steps left
+   out), with their min and max (`detection_overhead_range`: the spread is this machine's
+   noise), <= 1.01 wanted;
 3. rank 1 slowed from step 40 (`tests/daemon/_slow_rank_job.py`: it sleeps 3x a normal
    micro-batch's time in its loss), default straggler settings: `straggler_detect_s` is the
    time from the end of step 40 (rank 0's line) to the daemon's `rank_straggler` line;
@@ -17,6 +20,7 @@ Issue 30. Four runs of `trainingd run` with the default job on 2 local ranks (CP
 
     .venv/bin/python bench/detection.py --json           # one JSON object (about 15 min)
     .venv/bin/python bench/detection.py --quick --json   # 200 steps: a smoke run
+    .venv/bin/python bench/detection.py --parts overhead --json   # only the on/off pairs
 
 The step times move with the machine's load; the report states it (`machine_before/after`).
 """
@@ -33,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import REPO_ROOT, machine_conditions, markdown_table, print_json, ratio
+from _common import REPO_ROOT, machine_conditions, markdown_table, median, print_json
 
 sys.path.insert(0, str(REPO_ROOT))
 
@@ -120,23 +124,48 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2000, help="steps of the clean runs")
     parser.add_argument("--quick", action="store_true", help="200-step clean runs (a smoke run)")
+    parser.add_argument("--overhead-rounds", type=int, default=5, help="on/off pairs")
+    parser.add_argument("--overhead-steps", type=int, default=300, help="steps of each pair's runs")
+    parser.add_argument(
+        "--parts",
+        default="clean,overhead,straggler,hang",
+        help="which runs, comma-separated (default: all four)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    unknown = parts - {"clean", "overhead", "straggler", "hang"}
+    if unknown:
+        parser.error(f"--parts: unknown {sorted(unknown)} (use clean, overhead, straggler, hang)")
     steps = 200 if args.quick else args.steps
+    if args.quick:
+        args.overhead_rounds, args.overhead_steps = 1, 100
     before = machine_conditions()
     report: dict[str, Any] = {"steps": steps}
     with tempfile.TemporaryDirectory(prefix="detection-") as tmp:
         workdir = Path(tmp)
-        on_s, false = _clean(workdir, steps, "on", [])
-        off_s, _ = _clean(workdir, steps, "off", ["--straggler-window-steps", "0"])
-        report["false_positives_clean_run"] = false
-        report["step_s_detection_on"] = round(on_s, 5)
-        report["step_s_detection_off"] = round(off_s, 5)
-        report["detection_overhead"] = round(ratio(on_s, off_s), 4)
-        report["straggler_detect_s"] = round(_straggler(workdir), 2)
-        detect, recovery = _hang(workdir)
-        report["hang_detect_s"] = round(detect, 2)
-        report["hang_recovery_s"] = round(recovery, 2)
+        if "clean" in parts:
+            on_s, false = _clean(workdir, steps, "on", [])
+            report["false_positives_clean_run"] = false
+            report["step_s_clean_run"] = round(on_s, 5)
+        if "overhead" in parts:
+            ratios = []
+            for k in range(args.overhead_rounds):
+                order = ("on", "off") if k % 2 == 0 else ("off", "on")
+                times = {}
+                for which in order:
+                    extra = [] if which == "on" else ["--straggler-window-steps", "0"]
+                    times[which], _ = _clean(workdir, args.overhead_steps, f"{which}{k}", extra)
+                ratios.append(times["on"] / times["off"])
+            report["detection_overhead"] = round(median(ratios), 4)
+            report["detection_overhead_range"] = [round(min(ratios), 4), round(max(ratios), 4)]
+            report["detection_overhead_rounds"] = [round(r, 4) for r in ratios]
+        if "straggler" in parts:
+            report["straggler_detect_s"] = round(_straggler(workdir), 2)
+        if "hang" in parts:
+            detect, recovery = _hang(workdir)
+            report["hang_detect_s"] = round(detect, 2)
+            report["hang_recovery_s"] = round(recovery, 2)
     report["machine_before"], report["machine_after"] = before, machine_conditions()
     if args.json:
         print_json(report)
