@@ -58,6 +58,7 @@ from daemon.agent import fork_server
 from daemon.agent.failures import FailureTracker, Verdict
 from daemon.agent.hang import HangDetector
 from daemon.agent.http import MetricsServer
+from daemon.agent.incident_watch import IncidentWatch
 from daemon.agent.memory_budget import start_memory_tier
 from daemon.agent.memory_dir import NodeMemoryDir
 from daemon.agent.notify import Notifier
@@ -72,6 +73,7 @@ from daemon.errors import ConfigError, StartupCheckError
 from daemon.metrics import build_info_labels
 from daemon.observe.collector import NodeCollector, SnapshotAggregator, config_values, make_registry
 from daemon.observe.hangs import HangLedger
+from daemon.observe.incidents import INCIDENTS_FILE, IncidentKind, IncidentLog
 from daemon.observe.state import NodePhase, NodeState
 from daemon.observe.status import StatusBoard
 from daemon.observe.stragglers import StragglerLedger
@@ -304,8 +306,11 @@ def run_daemon(
             if cfg.num_memory_replicas and memory.claimed:
                 replicas = ReplicaService(cfg, memory.path, endpoint)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
-            hangs = HangLedger()
-            stragglers = StragglerLedger()
+            # [Note: one story per incident] in `daemon/observe/incidents.py`.
+            incidents = IncidentLog(node=cfg.launch.node_rank, path=run_dir / INCIDENTS_FILE)
+            watch = IncidentWatch(incidents, run_dir, local_ranks=cfg.launch.nproc_per_node)
+            hangs = HangLedger(incidents)
+            stragglers = StragglerLedger(incidents)
             board = StatusBoard(
                 max_steps=cfg.train.max_steps,
                 ckpt_uri=cfg.checkpoint.ckpt_uri,
@@ -313,6 +318,8 @@ def run_daemon(
                 tier_bytes=memory.tier_bytes,
                 hangs=hangs,
                 stragglers=stragglers,
+                incidents=incidents,
+                run_id=cfg.run_id,
             )
             failures = FailureTracker(
                 run_dir,
@@ -320,6 +327,7 @@ def run_daemon(
                 hung=lambda: dict.fromkeys(hangs.hung_ranks(), True),
                 board=board,
                 local_ranks=cfg.launch.nproc_per_node,
+                incidents=watch,
             )
             collector = NodeCollector(
                 aggregator,
@@ -332,6 +340,7 @@ def run_daemon(
                 hangs=hangs,
                 failure_counts=failures.counts,
                 stragglers=stragglers,
+                incident_counts=incidents.counts,
             )
             if chosen is LogFormat.CONSOLE and sys.stderr.isatty():
                 live = LiveProgress(board)
@@ -355,6 +364,7 @@ def run_daemon(
                     action=obs.straggler_action,
                     ledger=stragglers,
                 ),
+                incidents=watch,
             )
             try:
                 server = MetricsServer(
@@ -427,11 +437,14 @@ def run_daemon(
                 return EXIT_OK
             line = _rendezvous_line(cfg, err)
             board.note_error(line)
+            incidents.open(IncidentKind.STORE_OUTAGE, ranks=(), cause=line)
+            incidents.end_open_as_fatal()
             log.error("rendezvous_lost", endpoint=endpoint, error=line, exit_code=EXIT_PEER_STOPPED)
             print(f"trainingd: {line}", file=sys.stderr, flush=True)
             return EXIT_PEER_STOPPED
         except ChildFailedError as err:
             end_display()  # the ranks' last lines (their tracebacks) come before this record
+            incidents.end_open_as_fatal()  # the failures' incidents: the run ends on them
             return _failed(cfg, failures, board, err)
         if supervisor.budget_exceeded.is_set():
             return EXIT_FAILED
