@@ -425,6 +425,7 @@ def run_daemon(
                 rank_modules=rank_modules,
                 on_rendezvous=_round_hook(cfg, replicas),
                 on_failure=lambda exits, restart: failures.record(exits, restart) is Verdict.RETRY,
+                incidents=incidents,
             )
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
         except RendezvousError as err:
@@ -437,7 +438,8 @@ def run_daemon(
                 return EXIT_OK
             line = _rendezvous_line(cfg, err)
             board.note_error(line)
-            incidents.open(IncidentKind.STORE_OUTAGE, ranks=(), cause=line)
+            if not incidents.is_open(IncidentKind.STORE_OUTAGE):  # the guard's, if it saw one
+                incidents.open(IncidentKind.STORE_OUTAGE, ranks=(), cause=line)
             incidents.end_open_as_fatal()
             log.error("rendezvous_lost", endpoint=endpoint, error=line, exit_code=EXIT_PEER_STOPPED)
             print(f"trainingd: {line}", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """One record per fault the node saw: what happened, where, how long detection and recovery took.
 
 An incident opens when the daemon declares a fault: a rank failure (by reason), a hang, a
-straggler episode, a deterministic failure, a lost rendezvous store (`IncidentKind`). It is
+straggler episode, a deterministic failure, a rendezvous-store outage (`IncidentKind`). It is
 `open` until the fault is over, then `recovered` (the restarted group completed its first
 step; a straggler's score fell below the threshold) or `fatal` (the run ended on it). Its
 numbers:
@@ -13,12 +13,13 @@ numbers:
     steps_lost   the step reached before the fault minus the step restored: steps redone.
 
 The writers are the hang and straggler ledgers (`hangs.py`, `stragglers.py`), the agent's
-failure tracker and incident watch (`daemon/agent/failures.py`, `incident_watch.py`) and the
-daemon's run (`daemon/agent/run.py`: fatal endings); the readers are `/api/status`
-(`StatusBoard`), the collector (`trainingd_daemon_incidents_total{kind}`, counted when declared) and
-`trainingd status`. The log keeps the last `KEEP` incidents; each one closed is logged as one
-`incident_closed` line and appended as one JSON line to `<run_dir>/incidents.jsonl` (read back
-when the daemon starts again with the same `run_dir`, and by `trainingd status --run-dir`).
+failure tracker, incident watch and store guard (`daemon/agent/failures.py`,
+`incident_watch.py`, `store_guard.py`) and the daemon's run (`daemon/agent/run.py`: fatal
+endings); the readers are `/api/status` (`StatusBoard`), the collector
+(`trainingd_daemon_incidents_total{kind}`, counted when declared) and `trainingd status`.
+The log keeps the last `KEEP` incidents; each one closed is logged as one `incident_closed`
+line and appended as one JSON line to `<run_dir>/incidents.jsonl` (read back when the daemon
+starts again with the same `run_dir`, and by `trainingd status --run-dir`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class IncidentKind(enum.StrEnum):
     DETERMINISTIC = "deterministic"
     """The same error at the same step twice: the run ended (exit 1)."""
     STORE_OUTAGE = "store_outage"
-    """The rendezvous store was lost past its grace: the node's run ended (exit 75)."""
+    """The rendezvous store did not answer: ridden out (recovered when it answers again), or
+    lost past its grace (fatal: the node's run ended, exit 75)."""
 
 
 class IncidentState(enum.StrEnum):
@@ -217,6 +219,11 @@ class IncidentLog:
         """The kept incidents, newest first."""
         with self._lock:
             return list(reversed(self._recent))
+
+    def is_open(self, kind: IncidentKind) -> bool:
+        """Whether an incident of `kind` is open."""
+        with self._lock:
+            return any(i.kind is kind and i.state is IncidentState.OPEN for i in self._recent)
 
     def awaiting_restart(self) -> list[Incident]:
         """The open incidents that end when a restarted group completes a step."""
