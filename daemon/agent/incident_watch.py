@@ -159,12 +159,18 @@ class IncidentWatch:
     def rank_failures(self, failures: list[RankFailure], verdict: Verdict) -> None:
         """Declare the failures of one attempt as one incident (the agent's thread).
 
-        Failures of ranks the hang detector killed belong to the hang's incident; a verdict
-        that ends the run makes the incident fatal at once.
+        Failures of ranks the hang detector killed belong to the hang's incident (its open
+        one); a verdict that ends the run makes the incident fatal at once.
         """
         from daemon.agent.failures import FailureReason, Verdict
 
-        own = [f for f in failures if f.reason is not FailureReason.HUNG]
+        # The hang detector SIGKILLs every local rank of a hang: its cause fails as `hung`, the
+        # others as killed by SIGKILL; all of them are the hang's story, not a new one.
+        hang_kill = any(f.reason is FailureReason.HUNG for f in failures) or (
+            self.incidents.is_open(IncidentKind.HANG)
+            and all(f.signal == "SIGKILL" for f in failures)
+        )
+        own = [] if hang_kill else failures
         if verdict is Verdict.RETRY and not own:
             return
         shown = own or failures

@@ -156,5 +156,12 @@ def test_ranks_killed_by_the_hang_detector_belong_to_the_hang(
     tracker = FailureTracker(
         tmp_path, node=0, local_ranks=2, incidents=watch, hung=lambda: {0: True}
     )
-    tracker.record([RankExit(0, 0, -9)], restart=0)
+    tracker.record([RankExit(0, 0, -9), RankExit(1, 1, -9)], restart=0)
     assert incidents.recent() == []
+    # The agent may see only the killed waiter: with the hang's incident open, it is the hang's.
+    hang = incidents.open(IncidentKind.HANG, ranks=[0], cause="rank 0 hung")
+    alone = FailureTracker(tmp_path, node=0, local_ranks=2, incidents=watch)
+    alone.record([RankExit(1, 1, -9)], restart=1)
+    assert incidents.recent() == [hang]
+    alone.record([RankExit(1, 1, -6)], restart=2)  # killed by something else than the detector
+    assert incidents.recent()[0].kind is IncidentKind.RANK_FAILURE
