@@ -208,6 +208,9 @@ def test_a_paused_store_host_is_ridden_out_and_both_nodes_finish(
     )
     for outage in node1.find("rendezvous_store_unreachable"):
         assert outage["grace_s"] == 120
+    # Each outage ridden out is one incident, recovered (no steps lost: nothing restarted).
+    closed = [(e["kind"], e["state"]) for e in node1.find("incident_closed")]
+    assert closed == [("store_outage", "recovered")] * len(node1.find("rendezvous_store_back"))
     gate.open()
     assert node1.wait(120) == 0, node1.logs()
     assert node0.wait(120) == 0, node0.logs()
