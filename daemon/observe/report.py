@@ -30,7 +30,15 @@ from typing import Any
 from daemon.observe.incidents import INCIDENTS_FILE, KEEP, read_incidents
 from daemon.rundir.snapshot import read_snapshot
 
-__all__ = ["add_arguments", "offline_status", "render", "run"]
+__all__ = [
+    "StatusUnavailableError",
+    "add_arguments",
+    "default_url",
+    "fetch_status",
+    "offline_status",
+    "render",
+    "run",
+]
 
 _TIMEOUT_S = 5.0
 """How long `/api/status` may take to answer."""
@@ -71,9 +79,9 @@ def default_url(host: str, port: int) -> str:
             "metrics_port is 0 (the daemon picked a free port): pass --url (see the "
             "daemon_started log line) or --run-dir"
         )
-    if host in ("", "0.0.0.0", "::"):
+    if host in ("", "0.0.0.0", "::"):  # listening everywhere: this machine answers too
         host = "127.0.0.1"
-    return f"http://{host}:{port}"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def fetch_status(url: str, timeout_s: float = _TIMEOUT_S) -> dict[str, Any]:

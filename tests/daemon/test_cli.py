@@ -13,6 +13,7 @@ import pytest
 
 from daemon.cli import main
 from daemon.observe.incidents import INCIDENTS_FILE, IncidentKind, IncidentLog
+from daemon.observe.report import default_url
 from daemon.rundir.snapshot import SNAPSHOT_SCHEMA, snapshot_path, write_snapshot
 
 
@@ -108,3 +109,9 @@ def test_status_reads_a_run_directory_when_the_daemon_is_down(
     assert main(["status", "--run-dir", str(tmp_path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [(i["id"], i["source"]) for i in data["incidents"]] == [(1, "memory")]
+
+
+def test_the_default_status_url_is_the_configured_metrics_endpoint() -> None:
+    assert default_url("127.0.0.1", 9464) == "http://127.0.0.1:9464"
+    assert default_url("0.0.0.0", 9464) == "http://127.0.0.1:9464"
+    assert default_url("::1", 9464) == "http://[::1]:9464"
