@@ -25,6 +25,10 @@ On a terminal (console logs on a TTY) a live status line stands at the bottom of
 ranks' output is relayed through the daemon so that every line is printed above it
 (`progress.py`, `relay.py`); off a terminal, `progress` events are logged instead.
 
+Each fault the node sees (a failed attempt, a hang, a straggler episode, a store outage) is one
+incident (`incident_watch.py`, `daemon/observe/incidents.py`): on `/api/status`, in
+`<run_dir>/incidents.jsonl` once closed, and made fatal here when the run ends on it.
+
 Signals (the agent is told to handle only SIGQUIT, so these stay ours; see operations.md 9):
 SIGTERM/SIGINT -> `draining`: sd_notify `STOPPING=1`, write the stop request the ranks poll;
 they agree on a step, save a final checkpoint, finalize and return; the agent returns; exit
@@ -306,7 +310,7 @@ def run_daemon(
             if cfg.num_memory_replicas and memory.claimed:
                 replicas = ReplicaService(cfg, memory.path, endpoint)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
-            # [Note: one story per incident] in `daemon/observe/incidents.py`.
+            # One story per fault: `daemon/observe/incidents.py`, `incident_watch.py`.
             incidents = IncidentLog(node=cfg.launch.node_rank, path=run_dir / INCIDENTS_FILE)
             watch = IncidentWatch(incidents, run_dir, local_ranks=cfg.launch.nproc_per_node)
             hangs = HangLedger(incidents)
