@@ -60,6 +60,7 @@ memory and never call each other; they talk through files in the run directory (
                          job's own before training end the run (exit 1 / exit 2).
         scrapes.py       when `/metrics` was read; the wait for one read of a finished run.
         straggler.py     the straggler watch: a rank slower than its peers named.
+        incident_watch.py rank failures as incidents; restarts seen through to their first step.
         http.py          one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
         scrapes.py       scrapes of `/metrics`; the wait for one read of a finished run.
         status_page.py   the status page's HTML.
@@ -81,6 +82,8 @@ memory and never call each other; they talk through files in the run directory (
         status.py        `StatusBoard`: the status page's and `/api/status`'s data.
         hangs.py         `HangLedger`: declared hangs for `/metrics` and the status page.
         stragglers.py    `StragglerLedger`: named stragglers for `/metrics` and the status page.
+        incidents.py     `IncidentLog`: one story per fault, `<run_dir>/incidents.jsonl`.
+        report.py        `trainingd status`: a daemon's status (or run directory) summarized.
       data/              token datasets (used by the ranks and by jobs):
         token_file.py    the `.bin` + JSON sidecar format; `write_token_file`, `read_info`.
         reader.py        `BlockCache`: range reads through a bounded LRU of aligned blocks.

@@ -1,4 +1,4 @@
-"""`trainingd` console script: `run`, `config show`."""
+"""`trainingd` console script: `run`, `status`, `config show`, `prepare-data`."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from daemon._version import distribution_version
 from daemon.config import RankStart
 from daemon.data import prepare as prepare_data
 from daemon.errors import ConfigError
+from daemon.observe import report as status_report
 
 _EPILOG = """\
 examples:
@@ -24,6 +25,8 @@ examples:
   trainingd run --nnodes 1:2 --node-rank 1 --rdzv-endpoint node0:29400
                                         elastic: the job goes on at 1 node when the other
                                         leaves and grows back to 2 when it returns
+  trainingd status                      what the daemon on this node is doing, its incidents
+  trainingd status --run-dir DIR        the same from a run directory, the daemon being down
   trainingd config show --max-steps 50  print the effective configuration
   trainingd --version
 
@@ -96,6 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train on this node: launch local ranks, checkpoint, export metrics.",
     )
     _add_config_args(run)
+    status = sub.add_parser(
+        "status",
+        allow_abbrev=False,
+        help="summarize a running daemon (or its run directory): ranks, steps, incidents",
+        description="Print a running daemon's status: run, phase, step, ranks, newest "
+        "durable and memory steps, and its last incidents (what, where, detection and "
+        "recovery seconds, steps lost). Exit 1 when no daemon answers.",
+    )
+    status.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE.toml",
+        help="TOML config file whose metrics_host/metrics_port give the default --url "
+        "(also $TRAININGD_CONFIG)",
+    )
+    status_report.add_arguments(status)
     config = sub.add_parser("config", help="inspect the configuration", allow_abbrev=False)
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION")
     show = config_sub.add_parser(
@@ -126,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     if command == "prepare-data":
         return prepare_data.run(args)
+    if command == "status":
+        return _status(args)
     if command == "config" and args.pop("config_command") is None:
         parser.parse_args(["config", "--help"])
     config_file = args.pop("config")
@@ -150,6 +172,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from daemon.agent.run import run_daemon
 
     return run_daemon(cfg, elastic_entry, started=started, rank_modules=RANK_MODULES)
+
+
+def _status(args: dict[str, object]) -> int:
+    """`trainingd status`: the configuration only supplies the default URL and run id."""
+    config_file = args.pop("config")
+    try:
+        cfg = load_config({}, file=config_file if isinstance(config_file, Path) else None)
+    except ConfigError as err:
+        print(f"trainingd: {err}", file=sys.stderr)
+        return EXIT_CONFIG
+    obs = cfg.observability
+    return status_report.run(
+        args, host=obs.metrics_host, port=obs.metrics_port, run_id=cfg.launch.run_id
+    )
 
 
 if __name__ == "__main__":

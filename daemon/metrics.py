@@ -55,6 +55,7 @@ from typing import Any
 __all__ = [
     "CATALOG",
     "DAEMON_STATES",
+    "INCIDENT_KINDS",
     "QUEUE_DEPTH_BUCKETS",
     "RANK_FAILURE_REASONS",
     "RANK_LABELS",
@@ -297,6 +298,15 @@ RANK_FAILURE_REASONS: tuple[str, ...] = (
 )
 """Values of the `reason` label of `trainingd_rank_failures_total` (the daemon's
 `daemon.agent.failures.FailureReason`)."""
+INCIDENT_KINDS: tuple[str, ...] = (
+    "rank_failure",
+    "hang",
+    "straggler",
+    "deterministic",
+    "store_outage",
+)
+"""Values of the `kind` label of `trainingd_daemon_incidents_total` (the daemon's
+`daemon.observe.incidents.IncidentKind`)."""
 _NODE, _JOB, _SUM = Scope.NODE, Scope.JOB, Scope.NODE_SUM
 
 CATALOG: tuple[MetricSpec, ...] = (
@@ -351,6 +361,14 @@ CATALOG: tuple[MetricSpec, ...] = (
         scope=_NODE,
         label="reason",
         values=RANK_FAILURE_REASONS,
+    ),
+    _c(
+        "trainingd_daemon_incidents_total",
+        "Incidents this node declared, by kind (a rank failure, a hang, a straggler episode, a "
+        "deterministic failure, a lost rendezvous store); /api/status tells each one's story.",
+        scope=_NODE,
+        label="kind",
+        values=INCIDENT_KINDS,
     ),
     # --- node: the job's own thresholds (what the alerts compare against) ---------------------
     _g(

@@ -27,6 +27,8 @@ Module plan:
     scrapes.py      when `/metrics` was read; the wait for one scrape of a finished run.
     straggler.py    the straggler watch: a rank whose exported score reaches the threshold is
                     named (`rank_straggler`), optionally its group killed.
+    incident_watch.py  a failed attempt declared as one incident; a restart seen through to
+                    its first step (recovery time, restored step, restore source).
     http.py         one port: `/`, `/api/status`, `/metrics`, `/healthz`, `/readyz`.
     scrapes.py      scrapes of `/metrics`; the wait for one read of a finished run.
     status_page.py  the status page's HTML (one file, no build step).

@@ -81,6 +81,7 @@ from daemon.agent.relay import RankOutputRelay, RelayLogsSpecs
 from daemon.agent.store_guard import StoreGuard
 from daemon.config import DaemonConfig, RankStart, RdzvBackend
 from daemon.errors import ForkServerError
+from daemon.observe.incidents import IncidentLog
 from daemon.rundir.control import clear_stop
 
 __all__ = ["ElasticLauncher", "FailureHook", "LaunchOutcome", "MembershipWatch", "RoundHook"]
@@ -313,6 +314,7 @@ class ElasticLauncher:
             ahead, with the entry's and the job's modules.
         on_rendezvous: called after each rendezvous, before the ranks start (`RoundHook`).
         on_failure: called on each failed attempt; False ends the retries (`FailureHook`).
+        incidents: where rendezvous-store outages are incidents (`store_guard.py`), or None.
     """
 
     def __init__(
@@ -326,6 +328,7 @@ class ElasticLauncher:
         rank_modules: Sequence[str] = (),
         on_rendezvous: RoundHook | None = None,
         on_failure: FailureHook | None = None,
+        incidents: IncidentLog | None = None,
     ) -> None:
         self._cfg = cfg
         self._on_failure = on_failure
@@ -344,6 +347,7 @@ class ElasticLauncher:
             get_rendezvous_handler(self._params),
             endpoint=endpoint,
             grace_s=cfg.launch.rdzv_store_grace_s,
+            incidents=incidents,
         )
         self._watch = MembershipWatch(inner, on_waiting) if cfg.launch.elastic else None
         self._handler: RendezvousHandler = self._watch or inner

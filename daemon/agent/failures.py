@@ -12,7 +12,9 @@ the hang detector declared (`hang.py`), and for each failed rank:
 * logs one `rank_failed` event (rank, node, attempt, reason, exit code or signal, exception
   type and message, step, the traceback's last lines);
 * counts it in `trainingd_rank_failures_total{reason}` (`counts`, read at each scrape) and
-  puts it on the status page (`StatusBoard.note_failure`).
+  puts it on the status page (`StatusBoard.note_failure`);
+* declares the attempt's failures as one incident (`incident_watch.py`), fatal when the verdict
+  ends the run.
 
 Then it decides whether the agent may restart the group (`Verdict`):
 
@@ -49,6 +51,7 @@ from daemon.rundir.failure import RankError, error_path, read_error
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
+    from daemon.agent.incident_watch import IncidentWatch
     from daemon.observe.status import StatusBoard
 
 __all__ = [
@@ -209,6 +212,7 @@ class FailureTracker:
             when a failure comes in; None: no hang detection.
         board: the status page's board, told each failure, or None.
         local_ranks: rank processes on this node (whose error files an attempt may have).
+        incidents: where each failed attempt is declared as an incident, or None.
     """
 
     def __init__(
@@ -219,7 +223,9 @@ class FailureTracker:
         hung: Callable[[], Mapping[int, bool]] | None = None,
         board: StatusBoard | None = None,
         local_ranks: int = 1,
+        incidents: IncidentWatch | None = None,
     ) -> None:
+        self._incidents = incidents
         self._run_dir = run_dir
         self._local_ranks = local_ranks
         self._node = node
@@ -283,7 +289,10 @@ class FailureTracker:
             for f in failures:
                 self._counts[f.reason] += 1
                 self._last.append(f)
-            return self._decide(failures, others, restart)
+            verdict = self._decide(failures, others, restart)
+        if self._incidents is not None:
+            self._incidents.rank_failures(failures, verdict)
+        return verdict
 
     def _decide(
         self, failures: list[RankFailure], others: list[RankFailure], restart: int

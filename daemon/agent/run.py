@@ -25,6 +25,10 @@ On a terminal (console logs on a TTY) a live status line stands at the bottom of
 ranks' output is relayed through the daemon so that every line is printed above it
 (`progress.py`, `relay.py`); off a terminal, `progress` events are logged instead.
 
+Each fault the node sees (a failed attempt, a hang, a straggler episode, a store outage) is one
+incident (`incident_watch.py`, `daemon/observe/incidents.py`): on `/api/status`, in
+`<run_dir>/incidents.jsonl` once closed, and made fatal here when the run ends on it.
+
 Signals (the agent is told to handle only SIGQUIT, so these stay ours; see operations.md 9):
 SIGTERM/SIGINT -> `draining`: sd_notify `STOPPING=1`, write the stop request the ranks poll;
 they agree on a step, save a final checkpoint, finalize and return; the agent returns; exit
@@ -58,6 +62,7 @@ from daemon.agent import fork_server
 from daemon.agent.failures import FailureTracker, Verdict
 from daemon.agent.hang import HangDetector
 from daemon.agent.http import MetricsServer
+from daemon.agent.incident_watch import IncidentWatch
 from daemon.agent.memory_budget import start_memory_tier
 from daemon.agent.memory_dir import NodeMemoryDir
 from daemon.agent.notify import Notifier
@@ -72,6 +77,7 @@ from daemon.errors import ConfigError, StartupCheckError
 from daemon.metrics import build_info_labels
 from daemon.observe.collector import NodeCollector, SnapshotAggregator, config_values, make_registry
 from daemon.observe.hangs import HangLedger
+from daemon.observe.incidents import INCIDENTS_FILE, IncidentKind, IncidentLog
 from daemon.observe.state import NodePhase, NodeState
 from daemon.observe.status import StatusBoard
 from daemon.observe.stragglers import StragglerLedger
@@ -314,8 +320,11 @@ def run_daemon(
             if cfg.num_memory_replicas and memory.claimed:
                 replicas = ReplicaService(cfg, memory.path, endpoint)
             aggregator = SnapshotAggregator(run_dir, cfg.launch.nproc_per_node)
-            hangs = HangLedger()
-            stragglers = StragglerLedger()
+            # One story per fault: `daemon/observe/incidents.py`, `incident_watch.py`.
+            incidents = IncidentLog(node=cfg.launch.node_rank, path=run_dir / INCIDENTS_FILE)
+            watch = IncidentWatch(incidents, run_dir, local_ranks=cfg.launch.nproc_per_node)
+            hangs = HangLedger(incidents)
+            stragglers = StragglerLedger(incidents)
             board = StatusBoard(
                 max_steps=cfg.train.max_steps,
                 ckpt_uri=cfg.checkpoint.ckpt_uri,
@@ -323,6 +332,8 @@ def run_daemon(
                 tier_bytes=memory.tier_bytes,
                 hangs=hangs,
                 stragglers=stragglers,
+                incidents=incidents,
+                run_id=cfg.run_id,
             )
             failures = FailureTracker(
                 run_dir,
@@ -330,6 +341,7 @@ def run_daemon(
                 hung=lambda: dict.fromkeys(hangs.hung_ranks(), True),
                 board=board,
                 local_ranks=cfg.launch.nproc_per_node,
+                incidents=watch,
             )
             collector = NodeCollector(
                 aggregator,
@@ -342,6 +354,7 @@ def run_daemon(
                 hangs=hangs,
                 failure_counts=failures.counts,
                 stragglers=stragglers,
+                incident_counts=incidents.counts,
             )
             if chosen is LogFormat.CONSOLE and sys.stderr.isatty():
                 live = LiveProgress(board)
@@ -365,6 +378,7 @@ def run_daemon(
                     action=obs.straggler_action,
                     ledger=stragglers,
                 ),
+                incidents=watch,
             )
             try:
                 server = MetricsServer(
@@ -425,6 +439,7 @@ def run_daemon(
                 rank_modules=rank_modules,
                 on_rendezvous=_round_hook(cfg, replicas),
                 on_failure=lambda exits, restart: failures.record(exits, restart) is Verdict.RETRY,
+                incidents=incidents,
             )
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
         except RendezvousError as err:
@@ -437,11 +452,15 @@ def run_daemon(
                 return EXIT_OK
             line = _rendezvous_line(cfg, err)
             board.note_error(line)
+            if not incidents.is_open(IncidentKind.STORE_OUTAGE):  # the guard's, if it saw one
+                incidents.open(IncidentKind.STORE_OUTAGE, ranks=(), cause=line)
+            incidents.end_open_as_fatal()
             log.error("rendezvous_lost", endpoint=endpoint, error=line, exit_code=EXIT_PEER_STOPPED)
             print(f"trainingd: {line}", file=sys.stderr, flush=True)
             return EXIT_PEER_STOPPED
         except ChildFailedError as err:
             end_display()  # the ranks' last lines (their tracebacks) come before this record
+            incidents.end_open_as_fatal()  # the failures' incidents: the run ends on them
             return _failed(cfg, failures, board, err)
         if supervisor.budget_exceeded.is_set():
             return EXIT_FAILED

@@ -5,11 +5,12 @@ then every `REFRESH_MS`: step/ETA, an inline-SVG loss curve (the validation loss
 in orange), throughput, the committed
 checkpoints, the tiers (the memory tier's bytes, local and replica, the newest memory and
 durable steps), per-rank heartbeats, the hangs (the ranks hung now, every rank of the last
-declared hang), the stragglers (named now, the newest episodes), the last error and the last
-rank failures. Elements carry ids (`step`, `eta`, `loss-curve`, `val-loss`, `val-loss-line`,
-`checkpoints`, `tiers`, `memory-step`, `durable-step`, `memory-bytes`, `ranks`, `hung-ranks`,
-`last-hang`, `straggler-ranks`, `stragglers`, `last-error`, `failures`) so tests and scripts
-can read the rendered page.
+declared hang), the stragglers (named now, the newest episodes), the last error, the last
+rank failures and the last incidents (what, where, detection and recovery seconds, steps lost,
+restore source, state). Elements carry ids (`step`, `eta`, `loss-curve`, `val-loss`,
+`val-loss-line`, `checkpoints`, `tiers`, `memory-step`, `durable-step`, `memory-bytes`, `ranks`,
+`hung-ranks`, `last-hang`, `straggler-ranks`, `stragglers`, `last-error`, `failures`,
+`incidents`) so tests and scripts can read the rendered page.
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ svg{background:#fff;border:1px solid #ddd;border-radius:6px}
 <h2>Rank failures</h2>
 <table id="failures"><thead><tr><th>when</th><th>rank</th><th>node</th><th>attempt</th>
 <th>reason</th><th>step</th><th>error</th></tr></thead><tbody></tbody></table>
+<h2>Incidents</h2>
+<table id="incidents"><thead><tr><th>#</th><th>when</th><th>what</th><th>where</th>
+<th>cause</th><th>detection</th><th>recovery</th><th>steps lost</th><th>source</th>
+<th>state</th></tr></thead><tbody></tbody></table>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
@@ -170,6 +175,13 @@ function render(s) {
     [f.step === null ? "-" : String(f.step), true],
     [f.exc_type ? f.exc_type + ": " + f.message
       : (f.signal ? "killed by " + f.signal : "exit code " + f.exit_code), false]]);
+  const secs = (x) => x === null ? "-" : x.toFixed(1) + " s";
+  rows($("incidents").tBodies[0], s.incidents || [], (i) => [[String(i.id), true],
+    [dur(s.now_unix_s - i.detected_unix_s) + " ago", true], [i.kind, false],
+    [(i.ranks.length ? "rank " + i.ranks.join(", ") + " " : "") + "node " + i.node, false],
+    [i.cause, false], [secs(i.detection_s), true], [secs(i.recovery_s), true],
+    [i.steps_lost === null ? "-" : String(i.steps_lost), true], [i.source || "-", false],
+    [i.state, false]]);
 }
 async function refresh() {
   try {

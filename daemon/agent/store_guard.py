@@ -13,7 +13,9 @@ out at `rdzv_store_timeout_s`: it blocks until the server runs again, then fails
 after. So the calls run on one worker thread and the guard waits for each at most what is left
 of the grace: a call that has not come back by then, or an outage that lasted longer, ends this
 node's run with `StoreLostError`, which the daemon turns into exit 75 with one line (restart
-me; the store's host is lost). The outage counts from the start of the call that failed. A store
+me; the store's host is lost). Each outage is one `store_outage` incident
+(`daemon/observe/incidents.py`): recovered when the store answers again, fatal when the node's
+run ends on it. The outage counts from the start of the call that failed. A store
 that is gone for good (its host SIGKILLed) fails at once, and the ranks fail in their next
 collective; the agent's restart then cannot rendezvous and the daemon exits 75 the same way.
 """
@@ -34,6 +36,8 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousInfo,
     RendezvousTimeoutError,
 )
+
+from daemon.observe.incidents import IncidentKind, IncidentLog
 
 __all__ = ["StoreGuard", "StoreLostError"]
 
@@ -60,6 +64,8 @@ class StoreGuard(RendezvousHandler):
         endpoint: the store's `host:port`, for log lines and the error.
         grace_s: how long an outage may last before `StoreLostError`.
         clock: a monotonic clock (tests pass their own).
+        incidents: where each outage is an incident (left open when it ends the run: the
+            daemon makes it fatal); None: nowhere.
     """
 
     def __init__(
@@ -69,7 +75,10 @@ class StoreGuard(RendezvousHandler):
         endpoint: str,
         grace_s: float,
         clock: Callable[[], float] = time.monotonic,
+        incidents: IncidentLog | None = None,
     ) -> None:
+        self._incidents = incidents
+        self._incident_id: int | None = None
         self._inner = inner
         self._endpoint = endpoint
         self._grace_s = grace_s
@@ -120,6 +129,14 @@ class StoreGuard(RendezvousHandler):
                 self.num_outages += 1
             lasted = now - (self._since if self._since is not None else started)
         reason = _one_line(err)
+        if first and self._incidents is not None:
+            self._incident_id = self._incidents.open(
+                IncidentKind.STORE_OUTAGE,
+                ranks=(),
+                cause=f"rendezvous store at {self._endpoint} unreachable: {reason}",
+                fault_unix_s=time.time() - (now - started),
+                awaits_restart=False,
+            ).id
         if first:
             log.warning(
                 "rendezvous_store_unreachable",
@@ -139,6 +156,9 @@ class StoreGuard(RendezvousHandler):
         with self._lock:
             since, self._since = self._since, None
         if since is not None:
+            if self._incidents is not None and self._incident_id is not None:
+                self._incidents.recover(self._incident_id)
+                self._incident_id = None
             log.warning(
                 "rendezvous_store_back",
                 endpoint=self._endpoint,

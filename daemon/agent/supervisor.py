@@ -13,7 +13,8 @@ One thread, owned by `Supervisor`, wakes every `_TICK_S`. Each iteration:
    caught), `EXTEND_TIMEOUT_USEC=` while starting and while draining, but only after the node
    moved (`TimeoutExtender`: a hung restore must let systemd's start timeout fire);
 5. feeds the hang detector (`hang.py`), which restarts a group whose rank stopped progressing,
-   and the straggler watch (`straggler.py`), which names a rank slower than its peers;
+   the straggler watch (`straggler.py`), which names a rank slower than its peers, and the
+   incident watch (`incident_watch.py`), which sees restarts through to their first step;
 6. enforces the shutdown budget: once draining for `shutdown_timeout_s`, it kills the ranks;
 7. hands the views to the progress sink (`progress.py`): the live status line on a terminal,
    `progress` log events off it.
@@ -30,6 +31,7 @@ import structlog
 from daemon._lifecycle import kill_group, pid_alive
 from daemon.agent.hang import HangDetector
 from daemon.agent.http import health
+from daemon.agent.incident_watch import IncidentWatch
 from daemon.agent.notify import Notifier, TimeoutExtender
 from daemon.agent.progress import ProgressSink
 from daemon.agent.straggler import StragglerWatch
@@ -92,6 +94,7 @@ class Supervisor:
         board: the status page's board, fed every tick, or None.
         hangs: the hang detector, fed every tick, or None (`hang.py`).
         stragglers: the straggler watch, fed every tick, or None (`straggler.py`).
+        incidents: the incident watch, fed every tick, or None (`incident_watch.py`).
     """
 
     def __init__(
@@ -106,7 +109,9 @@ class Supervisor:
         board: StatusBoard | None = None,
         hangs: HangDetector | None = None,
         stragglers: StragglerWatch | None = None,
+        incidents: IncidentWatch | None = None,
     ) -> None:
+        self._incidents = incidents
         self._board = board
         self._hangs = hangs
         self._stragglers = stragglers
@@ -185,6 +190,8 @@ class Supervisor:
             self._hangs.observe(views)
         if self._stragglers is not None and self._draining_since is None:
             self._stragglers.observe(views)
+        if self._incidents is not None:
+            self._incidents.observe(views)
         phase, step = derive_phase([v for v in views if pid_alive(v.pid)], self._local_ranks())
         status = self._state.update(
             phase=phase,

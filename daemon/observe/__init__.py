@@ -11,8 +11,12 @@ Module plan:
                   rank, the last hang), read by the collector and the status board.
     stragglers.py `StragglerLedger`: the stragglers the agent's watch named (now, episodes per
                   rank, the newest episodes), read by the collector and the status board.
+    incidents.py  `IncidentLog`: one record per fault (what, where, detection and recovery
+                  seconds, steps lost, restore source, state), `<run_dir>/incidents.jsonl`.
+    report.py     `trainingd status`: a daemon's `/api/status` (or its run directory's files)
+                  as a human summary.
 
-Read by the agent's HTTP server, supervisor and progress sinks (`daemon/agent/`); it imports
-no agent module, and nothing of the rank side: ranks reach it only through their snapshot files
-(`daemon/rundir/snapshot.py`).
+Read by the agent's HTTP server, supervisor and progress sinks (`daemon/agent/`) and by
+`trainingd status` (`daemon/cli.py`); it imports no agent module, and nothing of the rank
+side: ranks reach it only through their snapshot files (`daemon/rundir/snapshot.py`).
 """

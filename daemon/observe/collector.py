@@ -182,6 +182,8 @@ class NodeCollector(Collector):
             scrape (`daemon.agent.failures.FailureTracker.counts`); None: 0.
         stragglers: the straggler watch's ledger (`trainingd_rank_straggler_episodes_total`,
             per rank that published); None: 0.
+        incident_counts: incidents by kind (`trainingd_daemon_incidents_total`), read at each scrape
+            (`daemon.observe.incidents.IncidentLog.counts`); None: 0.
     """
 
     def __init__(
@@ -197,7 +199,9 @@ class NodeCollector(Collector):
         hangs: HangLedger | None = None,
         failure_counts: Callable[[], Mapping[str, float]] | None = None,
         stragglers: StragglerLedger | None = None,
+        incident_counts: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
+        self._incident_counts = incident_counts
         if not run_id:
             raise ValueError("run_id is empty: pass DaemonConfig.run_id")
         self._aggregator = aggregator
@@ -273,6 +277,11 @@ class NodeCollector(Collector):
                 counts = self._failure_counts() if self._failure_counts is not None else {}
                 for reason in s.label_values:
                     fam.add_metric([*run, reason], float(counts.get(reason, 0.0)))  # type: ignore[attr-defined]
+            elif s.name == "trainingd_daemon_incidents_total":
+                fam = _family(s)
+                counts = self._incident_counts() if self._incident_counts is not None else {}
+                for kind in s.label_values:
+                    fam.add_metric([*run, kind], float(counts.get(kind, 0.0)))  # type: ignore[attr-defined]
             elif s.name == "trainingd_rank_straggler_episodes_total":
                 # Per rank, from the daemon's straggler watch.
                 fam = _family(s)

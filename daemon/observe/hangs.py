@@ -7,12 +7,16 @@ until its restarted incarnation is back in the training loop (its progress word 
 start-up and restore): a restart takes seconds to minutes, so the gauge stays 1 long enough
 for a scrape to see it, and the counter keeps every hang even when none does. Ranks that only
 waited for the cause (in a collective) are recorded in the last hang's report, never counted.
+Each declared hang with a cause here opens one `hang` incident (`incidents.py`): its ranks, the
+cause's frame (or "stopped"), its last progress as the fault time and its step.
 """
 
 from __future__ import annotations
 
 import threading
 from typing import Any, NamedTuple
+
+from daemon.observe.incidents import IncidentKind, IncidentLog
 
 __all__ = ["HangLedger", "HangReport"]
 
@@ -51,9 +55,14 @@ class HangReport(NamedTuple):
 
 
 class HangLedger:
-    """Which ranks are hung, how many hangs each caused, and the last hang; thread-safe."""
+    """Which ranks are hung, how many hangs each caused, and the last hang; thread-safe.
 
-    def __init__(self) -> None:
+    Args:
+        incidents: where each declared hang opens a `hang` incident; None: nowhere.
+    """
+
+    def __init__(self, incidents: IncidentLog | None = None) -> None:
+        self._incidents = incidents
         self._lock = threading.Lock()
         self._hung: set[int] = set()
         self._num_hangs: dict[int, int] = {}
@@ -67,6 +76,15 @@ class HangLedger:
                 if report.cause:
                     self._hung.add(report.rank)
                     self._num_hangs[report.rank] = self._num_hangs.get(report.rank, 0) + 1
+        causes = [r for r in reports if r.cause]
+        if self._incidents is not None and causes:
+            self._incidents.open(
+                IncidentKind.HANG,
+                ranks=[r.rank for r in causes],
+                cause="; ".join(_hang_cause(r) for r in causes),
+                fault_unix_s=min(r.unix_s - r.seconds_without_progress for r in causes),
+                step_before=max(r.step for r in reports),
+            )
 
     def recovered(self, rank: int) -> None:
         """Rank `rank` trains again (its restarted incarnation left start-up): not hung."""
@@ -92,3 +110,11 @@ class HangLedger:
         """Every rank of the last declared hang, causes first ([] before the first)."""
         with self._lock:
             return sorted(self._last, key=lambda r: (not r.cause, r.rank))
+
+
+def _hang_cause(report: HangReport) -> str:
+    """`rank 1 hung in data at step 10: job.py:12 in spin` (or `... stopped (state T)`)."""
+    where = f"rank {report.rank} hung in {report.phase} at step {report.step}"
+    if report.stopped:
+        return f"{where}: stopped (state T)"
+    return f"{where}: {report.frame}" if report.frame else where

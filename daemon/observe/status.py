@@ -26,6 +26,10 @@ The stragglers (`stragglers` in `/api/status`, `straggler_score` and `straggler`
 each local rank's score, the ranks named stragglers now and the newest episodes (rank, node,
 score, median compute seconds, when named and recovered), read from the straggler watch's
 `StragglerLedger` (`daemon/observe/stragglers.py`).
+
+The incidents (`incidents` in `/api/status`, newest first): one story per fault (what, which
+ranks and node, the cause, detection and recovery seconds, steps lost, the restore source,
+open/recovered/fatal), read from the node's `IncidentLog` (`daemon/observe/incidents.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import structlog
 from ckpt_manager import CheckpointError, CommittedCheckpoint, committed_checkpoints
 from daemon.observe.collector import RankView
 from daemon.observe.hangs import HangLedger
+from daemon.observe.incidents import IncidentLog
 from daemon.observe.state import NodeStatus
 from daemon.observe.stragglers import StragglerLedger
 
@@ -95,6 +100,8 @@ class StatusBoard:
             `observe` (`daemon.agent.memory_dir.NodeMemoryDir.tier_bytes`); None: 0.
         hangs: the hang detector's ledger; None: no hang is ever shown.
         stragglers: the straggler watch's ledger; None: no straggler is ever shown.
+        incidents: the node's incident log; None: no incident is ever shown.
+        run_id: the run's id (`run_id` in `/api/status`).
     """
 
     def __init__(
@@ -108,7 +115,11 @@ class StatusBoard:
         tier_bytes: Callable[[], Mapping[str, float]] | None = None,
         hangs: HangLedger | None = None,
         stragglers: StragglerLedger | None = None,
+        incidents: IncidentLog | None = None,
+        run_id: str = "",
     ) -> None:
+        self._incidents = incidents
+        self._run_id = run_id
         self.max_steps = max_steps
         """The run's target step."""
         self._ckpt_uri = ckpt_uri
@@ -267,6 +278,7 @@ class StatusBoard:
             eta = self._eta_s(steps_per_s)
             return {
                 "now_unix_s": now,
+                "run_id": self._run_id,
                 "node": dict(self._node),
                 "step": step,
                 "max_steps": self.max_steps,
@@ -297,6 +309,9 @@ class StatusBoard:
                     "ranks": self._stragglers.stragglers(),
                     "recent": [r.as_dict() for r in self._stragglers.recent()],
                 },
+                "incidents": [
+                    i.as_dict() for i in (self._incidents.recent() if self._incidents else [])
+                ],
                 "last_error": None if self._last_error is None else dict(self._last_error),
                 "failures": [dict(f) for f in self._failures],
                 "endpoints": ["/", "/api/status", "/metrics", "/healthz", "/readyz"],

@@ -4,7 +4,8 @@ The agent's straggler watch (`daemon/agent/straggler.py`) writes here, on the su
 thread; the collector (`trainingd_rank_straggler_episodes_total`) and the status board read, on
 HTTP handler threads. A rank is a straggler from the tick its score reaches
 `straggler_threshold` until a tick finds it below (or its process gone); each such episode
-counts once, and the newest episodes are kept for the status page.
+counts once, and the newest episodes are kept for the status page. Each episode is also one
+`straggler` incident (`incidents.py`), recovered when the episode ends.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import collections
 import threading
 from typing import Any, NamedTuple
+
+from daemon.observe.incidents import IncidentKind, IncidentLog
 
 __all__ = ["StragglerLedger", "StragglerReport"]
 
@@ -43,9 +46,15 @@ class StragglerReport(NamedTuple):
 
 
 class StragglerLedger:
-    """Which ranks are stragglers now, their episode counts and the newest episodes; thread-safe."""
+    """Which ranks are stragglers now, their episode counts and the newest episodes; thread-safe.
 
-    def __init__(self) -> None:
+    Args:
+        incidents: where each episode is a `straggler` incident; None: nowhere.
+    """
+
+    def __init__(self, incidents: IncidentLog | None = None) -> None:
+        self._incidents = incidents
+        self._incident_ids: dict[int, int] = {}
         self._lock = threading.Lock()
         self._now: dict[int, StragglerReport] = {}
         self._num_episodes: dict[int, int] = {}
@@ -57,6 +66,16 @@ class StragglerLedger:
             self._now[report.rank] = report
             self._num_episodes[report.rank] = self._num_episodes.get(report.rank, 0) + 1
             self._recent.append(report)
+        if self._incidents is not None:
+            incident = self._incidents.open(
+                IncidentKind.STRAGGLER,
+                ranks=[report.rank],
+                cause=f"rank {report.rank} is a straggler: score {report.score:.2f} "
+                f"({report.compute_s:.3f} s compute per step)",
+                awaits_restart=False,
+            )
+            with self._lock:
+                self._incident_ids[report.rank] = incident.id
 
     def recovered(self, rank: int, unix_s: float) -> StragglerReport | None:
         """End `rank`'s episode; its report with the recovery time (None: it was none)."""
@@ -68,7 +87,10 @@ class StragglerLedger:
             self._recent = collections.deque(
                 (done if r is report else r for r in self._recent), maxlen=_KEEP
             )
-            return done
+            incident_id = self._incident_ids.pop(rank, None)
+        if self._incidents is not None and incident_id is not None:
+            self._incidents.recover(incident_id)
+        return done
 
     def mark_restarted(self, rank: int) -> None:
         """Note that `rank`'s current episode restarted its group."""

@@ -17,16 +17,19 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.daemon._daemon_proc import (
     GATED_JOB,
+    TRAININGD,
     DaemonProc,
     Gate,
     ckptctl_list,
@@ -231,36 +234,64 @@ def test_killed_worker_resumes_from_memory_bitwise_and_daemon_death_leaves_nothi
     tmp_path: Path, procs: list[DaemonProc]
 ) -> None:
     root = tmp_path / "ckpt"
-    # 12 steps: the restarted group trains on past the held step 10 and commits the last.
-    # Durable saves every 5 steps, memory snapshots every step.
+    # 24 steps: the restarted group trains on past the held step 10 and commits the last.
+    # Durable saves every 5 steps, memory snapshots every step; the ranks publish often, so
+    # that their first step after the restart is in a snapshot before they are held again.
     args = [
-        *_FAST, *GATED_JOB, "--strategy", "no_shard", "--max-steps", "12",
-        "--ckpt-every", "5", "--memory-every", "1",
+        *_FAST, *GATED_JOB, "--strategy", "no_shard", "--max-steps", "24",
+        "--ckpt-every", "5", "--memory-every", "1", "--publish-interval-s", "0.05",
     ]  # fmt: skip
     # The uninterrupted run: same job and seeds, its own root and memory tier.
     straight = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(tmp_path / "a")], name="a")
     procs.append(straight)
     # The first incarnation is held after step 10 until its rank is killed, so the run cannot
     # end first. Step 5 is durable by then; step 10's save may still be in flight. The
-    # restarted group is not held.
-    gate = Gate(tmp_path / "gate", after_steps=10, batch_size=_BATCH_SIZE)
+    # restarted group is held 10 steps after its restore (step 19 or 20), so that the
+    # incident can be read from the live daemon, then let go.
+    gate = Gate(tmp_path / "gate", after_steps=10, batch_size=_BATCH_SIZE, hold_restarts=True)
     d = DaemonProc(tmp_path, [*args, "--ckpt-uri", str(root)], gate.env)
     procs.append(d)
     gate.wait_until_held(2, d, timeout_s=120)
     victim = wait_for(d.rank_pids, 30, "rank processes")[0]
     os.kill(victim, signal.SIGKILL)
-    assert d.wait(180) == 0, d.logs()
+    # One story for the whole fault: which rank, how fast it was seen and recovered, how many
+    # steps were redone, where the state came from (#30 item 4).
+    incident = _recovered_incident(d)
+    failed = d.find("rank_failed")
+    assert [e["rank"] for e in failed] == incident["ranks"], d.logs()
+    assert (incident["kind"], incident["node"], incident["source"]) == ("rank_failure", 0, "memory")
+    assert incident["cause"] == f"rank {incident['ranks'][0]} (node 0): killed by SIGKILL"
     restored = d.find("restored")
     assert restored, d.logs()
     assert {e["source"] for e in restored} == {"memory"}, restored
     # At most one step lost at memory_every 1 (the copy of step 10 may not have finished).
     assert {int(e["ckpt_step"]) for e in restored} <= {9, 10}, restored
     assert {int(e["restart"]) for e in restored} == {1}
-    assert committed_steps(root)[-1] == 12
+    assert incident["steps_lost"] == 10 - min(int(e["ckpt_step"]) for e in restored), incident
+    assert 0 <= incident["detection_s"] <= 5, incident  # the supervisor's tick, the agent's poll
+    assert 0 < incident["recovery_s"] < 120, incident
+    closed = d.find("incident_closed")
+    assert [(e["kind"], e["steps_lost"], e["source"]) for e in closed] == [
+        ("rank_failure", incident["steps_lost"], "memory")
+    ]
+    # `trainingd status` prints it from the live daemon.
+    command = [str(TRAININGD), "status", "--url", d.url]
+    status = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0, status.stderr
+    row = next(line.split() for line in status.stdout.splitlines() if "rank_failure" in line)
+    assert row[:2] == [str(incident["id"]), "rank_failure"], status.stdout
+    assert f"{incident['detection_s']:.1f}" in row, status.stdout
+    assert f"{incident['recovery_s']:.1f}" in row, status.stdout
+    # `#  what  rank R node 0  D s  R s  steps-lost  source  state  cause...`
+    assert row[10:13] == [str(incident["steps_lost"]), "memory", "recovered"], status.stdout
+    assert "phase training" in status.stdout or "phase loading" in status.stdout, status.stdout
+    gate.open()
+    assert d.wait(180) == 0, d.logs()
+    assert committed_steps(root)[-1] == 24
     assert session_pids(d.pid) == []
     assert straight.wait(150) == 0, straight.logs()
-    a = _restore_all(tmp_path / "a", 12, tmp_path / "a.pt")
-    b = _restore_all(root, 12, tmp_path / "b.pt")
+    a = _restore_all(tmp_path / "a", 24, tmp_path / "a.pt")
+    b = _restore_all(root, 24, tmp_path / "b.pt")
     assert set(a) == set(b)
     assert any(k.startswith("/model/") for k in a)
     for key in a:
@@ -284,6 +315,19 @@ def test_killed_worker_resumes_from_memory_bitwise_and_daemon_death_leaves_nothi
     while session_pids(again.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert session_pids(again.pid) == [], "processes outlived the daemon by 10 s"
+
+
+def _recovered_incident(d: DaemonProc) -> dict[str, Any]:
+    """The newest incident on `/api/status` once it is recovered (the restart's first step)."""
+
+    def recovered() -> dict[str, Any] | None:
+        assert d.exit_code() is None, d.logs()
+        _, body = d.get("/api/status")
+        incidents = json.loads(body)["incidents"]
+        return incidents[0] if incidents and incidents[0]["state"] == "recovered" else None
+
+    found: dict[str, Any] = wait_for(recovered, 120, "a recovered incident on /api/status")
+    return found
 
 
 def _two_held_nodes(

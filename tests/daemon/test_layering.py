@@ -41,7 +41,8 @@ ALLOWED: dict[str, set[str]] = {
     "observe": SHARED | {"rundir"},
     "agent": SHARED | {"rundir", "jobs", "observe"},
     # The daemon process's entry hands the agent the rank entry point (`run_daemon(cfg, entry)`).
-    "cli": SHARED | {"agent", "worker", "data"},
+    # `trainingd status` reads a daemon's status or run directory (`observe/report.py`).
+    "cli": SHARED | {"agent", "worker", "data", "observe"},
     "default_job": {"jobs"},
     "__init__": SHARED | {"jobs"},
 }

@@ -19,6 +19,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from daemon.agent.run import EXIT_PEER_STOPPED
 from daemon.agent.store_guard import StoreGuard, StoreLostError
+from daemon.observe.incidents import IncidentKind, IncidentLog, IncidentState
 from tests.daemon._daemon_proc import (
     GATED_JOB,
     DaemonProc,
@@ -77,6 +78,41 @@ def test_an_outage_answers_nobody_waits_until_the_grace_is_spent() -> None:
     with pytest.raises(StoreLostError):
         guard.num_nodes_waiting()
     assert guard.shutdown() is False
+
+
+def test_each_outage_is_one_incident_recovered_or_left_open_for_the_daemon() -> None:
+    now = [0.0]
+    inner = _Store()
+    incidents = IncidentLog(node=1)
+    guard = StoreGuard(
+        inner,  # type: ignore[arg-type]
+        endpoint="node0:29400",
+        grace_s=120,
+        clock=lambda: now[0],
+        incidents=incidents,
+    )
+    inner.error = DistStoreError("Connection reset by peer")
+    for t in (0.0, 30.0):
+        now[0] = t
+        guard.num_nodes_waiting()
+    (opened,) = incidents.recent()
+    assert (opened.kind, opened.ranks, opened.node) == (IncidentKind.STORE_OUTAGE, (), 1)
+    assert opened.cause == (
+        "rendezvous store at node0:29400 unreachable: DistStoreError: Connection reset by peer"
+    )
+    inner.error = None
+    guard.num_nodes_waiting()
+    assert incidents.recent()[0].state is IncidentState.RECOVERED
+    # A second outage past the grace: its incident stays open; the daemon ends it as fatal.
+    inner.error = DistStoreError("Connection refused")
+    now[0] = 100.0
+    guard.num_nodes_waiting()
+    now[0] = 221.0
+    with pytest.raises(StoreLostError):
+        guard.num_nodes_waiting()
+    assert [i.state for i in incidents.recent()] == [IncidentState.OPEN, IncidentState.RECOVERED]
+    assert incidents.is_open(IncidentKind.STORE_OUTAGE)
+    assert incidents.counts()["store_outage"] == 2.0
 
 
 def test_other_errors_pass_through() -> None:
@@ -172,6 +208,9 @@ def test_a_paused_store_host_is_ridden_out_and_both_nodes_finish(
     )
     for outage in node1.find("rendezvous_store_unreachable"):
         assert outage["grace_s"] == 120
+    # Each outage ridden out is one incident, recovered (no steps lost: nothing restarted).
+    closed = [(e["kind"], e["state"]) for e in node1.find("incident_closed")]
+    assert closed == [("store_outage", "recovered")] * len(node1.find("rendezvous_store_back"))
     gate.open()
     assert node1.wait(120) == 0, node1.logs()
     assert node0.wait(120) == 0, node0.logs()
