@@ -101,7 +101,7 @@ import pickle
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
@@ -236,6 +236,7 @@ class Finalizer:
         forget_writer: Callable[[WriterProcess], None],
         on_idle: Callable[[], None],
         fence: Callable[[], None] | None = None,
+        on_committed: Callable[[int, float, Mapping[str, Any]], None] | None = None,
     ) -> None:
         """Wire the finalizer.
 
@@ -251,6 +252,9 @@ class Finalizer:
             on_idle: called after a commit that left nothing in flight (wakes retention).
             fence: the coordinator's lease check (raises `LeaseLostError` once the lease was
                 taken over): before each manifest write and each removal of an attempt.
+            on_committed: on the coordinator, called with each committed step, its commit
+                time and the metrics its manifest holds ([Note: retention learns a commit
+                from the finalizer] in `_retention/deleter.py`).
         """
         self._config = config
         self._storage = storage
@@ -262,6 +266,7 @@ class Finalizer:
         self._forget_writer = forget_writer
         self._on_idle = on_idle
         self._fence = fence
+        self._on_committed = on_committed
         self.pending: collections.deque[SaveRequest] = collections.deque()
         """Saves in flight, oldest first."""
         self.unclean_steps: set[int] = set()
@@ -537,6 +542,10 @@ class Finalizer:
 
     def _committed(self, request: SaveRequest, committed_unix_s: float) -> None:
         self.last_committed = (request.step, committed_unix_s)
+        if self._on_committed is not None and self._coord.is_coordinator:
+            # The manifest's metrics are the coordinator's (rank 0's report carries them).
+            metrics = request.contribution.get("metrics") or {}
+            self._on_committed(request.step, committed_unix_s, metrics)
         self._retire(request, SaveResult.COMMITTED, time.monotonic() - self._commit_started)
         self._log.info("ckpt_committed", ckpt_step=request.step)
         if not self.pending:
