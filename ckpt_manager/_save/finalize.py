@@ -94,6 +94,7 @@ while its commit may still write).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import json
@@ -106,8 +107,8 @@ from typing import Any, NamedTuple
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Pending, Status
-from ckpt_manager._save.commit import commit_step
-from ckpt_manager._save.report import decode_report, encode_report
+from ckpt_manager._save.commit import TopTensors, commit_step
+from ckpt_manager._save.report import decode_report, encode_report, report_tensor_list
 from ckpt_manager._save.request import Limits, SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread
 from ckpt_manager._save.writer_proc import WriterProcess
@@ -285,6 +286,8 @@ class Finalizer:
         self._failure: _Failure | None = None  # its clean-up, once it failed
         # The coordinator's commits run here.
         self._thread: BackgroundThread | None = None
+        # [Note: the top manifest's tensor records are reused] in commit.py (commit thread).
+        self._top_tensors = TopTensors()
 
     def run(self, *, blocking: bool) -> None:
         """Finalize the oldest requests while all ranks agree they are settled.
@@ -522,14 +525,22 @@ class Finalizer:
 
         def commit() -> CommitOutcome:
             # Unpickled here, off the training thread: at scale it is every rank's report.
+            lists = [report_tensor_list(p) for p in payloads] + [str(spread).encode()]
+            tensors = self._top_tensors.cached(lists)
+            reports = [decode_report(p, tensors=tensors is None) for p in payloads]
+            if tensors is None:
+                # On a disagreement, commit_step merges again and reports it as the outcome.
+                with contextlib.suppress(ValueError):
+                    tensors = self._top_tensors.merge(lists, reports)
             return commit_step(
                 self._storage,
                 fence=self._fence,
                 step=step,
                 run_id=self._run_id,
                 created_unix_s=created,
-                reports=[decode_report(p) for p in payloads],
+                reports=reports,
                 spread_prefixes=spread,
+                tensors=tensors,
             )
 
         self._worker().submit(lambda: job.run(commit))

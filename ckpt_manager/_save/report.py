@@ -42,6 +42,7 @@ __all__ = [
     "encode_report_body",
     "prepare_rank",
     "rank_report",
+    "report_tensor_list",
     "written_report",
 ]
 
@@ -302,14 +303,24 @@ def encode_report(contribution: Mapping[str, Any], body: bytes | None) -> bytes:
     return len(framed).to_bytes(_HEAD_LENGTH_BYTES, "little") + framed + body
 
 
-def decode_report(payload: bytes) -> RankReport:
-    """The `RankReport` that `encode_report` framed (on the coordinator)."""
+def report_tensor_list(payload: bytes) -> bytes:
+    """The pickled tensor list inside a framed report (what `encode_report_body` reuses
+    while the layout is unchanged: equal bytes, equal list)."""
+    n = int.from_bytes(payload[:_HEAD_LENGTH_BYTES], "little")
+    body = payload[_HEAD_LENGTH_BYTES + n :]
+    m = int.from_bytes(body[:_HEAD_LENGTH_BYTES], "little")
+    return body[_HEAD_LENGTH_BYTES : _HEAD_LENGTH_BYTES + m]
+
+
+def decode_report(payload: bytes, *, tensors: bool = True) -> RankReport:
+    """The `RankReport` that `encode_report` framed (on the coordinator); without
+    `tensors`, its tensor list is left empty (not unpickled)."""
     n = int.from_bytes(payload[:_HEAD_LENGTH_BYTES], "little")
     head = pickle.loads(payload[_HEAD_LENGTH_BYTES : _HEAD_LENGTH_BYTES + n])
     body = payload[_HEAD_LENGTH_BYTES + n :]
     m = int.from_bytes(body[:_HEAD_LENGTH_BYTES], "little")
-    tensors = pickle.loads(body[_HEAD_LENGTH_BYTES : _HEAD_LENGTH_BYTES + m])
+    listed = pickle.loads(body[_HEAD_LENGTH_BYTES : _HEAD_LENGTH_BYTES + m]) if tensors else {}
     tree, metrics = pickle.loads(body[_HEAD_LENGTH_BYTES + m :])
     if not isinstance(head, RankReport):
         raise CheckpointError(f"a rank's report decoded to {type(head).__name__}")
-    return head._replace(tensors=tensors, tree=tree, metrics=metrics)
+    return head._replace(tensors=listed, tree=tree, metrics=metrics)

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._format.tree import flatten
+from ckpt_manager._save.commit import TopTensors, build_top_manifest
 from ckpt_manager._save.plan import PlanCache, leaves_to_write
 from ckpt_manager._save.report import (
     ReportCache,
@@ -20,6 +22,7 @@ from ckpt_manager._save.report import (
     encode_report,
     encode_report_body,
     prepare_rank,
+    report_tensor_list,
 )
 
 
@@ -118,3 +121,48 @@ def test_a_manager_saving_a_changed_layout_restores_it(tmp_path: pathlib.Path) -
             assert restored.state["step"] == step
             for key in ("a", "b"):
                 assert torch.equal(restored.state[key], state[key]), (step, key)
+
+
+def _framed(contribution: dict[str, Any]) -> bytes:
+    return encode_report(contribution, encode_report_body(contribution))
+
+
+def test_the_top_manifests_records_are_reused_only_for_the_same_tensor_lists() -> None:
+    # [Note: the top manifest's tensor records are reused]: equal pickled lists from every
+    # rank give the records merged last time, encoded to the same manifest bytes.
+    caches, plans = [ReportCache(), ReportCache()], [PlanCache(), PlanCache()]
+
+    def payloads(state_of: Any, step: int) -> list[bytes]:
+        return [
+            _framed(_prepare(caches[r], plans[r], state_of(r), step, rank=r)[0]) for r in (0, 1)
+        ]
+
+    top = TopTensors()
+
+    def manifest(framed: list[bytes], step: int) -> tuple[Manifest, Manifest]:
+        lists = [report_tensor_list(p) for p in framed]
+        cached = top.cached(lists)
+        full = [decode_report(p) for p in framed]
+        if cached is None:
+            cached = top.merge(lists, full)
+        args: dict[str, Any] = {
+            "step": step,
+            "run_id": "r",
+            "created_unix_s": 1.0,
+            "committed_unix_s": 2.0,
+        }
+        lean = [decode_report(p, tensors=False) for p in framed]
+        return (
+            build_top_manifest(reports=lean, tensors=cached, **args),
+            build_top_manifest(reports=full, **args),
+        )
+
+    def state(numel: int) -> Any:
+        return lambda r: {"w": torch.zeros(3), "s": _Shard(numel, r, 2), "step": 0}
+
+    for step, numel in ((1, 10), (2, 10), (3, 12)):  # the same layout twice, then another
+        reused, fresh = manifest(payloads(state(numel), step), step)
+        assert reused.to_json() == fresh.to_json()
+        assert dict(reused.tensors) == fresh.tensors
+        assert reused.tensors["s"]["global_shape"] == [numel]
+    assert top.num_merged == 2
