@@ -585,7 +585,7 @@ def _finalize_rank(
         for i in range(spec["room_saves"]):
             dist.all_reduce(grad)  # the ranks enter save() together, as after a step
             started, cpu_started = time.perf_counter(), time.thread_time()
-            mgr.save(spec["steps"] + 1 + i, {"model": state})
+            mgr.save(step + 1 + i, {"model": state})  # after the loop's last step
             room_cpu_s.append(time.thread_time() - cpu_started)
             room_s.append(time.perf_counter() - started)
             mgr.before_optimizer_step()
