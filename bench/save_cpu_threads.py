@@ -13,13 +13,26 @@ thread's CPU for one copy, fastest of 5):
 
 Figures from `/proc` come in clock ticks (10 ms): use enough saves (the default 10).
 
+`--profile` (issue 33) also runs every thread of the rank under cProfile, timed by its own
+CPU clock (`time.thread_time`), and reports the fixed per-save work by part, in milliseconds
+of CPU per save: flatten and plan in `save()`, the agreement rounds on the training thread,
+the index and report skeleton, the report's pickling, the commit (manifest build, encode,
+publish with the root catalog), the retention pass, thread starts. cProfile adds its own
+cost to every Python call, so the parts read high (about 2x for call-heavy code); compare
+them with each other and across commits, and take totals from the unprofiled run. A tiny
+state (`--size-mib 1`: the bench GPT's 156 tensors at the smallest width) shows the fixed
+work alone.
+
     .venv/bin/python bench/save_cpu_threads.py [--size-mib 128] [--saves 10] [--json]
+    .venv/bin/python bench/save_cpu_threads.py --size-mib 1 --saves 40 --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import sys
 import tempfile
 import threading
@@ -49,6 +62,76 @@ def _thread_cpu_s() -> dict[str, float]:
     return out
 
 
+# (part, "module:qualname" of the functions counted): the CPU of their calls (cumulative, the
+# largest if several match), on whichever thread runs them. Nested parts (the commit's build
+# and encode) are listed under their parent.
+_PARTS = (
+    ("save(): flatten", "ckpt_manager._format.tree:flatten"),
+    ("save(): plan", "ckpt_manager._save.plan:PlanCache.plan"),
+    ("agreement rounds (training thread)", "ckpt_manager._save.finalize:Finalizer.run"),
+    (
+        "index + report skeleton",
+        "ckpt_manager._save.report:ReportCache.prepare ckpt_manager._save.report:prepare_rank",
+    ),
+    ("report pickling", "ckpt_manager._save.report:encode_report_body"),
+    ("copy + checksum", "ckpt_manager._save.staging:copy_payload_into_slab"),
+    ("commit, whole", "ckpt_manager._save.commit:commit_step"),
+    ("commit: manifest build", "ckpt_manager._save.commit:build_top_manifest"),
+    ("commit: manifest encode", "ckpt_manager._format.manifest:Manifest.to_json"),
+    ("commit: publish + catalog", "ckpt_manager._store.publish:publish_manifest"),
+    ("commit: reports decoded", "ckpt_manager._save.report:decode_report"),
+    ("retention pass", "ckpt_manager._retention.deleter:Deleter._pass"),
+    ("retention: manifests read", "ckpt_manager._store.steps:read_manifest"),
+    ("thread starts", "threading:Thread.start"),
+)
+
+
+def _code_keys(spec: str) -> set[tuple[str, int, str]]:
+    """pstats keys (file, first line, name) of the functions `spec` names (those that exist
+    in this tree: an older commit may lack some)."""
+    import importlib
+
+    keys = set()
+    for name in spec.split():
+        module, _, qualname = name.partition(":")
+        obj: Any = importlib.import_module(module)
+        for attr in qualname.split("."):
+            obj = getattr(obj, attr, None)
+        code = getattr(obj, "__code__", None)
+        if code is not None:
+            keys.add((code.co_filename, code.co_firstlineno, code.co_name))
+    return keys
+
+
+class _Profiles:
+    """cProfile on every thread started after `install()`, and on the calling thread."""
+
+    def __init__(self) -> None:
+        self.by_thread: dict[str, cProfile.Profile] = {}
+        self.main = cProfile.Profile(time.thread_time)
+
+    def install(self) -> None:
+        def start(*_: Any) -> None:
+            profile = cProfile.Profile(time.thread_time)
+            self.by_thread[threading.current_thread().name] = profile
+            profile.enable()  # replaces this hook on this thread
+
+        threading.setprofile(start)
+
+    def parts_ms(self, saves: int) -> dict[str, float]:
+        """CPU milliseconds per save of each of `_PARTS`, over every profiled thread."""
+        threading.setprofile(None)
+        wanted = {name: _code_keys(spec) for name, spec in _PARTS}
+        out = dict.fromkeys(wanted, 0.0)
+        for profile in [self.main, *self.by_thread.values()]:
+            profile.disable()
+            table = pstats.Stats(profile).stats  # type: ignore[attr-defined]
+            for name, keys in wanted.items():
+                found = [table[k][3] for k in keys if k in table]  # cumulative seconds
+                out[name] += max(found, default=0.0)
+        return {k: round(v / saves * 1e3, 3) for k, v in out.items()}
+
+
 def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     _common.stdout_to_stderr()
     from tests.support.agreement_rounds import counting_agreement_rounds
@@ -60,6 +143,9 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
 def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> dict[str, Any]:
     trainer = bench._Trainer(spec, rank)
     memcpy_s, _ = bench._memcpy_s(trainer, 5)
+    profiles = _Profiles() if spec["profile"] else None
+    if profiles is not None:
+        profiles.install()  # before the manager starts its threads
     mgr, _ = bench._manager(os.path.join(spec["dir"], "root"), spec, {})
     state = trainer.manager_state(rank, world_size)
 
@@ -79,9 +165,13 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
         pid = mgr.writer_pid
         count.reset()  # agreement rounds of the measured saves only
         writer0, threads0 = bench._cpu_s(pid), _thread_cpu_s()
+        if profiles is not None:
+            profiles.main.enable()
         save_s = sum(one_save() for _ in range(spec["saves"]))
         writer1, threads1 = bench._cpu_s(pid), _thread_cpu_s()
     n = spec["saves"]
+    # The other threads' profiles include the two warm-up saves: within 2 / n.
+    parts = profiles.parts_ms(n) if profiles is not None else None
     threads = {k: (v - threads0.get(k, 0.0)) / n / memcpy_s for k, v in threads1.items()}
     return {
         "memcpy_cpu_s": memcpy_s,
@@ -90,6 +180,10 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
         "save_call_x_memcpy": round(save_s / n / memcpy_s, 3),
         "save_call_ms": round(save_s / n * 1e3, 3),
         "agreement_rounds_per_save": round(count.rounds / n, 2),
+        "cpu_ms_per_save": round(
+            (sum(threads1.values()) - sum(threads0.values()) + writer1 - writer0) / n * 1e3, 3
+        ),
+        "parts_ms_under_cprofile": parts,
     }
 
 
@@ -100,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--saves", type=int, default=10)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="also the fixed per-save work by part (cProfile)"
+    )
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.saves < 1 or args.world_size < 1:
         parser.error("--size-mib, --saves and --world-size must be >= 1")
@@ -112,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             "dir": work,
             "async_mode": "persistent",
             "saves": args.saves,
+            "profile": args.profile,
         }
         before = _common.machine_conditions()
         ranks = _common.run_ranks(_rank, args.world_size, spec, timeout_s=1200)
@@ -126,8 +224,12 @@ def main(argv: list[str] | None = None) -> int:
             f"rank {rank}: {total:.2f} memcpys per save (memcpy {r['memcpy_cpu_s'] * 1e3:.1f} ms"
             f" of CPU); writer {r['writer_x_memcpy']}; save() {r['save_call_x_memcpy']}"
             f" ({r['save_call_ms']} ms); {r['agreement_rounds_per_save']} agreement rounds;"
-            f" threads {r['threads_x_memcpy']}"
+            f" threads {r['threads_x_memcpy']}; all of it {r['cpu_ms_per_save']} ms of CPU per save"
         )
+        if r["parts_ms_under_cprofile"] is not None:
+            print(f"rank {rank} parts, ms of CPU per save under cProfile:")
+            for name, ms in r["parts_ms_under_cprofile"].items():
+                print(f"    {name:40s} {ms:8.3f}")
     print(_common.conditions_line(before, result["conditions"]["after"]))
     return 0
 

@@ -61,7 +61,7 @@ from ckpt_manager._save.device_copy import DeviceFence
 from ckpt_manager._save.finalize import Finalizer
 from ckpt_manager._save.pipeline import LocalPipeline
 from ckpt_manager._save.plan import PlanCache, leaves_to_write
-from ckpt_manager._save.report import prepare_rank
+from ckpt_manager._save.report import ReportCache
 from ckpt_manager._save.request import Limits, SaveRequest, write_blocking_next_save
 from ckpt_manager._save.snapshots import Snapshots
 from ckpt_manager._save.writer_proc import WriterProcess
@@ -186,6 +186,7 @@ class CheckpointManager:
             forget_writer=self._forget_writer,
             on_idle=self._wake_deleter,
             fence=self._confirm_lease,
+            on_committed=self._note_committed,
         )
         self._pending = self._final.pending  # the same deque: saves in flight, oldest first
         self._finalize_calls: collections.deque[float] = collections.deque(
@@ -196,6 +197,8 @@ class CheckpointManager:
             self.config, self._storage, self.rank, self._log, self._memory
         )
         self._plans = PlanCache()  # [Note: the plan cache] in _save/plan.py
+        # [Note: the report skeleton is reused while the layout is unchanged] in report.py
+        self._reports = ReportCache()
 
     # ----------------------------------------------------------------- start-up
     def _open_root(self) -> None:
@@ -313,6 +316,12 @@ class CheckpointManager:
     def _wake_deleter(self) -> None:
         if self._deleter is not None:
             self._deleter.trigger()
+
+    def _note_committed(
+        self, step: int, committed_unix_s: float, metrics: Mapping[str, Any]
+    ) -> None:
+        if self._deleter is not None:
+            self._deleter.note_committed(step, committed_unix_s, metrics)
 
     def _protected_steps(self) -> set[int]:
         # Read by the deleter's thread; each attribute is replaced whole, never mutated.
@@ -444,7 +453,7 @@ class CheckpointManager:
             file_name=file_name,
             contribution={},
             # [Note: the rank's index is built off the training thread] in _save/pipeline.py
-            build_pending_index=lambda: prepare_rank(
+            build_pending_index=lambda: self._reports.prepare(
                 step=step,
                 rank=self.rank,
                 flat=flat,

@@ -13,7 +13,8 @@ the rest stays torch-free so `ckptctl list/show/verify` start fast.
                     them) with the extent and place checks every reader relies on.
     manifest.py     Manifest, the model every reader uses; format 2's small top manifest
                     (the only format written): serialisation, its own checksum, validation;
-                    parsing dispatches format 1 to legacy_v1.
+                    parsing dispatches format 1 to legacy_v1. EncodedTensors: tensor
+                    records encoded once, reused by successive commits.
     legacy_v1.py    the format-1 reader (every piece inline, written before issue #18): read
                     into a complete Manifest, never written.
     rank_index.py   per-rank index objects (format 2): build, parse and check against the top

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from ckpt_manager._format import legacy_v1
@@ -78,6 +78,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SPREAD_FIELD",
     "TENSOR_FORMS",
+    "EncodedTensors",
     "Manifest",
     "check_tensor_place",
     "rank_runs",
@@ -104,6 +105,47 @@ def rank_runs(ranks: Iterable[int]) -> list[list[int]]:
         else:
             runs.append([r, r + 1])
     return runs
+
+
+def _tensor_records_json(tensors: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """A format-2 manifest's `tensors` object, as `Manifest.to_json` writes it."""
+    return {
+        k: {
+            "dtype": v["dtype"],
+            "global_shape": list(v["global_shape"]),
+            "kind": v["kind"],
+            "form": v["form"],
+            "ranks": rank_runs(v["ranks"]),
+        }
+        for k, v in tensors.items()
+    }
+
+
+class EncodedTensors(Mapping[str, Mapping[str, Any]]):
+    """A top manifest's tensor records, read-only, with their JSON encoded once.
+
+    The coordinator's commit reuses one while every rank's tensor list is unchanged
+    ([Note: the top manifest's tensor records are reused] in `_save/commit.py`);
+    `Manifest.to_json` splices `json` in instead of encoding the records again. Nothing
+    mutates the records (they are shared by the manifests of successive steps).
+    """
+
+    def __init__(self, records: Mapping[str, Mapping[str, Any]]) -> None:
+        """Wrap `records` (a format-2 summary's: dtype, global_shape, kind, form, ranks)."""
+        self._records = dict(records)
+        self.json = json.dumps(
+            _tensor_records_json(self._records), separators=(",", ":"), allow_nan=True
+        ).encode()
+        """The records as `Manifest.to_json` writes them (compact JSON)."""
+
+    def __getitem__(self, key: str) -> Mapping[str, Any]:
+        return self._records[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._records)
+
+    def __len__(self) -> int:
+        return len(self._records)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,20 +234,16 @@ class Manifest:
             "metrics": dict(self.metrics),
             "files": {n: f.to_json() for n, f in self.files.items()},
             "tree": self.tree,
-            "tensors": {
-                k: {
-                    "dtype": v["dtype"],
-                    "global_shape": list(v["global_shape"]),
-                    "kind": v["kind"],
-                    "form": v["form"],
-                    "ranks": rank_runs(v["ranks"]),
-                }
-                for k, v in self.tensors.items()
-            },
         }
         # Compact: `ckptctl list` reads one manifest per step; indentation made format 1's
         # manifests 2.3x larger and 25% slower to parse.
-        body = _canonical(doc)
+        if isinstance(self.tensors, EncodedTensors):
+            # The last field: its encoded form spliced in, byte for byte what encoding it
+            # here would give ([Note: the top manifest's tensor records are reused]).
+            body = _canonical(doc)[:-1] + b',"tensors":' + self.tensors.json + b"}"
+        else:
+            doc["tensors"] = _tensor_records_json(self.tensors)
+            body = _canonical(doc)
         return body[:-1] + _checksum_suffix(crc32(body))
 
     @classmethod

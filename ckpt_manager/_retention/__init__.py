@@ -10,7 +10,9 @@ options.py      policies from `ckptctl` flags and from configuration keys (`Rete
                 public as `ckpt_manager.retention`).
 record.py       the run's policy recorded in the root (`_RETENTION.json`) so `ckptctl
                 list` can give each step's reason.
-deleter.py      background retention + GC of uncommitted leftovers (coordinator only).
+deleter.py      background retention + GC of uncommitted leftovers (coordinator only);
+                learns this run's commits from the finalizer (note_committed), reads the
+                manifests of the others.
 
 Adding a policy is one module in `policies/` and its test ([Note: a policy is one module] in
 `registry.py`).

@@ -21,8 +21,11 @@ persistent writer process, then finalized across ranks (agreement, then one mani
     finalize.py     Finalizer: saves in flight; agree, commit or fail across ranks, report
                     (collectives issued in one maybe_finalize call, read in a later one).
     report.py       a rank's contribution (prepare_rank: its pending index and the draft
-                    of its report) and the report it sends the coordinator (rank_report,
-                    encoded and decoded for the gather).
+                    of its report; ReportCache reuses them, and the tensor list's pickle,
+                    while the plan is unchanged) and the report it sends the coordinator
+                    (rank_report, encoded and decoded for the gather).
     commit.py       the coordinator's commit: the format-2 top manifest from the reports
-                    alone (build_top_manifest), published by `_store/publish.py`.
+                    alone (build_top_manifest; TopTensors reuses the merged tensor records
+                    while every rank's tensor list is unchanged), published by
+                    `_store/publish.py`.
 """

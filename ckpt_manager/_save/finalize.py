@@ -94,6 +94,7 @@ while its commit may still write).
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import enum
 import json
@@ -101,13 +102,13 @@ import pickle
 import struct
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Pending, Status
-from ckpt_manager._save.commit import commit_step
-from ckpt_manager._save.report import decode_report, encode_report
+from ckpt_manager._save.commit import TopTensors, commit_step
+from ckpt_manager._save.report import decode_report, encode_report, report_tensor_list
 from ckpt_manager._save.request import Limits, SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread
 from ckpt_manager._save.writer_proc import WriterProcess
@@ -236,6 +237,7 @@ class Finalizer:
         forget_writer: Callable[[WriterProcess], None],
         on_idle: Callable[[], None],
         fence: Callable[[], None] | None = None,
+        on_committed: Callable[[int, float, Mapping[str, Any]], None] | None = None,
     ) -> None:
         """Wire the finalizer.
 
@@ -251,6 +253,9 @@ class Finalizer:
             on_idle: called after a commit that left nothing in flight (wakes retention).
             fence: the coordinator's lease check (raises `LeaseLostError` once the lease was
                 taken over): before each manifest write and each removal of an attempt.
+            on_committed: on the coordinator, called with each committed step, its commit
+                time and the metrics its manifest holds ([Note: retention learns a commit
+                from the finalizer] in `_retention/deleter.py`).
         """
         self._config = config
         self._storage = storage
@@ -262,6 +267,7 @@ class Finalizer:
         self._forget_writer = forget_writer
         self._on_idle = on_idle
         self._fence = fence
+        self._on_committed = on_committed
         self.pending: collections.deque[SaveRequest] = collections.deque()
         """Saves in flight, oldest first."""
         self.unclean_steps: set[int] = set()
@@ -280,6 +286,8 @@ class Finalizer:
         self._failure: _Failure | None = None  # its clean-up, once it failed
         # The coordinator's commits run here.
         self._thread: BackgroundThread | None = None
+        # [Note: the top manifest's tensor records are reused] in commit.py (commit thread).
+        self._top_tensors = TopTensors()
 
     def run(self, *, blocking: bool) -> None:
         """Finalize the oldest requests while all ranks agree they are settled.
@@ -517,14 +525,22 @@ class Finalizer:
 
         def commit() -> CommitOutcome:
             # Unpickled here, off the training thread: at scale it is every rank's report.
+            lists = [report_tensor_list(p) for p in payloads] + [str(spread).encode()]
+            tensors = self._top_tensors.cached(lists)
+            reports = [decode_report(p, tensors=tensors is None) for p in payloads]
+            if tensors is None:
+                # On a disagreement, commit_step merges again and reports it as the outcome.
+                with contextlib.suppress(ValueError):
+                    tensors = self._top_tensors.merge(lists, reports)
             return commit_step(
                 self._storage,
                 fence=self._fence,
                 step=step,
                 run_id=self._run_id,
                 created_unix_s=created,
-                reports=[decode_report(p) for p in payloads],
+                reports=reports,
                 spread_prefixes=spread,
+                tensors=tensors,
             )
 
         self._worker().submit(lambda: job.run(commit))
@@ -537,6 +553,10 @@ class Finalizer:
 
     def _committed(self, request: SaveRequest, committed_unix_s: float) -> None:
         self.last_committed = (request.step, committed_unix_s)
+        if self._on_committed is not None and self._coord.is_coordinator:
+            # The manifest's metrics are the coordinator's (rank 0's report carries them).
+            metrics = request.contribution.get("metrics") or {}
+            self._on_committed(request.step, committed_unix_s, metrics)
         self._retire(request, SaveResult.COMMITTED, time.monotonic() - self._commit_started)
         self._log.info("ckpt_committed", ckpt_step=request.step)
         if not self.pending:

@@ -251,3 +251,38 @@ def test_back_to_back_saves_do_not_starve_retention(tmp_path: pathlib.Path) -> N
         assert [p.name for p in sorted(tmp_path.glob("step-*"))] == [step_dir(3), step_dir(9)]
     finally:
         deleter.close(5.0)
+
+
+def test_retention_learns_this_runs_commits_without_reading_their_manifests(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # [Note: retention learns a commit from the finalizer]: the policy sees what the
+    # manifest holds (a tuple metric as a list), and no manifest of this run is parsed.
+    import ckpt_manager._retention.deleter as deleter_mod
+    from ckpt_manager._store.steps import read_manifest
+
+    read: list[int] = []
+
+    def counting(storage: Storage, step: int) -> Any:
+        read.append(step)
+        return read_manifest(storage, step)
+
+    monkeypatch.setattr(deleter_mod, "read_manifest", counting)
+    seen: list[dict[int, Any]] = []
+
+    class Recording:
+        def keep(self, steps: Any) -> set[int]:
+            seen.append({s.step: (s.committed_unix_s, dict(s.metrics)) for s in steps})
+            return {max(s.step for s in steps)}
+
+    cfg = _config(Recording())
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"t": torch.tensor([1.0])}, metrics={"loss": 0.5, "pair": (step, 1)})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [3]
+    assert read == []
+    storage = Storage(str(tmp_path))
+    manifest = read_manifest(storage, 3)
+    assert seen[-1][3] == (manifest.committed_unix_s, dict(manifest.metrics))
+    assert seen[-1][3][1] == {"loss": 0.5, "pair": [3, 1]}

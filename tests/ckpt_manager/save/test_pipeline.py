@@ -116,18 +116,18 @@ def test_the_index_is_built_on_the_staging_thread_and_its_failure_fails_the_save
 ) -> None:
     import threading
 
-    from ckpt_manager import _manager
+    from ckpt_manager._save.report import ReportCache
 
-    real = _manager.prepare_rank
+    real = ReportCache.prepare
     threads: list[str] = []
 
-    def recording(**kwargs: object) -> object:
+    def recording(self: ReportCache, **kwargs: object) -> object:
         threads.append(threading.current_thread().name)
         if kwargs["step"] == 2:
             raise ValueError("broken index")
-        return real(**kwargs)  # type: ignore[arg-type]
+        return real(self, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_manager, "prepare_rank", recording)
+    monkeypatch.setattr(ReportCache, "prepare", recording)
     with CheckpointManager(str(tmp_path), CheckpointConfig(), run_id="r") as mgr:
         mgr.save(1, {"t": torch.ones(2)})
         mgr.wait_until_finished()
