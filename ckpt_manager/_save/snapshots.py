@@ -23,7 +23,22 @@ from ckpt_manager._save.request import SaveRequest
 from ckpt_manager._types import MEMORY_SNAPSHOT_HOOK
 from ckpt_manager.errors import MemorySnapshotError
 
-__all__ = ["Snapshots"]
+__all__ = ["INLINE_SNAPSHOT_BYTES", "Snapshots"]
+
+INLINE_SNAPSHOT_BYTES = 8 << 20
+"""A memory-only snapshot of at most this many bytes (its durable file's layout; on the CPU) is
+copied by the training thread in `save()` when the staging thread is idle.
+
+[Note: a small memory-only snapshot is copied inline] Handed to the staging thread, a small
+snapshot's copy (a few ms of CPU) had to win the GIL from the training thread's forward and
+backward, and the CPU from the other ranks' threads, before the next optimizer step's fence:
+on the 2-core development VM the fence waited 4-14 ms p50 and the snapshot cost 76 ms p99
+(bench/recovery.py, `snapshot_stall_ms`, loaded machine), and the GIL ping-pong slowed every
+step at `memory_every 1`. Copied in `save()`, it costs the training thread the copy itself
+(8 MiB: about 3 ms at the VM's 2.4 GB/s memcpy) and the fence nothing. A larger state, a CUDA
+state (its device-to-host copy overlaps the next forward) and a snapshot while a durable save
+is being staged still go to the staging thread, as every durable save does.
+"""
 
 
 class Snapshots:
@@ -85,6 +100,21 @@ class Snapshots:
         request.device_fence = DeviceFence.after_current_work([x.tensor for x in job.flat.leaves])
         self.track(request)
         return request
+
+    def copies_inline(self, request: SaveRequest, pending: Iterable[SaveRequest]) -> bool:
+        """Whether the training thread copies the memory-only `request` itself
+        ([Note: a small memory-only snapshot is copied inline]).
+
+        Args:
+            request: a memory-only request (tracked already).
+            pending: the durable saves in flight.
+        """
+        if request.device_fence is not None or request.layout.total_bytes > INLINE_SNAPSHOT_BYTES:
+            return False
+        # The staging thread must be idle: the plan cache, the slot slabs and the meta
+        # encoder are its own while it stages anything.
+        others = [r for r, _ in self._inflight if r is not request]
+        return all(r.handed_off.is_set() for r in [*pending, *others])
 
     def uncopied(self) -> list[SaveRequest]:
         """Memory-only requests whose copy may still run (the optimizer-step fence)."""
