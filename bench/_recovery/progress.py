@@ -37,6 +37,8 @@ class KillSample(NamedTuple):
     source: str
     """Where the restarted group's state came from (`memory`, `replica`, `durable`, `none`)."""
     steps_lost: int
+    """`last_step - restored_step`; -1 when the kill fell after step `last_step + 1`'s
+    checkpoint call but before the next forward (whose start marks that step complete)."""
     recovery_s: float
     """SIGKILL to the first step the restarted incarnation completed."""
     fallback_reason: str | None
