@@ -475,8 +475,7 @@ class CheckpointManager:
         job = self._snapshots.begin(step, flat, leaves, self._pending)
         if job is not None:
             request = self._snapshots.memory_only(step, started, layout, job)
-            inline = self._snapshots.copies_inline(request, self._pending)
-            self._pipeline.submit(request, inline=inline)
+            self._pipeline.submit(request)
             request.stall_s += time.monotonic() - started
         self._snapshots.tier.last_save_s = time.monotonic() - started
 

@@ -88,10 +88,9 @@ class LocalPipeline:
         if writer is self._writer:
             self._writer = None
 
-    def submit(self, request: SaveRequest, *, inline: bool = False) -> None:
-        """Stage and dispatch `request`: inline in sync mode or when asked (a small memory-only
-        snapshot, `Snapshots.copies_inline`), else on the staging thread."""
-        if self._stager is None or inline:
+    def submit(self, request: SaveRequest) -> None:
+        """Stage and dispatch `request`: inline in sync mode, else on the staging thread."""
+        if self._stager is None:
             self._stage_and_dispatch(request)
             return
         self._stager.submit(lambda: self._stage_and_dispatch(request))

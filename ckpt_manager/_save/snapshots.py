@@ -6,6 +6,17 @@ request of a memory-only save (`durable=False`: it never enters the finalizer's 
 records each snapshot once its staging job is over: counted, reported to the observer's
 optional `on_memory_snapshot` hook, or, for a memory-only save that failed, raised as a
 `CheckpointError` on the next call of the training thread.
+
+[Note: where a memory snapshot's training-thread time goes] cProfile of rank 0's 27
+memory-only `save()` calls of the default job (5 MiB, 156 leaves; load ~10 on the 2-core VM,
+profiler overhead included): `flatten` about 60 ms a call (some 1000 tree nodes,
+`_format/tree.py`), the rest a few ms. Before `save()` the loop's `state()` waits for the
+sharded optimizer's deferred weight gathers (`sharded_state_dict`: 5-18 ms at that load),
+which the next forward would otherwise overlap. The copy itself stays on the staging thread:
+copying a small snapshot inside `save()` instead (tried) moved the p50 of
+`trainingd_memory_snapshot_seconds` from 10-25 ms up to 25-50 ms and did not lower the step
+time at `memory_every 1` (bench/recovery.py, loaded machine), once the staging copy no
+longer ping-pongs the GIL ([Note: small tensors in one call] in `staging.py`).
 """
 
 from __future__ import annotations
@@ -23,30 +34,7 @@ from ckpt_manager._save.request import SaveRequest
 from ckpt_manager._types import MEMORY_SNAPSHOT_HOOK
 from ckpt_manager.errors import MemorySnapshotError
 
-__all__ = ["INLINE_SNAPSHOT_BYTES", "Snapshots"]
-
-INLINE_SNAPSHOT_BYTES = 8 << 20
-"""A memory-only snapshot of at most this many bytes (its durable file's layout; on the CPU) is
-copied by the training thread in `save()` when the staging thread is idle.
-
-[Note: a small memory-only snapshot is copied inline] Handed to the staging thread, a small
-snapshot's copy (a few ms of CPU) had to win the GIL from the training thread's forward and
-backward, and the CPU from the other ranks' threads, before the next optimizer step's fence:
-on the 2-core development VM the fence waited 4-14 ms p50 and the snapshot cost 76 ms p99
-(bench/recovery.py, `snapshot_stall_ms`, loaded machine), and the GIL ping-pong slowed every
-step at `memory_every 1`. Copied in `save()`, it costs the training thread the copy itself
-(8 MiB: about 3 ms at the VM's 2.4 GB/s memcpy) and the fence nothing. A larger state, a CUDA
-state (its device-to-host copy overlaps the next forward) and a snapshot while a durable save
-is being staged still go to the staging thread, as every durable save does.
-
-What the training thread still spends on a small snapshot (cProfile of rank 0's 27 memory-only
-`save()` calls of the default job, 5 MiB, load ~10 on the 2-core VM, profiler overhead
-included: 142 ms each): `flatten` 62 ms (about 1000 tree nodes, `_format/tree.py`), the
-copy and CRC 25 ms, the meta (its skeleton's JSON) 12 ms, the rest under 10 ms each. Before
-`save()`, the loop's `state()` waits for the sharded optimizer's deferred weight gathers
-(`sharded_state_dict`: 5-18 ms at that load), which the next forward would otherwise overlap.
-Those two, outside this package's reach, are what `snapshot_stall_ms` measures now.
-"""
+__all__ = ["Snapshots"]
 
 
 class Snapshots:
@@ -108,21 +96,6 @@ class Snapshots:
         request.device_fence = DeviceFence.after_current_work([x.tensor for x in job.flat.leaves])
         self.track(request)
         return request
-
-    def copies_inline(self, request: SaveRequest, pending: Iterable[SaveRequest]) -> bool:
-        """Whether the training thread copies the memory-only `request` itself
-        ([Note: a small memory-only snapshot is copied inline]).
-
-        Args:
-            request: a memory-only request (tracked already).
-            pending: the durable saves in flight.
-        """
-        if request.device_fence is not None or request.layout.total_bytes > INLINE_SNAPSHOT_BYTES:
-            return False
-        # The staging thread must be idle: the plan cache, the slot slabs and the meta
-        # encoder are its own while it stages anything.
-        others = [r for r, _ in self._inflight if r is not request]
-        return all(r.handed_off.is_set() for r in [*pending, *others])
 
     def uncopied(self) -> list[SaveRequest]:
         """Memory-only requests whose copy may still run (the optimizer-step fence)."""

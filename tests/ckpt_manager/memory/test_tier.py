@@ -201,39 +201,3 @@ def test_a_full_tmpfs_is_a_clear_error_or_a_skipped_extra_slot(
         mgr.maybe_finalize()  # records the durable save's snapshot (the failure came first)
         assert mgr.stats().num_memory_snapshots_failed == 2  # a durable save's snapshot too
         assert sorted(_metas(tiny_tmpfs).values()) == [2]  # the last good snapshot is intact
-
-
-def test_a_small_memory_only_snapshot_is_copied_in_save_when_the_stager_is_idle(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """[Note: a small memory-only snapshot is copied inline]: complete when `save()` returns
-    (nothing left for the fence), copied by the training thread; a larger one (the bound
-    lowered here) still goes to the staging thread."""
-    import threading
-
-    from ckpt_manager._save import pipeline, snapshots
-
-    copied_by: list[str] = []
-    copy = pipeline.copy_payload_into_slab
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        copied_by.append(threading.current_thread().name)
-        return copy(*args, **kwargs)
-
-    monkeypatch.setattr(pipeline, "copy_payload_into_slab", recording)
-    memory = tmp_path / "shm"
-    memory.mkdir()
-    cfg = CheckpointConfig(memory=MemoryTierConfig(str(memory)))
-    state = {"w": torch.arange(1000, dtype=torch.float32)}
-    main = threading.current_thread().name
-    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
-        mgr.save(1, state, durable=False)
-        assert copied_by == [main]
-        assert 1 in _metas(memory).values()  # complete before any fence
-        mgr.before_optimizer_step()
-        monkeypatch.setattr(snapshots, "INLINE_SNAPSHOT_BYTES", 100)
-        mgr.save(2, state, durable=False)
-        mgr.before_optimizer_step()
-        mgr.maybe_finalize()
-        assert copied_by[1] != main
-        assert mgr.stats().newest_memory_step == 2
