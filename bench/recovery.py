@@ -13,10 +13,12 @@ a rank holds `--state-mib` MiB of state, under `no_shard`):
 - before the first kill of every round `--measure-steps` step times are recorded, and one round
   per job and topology with `memory_every auto` and no kill gives the auto cadence's steps.
 
-Samples come from outside: the job's progress files (the time each rank starts a batch:
-a step completed) and the ranks' `restored` lines (step and source) in the daemons' logs.
+Samples come from outside: the job's progress files (the time each rank's training loop
+starts a step's forward: a step completed; [Note: the bench times the training thread] in
+`_recovery/job.py`) and the ranks' `restored` lines (step and source) in the daemons' logs.
 Keys, each with its spread, target and verdict (`bench/_recovery/stats.py`):
 `rank_kill_steps_lost_max`, `rank_kill_recovery_s`, `rank_kill_recovery_vs_durable`,
+`rank_kill_catchup_s` (to the first step beyond the newest one completed before the kill),
 `node_loss_steps_lost_max`, `node_loss_storage_bytes_read` (object GETs the S3 server answered
 between the kill and the first step completed after it), `snapshot_stall_ms` (p99 of
 `trainingd_memory_snapshot_seconds`, interpolated in its buckets),
@@ -89,7 +91,8 @@ def _select(results: list[dict[str, Any]], **match: str) -> list[dict[str, Any]]
 
 
 def _kills(results: list[dict[str, Any]], key: str, **match: str) -> list[float]:
-    return [float(k[key]) for r in _select(results, **match) for k in r["kills"]]
+    rows = [k for r in _select(results, **match) for k in r["kills"]]
+    return [float(k[key]) for k in rows if k.get(key) is not None]
 
 
 def _median_step_s(results: list[dict[str, Any]], **match: str) -> dict[tuple[str, str], float]:
@@ -121,6 +124,17 @@ def _keys(results: list[dict[str, Any]], memcpy_bps: float, loopback_bps: float)
     keys["rank_kill_recovery_vs_durable"] = stats.figure(
         ratio.get("ratio"), "<=", 0.4, unit="ratio", how="median recovery memory_every 1 / 0",
         **ratio,
+    )  # fmt: skip
+    # Recovery ends at the first step completed, whichever it is; catching up ends once the
+    # steps the kill lost are redone too (the durable path redoes up to `ckpt_every`).
+    up_on = _kills(results, "catchup_s", failure="rank", memory_every=_ON)
+    up_off = _kills(results, "catchup_s", failure="rank", memory_every=_OFF)
+    keys["rank_kill_catchup_s"] = stats.figure(
+        statistics.median(up_on) if up_on else None, "<=", None, samples=up_on, unit="s",
+        how="median SIGKILL -> first step beyond the killed group's newest completed, "
+        "memory_every 1 (the lost steps redone)",
+        durable=stats.spread(up_off),
+        ratio_vs_durable=stats.bootstrap_ratio(up_on, up_off).get("ratio"),
     )  # fmt: skip
     node_lost = _kills(results, "steps_lost", failure="node", memory_every=_ON)
     keys["node_loss_steps_lost_max"] = stats.figure(

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from _recovery import progress, stats
+from _recovery import job, progress, stats
 
 
 def _write(directory: Path, rank: int, pid: int, restart: int, times: list[float]) -> None:
@@ -41,6 +41,10 @@ def test_a_kill_sample_counts_steps_from_the_restored_step(tmp_path: Path) -> No
     assert sample.steps_lost == 1
     assert sample.source == "memory"
     assert sample.recovery_s == pytest.approx(104.6 - 101.7)
+    # Step 3 (the newest before the kill) is redone once line 3 (step 4's forward) is written.
+    assert progress.lines_to_catch_up(incs[0], 0, 2) == 3
+    assert sample.catchup_s == pytest.approx(105.1 - 101.7)
+    assert progress.kill_sample(101.7, incs[0], 0, incs[1], None).catchup_s is None
     # Restart 1 started at step 2 and completed two steps before restart 2.
     assert progress.completed_steps(incs[1], 2) == 4
     with pytest.raises(ValueError, match="not completed a step"):
@@ -89,3 +93,26 @@ def test_figures_judge_their_value_and_say_why_one_is_missing() -> None:
     ratio = stats.bootstrap_ratio([1.0, 1.0, 1.2], [2.0, 2.0, 2.4])
     assert ratio["ratio"] == pytest.approx(0.5)
     assert stats.bootstrap_ratio([1.0], []) == {}
+
+
+def test_progress_lines_are_the_training_loops_forwards_only(tmp_path: Path) -> None:
+    """[Note: the bench times the training thread]: a forward run by the loop's
+    `forward_backward` writes a line; one run elsewhere (the restore's zero step) does not.
+    The loader's fetches (the prefetch thread, batches ahead of the step) write none."""
+    import torch
+
+    model = torch.nn.Linear(2, 2)
+    path = tmp_path / "progress.txt"
+    with path.open("a", encoding="ascii") as out:
+        model.register_forward_pre_hook(job._Progress(out))
+
+        def forward_backward() -> None:
+            model(torch.zeros(1, 2))
+
+        def materialize() -> None:
+            model(torch.zeros(1, 2))
+
+        materialize()
+        forward_backward()
+        forward_backward()
+    assert len(path.read_text().splitlines()) == 2

@@ -1,11 +1,18 @@
 """The bench's job: the default job, optionally with a large state, that reports its steps.
 
 Set `BENCH_RECOVERY_PROGRESS_DIR` and each rank process appends the wall time (`time.time()`)
-at which it starts fetching a batch from the loader to `progress-rank<R>-pid<P>.txt` there:
-the N-th line of an incarnation means that N-1 steps are complete (the loader fetches the next
-batch only after the previous step's optimizer step, agreement and checkpoint call). The first
-line of the file is `restart <TORCHELASTIC_RESTART_COUNT>`. Fetches outside the loader (the
-restore template's zero step reads two samples directly) are not recorded.
+at which the training loop starts a step's forward pass to `progress-rank<R>-pid<P>.txt`
+there: the N-th line of an incarnation means that N-1 steps are complete (the loop starts the
+next forward only after the previous step's optimizer step, agreement and checkpoint call).
+The first line of the file is `restart <TORCHELASTIC_RESTART_COUNT>`. Forwards outside the
+loop's `forward_backward` (the restore template's zero step, an evaluation) are not recorded.
+
+[Note: the bench times the training thread] An earlier version recorded each batch the
+loader started to fetch. The loader runs on the prefetch thread (`daemon/rank/prefetch.py`),
+up to `data_prefetch` (2) batches ahead plus the one blocked on the full queue, so a kill
+counted up to 3 steps as complete that the training thread had not started: `steps_lost` 3
+at `memory_every 1` with the real loss at most 1, and `recovery_s` ended at the restarted
+group's first fetch (the start of its first step), not at its first completed step.
 
 `BENCH_RECOVERY_STATE_MIB` > 0 adds one trained 1-D parameter (`ballast`, zeros, no decay) to
 the model so that weights plus AdamW's two moments (12 bytes per parameter) hold about that
@@ -30,7 +37,7 @@ from torch import nn
 
 from daemon.jobs import default_job
 from daemon.jobs.gpt import GPT
-from daemon.jobs.job import Dataset, JobContext, JobSpec
+from daemon.jobs.job import JobContext, JobSpec
 
 PROGRESS_DIR_ENV = "BENCH_RECOVERY_PROGRESS_DIR"
 """Directory the ranks write their progress files to (unset: no files)."""
@@ -38,8 +45,10 @@ STATE_MIB_ENV = "BENCH_RECOVERY_STATE_MIB"
 """Extra state per rank in MiB (weights + AdamW moments of the ballast); 0 or unset: none."""
 BYTES_PER_PARAM = 12
 """fp32 weight + AdamW's exp_avg and exp_avg_sq."""
-_LOADER_FRAME = "next_batch"
-"""The loader's method that fetches a batch (`daemon/rank/data.py`)."""
+_STEP_FRAME = "forward_backward"
+"""The training loop's method that runs a step's forward passes (`daemon/rank/loop.py`)."""
+_FRAMES_SEARCHED = 16
+"""Frames between the hook and the loop's method (the sharding wrapper's call, torch's)."""
 
 
 class _Ballast(nn.Module):
@@ -64,29 +73,22 @@ class _Ballast(nn.Module):
 
 
 class _Progress:
-    """`data`, appending the time of each batch the loader starts to fetch to a file."""
+    """A forward pre-hook appending the time of each training step's forward to a file."""
 
-    def __init__(self, data: Dataset, out: IO[str]) -> None:
-        self._data = data
+    def __init__(self, out: IO[str]) -> None:
         self._out = out
-        self._last_frame: object = None
 
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # The loader's list comprehension calls this; its frame is the loader's call (one
-        # frame object per `next_batch` call, so the first fetch of a batch is a new frame).
-        caller = sys._getframe(1)
-        if caller.f_code.co_name != _LOADER_FRAME:
-            caller = caller.f_back  # type: ignore[assignment]
-        loader = caller is not None and caller.f_code.co_name == _LOADER_FRAME
-        if loader and caller is not self._last_frame:
-            self._last_frame = caller
-            self._out.write(f"{time.time():.6f}\n")
-            self._out.flush()
-        item: tuple[torch.Tensor, torch.Tensor] = self._data[index]
-        return item
+    def __call__(self, module: nn.Module, args: object) -> None:
+        # Only the loop's own forwards count ([Note: the bench times the training thread]).
+        frame = sys._getframe(1)
+        for _ in range(_FRAMES_SEARCHED):
+            if frame is None:
+                return
+            if frame.f_code.co_name == _STEP_FRAME:
+                self._out.write(f"{time.time():.6f}\n")
+                self._out.flush()
+                return
+            frame = frame.f_back  # type: ignore[assignment]
 
 
 def build(ctx: JobContext) -> JobSpec:
@@ -106,5 +108,5 @@ def build(ctx: JobContext) -> JobSpec:
         out = open(path, "a", encoding="ascii")  # noqa: SIM115 (open for the process's life)
         out.write(f"restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
         out.flush()
-        spec = dataclasses.replace(spec, train_data=_Progress(spec.train_data, out))
+        spec.model.register_forward_pre_hook(_Progress(out))
     return spec

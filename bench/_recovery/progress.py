@@ -37,9 +37,14 @@ class KillSample(NamedTuple):
     source: str
     """Where the restarted group's state came from (`memory`, `replica`, `durable`, `none`)."""
     steps_lost: int
+    """`last_step - restored_step`; -1 when the kill fell after step `last_step + 1`'s
+    checkpoint call but before the next forward (whose start marks that step complete)."""
     recovery_s: float
     """SIGKILL to the first step the restarted incarnation completed."""
     fallback_reason: str | None
+    catchup_s: float | None = None
+    """SIGKILL to the first step beyond `last_step` completed, i.e. with the lost steps
+    redone (None: the restarted incarnation has not got there yet)."""
 
 
 def parse_progress(text: str) -> tuple[int, list[float]]:
@@ -109,6 +114,9 @@ def kill_sample(
         raise ValueError(f"restart {after.restart} has not completed a step yet")
     restored_step = int(restored["ckpt_step"]) if restored is not None else 0
     last = completed_steps(before, before_start)
+    # Line k (1-based) of `after`: restored_step + k - 1 steps complete.
+    beyond = last + 1 - restored_step
+    catchup = after.batch_starts[beyond] - killed_unix if beyond < len(after.batch_starts) else None
     return KillSample(
         killed_unix=killed_unix,
         last_step=last,
@@ -117,7 +125,14 @@ def kill_sample(
         steps_lost=last - restored_step,
         recovery_s=after.batch_starts[1] - killed_unix,
         fallback_reason=restored.get("fallback_reason") if restored is not None else None,
+        catchup_s=catchup,
     )
+
+
+def lines_to_catch_up(before: Incarnation, before_start: int, restored_step: int) -> int:
+    """Progress lines the restarted incarnation needs before `kill_sample` can tell its
+    `catchup_s` (the first step beyond the killed incarnation's newest one completed)."""
+    return completed_steps(before, before_start) + 2 - restored_step
 
 
 def step_times(incarnation: Incarnation, skip: int) -> list[float]:

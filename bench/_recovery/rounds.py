@@ -192,6 +192,9 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
             after = r.wait_batches(restart, 2, _RESTART_TIMEOUT_S)
             before = r.incarnations()[restart - 1]  # lines written after the kill count too
             restored = progress.restored_by_restart(r.nodes[0].events(), 0).get(restart)
+            restored_step = int(restored["ckpt_step"]) if restored is not None else 0
+            catchup = progress.lines_to_catch_up(before, before_start, restored_step)
+            after = r.wait_batches(restart, max(catchup, 2), _RESTART_TIMEOUT_S)
             sample = progress.kill_sample(killed, before, before_start, after, restored)
             row = sample._asdict()
             if s3 is not None:

@@ -37,8 +37,8 @@ __all__ = [
     "FORMAT_VERSION",
     "ORIGIN_LOCAL",
     "ORIGIN_REPLICA",
+    "MetaEncoder",
     "SlotMeta",
-    "build_meta",
     "restamp",
 ]
 
@@ -51,9 +51,16 @@ ORIGIN_REPLICA = "replica"
 """`SlotMeta.origin` of a snapshot copied from a peer node's replica."""
 
 
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
 def _meta_checksum(body: dict[str, Any]) -> int:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return checksum(ChecksumAlgorithm.CRC32C, canonical)
+    return _crc32c(_canonical(body).encode())
+
+
+def _crc32c(data: bytes) -> int:
+    return checksum(ChecksumAlgorithm.CRC32C, data)
 
 
 class SlotMeta(NamedTuple):
@@ -139,39 +146,64 @@ def _record(value: Any, payload_bytes: int) -> TensorRecord:
     return record
 
 
-def build_meta(
-    *,
-    run_id: str,
-    rank: int,
-    world_size: int,
-    step: int,
-    plan: MemoryPlan,
-    algorithm: ChecksumAlgorithm,
-    checksum: int,
-    tree: Any,
-    rank_local_trees: list[Any],
-) -> dict[str, Any]:
-    """The meta of a complete payload (see the module docstring)."""
-    body = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "run_id": run_id,
-        "rank": rank,
-        "world_size": world_size,
-        "step": step,
-        "created_unix_s": time.time(),
-        "payload_bytes": plan.payload.total_bytes,
-        "durable_bytes": plan.durable_bytes,
-        "checksum_algorithm": algorithm.value,
-        "checksum": checksum,
-        "layout": plan.layout,
-        "global_layout": plan.global_layout,
-        "tree": tree,
-        "rank_local_trees": rank_local_trees,
-        "tensors": {key: list(record) for key, record in plan.records.items()},
-    }
-    # Tuples here are lists once parsed: the same JSON text, so the same checksum.
-    return {**body, _SELF_CHECK: _meta_checksum(body)}
+class MetaEncoder:
+    """Encodes metas as the bytes of their file, the plan's tensor records once per plan.
+
+    [Note: a meta is encoded once, its records once per plan] A snapshot's meta used to be
+    encoded twice (the canonical JSON of its self-checksum, then the file's JSON), all of it,
+    on the staging thread while the training thread runs Python that needs the GIL. Its bulk,
+    `tensors` (the records: one per leaf, the same for every snapshot of one layout), is now
+    encoded once per plan; each snapshot encodes only its small fields and its skeleton, once.
+    The file holds the canonical text (sorted keys, no spaces) with `meta_checksum` appended,
+    so `SlotMeta.parse` recomputes the same checksum from what it reads.
+    """
+
+    def __init__(self) -> None:
+        """An encoder with an empty cache (one per memory tier: the staging thread's)."""
+        self._plan: MemoryPlan | None = None
+        self._records = ""
+
+    def encode(
+        self,
+        *,
+        run_id: str,
+        rank: int,
+        world_size: int,
+        step: int,
+        plan: MemoryPlan,
+        algorithm: ChecksumAlgorithm,
+        checksum: int,
+        tree: Any,
+        rank_local_trees: list[Any],
+    ) -> bytes:
+        """The meta file's bytes of a complete payload (see the module docstring)."""
+        if plan is not self._plan:
+            # Tuples here are lists once parsed: the same JSON text, so the same checksum.
+            self._records = _canonical({key: list(r) for key, r in plan.records.items()})
+            self._plan = plan
+        fields: dict[str, Any] = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "run_id": run_id,
+            "rank": rank,
+            "world_size": world_size,
+            "step": step,
+            "created_unix_s": time.time(),
+            "payload_bytes": plan.payload.total_bytes,
+            "durable_bytes": plan.durable_bytes,
+            "checksum_algorithm": algorithm.value,
+            "checksum": checksum,
+            "layout": plan.layout,
+            "global_layout": plan.global_layout,
+            "tree": tree,
+            "rank_local_trees": rank_local_trees,
+        }
+        parts = {key: _canonical(value) for key, value in fields.items()}
+        parts["tensors"] = self._records
+        text = "{" + ",".join(f"{_canonical(k)}:{parts[k]}" for k in sorted(parts)) + "}"
+        data = text.encode()
+        value = _crc32c(data)
+        return data[:-1] + f',"{_SELF_CHECK}":{value}}}'.encode()
 
 
 def restamp(raw: dict[str, Any], **fields: Any) -> dict[str, Any]:

@@ -124,15 +124,19 @@ class SlotFiles:
         except OSError as err:
             raise CheckpointError(f"memory slot {self.meta_path(slot)}: {err}") from err
 
-    def write_meta(self, slot: int, meta: dict[str, Any]) -> None:
+    def write_meta(self, slot: int, meta: dict[str, Any] | bytes) -> None:
         """Write `slot`'s meta atomically (its payload is complete).
+
+        Args:
+            slot: the slot.
+            meta: the meta, or its file's bytes already encoded (`meta.MetaEncoder`).
 
         Raises:
             CheckpointError: the write failed (the slot then stays empty).
         """
         path = self.meta_path(slot)
         temp = f"{path}.tmp-{os.getpid()}"
-        data = json.dumps(meta, separators=(",", ":")).encode()
+        data = meta if isinstance(meta, bytes) else json.dumps(meta, separators=(",", ":")).encode()
         try:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:

@@ -27,7 +27,7 @@ from ckpt_manager._config import MemoryTierConfig
 from ckpt_manager._format.checksum import ChecksumAlgorithm
 from ckpt_manager._format.tree import Flattened, TensorLeaf
 from ckpt_manager._memory.floor import write_floor
-from ckpt_manager._memory.meta import SlotMeta, build_meta
+from ckpt_manager._memory.meta import MetaEncoder, SlotMeta
 from ckpt_manager._memory.plan import MemoryPlan, MemoryPlanCache
 from ckpt_manager._memory.slots import SlotFiles
 from ckpt_manager.errors import CheckpointError
@@ -95,6 +95,7 @@ class MemoryTier:
         """The most slots this rank uses."""
         self.plans = MemoryPlanCache()
         """Payload plans (staging thread only)."""
+        self._metas = MetaEncoder()  # staging thread only
         self.held: dict[int, int] = {}
         """Complete snapshots of this run's timeline: slot -> step (training thread)."""
         self.newest_step: int | None = None
@@ -234,7 +235,7 @@ class MemoryTier:
         flat, plan = job.flat, job.plan
         assert flat is not None
         assert plan is not None
-        meta = build_meta(
+        meta = self._metas.encode(
             run_id=self.run_id,
             rank=self.rank,
             world_size=self.world_size,

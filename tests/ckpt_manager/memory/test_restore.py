@@ -150,7 +150,7 @@ def _one_rank_restore(rank: int, world: int, root: str, memory: str) -> dict[str
 
 def _killed_mid_snapshot(rank: int, world: int, root: str, memory: str) -> None:
     """Snapshots 5 and 6 on both ranks, then 7: rank 0 completes it, rank 1 SIGKILLs itself
-    after the first tensor of its payload was copied (the slot it fills held step 5)."""
+    after the first tensors of its payload were copied (the slot it fills held step 5)."""
     import torch.distributed as dist
 
     with CheckpointManager(root, _config(memory), run_id=RUN_ID) as mgr:
@@ -166,16 +166,18 @@ def _killed_mid_snapshot(rank: int, world: int, root: str, memory: str) -> None:
             assert mgr.stats().newest_memory_step == 7
         dist.barrier()
         if rank == 1:
-            copy = staging._copy_checksummed
-            copied = []
+            # The staging copy checksums the header, then each batch of tensors behind its
+            # copy ([Note: small tensors in one call]): the second checksum follows a copy.
+            crc = staging.checksum
+            calls = []
 
             def dies_midway(*args: Any) -> int:
-                if copied:
+                if calls:
                     os.kill(os.getpid(), signal.SIGKILL)
-                copied.append(True)
-                return copy(*args)
+                calls.append(True)
+                return crc(*args)
 
-            staging._copy_checksummed = dies_midway  # type: ignore[assignment]
+            staging.checksum = dies_midway  # type: ignore[assignment]
             mgr.save(7, seven, durable=False)
             mgr.before_optimizer_step()
             raise AssertionError("rank 1 survived its own SIGKILL")

@@ -106,3 +106,46 @@ def test_a_slab_asks_for_huge_pages_where_shmem_thp_is_advise_and_falls_back(
     plain = Slab(3, layout.total_bytes)
     assert not plain.huge_pages_advised
     plain.close()
+
+
+def test_small_tensors_are_copied_and_checksummed_a_batch_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: small tensors in one call]: 200 small tensors cost a few GIL-releasing calls,
+    not a few per tensor (one by one, 400 checksum calls), and both checksums (the file's,
+    up to `split_at`, and the payload's) still cover every byte."""
+    calls = []
+    counted = staging.checksum
+
+    def counting(*args: object, **kwargs: object) -> int:
+        calls.append(1)
+        return counted(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(staging, "checksum", counting)
+    monkeypatch.setattr(staging, "crc32c_at", lambda *a: pytest.fail("a per-chunk CRC call"))
+    tensors = [torch.randn(int(n)) for n in torch.randint(1, 300, (200,))]
+    layout = plan_layout([(f"t{i}", torch.float32, tuple(t.shape)) for i, t in enumerate(tensors)])
+    split_at = layout.slots[120].offset
+    slab = Slab(1, layout.total_bytes)
+    try:
+        assert slab.tensor is not None
+        slab.tensor.fill_(0xAB)
+        progress: list[int] = []
+        file_value, payload_value = staging.copy_payload_into_slab(
+            slab, layout, tensors, split_at, progress.append, progress_bytes=1
+        )
+        assert len(calls) <= 6
+        view = slab.view(layout.total_bytes)
+        try:
+            assert file_value == counted(ChecksumAlgorithm.CRC32C, view[:split_at])
+            assert payload_value == counted(ChecksumAlgorithm.CRC32C, view)
+        finally:
+            view.release()
+        assert progress == sorted(progress)
+        assert progress[-1] == split_at
+        for slot, tensor in zip(layout.slots, tensors, strict=True):
+            got = slab.tensor[slot.offset : slot.offset + slot.nbytes].view(torch.float32)
+            assert torch.equal(got, tensor)
+        del got
+    finally:
+        slab.close()

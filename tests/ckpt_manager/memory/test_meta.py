@@ -1,0 +1,77 @@
+"""A slot's meta as `MetaEncoder` writes it: parsed back whole, self-checked, and its tensor
+records encoded once per plan ([Note: a meta is encoded once, its records once per plan])."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_manager._format.checksum import ChecksumAlgorithm
+from ckpt_manager._format.shard_file import plan_layout
+from ckpt_manager._memory import meta
+from ckpt_manager._memory.meta import MetaEncoder, SlotMeta
+from ckpt_manager._memory.plan import MemoryPlan, TensorRecord
+
+
+def _plan(num_tensors: int) -> MemoryPlan:
+    layout = plan_layout([(f"t{i}", torch.float32, (3,)) for i in range(num_tensors)])
+    records = {
+        slot.key: TensorRecord("tensor", "float32", (3,), (3,), None, None, slot.offset, 12)
+        for slot in layout.slots
+    }
+    return MemoryPlan(layout, layout.total_bytes, (), records, "ab12", "cd34")
+
+
+def _encode(encoder: MetaEncoder, plan: MemoryPlan, step: int) -> bytes:
+    tree = ["d", [["model", ["T", "t0"]], ["data", ["v", {"epoch": 1, "pos": step}]]]]
+    return encoder.encode(
+        run_id="r",
+        rank=1,
+        world_size=2,
+        step=step,
+        plan=plan,
+        algorithm=ChecksumAlgorithm.CRC32C,
+        checksum=0xDEADBEEF,
+        tree=tree,
+        rank_local_trees=[["v", 0.5]],
+    )
+
+
+def test_an_encoded_meta_parses_back_and_a_changed_value_is_refused() -> None:
+    plan = _plan(4)
+    raw = json.loads(_encode(MetaEncoder(), plan, 7))
+    parsed = SlotMeta.parse(raw)
+    assert (parsed.run_id, parsed.rank, parsed.world_size, parsed.step) == ("r", 1, 2, 7)
+    assert parsed.checksum == 0xDEADBEEF
+    assert parsed.records == plan.records
+    assert parsed.tree[1][1][1] == ["v", {"epoch": 1, "pos": 7}]
+    assert parsed.rank_local_trees == [["v", 0.5]]
+    raw["tree"][1][1][1][1]["pos"] = 8  # a flipped skeleton value
+    with pytest.raises(ValueError, match="meta checksum mismatch"):
+        SlotMeta.parse(raw)
+
+
+def test_the_records_are_encoded_once_per_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    encoded: list[Any] = []
+    canonical = meta._canonical
+
+    def counting(value: Any) -> str:
+        encoded.append(value)
+        return canonical(value)
+
+    monkeypatch.setattr(meta, "_canonical", counting)
+    plan, encoder = _plan(50), MetaEncoder()
+
+    def records_encoded() -> int:
+        return sum(1 for v in encoded if isinstance(v, dict) and set(v) == set(plan.records))
+
+    first = _encode(encoder, plan, 1)
+    second = _encode(encoder, plan, 2)
+    assert records_encoded() == 1
+    assert SlotMeta.parse(json.loads(second)).step == 2
+    assert json.loads(first)["tensors"] == json.loads(second)["tensors"]
+    _encode(encoder, _plan(50), 3)  # another plan (a new layout): encoded afresh
+    assert records_encoded() == 2
