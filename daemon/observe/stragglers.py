@@ -28,7 +28,7 @@ class StragglerReport(NamedTuple):
     rank: int
     """Global rank."""
     node: int
-    """Its node (`GROUP_RANK`, the score's `node` label)."""
+    """Its node (the daemon's `node_rank`, the score's `node` label)."""
     score: float
     """Its score when named: median compute time over the median rank's."""
     compute_s: float

@@ -469,7 +469,13 @@ class _Training:
             cfg.observability,
             rank=self.rank,
             world_size=self.world,
-            node=int(os.environ.get("GROUP_RANK", cfg.launch.node_rank)),
+            # The daemon's node rank, as its own lines and the hang detector label a node
+            # (c10d's group rank may differ); plain torchrun has only the group rank.
+            node=(
+                int(os.environ.get("GROUP_RANK", "0"))
+                if isinstance(telemetry, NullTelemetry)
+                else cfg.launch.node_rank
+            ),
             telemetry=telemetry,
             device=device,
         )

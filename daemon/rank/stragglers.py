@@ -139,7 +139,7 @@ class StragglerProbe:
         settings: the `[observability]` section (threshold, window, on or off).
         rank: this rank.
         world_size: ranks in the job.
-        node: this rank's node (`GROUP_RANK`), the score's `node` label.
+        node: this rank's node (the daemon's `node_rank`), the score's `node` label.
         telemetry: where the score and compute seconds go.
         device: where the agreement tensor lives (CUDA: the all-reduce is timed with events).
     """
