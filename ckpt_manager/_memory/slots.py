@@ -56,6 +56,16 @@ class SlotFiles:
         self._prefix = f"rank-{rank:05d}.slot-"
         self._pattern = re.compile(re.escape(self._prefix) + r"(\d+)" + re.escape(_META_SUFFIX))
 
+    @staticmethod
+    def ranks_in(directory: str) -> list[int]:
+        """Every rank with a slot file (payload or meta) in `directory`, ascending."""
+        ranks = set()
+        for name in _listdir(directory):
+            head, dot, _ = name.partition(".slot-")
+            if dot and head.startswith("rank-") and head[5:].isdigit():
+                ranks.add(int(head[5:]))
+        return sorted(ranks)
+
     def payload_path(self, slot: int) -> str:
         """The payload file of `slot`."""
         return os.path.join(self.directory, f"{self._prefix}{slot}")

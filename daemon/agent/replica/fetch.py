@@ -68,15 +68,10 @@ def missing_ranks(tier_dir: str, run_id: str, ranks: Sequence[int]) -> list[int]
     return missing
 
 
-def former_ranks(tier_dir: str, run_id: str, ranks: Sequence[int]) -> list[int]:
+def former_ranks(tier_dir: str, ranks: Sequence[int]) -> list[int]:
     """Ranks with slot files in `tier_dir` that are not this node's in the round (`ranks`):
     ranks it ran in an earlier round ([Note: group ranks move between nodes])."""
-    held: set[int] = set()
-    for name in os.listdir(tier_dir):
-        head, dot, _ = name.partition(".slot-")
-        if dot and head.startswith("rank-") and head[5:].isdigit():
-            held.add(int(head[5:]))
-    return sorted(held - set(ranks))
+    return sorted(set(SlotFiles.ranks_in(tier_dir)) - set(ranks))
 
 
 def fetch_missing(
@@ -171,7 +166,7 @@ def _adopt_one(
         return f"{what}: {refused[1]}"
     files.remove_meta(slot)
     try:
-        fd, capacity = files.allocate(slot, meta.payload_bytes)
+        fd, _ = files.allocate(slot, meta.payload_bytes)
         try:
             with open(source.payload_path(int(entry["slot"])), "rb") as src:
                 copied = 0
@@ -185,7 +180,6 @@ def _adopt_one(
     except (CheckpointError, OSError) as err:
         stats.failed(Refusal.NO_SPACE, "replica_fetch_failed", replica=what, detail=str(err))
         return f"{what}: {err}"
-    del capacity
     mismatch = verify_slot(files.payload_path(slot), meta)
     if mismatch is not None:  # the replica changed while it was copied, or is damaged
         stats.failed(Refusal.CHECKSUM, "replica_fetch_refused", replica=what, detail=mismatch)

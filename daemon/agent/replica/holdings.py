@@ -76,15 +76,6 @@ class ReplicaHoldings:
         """`rank`'s complete replicas of this run (their metas parse), oldest step first."""
         return complete_slots(self.files(rank), self.run_id)
 
-    def ranks(self) -> list[int]:
-        """Every rank with a slot file here."""
-        ranks = set()
-        for path in self.directory.glob("rank-*.slot-*"):
-            head = path.name.split(".", 1)[0].removeprefix("rank-")
-            if head.isdigit():
-                ranks.add(int(head))
-        return sorted(ranks)
-
     def reserve(self, rank: int, nbytes: int) -> tuple[int, int, int] | None:
         """Empty and allocate the slot an arriving replica of `rank` takes.
 

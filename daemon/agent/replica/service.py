@@ -143,7 +143,7 @@ class ReplicaService:
         except Exception as err:  # a failed fetch costs the replicas, never the round
             log.warning("replica_fetch_failed", error=f"{type(err).__name__}: {err}")
         target = peers.addresses[(group_rank + 1) % num_nodes] or None
-        former = former_ranks(self._tier_dir, self._cfg.run_id, ranks)
+        former = former_ranks(self._tier_dir, ranks)
         self._sender.set_ring(Ring(peers.round, target, tuple(ranks)), former=former)
         log.info("replica_ring", round=peers.round, group_rank=group_rank, target=target)
 
