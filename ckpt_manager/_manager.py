@@ -320,8 +320,10 @@ class CheckpointManager:
     def _note_committed(
         self, step: int, committed_unix_s: float, metrics: Mapping[str, Any]
     ) -> None:
-        if self._deleter is not None:
+        if self._deleter is not None:  # the coordinator's
             self._deleter.note_committed(step, committed_unix_s, metrics)
+        if self._memory is not None:  # [Note: a memory step older than a durable one is stale]
+            self._memory.record_durable(step)
 
     def _protected_steps(self) -> set[int]:
         # Read by the deleter's thread; each attribute is replaced whole, never mutated.
@@ -414,7 +416,6 @@ class CheckpointManager:
         while len(self._pending) >= self.config.max_inflight:
             try:
                 self._final.run(blocking=True)
-                self._note_durable()
             except SaveFailedError as err:  # the failed request is retired: room was made
                 older_failure = err
         request = self._prepare(step, state, metrics, started)
@@ -426,7 +427,6 @@ class CheckpointManager:
         request.stall_s += time.monotonic() - started
         if self.config.async_mode is AsyncMode.SYNC:
             self._final.run(blocking=True)
-            self._note_durable()
         if older_failure is not None:
             raise older_failure
 
@@ -545,7 +545,6 @@ class CheckpointManager:
             self._final.run(blocking=False)
         finally:
             self._finalize_calls.append(time.monotonic() - t0)
-            self._note_durable()
 
     def wait_until_finished(self) -> None:
         """Block until every save in flight is committed or failed (collective), and every
@@ -557,7 +556,6 @@ class CheckpointManager:
         """
         self._check_open()
         self._final.run(blocking=True)
-        self._note_durable()
         if self._snapshots is not None:
             self._snapshots.collect(self.config.staging_timeout_s, everything=True)
         if self._deleter is not None:
@@ -739,12 +737,6 @@ class CheckpointManager:
             self._deleter.arm()  # [Note: retention waits for the run's restore]
         return result
 
-    def _note_durable(self) -> None:
-        """Raise the memory tier's durable floor to the newest commit (a no-op when
-        unchanged: [Note: a memory step older than a durable one is stale])."""
-        if self._memory is not None and self._final.last_committed is not None:
-            self._memory.record_durable(self._final.last_committed[0])
-
     # ----------------------------------------------------------------- shutdown
     def _check_open(self) -> None:
         if self._closed:
@@ -761,7 +753,6 @@ class CheckpointManager:
         try:
             if self._pending:
                 self._final.run(blocking=True)
-                self._note_durable()
         finally:
             self._closed = True
             self._shutdown()

@@ -253,9 +253,10 @@ class Finalizer:
             on_idle: called after a commit that left nothing in flight (wakes retention).
             fence: the coordinator's lease check (raises `LeaseLostError` once the lease was
                 taken over): before each manifest write and each removal of an attempt.
-            on_committed: on the coordinator, called with each committed step, its commit
-                time and the metrics its manifest holds ([Note: retention learns a commit
-                from the finalizer] in `_retention/deleter.py`).
+            on_committed: on every rank, called with each committed step, its commit time
+                and the metrics its manifest holds (on the coordinator: rank 0's report
+                carries them; elsewhere empty): [Note: retention learns a commit from the
+                finalizer] in `_retention/deleter.py`, and the memory tier's durable floor.
         """
         self._config = config
         self._storage = storage
@@ -553,8 +554,7 @@ class Finalizer:
 
     def _committed(self, request: SaveRequest, committed_unix_s: float) -> None:
         self.last_committed = (request.step, committed_unix_s)
-        if self._on_committed is not None and self._coord.is_coordinator:
-            # The manifest's metrics are the coordinator's (rank 0's report carries them).
+        if self._on_committed is not None:
             metrics = request.contribution.get("metrics") or {}
             self._on_committed(request.step, committed_unix_s, metrics)
         self._retire(request, SaveResult.COMMITTED, time.monotonic() - self._commit_started)
