@@ -61,6 +61,7 @@ __all__ = [
     "RankFailure",
     "Verdict",
     "failure_reason",
+    "lost_a_peer",
 ]
 
 log = structlog.get_logger("trainingd.failures")
@@ -271,20 +272,13 @@ class FailureTracker:
                     ex.rank, ex.local_rank, self._node, restart, reason, ex.exit_code, error
                 )
             )
+        others = self._other_errors({f.local_rank for f in failures}, restart, hung)
+        failures, others = _blame_the_cause(failures, others)
         for f in failures:
             tail = [] if f.error is None else f.error.traceback_tail
             log.error("rank_failed", **f.as_dict(), traceback_tail=tail)
             if self._board is not None:
                 self._board.note_failure(f.as_dict(), f.describe())
-        # The attempt's other ranks that raised too, whether or not their process has
-        # exited yet: their errors count for the comparison, not as failures seen here.
-        found = {f.local_rank for f in failures}
-        others = []
-        for local in range(self._local_ranks):
-            error = None if local in found else read_error(error_path(self._run_dir, local))
-            if error is not None and error.restart == restart:
-                reason = failure_reason(1, error, error.rank in hung)
-                others.append(RankFailure(error.rank, local, self._node, restart, reason, 1, error))
         with self._lock:
             for f in failures:
                 self._counts[f.reason] += 1
@@ -294,6 +288,20 @@ class FailureTracker:
             self._incidents.rank_failures(failures, verdict)
         return verdict
 
+    def _other_errors(
+        self, found: set[int], restart: int, hung: Mapping[int, object]
+    ) -> list[RankFailure]:
+        """The attempt's other local ranks that raised too, whether or not their process has
+        exited yet: their errors count for the comparison, not as failures seen here (unless
+        the failures seen only lost them: `_blame_the_cause`)."""
+        others = []
+        for local in range(self._local_ranks):
+            error = None if local in found else read_error(error_path(self._run_dir, local))
+            if error is not None and error.restart == restart:
+                reason = failure_reason(1, error, error.rank in hung)
+                others.append(RankFailure(error.rank, local, self._node, restart, reason, 1, error))
+        return others
+
     def _decide(
         self, failures: list[RankFailure], others: list[RankFailure], restart: int
     ) -> Verdict:
@@ -302,7 +310,8 @@ class FailureTracker:
         if config:
             self.verdict, self.decisive = Verdict.CONFIG, config
             return self.verdict
-        attempt = failures + others
+        # A lost peer is the peer's failure, outside this rank: never a reason to stop.
+        attempt = [f for f in failures + others if not lost_a_peer(f.error)]
         self._signatures[restart] = {s for f in attempt if (s := f.signature) is not None}
         previous = self._signatures.get(restart - 1, set())
         repeated = [f for f in attempt if f.signature in previous]
@@ -332,6 +341,48 @@ class FailureTracker:
         """`the last failure: rank ...`, or None when none was recorded."""
         last = self.last
         return None if not last else f"last failure: {last[-1].describe()}"
+
+
+_PEER_LOSS_MARKERS = (
+    "Connection closed by peer",  # gloo, the peer's process exited
+    "Connection reset by peer",
+    "remote process exited or there was a network error",  # NCCL's ncclRemoteError
+    "NCCL communicator was aborted",
+)
+"""What a collective raises on a rank whose peer went away (the peer's failure, not its own)."""
+
+
+def lost_a_peer(error: RankError | None) -> bool:
+    """Whether a rank's error says only that a peer of its collective went away."""
+    return error is not None and any(m in error.message for m in _PEER_LOSS_MARKERS)
+
+
+def _blame_the_cause(
+    failures: list[RankFailure], others: list[RankFailure]
+) -> tuple[list[RankFailure], list[RankFailure]]:
+    """The failures to report and the other errors of the attempt.
+
+    [Note: a rank that lost its peer is not the failure] When one rank raises, its peers in a
+    collective see the connection close and exit too, often before it does: the agent may find
+    only them dead. If every failure the agent found only lost a peer and another local rank of
+    the attempt wrote an error of its own, that rank is the failure (logged, counted, the
+    incident's rank) and the others are its collateral, logged as such. Across nodes a node
+    sees only its own ranks: its lost-peer failure stays the failure it reports.
+    """
+    causes = [f for f in others if not lost_a_peer(f.error)]
+    if not causes or not failures or not all(lost_a_peer(f.error) for f in failures):
+        return failures, others
+    for f in failures:
+        log.warning(
+            "rank_stopped_by_peer_failure",
+            rank=f.rank,
+            node=f.node,
+            restart=f.restart,
+            message=f.error.message if f.error is not None else None,
+            causes=[c.rank for c in causes],
+        )
+    rest = [f for f in others if lost_a_peer(f.error)]
+    return causes, failures + rest
 
 
 def _first_line(text: str) -> str:

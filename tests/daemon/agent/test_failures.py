@@ -169,3 +169,32 @@ def test_every_rank_raising_is_deterministic_whichever_exits_first(tmp_path: Pat
         verdict = tracker.record([RankExit(first, first, 1)], restart=restart)
     assert verdict is Verdict.DETERMINISTIC
     assert tracker.counts()["exception"] == 2  # failures the agent saw, not the other files
+
+
+def test_a_rank_that_lost_its_peer_is_not_blamed_for_the_peers_exception(tmp_path: Path) -> None:
+    # Rank 1 raises at step 3; rank 0, waiting in a collective with it, sees the connection
+    # close and exits first: the agent finds only rank 0 dead. The failure is rank 1's.
+    tracker = FailureTracker(tmp_path, node=0, local_ranks=2)
+    gloo = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[127.0.0.1]:3973. This is typically caused by a remote worker crashing."
+    )
+    for restart in (0, 1):
+        _write(tmp_path, local_rank=0, rank=0, restart=restart, err=gloo)
+        _write(tmp_path, local_rank=1, rank=1, restart=restart, err=ValueError("the job fails"))
+        verdict = tracker.record([RankExit(0, 0, 1)], restart=restart)
+        assert [(f.rank, f.error.exc_type if f.error else None) for f in tracker.last[-1:]] == [
+            (1, "ValueError")
+        ]
+    assert verdict is Verdict.DETERMINISTIC
+    assert [f.rank for f in tracker.decisive] == [1]
+    assert tracker.counts()["exception"] == 2  # rank 1 once per attempt; rank 0 not counted
+
+
+def test_a_lost_peer_is_the_failure_when_no_local_rank_raised_otherwise(tmp_path: Path) -> None:
+    # The peer that failed is on another node: this node's only evidence is the lost peer.
+    tracker = FailureTracker(tmp_path, node=0, local_ranks=1)
+    _write(tmp_path, err=RuntimeError("Connection reset by peer"))
+    assert tracker.record([RankExit(0, 0, 1)], restart=0) is Verdict.RETRY
+    assert [f.rank for f in tracker.last] == [0]
+    assert tracker.counts()["exception"] == 1
