@@ -34,7 +34,7 @@ from datetime import timedelta
 from multiprocessing import reduction
 from typing import Any
 
-__all__ = ["RankFailedError", "RankTimeoutError", "free_port", "run_on_ranks"]
+__all__ = ["RankFailedError", "RankTimeoutError", "free_port", "group_store", "run_on_ranks"]
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -67,6 +67,22 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def group_store(world_size: int) -> Any:
+    """The rendezvous store of a group of `world_size` ranks, bound by the caller.
+
+    [Note: the parent holds the group's port] A port found free and bound later by rank 0 can
+    be taken in between by any other process on the machine (seen as EADDRINUSE under a loaded
+    suite), so the process that starts the ranks binds the store itself, on a port the kernel
+    picks, and keeps the returned object alive for the group's life; each rank (`_child`)
+    connects to `.port` as a client.
+    """
+    import torch.distributed as dist
+
+    return dist.TCPStore(
+        "127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False, use_libuv=True
+    )
 
 
 def rank_context() -> Any:
@@ -177,8 +193,17 @@ def _child(
     # Ranks share 2 cores: one thread each keeps them from thrashing.
     torch.set_num_threads(threads)
     try:
+        # A client of the store the parent holds ([Note: the parent holds the group's port]).
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            world_size,
+            is_master=False,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
         dist.init_process_group(
             backend,
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
@@ -225,7 +250,8 @@ def run_on_ranks(
 
     ctx = rank_context()
     results = ctx.Queue()
-    port = free_port()
+    server = group_store(world_size)
+    port = server.port
     procs = [
         ctx.Process(
             target=_child,
@@ -284,4 +310,5 @@ def run_on_ranks(
                 p.kill()
                 p.join(timeout=5)
         results.close()
+        del server
     return [outcomes[r] for r in range(world_size)]
