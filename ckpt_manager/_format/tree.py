@@ -257,7 +257,7 @@ class _Flattener:
             return ["d", items]
         if isinstance(value, list | tuple):
             tag = "t" if isinstance(value, tuple) else "l"
-            if all(type(v) in _PLAIN_SCALARS for v in value):
+            if _PLAIN_SCALARS.issuperset(map(type, value)):
                 # [Note: a list of plain values in one pass] the same nodes as below.
                 return [tag, [["v", v] for v in value]]
             prefix = f"{key}/" if key else ""
