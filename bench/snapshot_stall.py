@@ -1,14 +1,15 @@
 """What one memory snapshot costs the training thread, part by part (issue 29, item 1).
 
 Runs the real training loop (`daemon.rank.loop.run_training`) of the default job on `--ranks`
-gloo ranks (forked, as the tests' `run_on_ranks`) with the memory tier on at a fixed
-`memory_every`, and times, on the training thread only, each part of every memory snapshot:
+gloo ranks (forked, as the tests' `run_on_ranks`) with the memory tier on at `--memory-every`
+(steps, or `auto`: then it also reports the last snapshot costs the cadence was fed and the
+interval it chose), and times, on the training thread only, each part of every snapshot:
 
 - `state()`: `model` (`sharded_state_dict`, incl. `wait_weights`, the wait for deferred
   weight gathers), `optimizer`, `scheduler`, `loader`, `rng`;
 - `save(durable=False)`: `flatten`, `leaves`, `plan` (the durable file's cached plan),
   `begin` (slot choice), `memory_only` (the request), `submit` (hand-off to the stager),
-  `collect` (records finished snapshots), the rest of `save` as `save_other`;
+  `collect` (records finished snapshots), and `save` itself (all of it);
 - `fence`: the next optimizer step's `before_optimizer_step` (waits for the staging copy);
 - `gc`: the garbage collector's passes that ran on the training thread inside the window.
 
@@ -37,9 +38,6 @@ from typing import Any
 
 import _common
 
-_STATE_PARTS = ("model", "wait_weights", "optimizer", "scheduler", "loader", "rng")
-_SAVE_PARTS = ("flatten", "leaves", "plan", "begin", "memory_only", "submit", "collect")
-
 
 class _Probe:
     """Per-snapshot part timings on the training thread (one per rank process)."""
@@ -55,6 +53,7 @@ class _Probe:
         self.fences = 0
         self.gc_any_start = 0.0
         self.gc_run: dict[int, list[float]] = {}  # generation -> [count, seconds], whole run
+        self.cadence: list[tuple[float, int]] = []  # (snapshot cost fed, interval after)
 
     def add(self, part: str, wall: float, cpu: float) -> None:
         if self.current is not None:
@@ -121,6 +120,15 @@ def _instrument(probe: _Probe) -> None:
     _timed(probe, _manager.CheckpointManager, "save", "save")
     _timed(probe, loop._Training, "state", "state")
     gc.callbacks.append(probe.on_gc)
+    from daemon.rank import memory_cadence
+
+    observe = memory_cadence.AdaptiveCadence.observe_snapshot
+
+    def observe_snapshot(self: Any, step: int, snapshot_s: float) -> None:
+        observe(self, step, snapshot_s)
+        probe.cadence.append((snapshot_s, self.interval))
+
+    memory_cadence.AdaptiveCadence.observe_snapshot = observe_snapshot  # type: ignore[method-assign]
 
     snapshot_to_memory = loop._Training.snapshot_to_memory
 
@@ -225,6 +233,7 @@ def _rank(rank: int, world_size: int, root: str, memory_dir: str, args: dict[str
         cfg, job, telemetry=NullTelemetry(), control=RankControl(None, graceful_signals=False)
     )
     return {
+        "cadence": probe.cadence,
         "gc_run": probe.gc_run,
         "records": probe.records,
         "stager": probe.stager,
@@ -254,7 +263,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--memory-every", type=int, default=1)
+    parser.add_argument("--memory-every", default="1", help="steps, or auto")
     parser.add_argument("--skip", type=int, default=5, help="first snapshots left out (warm-up)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -290,6 +299,9 @@ def main() -> int:
         "fences_with_copy_pending": sum(r["fence_copy_pending"] for r in results),
         "fences": sum(r["fences"] for r in results),
         "gc_whole_run_training_thread": [r["gc_run"] for r in results],
+        # memory_every auto: the cost fed to the cadence (ms) and the interval it chose, the
+        # last 5 snapshots of rank 0 (every rank is fed the same agreed values).
+        "auto_cadence_tail": [(c * 1e3, n) for c, n in results[0]["cadence"][-5:]],
         "loadavg": Path("/proc/loadavg").read_text().split()[:3],
     }
     if args.json:
@@ -313,6 +325,8 @@ def main() -> int:
             "gc over the whole run (training thread): generation -> [count, s]",
             out["gc_whole_run_training_thread"],
         )
+        if out["auto_cadence_tail"]:
+            print("auto: (cost fed ms, interval)", out["auto_cadence_tail"])
         print(
             f"fences with the copy still pending: {out['fences_with_copy_pending']}/{out['fences']}"
         )
