@@ -155,6 +155,10 @@ class ManagerStats(NamedTuple):
     """Payload size of the last completed memory snapshot."""
     last_memory_save_s: float = 0.0
     """Training-thread seconds inside the last memory-only `save()` (`durable=False`)."""
+    memory_staging_cpu_s: float = 0.0
+    """CPU seconds the staging thread spent on the memory-only snapshots recorded so far
+    (copy, checksum, meta): their cost besides the training thread's, on a machine whose
+    cores all train ([Note: a snapshot's cost to the step] in `daemon/rank/loop.py`)."""
     memory_bytes_held: int = 0
     """Bytes held by this rank's memory slot files."""
     newest_memory_step: int | None = None

@@ -118,6 +118,8 @@ class MemoryTier:
         """Payload size of the last completed snapshot."""
         self.last_save_s = 0.0
         """Training-thread seconds of the last memory-only `save()`."""
+        self.staging_cpu_s = 0.0
+        """CPU seconds the staging thread spent on memory-only snapshots, all of them."""
 
     # ------------------------------------------------------------------ training thread
     def held_bytes(self) -> int:

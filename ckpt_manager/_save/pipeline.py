@@ -165,6 +165,7 @@ class LocalPipeline:
         messages every 32 MiB), so the write overlaps the copy instead of following it.
         Object stores upload whole parts after the copy, so they gain nothing from it.
         """
+        cpu_started = time.thread_time()
         try:
             if request.durable and not self._build_pending_index(request):
                 return
@@ -180,6 +181,7 @@ class LocalPipeline:
         finally:
             if request.device_fence is not None:
                 request.device_fence.enqueued.set()  # a failed copy enqueued nothing
+            request.staging_cpu_s += time.thread_time() - cpu_started
             request.copied.set()
             request.handed_off.set()
 

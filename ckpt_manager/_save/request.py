@@ -134,6 +134,8 @@ class SaveRequest:
     """Training-loop time blocked on this save."""
     staging_s: float = 0.0
     """Snapshot copy time."""
+    staging_cpu_s: float = 0.0
+    """CPU time of the staging thread's job (`time.thread_time`: copy, checksum, meta)."""
     write_s: float = 0.0
     """Writer time."""
     report_body: bytes | None = None

@@ -122,6 +122,8 @@ class Snapshots:
         while self._inflight and self._inflight[0][0].handed_off.is_set():
             request, job = self._inflight.popleft()
             self.tier.finish(job)
+            if not request.durable:
+                self.tier.staging_cpu_s += request.staging_cpu_s
             if job.ok:
                 assert job.plan is not None
                 self._tell(job.step, job.plan.payload.total_bytes, request.stall_s)

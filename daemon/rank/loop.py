@@ -32,11 +32,23 @@ read (the stop decision needs it every step). `tests/daemon/rank/test_loop_host_
 present, on every rank: the ranks agree, else all train durable-only), every save also lands in
 the rank's memory slot, and between durable saves the loop snapshots into memory alone
 (`save(..., durable=False)`) when the cadence (`memory_cadence.py`) says so. The cadence is
-fed values every rank agrees on: the step time and the snapshot's training-thread cost (the
-`save()` call plus the wait at the next optimizer-step fence) ride on the per-step all-reduce
-(their means), one step late. A failed memory snapshot (`MemorySnapshotError`: a full tmpfs)
-is logged and counted, and training goes on: a step some rank lacks is never agreed on for a
-memory restore. A restart restores from memory first (`RestoreResult.source`).
+fed values every rank agrees on: the step time and the snapshot's cost ([Note: a snapshot's
+cost to the step]) ride on the per-step all-reduce (their means), one step late. A failed
+memory snapshot (`MemorySnapshotError`: a full tmpfs) is logged and counted, and training goes
+on: a step some rank lacks is never agreed on for a memory restore. A restart restores from
+memory first (`RestoreResult.source`).
+
+[Note: a snapshot's cost to the step] What a memory snapshot costs the training thread (its
+stall, `trainingd_memory_snapshot_seconds`) is the `save()` call plus the wait at the next
+optimizer-step fence. The cadence is fed that plus the staging thread's CPU time for it
+(`ManagerStats.memory_staging_cpu_s`: copy, checksum, meta): where every core trains (a CPU
+job, or one rank per core) that time is taken from some rank, and the step, which waits for
+the slowest rank in its all-reduce, grows by about as much. On the 2-core VM a default-job
+snapshot stalls the training thread ~5 ms and takes the staging thread ~4 ms of CPU
+(`bench/snapshot_stall.py`): fed the stall alone, `auto` counted half the cost and aimed at
+an interval of some 3 steps of 125 ms. Where cores are idle the staging time costs no step, so
+`auto` errs towards a longer interval there. Staging time that arrives after its snapshot
+was fed is fed with the next one.
 
 Checkpoint calls go through `SaveFailurePolicy` (`save_failures.py`): a failed save is
 reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
@@ -61,6 +73,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import math
 import os
 import random
@@ -154,6 +167,28 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
     version, internal, gauss = state["python"]
     random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+
+def _freeze_setup_objects() -> None:
+    """Collect once, then move every object alive into the collector's permanent generation.
+
+    [Note: the setup's objects are frozen before the first step] A rank holds some 10^5-10^6
+    container objects from its imports and setup (torch, the model, the job), all long-lived.
+    CPython's full collection scans every tracked object, so each one cost the training
+    thread 40 ms (quiet 2-core VM) to 190 ms (loaded); one runs whenever the objects
+    promoted since the last one reach a quarter of the long-lived ones, which the memory
+    tier's snapshots (a few thousand objects each, alive while the staging thread copies)
+    hastened: the p99 of `trainingd_memory_snapshot_seconds` was such a collection run
+    inside a snapshot (`bench/snapshot_stall.py`: the `gc` part). `gc.freeze()` leaves
+    those objects out of every later collection, so a full collection scans only what
+    training created. Frozen objects are never collected: the young generations (the setup's
+    and the restore's temporaries) are collected first, not the whole heap, which would be
+    one more full collection (40 ms to seconds under load) on a restarted rank's way to its
+    first step; the rare garbage that already reached the oldest generation stays.
+    `run_training` unfreezes them when it ends (a process may train again).
+    """
+    gc.collect(1)
+    gc.freeze()
 
 
 def _memory_tier_available(cfg: DaemonConfig) -> bool:
@@ -313,6 +348,8 @@ def run_training(
             # ends during the stack dump] in `daemon/agent/hang.py`).
             telemetry.mark(ProgressPhase.EXITED)
             raise
+        finally:
+            gc.unfreeze()  # [Note: the setup's objects are frozen before the first step]
     # The job's sample of the trained model (a completed run only).
     sample = None
     if not run.stopped and job.sample is not None:
@@ -345,7 +382,8 @@ class _Agreement(NamedTuple):
     """Mean over ranks of the previous step's time without snapshot costs (0 before the
     first); [Note: the memory tier in the loop]."""
     snapshot_s: float = 0.0
-    """Mean over ranks of the last memory snapshot's training-thread cost (0: none)."""
+    """Mean over ranks of the last memory snapshot's cost: training-thread stall plus staging
+    CPU time ([Note: a snapshot's cost to the step]; 0: none)."""
     durable_busy: bool = False
     """Some rank's durable save in flight is still being written: a durable `save()` now
     would wait for it ([Note: a durable save never stalls the loop] in `deferral.py`)."""
@@ -463,6 +501,10 @@ class _Training:
         self._last_step_s = 0.0
         self._snapshot_cost_s = 0.0
         self._snapshot_step: int | None = None
+        # [Note: a snapshot's cost to the step]: the staging CPU time of the pending snapshot,
+        # and the manager's running total of it already fed to the cadence.
+        self._snapshot_staging_s = 0.0
+        self._staging_cpu_fed_s = 0.0
         self.deferred = DeferredSaves(telemetry)
         # [Note: compute time rides on the per-step agreement] in `stragglers.py`.
         self.stragglers = StragglerProbe(
@@ -547,6 +589,7 @@ class _Training:
 
     def start(self) -> None:
         """Report the start of training and agree on a stop requested before the first step."""
+        _freeze_setup_objects()
         telemetry = self.telemetry
         # Counts failures from the restored state on (it reads the manager's last commit).
         self.failures = SaveFailurePolicy(
@@ -635,6 +678,9 @@ class _Training:
         self._tolerate_memory_failure(self.manager.before_optimizer_step)
         if self._snapshot_step is not None:
             self._snapshot_cost_s += time.perf_counter() - fence_start
+            staged = self.manager.stats().memory_staging_cpu_s
+            self._snapshot_staging_s = max(staged - self._staging_cpu_fed_s, 0.0)
+            self._staging_cpu_fed_s = staged
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.scheduler.step()
@@ -655,7 +701,7 @@ class _Training:
                 float(stop_local),
                 float(ckpt_local),
                 self._last_step_s,
-                self._snapshot_cost_s,
+                self._snapshot_cost_s + self._snapshot_staging_s,
                 float(busy_local),
                 *self.stragglers.slots(),  # one per rank, after the fixed fields
             ]
@@ -772,6 +818,7 @@ class _Training:
             # The fence wait of the snapshot is not the step's own time.
             step_s -= self._snapshot_cost_s
             self._snapshot_step, self._snapshot_cost_s = None, 0.0
+            self._snapshot_staging_s = 0.0
         self._last_step_s = max(step_s, 0.0)
         self.telemetry.set("trainingd_memory_every_steps", self.cadence.interval)
 

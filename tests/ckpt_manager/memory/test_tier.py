@@ -265,3 +265,24 @@ def test_the_durable_floor_is_the_newest_step_any_rank_recorded(tmp_path: pathli
         "the newest step every rank holds in memory (4) is older than step 7, which the run "
         "holds durably"
     )
+
+
+def test_the_staging_cpu_time_of_memory_only_snapshots_is_counted(tmp_path: pathlib.Path) -> None:
+    """[Note: a snapshot's cost to the step] in `daemon/rank/loop.py`: the cadence is fed the
+    staging thread's CPU time of each memory-only snapshot, which the stats accumulate."""
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(memory)))
+    # 16 MiB: its copy and checksum take the staging thread well over the clock's resolution.
+    state = {"w": torch.zeros(4 << 20)}
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        assert mgr.stats().memory_staging_cpu_s == 0.0
+        mgr.save(1, state)  # a durable save's staging is the durable tier's, not counted
+        mgr.wait_until_finished()
+        assert mgr.stats().memory_staging_cpu_s == 0.0
+        totals = []
+        for step in (2, 3):
+            mgr.save(step, state, durable=False)
+            mgr.wait_until_finished()
+            totals.append(mgr.stats().memory_staging_cpu_s)
+    assert 0.0 < totals[0] < totals[1]

@@ -1,0 +1,85 @@
+"""The memory cadence is fed each snapshot's stall plus its staging CPU time.
+
+[Note: a snapshot's cost to the step] in `daemon/rank/loop.py`: `trainingd_memory_snapshot_seconds`
+keeps the training thread's stall, and the cadence (`auto`) also counts the staging thread's
+CPU time, which takes a core from training where every core trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from daemon.rank.telemetry import NullTelemetry
+from tests.support.dist import run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+
+class _Stalls(NullTelemetry):
+    """Keeps the stall of every snapshot the loop reports."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stalls: list[float] = []
+
+    def observe(self, name: str, value: float, label: str = "") -> None:
+        if name == "trainingd_memory_snapshot_seconds":
+            self.stalls.append(value)
+
+
+def _fed_and_stalls(
+    rank: int, world_size: int, root: str, memory_dir: str
+) -> tuple[list[float], list[float]]:
+    import torch
+
+    from daemon._config_load import load_config
+    from daemon.jobs.default_job import build
+    from daemon.jobs.job import JobContext
+    from daemon.rank import loop
+    from daemon.rank.memory_cadence import FixedCadence
+    from daemon.rundir.control import RankControl
+
+    fed: list[float] = []
+
+    class _Recording(FixedCadence):
+        def observe_snapshot(self, step: int, snapshot_s: float) -> None:
+            fed.append(snapshot_s)
+
+    loop.cadence_for = lambda interval: _Recording(1)  # type: ignore[assignment]
+    cfg = load_config(
+        {
+            "ckpt_uri": f"{root}/ckpt",
+            "max_steps": "8",
+            "ckpt_every": "0",
+            "memory_every": "1",
+            "memory_dir": memory_dir,
+            "run_id": "cost",
+            "device": "cpu",
+        },
+        env={},
+    )
+    cfg.memory_tier_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    job = dataclasses.replace(
+        build(JobContext(rank=rank, world_size=world_size, seed=0)), sample=None
+    )
+    telemetry = _Stalls()
+    control: Any = RankControl(None, graceful_signals=False)
+    loop.run_training(cfg, job, telemetry=telemetry, control=control)
+    return fed, telemetry.stalls
+
+
+def test_the_cadence_counts_the_staging_cpu_time_besides_the_stall(tmp_path: Path) -> None:
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    [(fed, stalls)] = run_on_ranks(_fed_and_stalls, 1, str(tmp_path), str(memory), timeout_s=300)
+    # Snapshots at steps 1-7 are fed at the next step (step 8 is the final durable save).
+    assert len(fed) == len(stalls) == 7
+    # Each value fed is the stall (through the float32 all-reduce) plus a staging time >= 0;
+    # the default job's 5 MiB copy and checksum take the staging thread milliseconds of CPU.
+    assert all(f >= s * (1 - 1e-6) for f, s in zip(fed, stalls, strict=True)), (fed, stalls)
+    assert sum(fed) - sum(stalls) > 1e-4, (fed, stalls)
