@@ -303,6 +303,7 @@ INCIDENT_KINDS: tuple[str, ...] = (
     "hang",
     "straggler",
     "deterministic",
+    "peer_lost",
     "store_outage",
 )
 """Values of the `kind` label of `trainingd_daemon_incidents_total` (the daemon's

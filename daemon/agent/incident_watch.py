@@ -162,7 +162,7 @@ class IncidentWatch:
         Failures of ranks the hang detector killed belong to the hang's incident (its open
         one); a verdict that ends the run makes the incident fatal at once.
         """
-        from daemon.agent.failures import FailureReason, Verdict
+        from daemon.agent.failures import FailureReason, Verdict, lost_a_peer
 
         # The hang detector SIGKILLs every local rank of a hang: its cause fails as `hung`, the
         # others as killed by SIGKILL; all of them are the hang's story, not a new one.
@@ -180,6 +180,10 @@ class IncidentWatch:
         kind = IncidentKind.RANK_FAILURE
         if verdict is Verdict.DETERMINISTIC:
             kind = IncidentKind.DETERMINISTIC
+        elif all(lost_a_peer(f.error) for f in shown):
+            # The fault is elsewhere (another node); [Note: a rank that lost its peer is not the
+            # failure] in failures.py already named a local cause where one exists.
+            kind = IncidentKind.PEER_LOST
         incident = self.incidents.open(
             kind,
             ranks=[f.rank for f in shown],

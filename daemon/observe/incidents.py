@@ -65,6 +65,9 @@ class IncidentKind(enum.StrEnum):
     """A rank was named a straggler (its score reached `straggler_threshold`)."""
     DETERMINISTIC = "deterministic"
     """The same error at the same step twice: the run ended (exit 1)."""
+    PEER_LOST = "peer_lost"
+    """This node's ranks lost a peer of their group (another node's rank or process group died:
+    every failure here only says its collective's peer went away); the group was restarted."""
     STORE_OUTAGE = "store_outage"
     """The rendezvous store did not answer: ridden out (recovered when it answers again), or
     lost past its grace (fatal: the node's run ended, exit 75)."""

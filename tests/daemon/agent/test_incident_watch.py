@@ -165,3 +165,26 @@ def test_ranks_killed_by_the_hang_detector_belong_to_the_hang(
     assert incidents.recent() == [hang]
     alone.record([RankExit(1, 1, -6)], restart=2)  # killed by something else than the detector
     assert incidents.recent()[0].kind is IncidentKind.RANK_FAILURE
+
+
+def test_ranks_that_only_lost_a_peer_are_a_peer_lost_incident(tmp_path: Path) -> None:
+    # Another node's rank died: this node's rank raised only gloo's lost-connection error.
+    incidents = IncidentLog(node=1, clock=_Clock(1000.0))
+    watch = IncidentWatch(incidents, tmp_path, local_ranks=1, clock=_Clock(1000.0))
+    tracker = FailureTracker(tmp_path, node=1, local_ranks=1, incidents=watch)
+    try:
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [::1]:4")
+    except RuntimeError as err:
+        error = rank_error(
+            err, rank=1, local_rank=0, restart=0, phase="training", step=7, config=False
+        )
+    (tmp_path / "ranks").mkdir(exist_ok=True)
+    write_error(error_path(tmp_path, 0), error)
+    assert tracker.record([RankExit(0, 1, 1)], restart=0) is Verdict.RETRY
+    (opened,) = incidents.recent()
+    assert (opened.kind, opened.ranks, opened.state) == (
+        IncidentKind.PEER_LOST,
+        (1,),
+        IncidentState.OPEN,
+    )
+    assert "Connection closed by peer" in opened.cause
