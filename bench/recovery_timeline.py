@@ -47,7 +47,8 @@ RANK_STAGES = (
 )
 
 
-def _unix(event: dict[str, Any]) -> float:
+def event_unix(event: dict[str, Any]) -> float:
+    """Unix time of a log event (its ISO `timestamp`)."""
     return datetime.datetime.fromisoformat(event["timestamp"]).timestamp()
 
 
@@ -55,12 +56,12 @@ def timeline(events: list[dict[str, Any]], killed: float, restart: int) -> dict[
     """Seconds from the kill to each stage of restart `restart` (absent: not seen)."""
     out: dict[str, float] = {}
     for name in AGENT_STAGES:
-        times = [_unix(e) for e in events if e.get("event") == name and _unix(e) >= killed]
+        times = [event_unix(e) for e in events if e.get("event") == name and event_unix(e) >= killed]
         if times:
             out[name] = min(times) - killed
     for name in RANK_STAGES:
         times = [
-            _unix(e)
+            event_unix(e)
             for e in events
             if e.get("event") == name and int(e.get("restart", -1)) == restart
         ]
