@@ -56,7 +56,7 @@ def timeline(events: list[dict[str, Any]], killed: float, restart: int) -> dict[
     """Seconds from the kill to each stage of restart `restart` (absent: not seen)."""
     out: dict[str, float] = {}
     for name in AGENT_STAGES:
-        times = [event_unix(e) for e in events if e.get("event") == name and event_unix(e) >= killed]
+        times = [t for e in events if e.get("event") == name and (t := event_unix(e)) >= killed]
         if times:
             out[name] = min(times) - killed
     for name in RANK_STAGES:
