@@ -284,7 +284,7 @@ class WaitListThrottle(RendezvousHandler):
 
     def set_closed(self) -> None:
         """As the inner handler."""
-        self._inner.set_closed()
+        self._inner.set_closed()  # type: ignore[no-untyped-call]
 
     def get_run_id(self) -> str:
         """As the inner handler."""
