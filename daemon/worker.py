@@ -66,6 +66,10 @@ RANK_MODULES = (
     "daemon._storage",
     "daemon.jobs.job",
     "daemon.rank.loop",
+    # What `_Training` imports from `ckpt_manager` by name: the package's public names are
+    # lazy, so importing it alone leaves the manager and its 60 modules to each rank
+    # (0.1-0.25 s of every restart's critical path; [Note: the recovery timeline]).
+    "ckpt_manager._manager",
     "daemon.rank.token_data",
 )
 """What a rank imports when it starts, besides this module and the job: what `run_rank` and
@@ -145,6 +149,8 @@ def run_rank(
         restart=restart,
     )
     log = structlog.get_logger("trainingd.worker")
+    # [Note: the recovery timeline] (`bench/recovery_timeline.py`): one debug line per stage.
+    log.debug("rank_entered")
     # Without a run directory (plain torchrun) no agent reads the snapshots: record nothing.
     telemetry: RankTelemetry | NullTelemetry = (
         NullTelemetry()
@@ -172,6 +178,7 @@ def run_rank(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(process_group_backend(device), timeout=_COLLECTIVE_TIMEOUT)
+        log.debug("process_group_up")
         torch.manual_seed(cfg.train.seed)
         building_job = True
         job = load_job(cfg.train.job)(
@@ -179,6 +186,7 @@ def run_rank(
         )
         job = with_token_data(cfg, job)  # --data / --val-data: the job's model on token files
         building_job = False
+        log.debug("job_loaded")
         telemetry.heartbeat(RankPhase.LOADING)
         log.info("device_selected", device=str(device), backend=dist.get_backend())
         result = run_training(cfg, job, telemetry=telemetry, control=control, device=device)

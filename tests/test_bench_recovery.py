@@ -116,3 +116,32 @@ def test_progress_lines_are_the_training_loops_forwards_only(tmp_path: Path) -> 
         forward_backward()
         forward_backward()
     assert len(path.read_text().splitlines()) == 2
+
+
+def test_the_timeline_takes_the_agents_first_event_after_the_kill_and_the_slowest_rank() -> None:
+    import recovery_timeline
+
+    def at(second: float) -> str:
+        return f"2026-12-04T05:00:{second:09.6f}Z"
+
+    events = [
+        {"event": "rank_failure_seen", "timestamp": at(9.0)},  # an earlier kill's
+        {"event": "rank_failure_seen", "timestamp": at(10.2)},
+        {"event": "ranks_stopped", "timestamp": at(10.25)},
+        {"event": "process_group_up", "timestamp": at(10.5), "rank": 0, "restart": 2},
+        {"event": "process_group_up", "timestamp": at(10.7), "rank": 1, "restart": 2},
+        {"event": "process_group_up", "timestamp": at(12.0), "rank": 1, "restart": 3},
+        {"event": "first_step_done", "timestamp": at(11.0), "rank": 0, "restart": 2},
+    ]
+    killed = recovery_timeline.event_unix({"timestamp": at(10.0)})
+    got = recovery_timeline.timeline(events, killed, restart=2)
+    assert got.keys() == {
+        "rank_failure_seen",
+        "ranks_stopped",
+        "process_group_up",
+        "first_step_done",
+    }
+    assert got["rank_failure_seen"] == pytest.approx(0.2)
+    assert got["ranks_stopped"] == pytest.approx(0.25)
+    assert got["process_group_up"] == pytest.approx(0.7)
+    assert got["first_step_done"] == pytest.approx(1.0)

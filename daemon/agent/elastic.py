@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -84,7 +85,14 @@ from daemon.errors import ForkServerError
 from daemon.observe.incidents import IncidentLog
 from daemon.rundir.control import clear_stop
 
-__all__ = ["ElasticLauncher", "FailureHook", "LaunchOutcome", "MembershipWatch", "RoundHook"]
+__all__ = [
+    "ElasticLauncher",
+    "FailureHook",
+    "LaunchOutcome",
+    "MembershipWatch",
+    "RoundHook",
+    "WaitListThrottle",
+]
 
 log = structlog.get_logger("trainingd.elastic")
 
@@ -93,8 +101,13 @@ _KEEP_ALIVE_S = 2
 _KEEP_ALIVE_ATTEMPTS = 3
 """Missed heartbeats after which the rendezvous drops a node: a node gone without a word is
 noticed after about 6 s (torch's default: 15 s)."""
-_MONITOR_INTERVAL_S = 0.2
-"""How often the agent checks its ranks and, in an elastic job, the rendezvous's wait list."""
+_MONITOR_INTERVAL_S = 0.05
+"""How often the agent checks its ranks: a dead rank is seen 25 ms after its death on average
+(it was 0.2 s: 0.1 s of every rank-kill recovery, [Note: the recovery timeline] in
+`bench/recovery_timeline.py`). A check is a non-blocking poll of the rank processes."""
+_WAIT_LIST_EVERY_S = 0.2
+"""How often the rendezvous's wait list is asked for (a store read, on node 0's store for every
+node), whatever the monitor interval: `WaitListThrottle`."""
 _AGENT_SHUTDOWN_S = 10
 """SIGTERM-to-SIGKILL grace the agent gives ranks it stops."""
 _FORK_SERVER_START_S = 300.0
@@ -217,6 +230,71 @@ class MembershipWatch(RendezvousHandler):
         return self._inner.shutdown()
 
 
+class WaitListThrottle(RendezvousHandler):
+    """A rendezvous handler that asks `inner` for its wait list at most every `every_s`.
+
+    torch's agent asks at every monitor interval whether nodes wait to join; with c10d that is
+    a read of node 0's store from every node. The agent checks its ranks more often than that
+    (`_MONITOR_INTERVAL_S`), so between two real asks it gets the last answer. Everything else
+    is delegated.
+
+    Args:
+        inner: the handler (`MembershipWatch` or `StoreGuard`).
+        every_s: the least time between two asks of `inner`.
+        clock: a monotonic clock (tests pass their own).
+    """
+
+    def __init__(
+        self,
+        inner: RendezvousHandler,
+        every_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._inner = inner
+        self._every_s = every_s
+        self._clock = clock
+        self._asked_at: float | None = None
+        self._last = 0
+
+    def num_nodes_waiting(self) -> int:
+        """`inner`'s answer, at most `every_s` old."""
+        now = self._clock()
+        if self._asked_at is None or now - self._asked_at >= self._every_s:
+            self._last = self._inner.num_nodes_waiting()
+            self._asked_at = now
+        return self._last
+
+    @property
+    def use_agent_store(self) -> bool:
+        """As the inner handler."""
+        return bool(self._inner.use_agent_store)
+
+    def get_backend(self) -> str:
+        """As the inner handler."""
+        return self._inner.get_backend()
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        """As the inner handler; the next ask after it goes to `inner`."""
+        self._asked_at = None
+        return self._inner.next_rendezvous()
+
+    def is_closed(self) -> bool:
+        """As the inner handler."""
+        return self._inner.is_closed()
+
+    def set_closed(self) -> None:
+        """As the inner handler."""
+        self._inner.set_closed()  # type: ignore[no-untyped-call]
+
+    def get_run_id(self) -> str:
+        """As the inner handler."""
+        return self._inner.get_run_id()
+
+    def shutdown(self) -> bool:
+        """As the inner handler."""
+        return self._inner.shutdown()
+
+
 class _RoundAgent(LocalElasticAgent):
     """torch's local agent, calling a `RoundHook` between each rendezvous and its ranks, and a
     `FailureHook` on each failed attempt (which may end the retries)."""
@@ -236,6 +314,9 @@ class _RoundAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY):
+            # [Note: the recovery timeline] (`bench/recovery_timeline.py`).
+            log.debug("rank_failure_seen", ranks=sorted(result.failures))
         if self._on_failure is None or result.state not in (
             WorkerState.FAILED,
             WorkerState.UNHEALTHY,
@@ -259,7 +340,13 @@ class _RoundAgent(LocalElasticAgent):
             self._remaining_restarts = 0
         return result
 
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        log.debug("ranks_stopping")
+        super()._stop_workers(worker_group)
+        log.debug("ranks_stopped")
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        log.debug("rendezvous_done", restart=self._restart_offset + self._attempt())
         if self._on_rendezvous is not None and worker_group.workers:
             # Set by the rendezvous that just ran (`SimpleElasticAgent._rendezvous`; torch
             # declares them None in `WorkerGroup.__init__`).
@@ -268,7 +355,12 @@ class _RoundAgent(LocalElasticAgent):
             ranks = [w.global_rank for w in worker_group.workers]
             world_size = worker_group.workers[0].world_size
             self._on_rendezvous(worker_group.store, group_rank, num_nodes, ranks, world_size)
-        return super()._start_workers(worker_group)
+        started = super()._start_workers(worker_group)
+        log.debug("ranks_started", pids=sorted(started.values()))
+        return started
+
+    def _attempt(self) -> int:
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
 
 
 def _rendezvous_parameters(cfg: DaemonConfig, endpoint: str) -> RendezvousParameters:
@@ -350,7 +442,9 @@ class ElasticLauncher:
             incidents=incidents,
         )
         self._watch = MembershipWatch(inner, on_waiting) if cfg.launch.elastic else None
-        self._handler: RendezvousHandler = self._watch or inner
+        self._handler: RendezvousHandler = WaitListThrottle(
+            self._watch or inner, _WAIT_LIST_EVERY_S
+        )
 
     def run(self, stopping: Callable[[], bool]) -> LaunchOutcome:
         """Run rounds until the job is done, this node is stopped, or a round cannot form.

@@ -95,7 +95,7 @@ from daemon.jobs.init_from import (
 )
 from daemon.jobs.job import JobSpec, fp32_module_classes
 from daemon.jobs.model_files import MODEL_FILES_KEY, read_model_files
-from daemon.rank.batch import Batch, collate, forward_loss, num_tokens, to_device
+from daemon.rank.batch import Batch, forward_loss, num_tokens, to_device
 from daemon.rank.data import ShardedLoader
 from daemon.rank.deferral import DeferredSaves
 from daemon.rank.evaluation import Evaluator
@@ -262,33 +262,39 @@ def make_optimizer(
     return model.make_optimizer(torch.optim.AdamW, groups, lr=lr, weight_decay=weight_decay)
 
 
-def _materialize_optimizer_state(
-    model: Any, optimizer: Any, job: JobSpec, device: torch.device
-) -> None:
+def _materialize_optimizer_state(optimizer: Any) -> None:
     """Give the optimizer its state tensors so a restore template has places for them.
 
     [Note: the restore template needs optimizer state] `restore(into=template)` fills only the
     leaves the template has, and a torch optimizer creates its state (AdamW: step, exp_avg,
-    exp_avg_sq) lazily at the first step: a template taken before any step would silently
-    restore no optimizer state. One step on zero gradients (the loss times 0, on the dataset's
-    first samples) creates every state tensor; the restore then overwrites all of it, weights
-    and param groups included, so nothing of this step survives. The step runs at learning
-    rate 0, so it moves no weight either (AdamW's decay is `1 - lr x wd`): when the restore
-    finds nothing after all (memory slots that do not verify, no durable step),
-    `_forget_optimizer_state` leaves exactly a fresh start.
+    exp_avg_sq) lazily at its first step: a template taken before any step would silently
+    restore no optimizer state. One step of the torch optimizer on zero gradients, at learning
+    rate 0, creates every state tensor, for every chunk of every trained bucket, as a training
+    step does (`DistributedOptimizer` links a gradient to every chunk); the restore then
+    overwrites all of it, weights and param groups included. No forward or backward runs and
+    no collective: the state's shapes and dtypes are the parameters' (elementwise optimizers,
+    `sharding/_optimizer.py`), so zero gradients make the same state a real step makes, and
+    the restore template costs one local optimizer step instead of a training step (0.4-0.55 s
+    of the restart's critical path; [Note: the recovery timeline] in
+    `bench/recovery_timeline.py`). At learning rate 0 no weight moves (AdamW's decay is
+    `1 - lr x wd`, its update `-0 x ...`), no RNG is drawn and the loss scaler is not touched:
+    when the restore finds nothing after all (memory slots that do not verify, no durable
+    step), `_forget_optimizer_state` leaves exactly a fresh start.
     """
-    samples = [job.train_data[i] for i in range(min(2, len(job.train_data)))]
-    loss = forward_loss(model, job.loss_fn, to_device(collate(samples), device)) * 0.0
-    loss.backward()  # type: ignore[no-untyped-call]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     rates = [group["lr"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:
         group["lr"] = 0.0
     try:
-        optimizer.step()
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        with torch.no_grad():
+            optimizer.optimizer.step()
     finally:
+        for param in params:
+            param.grad = None
         for group, lr in zip(optimizer.param_groups, rates, strict=True):
             group["lr"] = lr
-    optimizer.zero_grad()
 
 
 def _forget_optimizer_state(optimizer: Any) -> None:
@@ -335,10 +341,14 @@ def run_training(
             must be NCCL and `torch.cuda.set_device(device)` done.
     """
     run = _Training(cfg, job, telemetry, control, torch.device("cpu") if device is None else device)
+    log.debug("training_built")
     with run.manager, run.loader:  # the loader's prefetch thread ends with the run
         try:
             run.restore_or_initialize()
             run.start()
+            if run.step < cfg.train.max_steps and not run.stopped:
+                run.train_step()
+                log.debug("first_step_done", step=run.step)
             while run.step < cfg.train.max_steps and not run.stopped:
                 run.train_step()
             run.drain()
@@ -547,13 +557,14 @@ class _Training:
         in_memory = _agree_any(bool(manager.memory_steps()), self.device)
         materialized = in_memory or _checkpoint_exists(manager)
         if materialized:
-            _materialize_optimizer_state(self.model, self.optimizer, self.job, self.device)
+            _materialize_optimizer_state(self.optimizer)
         # [Note: ranks beat while restoring] Every read from storage beats the heartbeat
         # behind /healthz (published at most every `publish_interval_s`), so a restore of any
         # length stays healthy while bytes arrive, and one stuck in a read goes stale after
         # `heartbeat_timeout_s`; the supervisor extends systemd's start timeout on the same beats.
         template = self.state()
         template.pop(MODEL_FILES_KEY, None)  # a plain value, and older steps lack it
+        log.debug("restore_template_made", in_memory=in_memory, materialized=materialized)
         restored = manager.restore(
             step=None, into=template, on_progress=lambda _progress: telemetry.heartbeat()
         )

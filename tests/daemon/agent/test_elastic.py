@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.agent.elastic import LaunchOutcome, MembershipWatch
+from daemon.agent.elastic import LaunchOutcome, MembershipWatch, WaitListThrottle
 from tests.daemon._daemon_proc import (
     GATED_JOB,
     DaemonProc,
@@ -53,6 +53,39 @@ def test_a_waiting_node_asks_for_a_graceful_stop_once_per_round_and_the_agent_se
     watch.arm()  # the next round
     assert watch.num_nodes_waiting() == 0
     assert asked == [2, 2]
+
+
+class _CountingHandler(_Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.asks = 0
+        self.rendezvous = 0
+
+    def num_nodes_waiting(self) -> int:
+        self.asks += 1
+        return self.waiting
+
+    def next_rendezvous(self) -> str:
+        self.rendezvous += 1
+        return "info"
+
+
+def test_the_wait_list_is_asked_at_most_every_interval_however_often_the_agent_checks() -> None:
+    inner, now = _CountingHandler(), [0.0]
+    throttle = WaitListThrottle(inner, 0.2, clock=lambda: now[0])  # type: ignore[arg-type]
+    assert throttle.num_nodes_waiting() == 0
+    inner.waiting = 1
+    now[0] = 0.15
+    assert throttle.num_nodes_waiting() == 0  # the last answer, 0.15 s old
+    assert inner.asks == 1
+    now[0] = 0.2
+    assert throttle.num_nodes_waiting() == 1
+    assert inner.asks == 2
+    # A new rendezvous asks afresh at the next check.
+    assert throttle.next_rendezvous() == "info"
+    inner.waiting = 0
+    assert throttle.num_nodes_waiting() == 0
+    assert (inner.asks, inner.rendezvous) == (3, 1)
 
 
 def test_the_summary_of_several_rounds_counts_from_the_first_and_ends_with_the_last() -> None:

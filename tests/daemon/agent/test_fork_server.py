@@ -141,6 +141,43 @@ def test_the_server_preloads_every_module_a_rank_imports_when_it_starts() -> Non
     assert modules[-1] == "daemon.agent._server_state"  # recorded after every other import
 
 
+_LAZY_IMPORTS = """
+import ast, importlib, json, sys
+from daemon import worker
+import daemon.rank.loop as loop
+for name in worker.RANK_MODULES:
+    importlib.import_module(name)
+before = set(sys.modules)
+for node in ast.walk(ast.parse(open(loop.__file__).read())):
+    if isinstance(node, ast.FunctionDef):
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.ImportFrom) and inner.module:
+                module = importlib.import_module(inner.module)
+                for alias in inner.names:
+                    getattr(module, alias.name)
+ours = ("ckpt_manager", "sharding", "daemon")
+print(json.dumps(sorted(m for m in set(sys.modules) - before if m.split(".")[0] in ours)))
+"""
+
+
+def test_what_the_training_loop_imports_lazily_is_preloaded() -> None:
+    # The loop's function-level imports (`ckpt_manager`'s lazy public names: the manager and
+    # its 60 modules) ran in every rank after the fork, on each restart's critical path
+    # ([Note: the recovery timeline] in bench/recovery_timeline.py).
+    path = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[3]), os.environ.get("PYTHONPATH", "")]
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", _LAZY_IMPORTS],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert json.loads(out.stdout) == [], out.stderr
+
+
 def test_what_trainingd_run_imports_before_it_launches_the_server_loads_no_torch() -> None:
     # [Note: the server imports while the daemon does]: a torch import that creeps into this
     # chain makes the daemon import torch before the server can start, and the overlap is gone.
