@@ -45,10 +45,11 @@ import ckpt_vs_dcp as bench
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def _thread_cpu_s() -> dict[str, float]:
-    """CPU seconds of every live thread of this process, by name (summed over equal names)."""
+def _thread_stats() -> dict[str, tuple[float, float, int, int]]:
+    """Every live thread of this process, by name (summed over equal names): (user CPU s,
+    system CPU s, minor faults, major faults)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, float, int, int]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as f:
@@ -58,8 +59,28 @@ def _thread_cpu_s() -> dict[str, float]:
         except OSError:  # the thread ended meanwhile
             continue
         name = names.get(int(tid)) or comm
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+        # After the ")": [7] minflt, [9] majflt, [11] utime, [12] stime (clock ticks).
+        mine = (
+            int(fields[11]) / _TICKS_PER_S,
+            int(fields[12]) / _TICKS_PER_S,
+            int(fields[7]),
+            int(fields[9]),
+        )
+        prev = out.get(name, (0.0, 0.0, 0, 0))
+        out[name] = (prev[0] + mine[0], prev[1] + mine[1], prev[2] + mine[2], prev[3] + mine[3])
     return out
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of every live thread of this process, by name (summed over equal names)."""
+    return {name: s[0] + s[1] for name, s in _thread_stats().items()}
+
+
+def _process_faults(pid: int | None) -> tuple[int, int]:
+    """(minor, major) page faults of the process `pid` (this one if None), all threads."""
+    with open(f"/proc/{pid or 'self'}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[7]), int(fields[9])
 
 
 # (part, "module:qualname" of the functions counted): the CPU of their calls (cumulative, the
@@ -136,8 +157,37 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     _common.stdout_to_stderr()
     from tests.support.agreement_rounds import counting_agreement_rounds
 
+    copies = _time_staging_copies(no_stream=spec["no_stream"])
     with counting_agreement_rounds() as count:
-        return _measure(rank, world_size, spec, count)
+        out = _measure(rank, world_size, spec, count)
+    # The measured saves' copies (the warm-up saves' came first).
+    mine = sorted(copies[-spec["saves"] :])
+    out["copy_x_memcpy"] = [round(c / out["memcpy_cpu_s"], 3) for c in mine]
+    out["copy_median_ms"] = round(mine[len(mine) // 2] * 1e3, 3)
+    return out
+
+
+def _time_staging_copies(*, no_stream: bool) -> list[float]:
+    """Time each staging copy (`copy_payload_into_slab`) by the staging thread's CPU clock;
+    with `no_stream`, the writer gets each shard only once it is staged (bench only: local
+    disk otherwise streams the write behind the copy, [Note: streamed writes]). Returns the
+    list the copies' CPU seconds are appended to."""
+    from ckpt_manager._save import pipeline
+
+    copies: list[float] = []
+    copy = pipeline.copy_payload_into_slab  # type: ignore[attr-defined]
+
+    def timed(*args: Any, **kwargs: Any) -> tuple[int, int]:
+        t0 = time.thread_time()
+        try:
+            return copy(*args, **kwargs)
+        finally:
+            copies.append(time.thread_time() - t0)
+
+    pipeline.copy_payload_into_slab = timed  # type: ignore[attr-defined]
+    if no_stream:
+        pipeline.LocalPipeline._streams = lambda self, request: False  # type: ignore[method-assign]
+    return copies
 
 
 def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> dict[str, Any]:
@@ -164,19 +214,36 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
             one_save()
         pid = mgr.writer_pid
         count.reset()  # agreement rounds of the measured saves only
-        writer0, threads0 = bench._cpu_s(pid), _thread_cpu_s()
+        writer0, stats0, wfaults0 = bench._cpu_s(pid), _thread_stats(), _process_faults(pid)
         if profiles is not None:
             profiles.main.enable()
         save_s = sum(one_save() for _ in range(spec["saves"]))
-        writer1, threads1 = bench._cpu_s(pid), _thread_cpu_s()
+        writer1, stats1, wfaults1 = bench._cpu_s(pid), _thread_stats(), _process_faults(pid)
     n = spec["saves"]
     # The other threads' profiles include the two warm-up saves: within 2 / n.
     parts = profiles.parts_ms(n) if profiles is not None else None
+    threads0 = {k: v[0] + v[1] for k, v in stats0.items()}
+    threads1 = {k: v[0] + v[1] for k, v in stats1.items()}
     threads = {k: (v - threads0.get(k, 0.0)) / n / memcpy_s for k, v in threads1.items()}
+    zero = (0.0, 0.0, 0, 0)
+    # Per thread and save: user and system CPU in memcpys, minor and major page faults.
+    detail = {}
+    for k, v in stats1.items():
+        u0, s0, f0, m0 = stats0.get(k, zero)
+        if v[0] + v[1] == u0 + s0 and v[2] == f0:
+            continue  # idle thread
+        detail[k] = {
+            "user_x_memcpy": round((v[0] - u0) / n / memcpy_s, 3),
+            "sys_x_memcpy": round((v[1] - s0) / n / memcpy_s, 3),
+            "minflt": round((v[2] - f0) / n, 1),
+            "majflt": round((v[3] - m0) / n, 1),
+        }
     return {
         "memcpy_cpu_s": memcpy_s,
         "threads_x_memcpy": {k: round(v, 3) for k, v in threads.items() if v > 0},
         "writer_x_memcpy": round((writer1 - writer0) / n / memcpy_s, 3),
+        "threads_detail": detail,
+        "writer_faults_per_save": [(b - a) / n for a, b in zip(wfaults0, wfaults1, strict=True)],
         "save_call_x_memcpy": round(save_s / n / memcpy_s, 3),
         "save_call_ms": round(save_s / n * 1e3, 3),
         "agreement_rounds_per_save": round(count.rounds / n, 2),
@@ -197,6 +264,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="also the fixed per-save work by part (cProfile)"
     )
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="write each shard after its copy instead of streaming it behind the copy",
+    )
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.saves < 1 or args.world_size < 1:
         parser.error("--size-mib, --saves and --world-size must be >= 1")
@@ -210,10 +282,16 @@ def main(argv: list[str] | None = None) -> int:
             "async_mode": "persistent",
             "saves": args.saves,
             "profile": args.profile,
+            "no_stream": args.no_stream,
         }
         before = _common.machine_conditions()
         ranks = _common.run_ranks(_rank, args.world_size, spec, timeout_s=1200)
-    result = {"size_mib": args.size_mib, "saves": args.saves, "ranks": ranks}
+    result = {
+        "size_mib": args.size_mib,
+        "saves": args.saves,
+        "streamed": not args.no_stream,
+        "ranks": ranks,
+    }
     result["conditions"] = {"before": before, "after": _common.machine_conditions()}
     if args.json:
         _common.print_json(result)
@@ -226,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
             f" ({r['save_call_ms']} ms); {r['agreement_rounds_per_save']} agreement rounds;"
             f" threads {r['threads_x_memcpy']}; all of it {r['cpu_ms_per_save']} ms of CPU per save"
         )
+        print(
+            f"    staging copy (copy_payload_into_slab, stager CPU): median"
+            f" {r['copy_median_ms']} ms, per save in memcpys {r['copy_x_memcpy']}"
+        )
+        for name, d in r["threads_detail"].items():
+            print(f"    {name:24s} {d}")
+        print(f"    writer faults per save (minor, major): {r['writer_faults_per_save']}")
         if r["parts_ms_under_cprofile"] is not None:
             print(f"rank {rank} parts, ms of CPU per save under cProfile:")
             for name, ms in r["parts_ms_under_cprofile"].items():
