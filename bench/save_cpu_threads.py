@@ -9,7 +9,18 @@ thread's CPU for one copy, fastest of 5):
   names: `MainThread`, `ckpt-stager-<rank>`, `ckpt-commit`, `ckpt-deleter`, gloo's own);
 - the persistent writer process (`/proc/<pid>/stat`);
 - `save()` alone on the training thread (`time.thread_time`), in memcpys and milliseconds;
-- the finalizer's agreement rounds per save (its MAX all-reduces, counted).
+- the finalizer's agreement rounds per save (its MAX all-reduces, counted);
+- per thread, user and system CPU and minor / major page faults per save, and the writer's
+  faults (issue 33: a slab faulted in again on every save would show here);
+- the staging copy alone (`copy_payload_into_slab`, on the stager's CPU clock), per save.
+
+`--unit-between-saves` also times one memcpy of the state on the training thread after each
+save (every rank at once, as their stagers copied at once; its CPU is taken off the training
+thread's) and gives the stager's ratio to their median: on a machine whose memory speed moves
+with load, the fastest memcpy before the run is not the speed the saves got. `--no-stream`
+(bench only) hands each shard to the writer once it is staged instead of streaming the write
+behind the copy ([Note: streamed writes] in `_save/pipeline.py`), to tell the copy's own cost
+from what the concurrent write adds to it.
 
 Figures from `/proc` come in clock ticks (10 ms): use enough saves (the default 10).
 
@@ -25,6 +36,7 @@ work alone.
 
     .venv/bin/python bench/save_cpu_threads.py [--size-mib 128] [--saves 10] [--json]
     .venv/bin/python bench/save_cpu_threads.py --size-mib 1 --saves 40 --profile
+    .venv/bin/python bench/save_cpu_threads.py --size-mib 512 --saves 8 --unit-between-saves
 """
 
 from __future__ import annotations
@@ -198,6 +210,7 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
         profiles.install()  # before the manager starts its threads
     mgr, _ = bench._manager(os.path.join(spec["dir"], "root"), spec, {})
     state = trainer.manager_state(rank, world_size)
+    between = _UnitBetweenSaves(trainer) if spec["unit_between_saves"] else None
 
     def one_save() -> float:
         trainer.num_steps += 1
@@ -207,6 +220,8 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
         save_s = time.thread_time() - t0
         mgr.before_optimizer_step()
         mgr.wait_until_finished()
+        if between is not None:
+            between.measure()
         return save_s
 
     with mgr:
@@ -217,9 +232,14 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
         writer0, stats0, wfaults0 = bench._cpu_s(pid), _thread_stats(), _process_faults(pid)
         if profiles is not None:
             profiles.main.enable()
+        if between is not None:
+            between.cpu_s.clear()  # the warm-up saves' units
         save_s = sum(one_save() for _ in range(spec["saves"]))
         writer1, stats1, wfaults1 = bench._cpu_s(pid), _thread_stats(), _process_faults(pid)
     n = spec["saves"]
+    if between is not None:  # the units are not the save's: off the training thread's CPU
+        u, s_, f, m = stats1["MainThread"]
+        stats1["MainThread"] = (u - sum(between.cpu_s), s_, f, m)
     # The other threads' profiles include the two warm-up saves: within 2 / n.
     parts = profiles.parts_ms(n) if profiles is not None else None
     threads0 = {k: v[0] + v[1] for k, v in stats0.items()}
@@ -251,7 +271,28 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
             (sum(threads1.values()) - sum(threads0.values()) + writer1 - writer0) / n * 1e3, 3
         ),
         "parts_ms_under_cprofile": parts,
+        "memcpy_between_saves_cpu_s": None if between is None else between.cpu_s,
     }
+
+
+class _UnitBetweenSaves:
+    """One memcpy of the state on the training thread after each save (`--unit-between-saves`):
+    the unit at the memory speed of the moment, with the other ranks copying too (they do
+    the same), next to the saves it measures, instead of once before them."""
+
+    def __init__(self, trainer: Any) -> None:
+        import torch
+
+        self._tensors = [t for _, t in trainer.named_tensors()]
+        self._dst = [torch.empty_like(t) for t in self._tensors]
+        self.cpu_s: list[float] = []
+        self.measure()  # first touch
+
+    def measure(self) -> None:
+        t0 = time.thread_time()
+        for d, t in zip(self._dst, self._tensors, strict=True):
+            d.copy_(t)
+        self.cpu_s.append(time.thread_time() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--profile", action="store_true", help="also the fixed per-save work by part (cProfile)"
+    )
+    parser.add_argument(
+        "--unit-between-saves",
+        action="store_true",
+        help="also a memcpy of the state after each save, and the stager's ratio to its median",
     )
     parser.add_argument(
         "--no-stream",
@@ -283,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             "saves": args.saves,
             "profile": args.profile,
             "no_stream": args.no_stream,
+            "unit_between_saves": args.unit_between_saves,
         }
         before = _common.machine_conditions()
         ranks = _common.run_ranks(_rank, args.world_size, spec, timeout_s=1200)
@@ -308,6 +355,16 @@ def main(argv: list[str] | None = None) -> int:
             f"    staging copy (copy_payload_into_slab, stager CPU): median"
             f" {r['copy_median_ms']} ms, per save in memcpys {r['copy_x_memcpy']}"
         )
+        units = r["memcpy_between_saves_cpu_s"]
+        if units:
+            mid = sorted(units)[len(units) // 2]
+            # No entry: the stager used less than a clock tick over the saves (a tiny state).
+            stager = sum(v for k, v in r["threads_x_memcpy"].items() if k.startswith("ckpt-stager"))
+            print(
+                f"    memcpy between saves: median {mid * 1e3:.1f} ms (min {min(units) * 1e3:.1f},"
+                f" max {max(units) * 1e3:.1f}); staging copy {r['copy_median_ms'] / 1e3 / mid:.2f}"
+                f" and stager {stager * r['memcpy_cpu_s'] / mid:.2f} of these memcpys"
+            )
         for name, d in r["threads_detail"].items():
             print(f"    {name:24s} {d}")
         print(f"    writer faults per save (minor, major): {r['writer_faults_per_save']}")
