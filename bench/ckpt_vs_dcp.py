@@ -47,7 +47,10 @@ when even its good end does not, `inconclusive` when it straddles the target. Th
 inflation keys are differences of wall-clock windows: each has an A/A key (`<key>_a_a`, the
 same estimator on consecutive save-free windows), and when that noise floor is not below a
 quarter of the target the key is null with the reason in `unresolved` ("unresolved on this
-machine"). `memcpy_gib_s` is the rate of the memcpy unit. One untimed pair precedes each
+machine"). `memcpy_gib_s` is the rate of the memcpy unit (the fastest of several before
+the run); `save_cpu_vs_memcpy_paired` divides each idle save's CPU by a memcpy of the state
+timed right after it instead (`memcpy_paired_s`: those memcpys), a diagnostic for machines
+whose memory speed moves under load. One untimed pair precedes each
 peer's rounds (DCP caches its plan and starts its process; ours allocates staging memory).
 Targets (issues 20 and 33): stall and inflation <= 0.25x DCP at its best, whole-save CPU <=
 2.0 memcpys, fixed CPU per save <= 0.25 memcpy, spare-core inflation <= 0.5 memcpy, local >=
@@ -697,8 +700,18 @@ def _cpu_per_save(
     everything a save costs from `save()` to committed, retention's deletion included. The
     wait is `wait_until_finished()` (one blocking agreement) rather than polling, so no
     polling is counted.
+
+    After each save (outside its CPU window) one memcpy of the state is timed too
+    (`memcpy_after_s`), every rank at once as their saves' copies ran: the unit at the memory
+    speed of that moment, for `save_cpu_vs_memcpy_paired`.
     """
+    import torch
+
     state = trainer.manager_state(rank, world_size)
+    tensors = [t for _, t in trainer.named_tensors()]
+    dst = [torch.empty_like(t) for t in tensors]
+    for d, t in zip(dst, tensors, strict=True):  # first touch outside any timing
+        d.copy_(t)
     out = []
     for _ in range(n):
         trainer.num_steps += 1
@@ -714,7 +727,12 @@ def _cpu_per_save(
         writer = _reaped_children_cpu_s() - children0
         if pid is not None:
             writer += _cpu_s(pid) - writer0
-        out.append({"rank_cpu_s": _cpu_s() - rank0, "writer_cpu_s": writer})
+        rank_cpu = _cpu_s() - rank0
+        t0 = time.thread_time()
+        for d, t in zip(dst, tensors, strict=True):
+            d.copy_(t)
+        memcpy_after = time.thread_time() - t0
+        out.append({"rank_cpu_s": rank_cpu, "writer_cpu_s": writer, "memcpy_after_s": memcpy_after})
     return out
 
 
@@ -1079,6 +1097,8 @@ def _report(
             times["s3fs_pipe_s"] = b0["s3fs_pipe_s"]
     save_cpu: list[float] | None = None
     fixed_cpu: list[float] | None = None
+    save_cpu_paired: list[float] | None = None
+    memcpy_paired: list[float] | None = None
     if ours is not None:
         o0 = ours[0]
         peers["ours"] = _peer([r["windows"] for r in ours], "stall_s")
@@ -1092,6 +1112,17 @@ def _report(
             [[c["rank_cpu_s"] + c["writer_cpu_s"] for c in r["cpu_per_save"]] for r in ours]
         )
         fixed_cpu = _per_round([r["fixed_cpu_s"] for r in ours])
+        # Each save's CPU over the memcpy timed right after it on the same rank.
+        save_cpu_paired = _per_round(
+            [
+                [
+                    (c["rank_cpu_s"] + c["writer_cpu_s"]) / c["memcpy_after_s"]
+                    for c in r["cpu_per_save"]
+                ]
+                for r in ours
+            ]
+        )
+        memcpy_paired = _per_round([[c["memcpy_after_s"] for c in r["cpu_per_save"]] for r in ours])
     spare_memcpy_s: float | None = None
     if spare is not None:
         spare_memcpy_s = spare[0]["memcpy_s"]
@@ -1114,6 +1145,12 @@ def _report(
             per("ours", "inflation_s"), per("dcp_best", "inflation_s")
         ),
         "save_cpu_vs_memcpy": _spread(in_memcpys(save_cpu, memcpy_s)),
+        # Diagnostic: the same saves, each over a memcpy of the state timed right after it
+        # (every rank at once), instead of over the fastest of the memcpys before the run:
+        # on a machine whose memory speed moves, the fastest memcpy is below the saves'
+        # typical one (BENCHMARKS.md, issue 33, helper `savecpu`).
+        "save_cpu_vs_memcpy_paired": _spread(save_cpu_paired),
+        "memcpy_paired_s": _spread(memcpy_paired),
         # What a save costs beyond copy, checksum and write (`_fixed_cpu`), in seconds and
         # in memcpys of the state.
         "save_fixed_cpu_s": _spread(fixed_cpu),
@@ -1297,6 +1334,7 @@ def _render(report: dict[str, Any]) -> str:
         lines.append(f"skipped {name}: {why.splitlines()[0] if why else ''}")
     diagnostics = ("stall_vs_dcp_async", "inflation_vs_memcpy", "save_fixed_vs_memcpy")
     diagnostics += ("extra_cpu_vs_memcpy", "extra_cpu_vs_memcpy_a_a")
+    diagnostics += ("save_cpu_vs_memcpy_paired", "memcpy_paired_s")
     for key in diagnostics:
         lines.append(f"{key}: {cell(report.get(key))} (no target)")
     lines.append(_common.conditions_line(report["conditions_before"], report["conditions_after"]))

@@ -9,7 +9,18 @@ thread's CPU for one copy, fastest of 5):
   names: `MainThread`, `ckpt-stager-<rank>`, `ckpt-commit`, `ckpt-deleter`, gloo's own);
 - the persistent writer process (`/proc/<pid>/stat`);
 - `save()` alone on the training thread (`time.thread_time`), in memcpys and milliseconds;
-- the finalizer's agreement rounds per save (its MAX all-reduces, counted).
+- the finalizer's agreement rounds per save (its MAX all-reduces, counted);
+- per thread, user and system CPU and minor / major page faults per save, and the writer's
+  faults (issue 33: a slab faulted in again on every save would show here);
+- the staging copy alone (`copy_payload_into_slab`, on the stager's CPU clock), per save.
+
+`--unit-between-saves` also times one memcpy of the state on the training thread after each
+save (every rank at once, as their stagers copied at once; its CPU is taken off the training
+thread's) and gives the stager's ratio to their median: on a machine whose memory speed moves
+with load, the fastest memcpy before the run is not the speed the saves got. `--no-stream`
+(bench only) hands each shard to the writer once it is staged instead of streaming the write
+behind the copy ([Note: streamed writes] in `_save/pipeline.py`), to tell the copy's own cost
+from what the concurrent write adds to it.
 
 Figures from `/proc` come in clock ticks (10 ms): use enough saves (the default 10).
 
@@ -25,6 +36,7 @@ work alone.
 
     .venv/bin/python bench/save_cpu_threads.py [--size-mib 128] [--saves 10] [--json]
     .venv/bin/python bench/save_cpu_threads.py --size-mib 1 --saves 40 --profile
+    .venv/bin/python bench/save_cpu_threads.py --size-mib 512 --saves 8 --unit-between-saves
 """
 
 from __future__ import annotations
@@ -45,10 +57,11 @@ import ckpt_vs_dcp as bench
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
-def _thread_cpu_s() -> dict[str, float]:
-    """CPU seconds of every live thread of this process, by name (summed over equal names)."""
+def _thread_stats() -> dict[str, tuple[float, float, int, int]]:
+    """Every live thread of this process, by name (summed over equal names): (user CPU s,
+    system CPU s, minor faults, major faults)."""
     names = {t.native_id: t.name for t in threading.enumerate()}
-    out: dict[str, float] = {}
+    out: dict[str, tuple[float, float, int, int]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm", encoding="utf-8") as f:
@@ -58,8 +71,28 @@ def _thread_cpu_s() -> dict[str, float]:
         except OSError:  # the thread ended meanwhile
             continue
         name = names.get(int(tid)) or comm
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / _TICKS_PER_S
+        # After the ")": [7] minflt, [9] majflt, [11] utime, [12] stime (clock ticks).
+        mine = (
+            int(fields[11]) / _TICKS_PER_S,
+            int(fields[12]) / _TICKS_PER_S,
+            int(fields[7]),
+            int(fields[9]),
+        )
+        prev = out.get(name, (0.0, 0.0, 0, 0))
+        out[name] = (prev[0] + mine[0], prev[1] + mine[1], prev[2] + mine[2], prev[3] + mine[3])
     return out
+
+
+def _thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of every live thread of this process, by name (summed over equal names)."""
+    return {name: s[0] + s[1] for name, s in _thread_stats().items()}
+
+
+def _process_faults(pid: int | None) -> tuple[int, int]:
+    """(minor, major) page faults of the process `pid` (this one if None), all threads."""
+    with open(f"/proc/{pid or 'self'}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[7]), int(fields[9])
 
 
 # (part, "module:qualname" of the functions counted): the CPU of their calls (cumulative, the
@@ -136,8 +169,37 @@ def _rank(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, Any]:
     _common.stdout_to_stderr()
     from tests.support.agreement_rounds import counting_agreement_rounds
 
+    copies = _time_staging_copies(no_stream=spec["no_stream"])
     with counting_agreement_rounds() as count:
-        return _measure(rank, world_size, spec, count)
+        out = _measure(rank, world_size, spec, count)
+    # The measured saves' copies (the warm-up saves' came first).
+    mine = sorted(copies[-spec["saves"] :])
+    out["copy_x_memcpy"] = [round(c / out["memcpy_cpu_s"], 3) for c in mine]
+    out["copy_median_ms"] = round(mine[len(mine) // 2] * 1e3, 3)
+    return out
+
+
+def _time_staging_copies(*, no_stream: bool) -> list[float]:
+    """Time each staging copy (`copy_payload_into_slab`) by the staging thread's CPU clock;
+    with `no_stream`, the writer gets each shard only once it is staged (bench only: local
+    disk otherwise streams the write behind the copy, [Note: streamed writes]). Returns the
+    list the copies' CPU seconds are appended to."""
+    from ckpt_manager._save import pipeline
+
+    copies: list[float] = []
+    copy = pipeline.copy_payload_into_slab  # type: ignore[attr-defined]
+
+    def timed(*args: Any, **kwargs: Any) -> tuple[int, int]:
+        t0 = time.thread_time()
+        try:
+            return copy(*args, **kwargs)
+        finally:
+            copies.append(time.thread_time() - t0)
+
+    pipeline.copy_payload_into_slab = timed  # type: ignore[attr-defined]
+    if no_stream:
+        pipeline.LocalPipeline._streams = lambda self, request: False  # type: ignore[method-assign]
+    return copies
 
 
 def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> dict[str, Any]:
@@ -148,6 +210,7 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
         profiles.install()  # before the manager starts its threads
     mgr, _ = bench._manager(os.path.join(spec["dir"], "root"), spec, {})
     state = trainer.manager_state(rank, world_size)
+    between = _UnitBetweenSaves(trainer) if spec["unit_between_saves"] else None
 
     def one_save() -> float:
         trainer.num_steps += 1
@@ -157,6 +220,8 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
         save_s = time.thread_time() - t0
         mgr.before_optimizer_step()
         mgr.wait_until_finished()
+        if between is not None:
+            between.measure()
         return save_s
 
     with mgr:
@@ -164,19 +229,41 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
             one_save()
         pid = mgr.writer_pid
         count.reset()  # agreement rounds of the measured saves only
-        writer0, threads0 = bench._cpu_s(pid), _thread_cpu_s()
+        writer0, stats0, wfaults0 = bench._cpu_s(pid), _thread_stats(), _process_faults(pid)
         if profiles is not None:
             profiles.main.enable()
+        if between is not None:
+            between.cpu_s.clear()  # the warm-up saves' units
         save_s = sum(one_save() for _ in range(spec["saves"]))
-        writer1, threads1 = bench._cpu_s(pid), _thread_cpu_s()
+        writer1, stats1, wfaults1 = bench._cpu_s(pid), _thread_stats(), _process_faults(pid)
     n = spec["saves"]
+    if between is not None:  # the units are not the save's: off the training thread's CPU
+        u, s_, f, m = stats1["MainThread"]
+        stats1["MainThread"] = (u - sum(between.cpu_s), s_, f, m)
     # The other threads' profiles include the two warm-up saves: within 2 / n.
     parts = profiles.parts_ms(n) if profiles is not None else None
+    threads0 = {k: v[0] + v[1] for k, v in stats0.items()}
+    threads1 = {k: v[0] + v[1] for k, v in stats1.items()}
     threads = {k: (v - threads0.get(k, 0.0)) / n / memcpy_s for k, v in threads1.items()}
+    zero = (0.0, 0.0, 0, 0)
+    # Per thread and save: user and system CPU in memcpys, minor and major page faults.
+    detail = {}
+    for k, v in stats1.items():
+        u0, s0, f0, m0 = stats0.get(k, zero)
+        if v[0] + v[1] == u0 + s0 and v[2] == f0:
+            continue  # idle thread
+        detail[k] = {
+            "user_x_memcpy": round((v[0] - u0) / n / memcpy_s, 3),
+            "sys_x_memcpy": round((v[1] - s0) / n / memcpy_s, 3),
+            "minflt": round((v[2] - f0) / n, 1),
+            "majflt": round((v[3] - m0) / n, 1),
+        }
     return {
         "memcpy_cpu_s": memcpy_s,
         "threads_x_memcpy": {k: round(v, 3) for k, v in threads.items() if v > 0},
         "writer_x_memcpy": round((writer1 - writer0) / n / memcpy_s, 3),
+        "threads_detail": detail,
+        "writer_faults_per_save": [(b - a) / n for a, b in zip(wfaults0, wfaults1, strict=True)],
         "save_call_x_memcpy": round(save_s / n / memcpy_s, 3),
         "save_call_ms": round(save_s / n * 1e3, 3),
         "agreement_rounds_per_save": round(count.rounds / n, 2),
@@ -184,7 +271,28 @@ def _measure(rank: int, world_size: int, spec: dict[str, Any], count: Any) -> di
             (sum(threads1.values()) - sum(threads0.values()) + writer1 - writer0) / n * 1e3, 3
         ),
         "parts_ms_under_cprofile": parts,
+        "memcpy_between_saves_cpu_s": None if between is None else between.cpu_s,
     }
+
+
+class _UnitBetweenSaves:
+    """One memcpy of the state on the training thread after each save (`--unit-between-saves`):
+    the unit at the memory speed of the moment, with the other ranks copying too (they do
+    the same), next to the saves it measures, instead of once before them."""
+
+    def __init__(self, trainer: Any) -> None:
+        import torch
+
+        self._tensors = [t for _, t in trainer.named_tensors()]
+        self._dst = [torch.empty_like(t) for t in self._tensors]
+        self.cpu_s: list[float] = []
+        self.measure()  # first touch
+
+    def measure(self) -> None:
+        t0 = time.thread_time()
+        for d, t in zip(self._dst, self._tensors, strict=True):
+            d.copy_(t)
+        self.cpu_s.append(time.thread_time() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,6 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--profile", action="store_true", help="also the fixed per-save work by part (cProfile)"
+    )
+    parser.add_argument(
+        "--unit-between-saves",
+        action="store_true",
+        help="also a memcpy of the state after each save, and the stager's ratio to its median",
+    )
+    parser.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="write each shard after its copy instead of streaming it behind the copy",
     )
     args = parser.parse_args(argv)
     if args.size_mib < 1 or args.saves < 1 or args.world_size < 1:
@@ -210,10 +328,17 @@ def main(argv: list[str] | None = None) -> int:
             "async_mode": "persistent",
             "saves": args.saves,
             "profile": args.profile,
+            "no_stream": args.no_stream,
+            "unit_between_saves": args.unit_between_saves,
         }
         before = _common.machine_conditions()
         ranks = _common.run_ranks(_rank, args.world_size, spec, timeout_s=1200)
-    result = {"size_mib": args.size_mib, "saves": args.saves, "ranks": ranks}
+    result = {
+        "size_mib": args.size_mib,
+        "saves": args.saves,
+        "streamed": not args.no_stream,
+        "ranks": ranks,
+    }
     result["conditions"] = {"before": before, "after": _common.machine_conditions()}
     if args.json:
         _common.print_json(result)
@@ -226,6 +351,23 @@ def main(argv: list[str] | None = None) -> int:
             f" ({r['save_call_ms']} ms); {r['agreement_rounds_per_save']} agreement rounds;"
             f" threads {r['threads_x_memcpy']}; all of it {r['cpu_ms_per_save']} ms of CPU per save"
         )
+        print(
+            f"    staging copy (copy_payload_into_slab, stager CPU): median"
+            f" {r['copy_median_ms']} ms, per save in memcpys {r['copy_x_memcpy']}"
+        )
+        units = r["memcpy_between_saves_cpu_s"]
+        if units:
+            mid = sorted(units)[len(units) // 2]
+            # No entry: the stager used less than a clock tick over the saves (a tiny state).
+            stager = sum(v for k, v in r["threads_x_memcpy"].items() if k.startswith("ckpt-stager"))
+            print(
+                f"    memcpy between saves: median {mid * 1e3:.1f} ms (min {min(units) * 1e3:.1f},"
+                f" max {max(units) * 1e3:.1f}); staging copy {r['copy_median_ms'] / 1e3 / mid:.2f}"
+                f" and stager {stager * r['memcpy_cpu_s'] / mid:.2f} of these memcpys"
+            )
+        for name, d in r["threads_detail"].items():
+            print(f"    {name:24s} {d}")
+        print(f"    writer faults per save (minor, major): {r['writer_faults_per_save']}")
         if r["parts_ms_under_cprofile"] is not None:
             print(f"rank {rank} parts, ms of CPU per save under cProfile:")
             for name, ms in r["parts_ms_under_cprofile"].items():

@@ -74,6 +74,9 @@ def test_ckpt_vs_dcp_smoke_reports_every_peer_ratio() -> None:
     assert set(unresolved) <= {"inflation_vs_dcp_best", "inflation_vs_memcpy_spare_core"}
     assert report["memcpy_gib_s"] > 0
     assert report["save_fixed_cpu_s"]["median"] > 0
+    # Each save over the memcpy timed right after it (issue 33, helper `savecpu`).
+    assert _is_interval(report["save_cpu_vs_memcpy_paired"])
+    assert report["memcpy_paired_s"]["min"] > 0
     assert report["targets"]["save_fixed_cpu_s"][1] == pytest.approx(0.25 * report["memcpy_s"])
     assert set(report["verdicts"]) == set(report["targets"])
     assert {"dcp_best", "dcp_async", "ours", "ours_spare_core"} <= set(report["peers"])

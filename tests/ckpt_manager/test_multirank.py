@@ -7,6 +7,7 @@ import os
 import pathlib
 import queue
 import signal
+import threading
 import time
 from typing import Any, NamedTuple
 
@@ -146,6 +147,7 @@ def _two_rank_scenarios(rank: int, world: int, modes_root: str, fault_root: str)
     fault = _writer_fault_on_rank1(rank, world, fault_root)
     conflict = _commit_conflict(rank, world, fault_root)
     straggler = _straggler_on_rank1(rank, world, fault_root)
+    opening = _opening_rounds(rank, world, fault_root)
     late = _late_peer(rank, world, fault_root)  # last: it leaves one group timed out
     return {
         "modes": modes,
@@ -153,6 +155,7 @@ def _two_rank_scenarios(rank: int, world: int, modes_root: str, fault_root: str)
         "fault": fault,
         "conflict": conflict,
         "straggler": straggler,
+        "opening": opening,
         "late": late,
     }
 
@@ -250,6 +253,33 @@ def _straggler_on_rank1(rank: int, world: int, root: str) -> dict[str, Any]:
     }
 
 
+def _opening_rounds(rank: int, world: int, root: str) -> dict[str, Any]:
+    """`wait_until_finished()` right after `save()`, both writers held until a file appears
+    (rank 0 makes it shortly after): the agreement rounds that took. The pauses between
+    rounds are raised so that only news ends them, whatever the machine's speed."""
+    from ckpt_manager._save import finalize
+
+    hold = f"{root}-opening-hold"
+    os.environ[FAULT_ENV] = f"hold={hold}@7"
+    saved = finalize.OWN_WRITE_POLL_S, finalize.AGREE_POLL_S
+    finalize.OWN_WRITE_POLL_S = finalize.AGREE_POLL_S = 5.0
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, finalize_timeout_s=60)
+    try:
+        with (
+            counting_agreement_rounds() as count,
+            CheckpointManager(root + "-opening", cfg, run_id="opening") as mgr,
+        ):
+            mgr.save(7, _rank_state(rank, world, 7))
+            if rank == 0:
+                release = threading.Timer(0.3, pathlib.Path(hold).touch)
+                release.start()
+            mgr.wait_until_finished()
+            return {"steps": mgr.all_steps(), "rounds": count.rounds}
+    finally:
+        del os.environ[FAULT_ENV]
+        finalize.OWN_WRITE_POLL_S, finalize.AGREE_POLL_S = saved
+
+
 _FOREIGN_MANIFEST = b'{"run_id": "other-launch"}'
 
 
@@ -299,6 +329,17 @@ def test_a_writer_slower_than_the_collective_timeout_commits(two_ranks: _TwoRank
     assert rounds[0] == rounds[1]
     bound = 3 / OWN_WRITE_POLL_S + max(elapsed - 3, 0) / AGREE_POLL_S + 8
     assert rounds[0] <= bound, f"{rounds[0]} agreement rounds for two saves in {elapsed:.1f} s"
+
+
+def test_a_blocking_finalize_opens_each_phase_once_its_own_part_can_end_it(
+    two_ranks: _TwoRanks,
+) -> None:
+    # [Note: a blocking finalize opens a phase once its own part can end it]: one AGREE round
+    # once both writes are done, one COMMIT round once the commit is (the reports' gather is
+    # not a poll round); before, AGREE opened while the writes were held and COMMIT as the
+    # commit was queued: 4 rounds or more.
+    for rank_out in (o["opening"] for o in two_ranks.out):
+        assert rank_out == {"steps": [7], "rounds": 2}
 
 
 # --- [Note: a non-blocking finalize never waits for a peer] ---------------------------------
