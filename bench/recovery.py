@@ -6,7 +6,8 @@ a rank holds `--state-mib` MiB of state, under `no_shard`):
 
 - rank kills on one node x 2 ranks and on two nodes x 1 rank: `--kills` times one rank chosen
   at random is SIGKILLed at a random point (0.5-3 step times after the group trains again),
-  with `memory_every 0` (today's durable path, `ckpt_every 5`) and `memory_every 1`;
+  with `memory_every 0` (today's durable path, `ckpt_every 5`) and `memory_every 1`, the
+  durable root on local disk or, with `--rank-durable s3`, on the loopback S3 server;
 - node losses on two nodes x 1 rank, durable root on a loopback S3 server that counts the
   object bytes it serves (`bench/_recovery/s3count.py`): node 1's whole process group is
   SIGKILLed and a fresh daemon with an empty memory directory takes its place;
@@ -30,6 +31,7 @@ measured in the same run.
     .venv/bin/python bench/recovery.py --quick          # smoke run: 3 kills, default job
     .venv/bin/python bench/recovery.py --json           # the full run (see --help)
     .venv/bin/python bench/recovery.py --jobs big --topologies 1x2 --kills 5
+    .venv/bin/python bench/recovery.py --topologies 1x2 --node-kills 0 --rank-durable s3
 """
 
 from __future__ import annotations
@@ -240,6 +242,13 @@ def main() -> int:
     parser.add_argument("--jobs", nargs="+", default=["default", "big"], choices=["default", "big"])
     parser.add_argument("--topologies", nargs="+", default=["1x2", "2x1"], choices=["1x2", "2x1"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--rank-durable",
+        choices=["local", "s3"],
+        default="local",
+        help="durable root of the rank-kill rounds: local disk (the default) or the loopback S3 "
+        "server (as a production run's object store; node-loss rounds always use S3)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.kills, args.node_kills, args.measure_steps, args.jobs = 3, 3, 15, ["default"]
@@ -250,12 +259,14 @@ def main() -> int:
     started = time.monotonic()
     specs = _plan(args)
     results = []
-    s3 = CountingS3().start() if any(s.failure == "node" for s in specs) else None
+    needs_s3 = args.rank_durable == "s3" or any(s.failure == "node" for s in specs)
+    s3 = CountingS3().start() if needs_s3 else None
     try:
         with tempfile.TemporaryDirectory(prefix="recovery-") as tmp:
             for spec in specs:
                 print(f"round {spec.name} ...", file=sys.stderr)
-                uses_s3 = s3 if spec.failure == "node" else None
+                on_s3 = spec.failure == "node" or args.rank_durable == "s3"
+                uses_s3 = s3 if on_s3 else None
                 results.append(rounds.run_round(spec, Path(tmp), rng, uses_s3))
     finally:
         if s3 is not None:
