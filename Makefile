@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.13.0
 # x86_64 on PyPI), `make venv TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu` takes the CPU build.
 TORCH_INDEX_URL ?=
 PYTEST_ARGS ?=
-PYTEST_PARALLEL ?= -n 4 --dist loadfile
+PYTEST_PARALLEL ?= -n 6 --dist loadfile
 # System tools some tests need, from Debian packages: promtool and prometheus (tests/dashboards),
 # chromium (the status page test, tests/daemon/test_status_page.py), systemd-analyze (the unit
 # file test), tmux (the live status line test, tests/daemon/agent/test_progress.py), etcd (the
@@ -62,7 +62,7 @@ stop-packaged-services:
 	  /etc/init.d/etcd stop >/dev/null 2>&1 || true; \
 	fi
 
-# Two parts: the suite on 4 workers, then the `serial` tests alone (they judge timing from
+# Two parts: the suite on 6 workers, then the `serial` tests alone (they judge timing from
 # outside and must not share the machine with another file's daemons). Exit code 5 (nothing
 # collected, e.g. a PYTEST_ARGS subset without serial tests) is not a failure.
 test: venv system-tools
