@@ -201,6 +201,8 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
                 reads = s3.object_reads(killed, after.batch_starts[1])
                 row["storage_bytes_read"] = sum(x.num_bytes for x in reads)
                 row["storage_objects_read"] = len(reads)
+                # Which objects (key without the bucket, bytes): says what a restore still reads.
+                row["storage_reads"] = [[x.key.split("/", 1)[-1], x.num_bytes] for x in reads]
             out["kills"].append(row)
             print(
                 f"{spec.name}: kill {restart}: lost {sample.steps_lost}, "

@@ -35,6 +35,7 @@ from daemon.agent.replica.protocol import (
     COMMIT,
     ProtocolError,
     Refusal,
+    configure,
     recv_frame,
     recv_payload,
     send_file,
@@ -107,8 +108,7 @@ class ReplicaServer:
                 conn, peer = self._listener.accept()
             except OSError:
                 return  # closed
-            conn.settimeout(IO_TIMEOUT_S)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            configure(conn, IO_TIMEOUT_S)
             with self._lock:
                 self._conns.add(conn)
             threading.Thread(
