@@ -40,6 +40,7 @@ import mmap
 import os
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -184,20 +185,36 @@ def send_file(sock: socket.socket, fd: int, nbytes: int) -> None:
         sent += n
 
 
-def recv_payload(sock: socket.socket, fd: int, capacity: int, nbytes: int) -> bytes:
+def recv_payload(
+    sock: socket.socket,
+    fd: int,
+    capacity: int,
+    nbytes: int,
+    ready: Callable[[], None] | None = None,
+) -> bytes:
     """Receive `nbytes` of payload straight into the file behind `fd` (allocated to
     `capacity`, mapped shared), then the trailer byte; returns the trailer.
+
+    Args:
+        ready: called once the destination is mapped, before the first byte is read (a
+            receiver sends its go-ahead there: the sender's bytes then never wait for the
+            mapping's page faults).
 
     Raises:
         ProtocolError: the connection closed early.
         OSError: the connection broke or timed out.
     """
-    if nbytes:
-        # Pre-faulted: one page fault per 4 KiB page would otherwise slow the receive down.
-        mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        try:
-            with memoryview(mm) as view, view[:nbytes] as payload:
-                recv_into(sock, payload)
-        finally:
-            mm.close()  # every view of it is released by now, even after a broken receive
+    if not nbytes:
+        if ready is not None:
+            ready()
+        return recv_exact(sock, 1)
+    # Pre-faulted: one page fault per 4 KiB page would otherwise slow the receive down.
+    mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    try:
+        if ready is not None:
+            ready()
+        with memoryview(mm) as view, view[:nbytes] as payload:
+            recv_into(sock, payload)
+    finally:
+        mm.close()  # every view of it is released by now, even after a broken receive
     return recv_exact(sock, 1)

@@ -184,10 +184,14 @@ class ReplicaServer:
         # next snapshot as soon as it reads the reply must find the slot free.
         reply: tuple[Refusal | None, dict[str, Any]] | None = None
         try:
-            send_frame(conn, {"ok": True})
-            t0 = time.perf_counter()
-            trailer = recv_payload(conn, fd, capacity, meta.payload_bytes)
-            self._stats.received(meta.payload_bytes, time.perf_counter() - t0)
+            started: list[float] = []
+
+            def go_ahead() -> None:  # the slot is mapped: the bytes may come
+                send_frame(conn, {"ok": True})
+                started.append(time.perf_counter())
+
+            trailer = recv_payload(conn, fd, capacity, meta.payload_bytes, ready=go_ahead)
+            self._stats.received(meta.payload_bytes, time.perf_counter() - started[0])
             os.close(fd)
             fd = -1
             if trailer != COMMIT:
