@@ -9,7 +9,10 @@ the other ranks, and the restore falls back to the durable tier. So the daemon t
 replica of another node's ranks names its step here (the newest step every such rank's replica
 holds complete), and this node's ranks never overwrite their slot of that step (`MemoryTier.choose`
 treats it as pinned, as a durable write in flight pins one): the newest step and the kept step
-stay, and a snapshot that finds both primary slots so held takes an extra slot or is skipped.
+stay, and a snapshot that finds both primary slots so held takes an extra slot. When none is
+left (a durable write pins the extra one, or the tmpfs has no room for it), the kept step
+yields and the snapshot overwrites it: a skipped snapshot would cost more than the kept step
+saves (skips differ between nodes, so the ranks' steps drift apart).
 On a ring of two nodes this makes a node loss restorable from memory at the kept step; on a
 longer ring it holds for the lost node's successor (the other nodes keep their own
 predecessor's step, usually the same one).
