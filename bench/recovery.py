@@ -225,9 +225,19 @@ def _replica_figure(results: list[dict[str, Any]], loopback_bps: float) -> dict[
         why = f"unavailable: no replica bytes and seconds counters among {names}"
         return stats.figure(why, ">=", 0.8, how=how)
     replica_bps = num_bytes[0] / seconds[0]
+    # The same plain copy taken while the 2x1 rounds trained (`rounds.py`): what loopback TCP
+    # gives under the load the replicas stream under, for the reader to compare.
+    loaded = [
+        r["loopback_under_load_bytes_per_s"]
+        for r in _select(results, topology="2x1", memory_every=_ON)
+        if r.get("loopback_under_load_bytes_per_s")
+    ]
+    loaded_bps = statistics.median(loaded) if loaded else None
     return stats.figure(
         replica_bps / loopback_bps, ">=", 0.8, unit="ratio", how=how,
         replica_bytes_per_s=replica_bps, loopback_bytes_per_s=loopback_bps, counters=totals,
+        loopback_under_load_bytes_per_s=loaded_bps,
+        vs_loopback_under_load=replica_bps / loaded_bps if loaded_bps else None,
     )  # fmt: skip
 
 

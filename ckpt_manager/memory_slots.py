@@ -12,14 +12,26 @@ loss (`daemon/agent/replica/`); it reads and writes the slots through these name
     verify_slot   why a payload does not match its meta's checksum (None: it does)
     ORIGIN_REPLICA  the `origin` of a slot copied from a peer: the restore then reports
                   `RestoreResult.source == "replica"`
+    write_kept_step  ask this node's ranks to keep their snapshot of a step (the one the
+                  peer's replica it holds has: [Note: a node keeps the step its peer's replica
+                  holds] in `ckpt_manager/_memory/keep.py`)
 
 See [Note: the memory tier] in `ckpt_manager/_memory/__init__.py`.
 """
 
 from __future__ import annotations
 
+from ckpt_manager._memory.keep import write_kept_step
 from ckpt_manager._memory.load import verify_slot
 from ckpt_manager._memory.meta import ORIGIN_LOCAL, ORIGIN_REPLICA, SlotMeta, restamp
 from ckpt_manager._memory.slots import SlotFiles
 
-__all__ = ["ORIGIN_LOCAL", "ORIGIN_REPLICA", "SlotFiles", "SlotMeta", "restamp", "verify_slot"]
+__all__ = [
+    "ORIGIN_LOCAL",
+    "ORIGIN_REPLICA",
+    "SlotFiles",
+    "SlotMeta",
+    "restamp",
+    "verify_slot",
+    "write_kept_step",
+]

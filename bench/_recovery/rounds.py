@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _recovery import job, progress
+from _recovery import job, machine, progress
 from _recovery.s3count import CountingS3
 from tests.daemon._daemon_proc import DaemonProc, Samples, wait_for
 from tests.support.dist import free_port
@@ -172,6 +172,12 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
         ]
         out["snapshot_seconds_buckets"] = _stall_buckets(r.nodes)
         out["state_bytes_per_rank"] = r.slot_bytes()
+        if r.nnodes > 1 and spec.memory_every != "0" and out["state_bytes_per_rank"]:
+            # The plain loopback copy again, while this round trains: the same load the
+            # replicas stream under (the run's reference is taken with nothing running).
+            out["loopback_under_load_bytes_per_s"] = machine.loopback_tcp_bytes_per_s(
+                out["state_bytes_per_rank"]
+            )
         for restart in range(1, spec.kills + 1):
             before = r.incarnations()[restart - 1]
             events = r.nodes[0].events()
@@ -201,6 +207,8 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
                 reads = s3.object_reads(killed, after.batch_starts[1])
                 row["storage_bytes_read"] = sum(x.num_bytes for x in reads)
                 row["storage_objects_read"] = len(reads)
+                # Which objects (key without the bucket, bytes): says what a restore still reads.
+                row["storage_reads"] = [[x.key.split("/", 1)[-1], x.num_bytes] for x in reads]
             out["kills"].append(row)
             print(
                 f"{spec.name}: kill {restart}: lost {sample.steps_lost}, "

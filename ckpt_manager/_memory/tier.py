@@ -7,7 +7,10 @@ staging thread allocates slot files and writes metas (`allocate`, `complete`) fo
 [Note: which slot a snapshot takes] A snapshot never goes to
   - the slot of the newest complete snapshot (if this one dies half-copied, that one remains),
   - a pinned slot: one a durable write still reads (its request is in flight), or one a
-    snapshot is still being copied into.
+    snapshot is still being copied into,
+  - the slot of the kept step, the one a peer's replica held by this node also holds
+    ([Note: a node keeps the step its peer's replica holds] in `keep.py`), unless no other
+    slot (nor an extra one) is left: that pin yields, a snapshot is never skipped for it.
 Among the configured `slots` it takes an empty one, else the one with the oldest step. When
 all of those are excluded (a slow durable write pins one, the newest holds the other), it takes
 an extra slot beyond `slots` (at most `max_inflight` of them) if its file can be allocated;
@@ -27,6 +30,7 @@ from ckpt_manager._config import MemoryTierConfig
 from ckpt_manager._format.checksum import ChecksumAlgorithm
 from ckpt_manager._format.tree import Flattened, TensorLeaf
 from ckpt_manager._memory.floor import write_floor
+from ckpt_manager._memory.keep import KeptStep
 from ckpt_manager._memory.meta import MetaEncoder, SlotMeta
 from ckpt_manager._memory.plan import MemoryPlan, MemoryPlanCache
 from ckpt_manager._memory.slots import SlotFiles
@@ -107,6 +111,7 @@ class MemoryTier:
         self._sizes = {k: self.files.payload_size(k) for k in self.files.existing_slots()}
         self._extra_refused: str | None = None
         self._floor: int | None = None  # the newest step `record_durable` wrote
+        self._kept = KeptStep(config.directory, run_id)
         self._logged: set[str] = set()
         self.num_snapshots = 0
         """Snapshots completed."""
@@ -132,13 +137,21 @@ class MemoryTier:
         ([Note: which slot a snapshot takes])."""
         self._drop_inherited()
         newest = max(self.held, key=lambda k: self.held[k]) if self.held else None
-        free = [k for k in range(self.num_slots) if k not in pinned and k != newest]
-        primary = [k for k in free if k < self.config.slots]
-        if primary:
-            return min(primary, key=lambda k: (k in self.held, self.held.get(k, -1), k)), False
-        extra = [k for k in free if k >= self.config.slots]
-        if extra and self._extra_refused is None:
-            return min(extra, key=lambda k: (k in self.held, self.held.get(k, -1), k)), True
+        kept = self._kept.step()
+        kept_slots = {k for k, step in self.held.items() if step == kept}
+        # The kept step yields rather than cost a snapshot: skipped steps make the ranks'
+        # timelines differ more than a kept step brings them together (measured: snapshots
+        # skipped while a durable write pinned the third slot, then a node loss found
+        # rank 0 at [42, 43] and rank 1's replica at [40]).
+        for held_back in (pinned | kept_slots, pinned):
+            free = [k for k in range(self.num_slots) if k not in held_back and k != newest]
+            primary = [k for k in free if k < self.config.slots]
+            if primary:
+                slot = min(primary, key=lambda k: (k in self.held, self.held.get(k, -1), k))
+                return slot, False
+            extra = [k for k in free if k >= self.config.slots]
+            if extra and self._extra_refused is None:
+                return min(extra, key=lambda k: (k in self.held, self.held.get(k, -1), k)), True
         reason = self._extra_refused or (
             f"every slot is pinned by a durable write in flight or holds the newest snapshot "
             f"(slots {sorted(pinned)} pinned)"

@@ -8,6 +8,8 @@ restarted rank to restore from. Inside it:
     owner.json                  who owns it (`OwnerRecord`), written atomically at the claim.
     rank-<r:05d>.slot-<k>[.json]   the ranks' local slots (ckpt_manager writes them).
     replicas/                   snapshots a peer node streams here (its own sub-layout).
+    kept-step.json              the step of the newest replicas held here, which this node's
+                                ranks keep (`replica/holdings.py`, ckpt_manager reads it).
 
 [Note: who may remove a memory-tier directory] tmpfs is RAM: a directory nobody removes
 holds its bytes until the host reboots. So the daemon removes its own on every exit it sees

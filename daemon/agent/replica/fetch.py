@@ -33,6 +33,7 @@ from daemon.agent.replica.protocol import (
     COMMIT,
     ProtocolError,
     Refusal,
+    configure,
     recv_frame,
     recv_payload,
     send_frame,
@@ -208,7 +209,7 @@ class _Expect(NamedTuple):
 
 def _connect(address: str, timeout_s: float) -> socket.socket:
     sock = socket.create_connection(parse_address(address), timeout=timeout_s)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    configure(sock, timeout_s)
     return sock
 
 

@@ -13,6 +13,11 @@ Payloads are allocated with `posix_fallocate` first: a full tmpfs is a refusal, 
 
 The membership round of every sender (its node rank) is remembered: a replica from a round
 older than the newest accepted from that node is refused (a replaced node that still streams).
+
+Every commit also names, in the tier's `kept-step.json`, the newest step that every rank
+replicated here in that round holds complete: this node's own ranks keep their snapshot of it
+([Note: a node keeps the step its peer's replica holds] in `ckpt_manager/_memory/keep.py`), so
+after a loss of the sending node its ranks' replicas and this node's slots share a step.
 """
 
 from __future__ import annotations
@@ -21,12 +26,16 @@ import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ckpt_manager.memory_slots import SlotFiles, SlotMeta, restamp
+import structlog
+
+from ckpt_manager.memory_slots import SlotFiles, SlotMeta, restamp, write_kept_step
 
 __all__ = ["NUM_REPLICA_SLOTS", "HeldReplica", "ReplicaHoldings", "complete_slots"]
 
 NUM_REPLICA_SLOTS = 2
 """Slots per remote rank."""
+
+_log = structlog.get_logger("trainingd.replica")
 
 
 class HeldReplica(NamedTuple):
@@ -59,6 +68,10 @@ class ReplicaHoldings:
         self._lock = threading.Lock()
         self._busy: set[tuple[int, int]] = set()
         self._rounds: dict[int, int] = {}
+        # Per remote rank, the round and step of its newest committed replica; the step
+        # written to `kept-step.json` last.
+        self._newest: dict[int, tuple[int, int]] = {}
+        self._kept: int | None = None
 
     def files(self, rank: int) -> SlotFiles:
         """`rank`'s slot files under `replicas/`."""
@@ -121,6 +134,15 @@ class ReplicaHoldings:
         self.files(rank).write_meta(slot, stamped)
         with self._lock:
             self._rounds[node] = max(round_, self._rounds.get(node, round_))
+            self._newest[rank] = (round_, SlotMeta.parse(stamped).step)
+            kept = min(step for r, step in self._newest.values() if r == round_)
+            if kept == self._kept:
+                return
+            self._kept = kept
+            try:
+                write_kept_step(str(self.directory.parent), self.run_id, kept)
+            except OSError as err:  # costs the guarantee of a shared step, never the replica
+                _log.warning("replica_kept_step_failed", step=kept, error=str(err))
 
 
 def complete_slots(files: SlotFiles, run_id: str) -> list[HeldReplica]:

@@ -21,6 +21,15 @@ superseded copy (not a failure) from a corrupt one.
 
 Payloads leave with `os.sendfile` from the slot file (no copy through user space) and arrive
 with `recv_into` straight into the mapped destination file.
+
+[Note: replica sockets block in the kernel] Every replica socket is a blocking socket whose
+timeouts are the kernel's (`SO_RCVTIMEO`, `SO_SNDTIMEO`; `configure`), not Python's: a Python
+timeout makes the descriptor non-blocking, so each `sendfile` or `recv_into` returns after one
+socket buffer's worth (a few hundred KiB on loopback) and every chunk costs a poll and a GIL
+round trip, in a daemon whose other threads hold the GIL meanwhile (measured: 0.1 of a plain
+loopback copy). Blocking, one `sendfile` sends a whole payload and one `recv_into` with
+`MSG_WAITALL` fills it: the GIL is taken back once per payload. A peer that stalls still ends
+the call after the timeout (`EAGAIN`, raised as `TimeoutError`).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import mmap
 import os
 import socket
 import struct
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -39,6 +49,7 @@ __all__ = [
     "MAX_FRAME_BYTES",
     "ProtocolError",
     "Refusal",
+    "configure",
     "recv_exact",
     "recv_frame",
     "recv_into",
@@ -80,6 +91,17 @@ class ProtocolError(ConnectionError):
     """The peer broke the protocol or closed the connection mid-message."""
 
 
+def configure(sock: socket.socket, timeout_s: float) -> None:
+    """Make `sock` blocking with kernel timeouts of `timeout_s` per call ([Note: replica
+    sockets block in the kernel]) and without Nagle's delay (frames are small)."""
+    sock.settimeout(None)
+    seconds = int(timeout_s)
+    timeval = struct.pack("ll", seconds, int((timeout_s - seconds) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     """Send one JSON frame."""
     data = json.dumps(obj, separators=(",", ":")).encode()
@@ -107,8 +129,13 @@ def recv_into(sock: socket.socket, view: memoryview) -> None:
     while done < total:
         # Each slice is released at once, even when the receive fails: a slice a traceback
         # keeps alive would pin a mapped slot (`recv_payload` could not unmap it).
+        # MSG_WAITALL: one call fills the rest ([Note: replica sockets block in the kernel]);
+        # it returns short only at a timeout, a signal or the peer's close.
         with view[done:] as rest:
-            got = sock.recv_into(rest, min(total - done, 1 << 24))
+            try:
+                got = sock.recv_into(rest, total - done, socket.MSG_WAITALL)
+            except BlockingIOError as err:  # SO_RCVTIMEO expired
+                raise TimeoutError(f"no byte for the socket's timeout after {done}") from err
         if got == 0:
             raise ProtocolError(f"connection closed after {done} of {total} bytes")
         done += got
@@ -140,33 +167,54 @@ def recv_frame(sock: socket.socket) -> dict[str, Any] | None:
 
 
 def send_file(sock: socket.socket, fd: int, nbytes: int) -> None:
-    """Send `nbytes` of `fd` from offset 0 (`socket.sendfile`: `os.sendfile` on Linux, which
-    also honours the socket's timeout).
+    """Send `nbytes` of `fd` from offset 0 with `os.sendfile` (a socket made by `configure`:
+    one call sends it all, [Note: replica sockets block in the kernel]).
 
     Raises:
         ProtocolError: the file is shorter than `nbytes`.
-        OSError: the connection broke or timed out.
+        OSError: the connection broke or timed out (`TimeoutError`).
     """
-    with os.fdopen(fd, "rb", closefd=False) as f:
-        sent = sock.sendfile(f, 0, nbytes)
-    if sent != nbytes:
-        raise ProtocolError(f"file ended after {sent} of {nbytes} bytes")
+    sent = 0
+    while sent < nbytes:
+        try:
+            n = os.sendfile(sock.fileno(), fd, sent, nbytes - sent)
+        except BlockingIOError as err:  # SO_SNDTIMEO expired: the peer stopped reading
+            raise TimeoutError(f"the peer took no byte for the timeout after {sent}") from err
+        if n == 0:
+            raise ProtocolError(f"file ended after {sent} of {nbytes} bytes")
+        sent += n
 
 
-def recv_payload(sock: socket.socket, fd: int, capacity: int, nbytes: int) -> bytes:
+def recv_payload(
+    sock: socket.socket,
+    fd: int,
+    capacity: int,
+    nbytes: int,
+    ready: Callable[[], None] | None = None,
+) -> bytes:
     """Receive `nbytes` of payload straight into the file behind `fd` (allocated to
     `capacity`, mapped shared), then the trailer byte; returns the trailer.
+
+    Args:
+        ready: called once the destination is mapped, before the first byte is read (a
+            receiver sends its go-ahead there: the sender's bytes then never wait for the
+            mapping's page faults).
 
     Raises:
         ProtocolError: the connection closed early.
         OSError: the connection broke or timed out.
     """
-    if nbytes:
-        # Pre-faulted: one page fault per 4 KiB page would otherwise slow the receive down.
-        mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
-        try:
-            with memoryview(mm) as view, view[:nbytes] as payload:
-                recv_into(sock, payload)
-        finally:
-            mm.close()  # every view of it is released by now, even after a broken receive
+    if not nbytes:
+        if ready is not None:
+            ready()
+        return recv_exact(sock, 1)
+    # Pre-faulted: one page fault per 4 KiB page would otherwise slow the receive down.
+    mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    try:
+        if ready is not None:
+            ready()
+        with memoryview(mm) as view, view[:nbytes] as payload:
+            recv_into(sock, payload)
+    finally:
+        mm.close()  # every view of it is released by now, even after a broken receive
     return recv_exact(sock, 1)

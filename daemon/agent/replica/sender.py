@@ -29,6 +29,7 @@ from daemon.agent.replica.protocol import (
     COMMIT,
     ProtocolError,
     Refusal,
+    configure,
     recv_frame,
     send_file,
     send_frame,
@@ -156,7 +157,9 @@ class ReplicaSender:
                         step=meta.step,
                         error=detail,
                     )
-                    self._closed.wait(RETRY_S)
+                    # A new ring (`set_ring`, e.g. the lost peer's replacement) or `close`
+                    # ends the pause at once.
+                    self._wake.wait(RETRY_S)
                     break
 
     def _drop_former(self, ring: Ring) -> None:
@@ -228,7 +231,7 @@ class ReplicaSender:
             return self._sock
         self._disconnect()
         sock = socket.create_connection(parse_address(target), timeout=IO_TIMEOUT_S)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        configure(sock, IO_TIMEOUT_S)
         self._sock, self._sock_target = sock, target
         return sock
 

@@ -35,6 +35,7 @@ from daemon.agent.replica.protocol import (
     COMMIT,
     ProtocolError,
     Refusal,
+    configure,
     recv_frame,
     recv_payload,
     send_file,
@@ -107,8 +108,7 @@ class ReplicaServer:
                 conn, peer = self._listener.accept()
             except OSError:
                 return  # closed
-            conn.settimeout(IO_TIMEOUT_S)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            configure(conn, IO_TIMEOUT_S)
             with self._lock:
                 self._conns.add(conn)
             threading.Thread(
@@ -184,10 +184,14 @@ class ReplicaServer:
         # next snapshot as soon as it reads the reply must find the slot free.
         reply: tuple[Refusal | None, dict[str, Any]] | None = None
         try:
-            send_frame(conn, {"ok": True})
-            t0 = time.perf_counter()
-            trailer = recv_payload(conn, fd, capacity, meta.payload_bytes)
-            self._stats.received(meta.payload_bytes, time.perf_counter() - t0)
+            started: list[float] = []
+
+            def go_ahead() -> None:  # the slot is mapped: the bytes may come
+                send_frame(conn, {"ok": True})
+                started.append(time.perf_counter())
+
+            trailer = recv_payload(conn, fd, capacity, meta.payload_bytes, ready=go_ahead)
+            self._stats.received(meta.payload_bytes, time.perf_counter() - started[0])
             os.close(fd)
             fd = -1
             if trailer != COMMIT:

@@ -51,6 +51,11 @@ def _snapshot(directory: Path, steps: list[int], run_id: str = RUN) -> dict[str,
     return state
 
 
+def _local_steps(directory: Path, rank: int = 0) -> list[int]:
+    metas = SlotFiles(str(directory), rank).read_metas().values()
+    return sorted(int(m["step"]) for m in metas if isinstance(m, dict))
+
+
 def _newest_meta(directory: Path, rank: int = 0) -> tuple[int, dict[str, Any]]:
     metas = SlotFiles(str(directory), rank).read_metas()
     slot = max((k for k, m in metas.items() if isinstance(m, dict)), key=lambda k: metas[k]["step"])  # type: ignore[index]
@@ -297,3 +302,62 @@ def test_a_payload_cut_short_is_a_protocol_error_and_unmaps_the_slot(tmp_path: P
     finally:
         os.close(fd)
         right.close()
+
+
+def test_a_late_replica_still_shares_a_step_with_the_survivors_slots(
+    tmp_path: Path, nodes: list[_Node]
+) -> None:
+    # [Note: a node keeps the step its peer's replica holds]: node b's rank 1 snapshots as fast
+    # as survivor a's rank 0, but its replica of step 3 is the last one a holds when b is lost
+    # (4, 5 and 6 were still on the wire). Without the kept step, rank 0's two slots had moved
+    # on to 5 and 6 and no step was held by every rank (bench: kills 1 and 4 of
+    # recovery_nodeloss_20261204_53c07b8 fell back to durable).
+    a, b = nodes
+    other = tmp_path / "node-b"
+    _snapshot(other, [1, 2, 3])
+    slot, raw = _newest_meta(other)
+    payload = (other / f"rank-00000.slot-{slot}").read_bytes()[: raw["payload_bytes"]]
+
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(a.tier)))
+    state: dict[str, Any] = {"w": torch.zeros(4096), "step": 0}
+    with CheckpointManager(str(tmp_path / "durable"), cfg, run_id=RUN) as mgr:
+        for step in range(1, 7):
+            state = {"w": state["w"] + 1, "step": step}
+            mgr.save(step, state, durable=False)
+            mgr.before_optimizer_step()
+            mgr.wait_until_finished()
+            if step == 3:  # rank 1's replica of step 3 lands on a
+                put = {"op": "put", "run_id": RUN, "node": 1, "round": 1}
+                meta = restamp(raw, rank=1)
+                assert _put(a.address, {**put, "meta": meta}, payload) == {"ok": True}
+    held = _local_steps(a.tier)
+    assert held[-1] == 6
+    assert 3 in held, held  # the step rank 1's replica holds
+
+    # b is lost; its replacement fetches rank 1 from a: the replica's step is one rank 0 holds.
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    fetched = fetch_missing(
+        str(fresh), run_id=RUN, ranks=[1], world_size=1, peers={0: a.address},
+        stats=ReplicaStats(), timeout_s=10,
+    )  # fmt: skip
+    assert fetched.steps == {1: [3]}, fetched.reasons
+
+    # The next replica moves the kept step on; rank 0's next snapshots free the old slot.
+    _snapshot(other, [7])
+    slot, raw = _newest_meta(other)
+    payload = (other / f"rank-00000.slot-{slot}").read_bytes()[: raw["payload_bytes"]]
+    put = {"op": "put", "run_id": RUN, "node": 1, "round": 1, "meta": restamp(raw, rank=1)}
+    assert _put(a.address, put, payload) == {"ok": True}
+    assert b.holdings.held(1) == []  # only a received rank 1's replicas
+    with CheckpointManager(str(tmp_path / "durable"), cfg, run_id=RUN) as mgr:
+        assert mgr.restore() is not None  # keeps the slots up to step 6
+        for step in (7, 8):
+            mgr.save(step, {"w": state["w"] + step, "step": step}, durable=False)
+            mgr.before_optimizer_step()
+            mgr.wait_until_finished()
+    held = _local_steps(a.tier)
+    # Step 3's slot was taken again (an extra slot, filled while 3 was kept, keeps its step 5
+    # until a snapshot needs it: as after a durable write pinned a slot).
+    assert 3 not in held
+    assert held[-2:] == [7, 8]
