@@ -13,9 +13,14 @@ staging thread allocates slot files and writes metas (`allocate`, `complete`) fo
     slot (nor an extra one) is left: that pin yields, a snapshot is never skipped for it.
 Among the configured `slots` it takes an empty one, else the one with the oldest step. When
 all of those are excluded (a slow durable write pins one, the newest holds the other), it takes
-an extra slot beyond `slots` (at most `max_inflight` of them) if its file can be allocated;
-if not, that snapshot is skipped (counted, logged once with the reason): the loop never waits
-for a durable write to free a slot.
+an extra slot beyond `slots` if its file can be allocated: `max_inflight` of them for durable
+writes, and one more for the kept step, so that a durable write in flight does not make the
+kept step yield (a quiet node-loss run had 3 of 6 losses fall back to durable that way). An
+extra slot whose file cannot be allocated is not tried again, and that snapshot is skipped
+(counted, logged once with the reason); the other extra slots stay in use. The loop never waits
+for a durable write to free a slot. Extra slot files are allocated only when first taken, so a
+run without a kept step (one node) never allocates the last one unless a snapshot still being
+copied pins a slot too.
 """
 
 from __future__ import annotations
@@ -86,7 +91,8 @@ class MemoryTier:
             rank: this rank.
             world_size: ranks in the run (recorded in each meta).
             run_id: the run's id (recorded in each meta; a restore refuses other runs').
-            max_extra: extra slots beyond `config.slots` (the manager's `max_inflight`).
+            max_extra: extra slots beyond `config.slots` for durable writes in flight (the
+                manager's `max_inflight`); one more is kept for the kept step.
 
         Raises:
             ValueError: the directory does not exist.
@@ -95,7 +101,7 @@ class MemoryTier:
         self.files = SlotFiles(config.directory, rank)
         """This rank's slot files."""
         self.rank, self.world_size, self.run_id = rank, world_size, run_id
-        self.num_slots = config.slots + max_extra
+        self.num_slots = config.slots + max_extra + 1
         """The most slots this rank uses."""
         self.plans = MemoryPlanCache()
         """Payload plans (staging thread only)."""
@@ -109,7 +115,7 @@ class MemoryTier:
         self._inherited = True
         self._sizes_lock = threading.Lock()
         self._sizes = {k: self.files.payload_size(k) for k in self.files.existing_slots()}
-        self._extra_refused: str | None = None
+        self._refused: dict[int, str] = {}  # extra slots whose file could not be allocated
         self._floor: int | None = None  # the newest step `record_durable` wrote
         self._kept = KeptStep(config.directory, run_id)
         self._logged: set[str] = set()
@@ -149,10 +155,10 @@ class MemoryTier:
             if primary:
                 slot = min(primary, key=lambda k: (k in self.held, self.held.get(k, -1), k))
                 return slot, False
-            extra = [k for k in free if k >= self.config.slots]
-            if extra and self._extra_refused is None:
+            extra = [k for k in free if k >= self.config.slots and k not in self._refused]
+            if extra:
                 return min(extra, key=lambda k: (k in self.held, self.held.get(k, -1), k)), True
-        reason = self._extra_refused or (
+        reason = next(iter(self._refused.values()), None) or (
             f"every slot is pinned by a durable write in flight or holds the newest snapshot "
             f"(slots {sorted(pinned)} pinned)"
         )
@@ -182,7 +188,7 @@ class MemoryTier:
             self.last_snapshot_bytes = job.plan.payload.total_bytes
         elif job.skipped is not None:
             if job.extra:
-                self._extra_refused = job.skipped
+                self._refused[job.slot] = job.skipped
             self.skip(job.skipped)
         elif job.error is not None:
             self.num_failed += 1
