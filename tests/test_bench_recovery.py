@@ -145,3 +145,15 @@ def test_the_timeline_takes_the_agents_first_event_after_the_kill_and_the_slowes
     assert got["ranks_stopped"] == pytest.approx(0.25)
     assert got["process_group_up"] == pytest.approx(0.7)
     assert got["first_step_done"] == pytest.approx(1.0)
+
+
+def test_one_nodes_processes_are_followed_whatever_their_global_rank(tmp_path: Path) -> None:
+    # Node 0's only rank was global rank 0, then rank 1 after node 1's replacement took rank 0.
+    _write(tmp_path, 0, 1, 0, [1.0, 1.5])
+    _write(tmp_path, 1, 2, 1, [3.0])
+    assert sorted(progress.read_incarnations(tmp_path, rank=None)) == [0, 1]
+    events = [
+        {"event": "restored", "rank": 1, "restart": 1, "ckpt_step": 2, "source": "replica"},
+    ]
+    assert progress.restored_by_restart(events, rank=None)[1]["ckpt_step"] == 2
+    assert progress.restored_by_restart(events, rank=0) == {}

@@ -58,8 +58,10 @@ def parse_progress(text: str) -> tuple[int, list[float]]:
     return restart, [float(line) for line in complete]
 
 
-def read_incarnations(directory: Path, rank: int) -> dict[int, Incarnation]:
-    """Rank `rank`'s incarnations that fetched at least one batch, by restart.
+def read_incarnations(directory: Path, rank: int | None) -> dict[int, Incarnation]:
+    """Rank `rank`'s incarnations that fetched at least one batch, by restart (`rank` None:
+    any rank's; for a directory one node's single-rank processes write, whose global rank
+    can change between rounds: [Note: group ranks move between nodes] in `daemon/agent/replica`).
 
     Processes that built the job without training (the daemon's estimate, the fork server's
     preload) wrote no batch and are left out.
@@ -67,7 +69,7 @@ def read_incarnations(directory: Path, rank: int) -> dict[int, Incarnation]:
     out: dict[int, Incarnation] = {}
     for path in directory.iterdir():
         match = _NAME.fullmatch(path.name)
-        if match is None or int(match.group(1)) != rank:
+        if match is None or (rank is not None and int(match.group(1)) != rank):
             continue
         text = path.read_text(encoding="ascii", errors="replace")
         if "\n" not in text:
@@ -80,12 +82,12 @@ def read_incarnations(directory: Path, rank: int) -> dict[int, Incarnation]:
     return out
 
 
-def restored_by_restart(events: Iterable[Mapping[str, Any]], rank: int) -> dict[int, Any]:
-    """Rank `rank`'s `restored` log events by restart."""
+def restored_by_restart(events: Iterable[Mapping[str, Any]], rank: int | None) -> dict[int, Any]:
+    """Rank `rank`'s `restored` log events by restart (`rank` None: any rank's)."""
     return {
         int(e.get("restart", 0)): e
         for e in events
-        if e.get("event") == "restored" and int(e.get("rank", -1)) == rank
+        if e.get("event") == "restored" and (rank is None or int(e.get("rank", -1)) == rank)
     }
 
 

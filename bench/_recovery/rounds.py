@@ -81,6 +81,9 @@ class _Round:
     def __init__(self, spec: RoundSpec, workdir: Path, s3: CountingS3 | None) -> None:
         self.spec, self.s3 = spec, s3
         self.dir = workdir / spec.name
+        # One directory per node: after a node is replaced, c10d may give the fresh node's rank
+        # global rank 0 (restart 0 of its own agent) while node 0's rank becomes rank 1, so the
+        # samples follow node 0's own processes, whatever their global rank.
         self.progress_dir = self.dir / "progress"
         self.progress_dir.mkdir(parents=True)
         self.shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else self.dir
@@ -110,13 +113,13 @@ class _Round:
             self.args += ["--nnodes", str(nnodes), "--rdzv-endpoint", endpoint]
             self.args += ["--rdzv-timeout-s", "300"]
 
-    def _env(self) -> dict[str, str]:
+    def _env(self, node_rank: int) -> dict[str, str]:
         shm = Path(
             self.shm_root / f"trainingd-bench-{os.getpid()}-{len(self.shm_dirs)}-{time.time_ns()}"
         )
         self.shm_dirs.append(shm)
         env = {
-            job.PROGRESS_DIR_ENV: str(self.progress_dir),
+            job.PROGRESS_DIR_ENV: str(self._node_progress(node_rank)),
             job.STATE_MIB_ENV: str(self.spec.state_mib if self.spec.job_name == "big" else 0),
             "TRAININGD_MEMORY_DIR": str(shm),
         }
@@ -126,10 +129,21 @@ class _Round:
 
     def start_node(self, node_rank: int, name: str) -> DaemonProc:
         args = [*self.args, "--node-rank", str(node_rank)] if self.nnodes > 1 else self.args
-        return DaemonProc(self.dir, args, self._env(), name)
+        return DaemonProc(self.dir, args, self._env(node_rank), name)
+
+    def _node_progress(self, node_rank: int) -> Path:
+        path = self.progress_dir / f"node{node_rank}"
+        path.mkdir(exist_ok=True)
+        return path
+
+    @property
+    def rank(self) -> int | None:
+        """The rank whose samples are taken: rank 0 on one node; node 0's only rank on several
+        (its global rank may change when node 1 is replaced)."""
+        return 0 if self.nnodes == 1 else None
 
     def incarnations(self) -> dict[int, progress.Incarnation]:
-        return progress.read_incarnations(self.progress_dir, rank=0)
+        return progress.read_incarnations(self._node_progress(0), rank=self.rank)
 
     def alive(self) -> None:
         for d in self.nodes:
@@ -181,7 +195,7 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
         for restart in range(1, spec.kills + 1):
             before = r.incarnations()[restart - 1]
             events = r.nodes[0].events()
-            before_start = _start_step(events, restart - 1)
+            before_start = _start_step(events, restart - 1, r.rank)
             # A random point of training: 0.5-3 step times after the group trains again.
             step_s = max(progress.step_times(before, skip=0)[-3:] or [0.2])
             time.sleep(rng.uniform(0.5, 3.0) * step_s)
@@ -197,7 +211,7 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
                 r.nodes[1] = r.start_node(1, f"node1-{restart}")
             after = r.wait_batches(restart, 2, _RESTART_TIMEOUT_S)
             before = r.incarnations()[restart - 1]  # lines written after the kill count too
-            restored = progress.restored_by_restart(r.nodes[0].events(), 0).get(restart)
+            restored = progress.restored_by_restart(r.nodes[0].events(), r.rank).get(restart)
             restored_step = int(restored["ckpt_step"]) if restored is not None else 0
             catchup = progress.lines_to_catch_up(before, before_start, restored_step)
             after = r.wait_batches(restart, max(catchup, 2), _RESTART_TIMEOUT_S)
@@ -225,8 +239,8 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
     return out
 
 
-def _start_step(events: list[dict[str, Any]], restart: int) -> int:
-    restored = progress.restored_by_restart(events, 0).get(restart)
+def _start_step(events: list[dict[str, Any]], restart: int, rank: int | None) -> int:
+    restored = progress.restored_by_restart(events, rank).get(restart)
     return int(restored["ckpt_step"]) if restored is not None else 0
 
 
