@@ -51,6 +51,7 @@ memory and never call each other; they talk through files in the run directory (
                          exit 2 (explicit memory_every) or durable-only (auto) when unfit.
         elastic.py       the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
         store_guard.py   rendezvous-store outages ridden out within a grace, then exit 75.
+        rdzv_delegate.py the rendezvous-handler pass-through the agent's wrappers build on.
         fork_server.py   warm rank starts: ranks fork from a server that imported torch and
                          the job once (never CUDA, no threads), checked on a first fork.
         _server_state.py runs in that server: its CUDA state after its imports.

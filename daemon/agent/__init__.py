@@ -12,6 +12,8 @@ Module plan:
                     the rendezvous on c10d (node 0's store) or etcd-v2 (an etcd server).
     store_guard.py  rendezvous-store outages ridden out within `rdzv_store_grace_s`; past it,
                     or with the store's host gone, exit 75 with one line.
+    rdzv_delegate.py  the rendezvous-handler pass-through the agent's wrappers (membership
+                    watch, wait-list throttle, store guard) build on.
     replica/        peer replicas of the memory tier: a server, a sender to the next node
                     (node ring), the fetch of a lost node's snapshots before its ranks start.
     fork_server.py  warm rank starts: ranks fork from a server that imported torch and the

@@ -78,6 +78,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from daemon.agent.failures import RankExit
 from daemon.agent.fork_server import START_METHOD, ForkServer, preload_modules, warm_entry
+from daemon.agent.rdzv_delegate import DelegatingHandler
 from daemon.agent.relay import RankOutputRelay, RelayLogsSpecs
 from daemon.agent.store_guard import StoreGuard
 from daemon.config import DaemonConfig, RankStart, RdzvBackend
@@ -166,7 +167,7 @@ class LaunchOutcome:
         return self.rendezvous_error is not None or any(r.get("stopped") for r in self.last)
 
 
-class MembershipWatch(RendezvousHandler):
+class MembershipWatch(DelegatingHandler):
     """A rendezvous handler that turns "a node is waiting to join" into a graceful stop.
 
     Everything is delegated to `inner`, except `num_nodes_waiting`: the first time in a round
@@ -180,7 +181,7 @@ class MembershipWatch(RendezvousHandler):
     """
 
     def __init__(self, inner: RendezvousHandler, on_waiting: Callable[[int], None]) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._on_waiting = on_waiting
         self._lock = threading.Lock()
         self._asked = False
@@ -200,37 +201,8 @@ class MembershipWatch(RendezvousHandler):
             self._on_waiting(waiting)
         return 0
 
-    @property
-    def use_agent_store(self) -> bool:
-        """As the inner handler."""
-        return bool(self._inner.use_agent_store)
 
-    def get_backend(self) -> str:
-        """As the inner handler."""
-        return self._inner.get_backend()
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        """As the inner handler."""
-        return self._inner.next_rendezvous()
-
-    def is_closed(self) -> bool:
-        """As the inner handler."""
-        return self._inner.is_closed()
-
-    def set_closed(self) -> None:
-        """As the inner handler."""
-        self._inner.set_closed()  # type: ignore[no-untyped-call]
-
-    def get_run_id(self) -> str:
-        """As the inner handler."""
-        return self._inner.get_run_id()
-
-    def shutdown(self) -> bool:
-        """As the inner handler."""
-        return self._inner.shutdown()
-
-
-class WaitListThrottle(RendezvousHandler):
+class WaitListThrottle(DelegatingHandler):
     """A rendezvous handler that asks `inner` for its wait list at most every `every_s`.
 
     torch's agent asks at every monitor interval whether nodes wait to join; with c10d that is
@@ -250,7 +222,7 @@ class WaitListThrottle(RendezvousHandler):
         every_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._every_s = every_s
         self._clock = clock
         self._asked_at: float | None = None
@@ -264,35 +236,10 @@ class WaitListThrottle(RendezvousHandler):
             self._asked_at = now
         return self._last
 
-    @property
-    def use_agent_store(self) -> bool:
-        """As the inner handler."""
-        return bool(self._inner.use_agent_store)
-
-    def get_backend(self) -> str:
-        """As the inner handler."""
-        return self._inner.get_backend()
-
     def next_rendezvous(self) -> RendezvousInfo:
         """As the inner handler; the next ask after it goes to `inner`."""
         self._asked_at = None
         return self._inner.next_rendezvous()
-
-    def is_closed(self) -> bool:
-        """As the inner handler."""
-        return self._inner.is_closed()
-
-    def set_closed(self) -> None:
-        """As the inner handler."""
-        self._inner.set_closed()  # type: ignore[no-untyped-call]
-
-    def get_run_id(self) -> str:
-        """As the inner handler."""
-        return self._inner.get_run_id()
-
-    def shutdown(self) -> bool:
-        """As the inner handler."""
-        return self._inner.shutdown()
 
 
 class _RoundAgent(LocalElasticAgent):

@@ -33,10 +33,10 @@ from torch.distributed import DistError
 from torch.distributed.elastic.rendezvous import (
     RendezvousConnectionError,
     RendezvousHandler,
-    RendezvousInfo,
     RendezvousTimeoutError,
 )
 
+from daemon.agent.rdzv_delegate import DelegatingHandler
 from daemon.observe.incidents import IncidentKind, IncidentLog
 
 __all__ = ["StoreGuard", "StoreLostError"]
@@ -53,7 +53,7 @@ class StoreLostError(RendezvousConnectionError):
     """The rendezvous store stayed unreachable for longer than the grace period."""
 
 
-class StoreGuard(RendezvousHandler):
+class StoreGuard(DelegatingHandler):
     """A rendezvous handler whose wait-list check rides out store outages.
 
     Everything is delegated to `inner`; `num_nodes_waiting` answers 0 while the store is
@@ -77,9 +77,9 @@ class StoreGuard(RendezvousHandler):
         clock: Callable[[], float] = time.monotonic,
         incidents: IncidentLog | None = None,
     ) -> None:
+        super().__init__(inner)
         self._incidents = incidents
         self._incident_id: int | None = None
-        self._inner = inner
         self._endpoint = endpoint
         self._grace_s = grace_s
         self._clock = clock
@@ -164,31 +164,6 @@ class StoreGuard(RendezvousHandler):
                 endpoint=self._endpoint,
                 outage_s=round(self._clock() - since, 1),
             )
-
-    @property
-    def use_agent_store(self) -> bool:
-        """As the inner handler."""
-        return bool(self._inner.use_agent_store)
-
-    def get_backend(self) -> str:
-        """As the inner handler."""
-        return self._inner.get_backend()
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        """As the inner handler."""
-        return self._inner.next_rendezvous()
-
-    def is_closed(self) -> bool:
-        """As the inner handler."""
-        return self._inner.is_closed()
-
-    def set_closed(self) -> None:
-        """As the inner handler."""
-        self._inner.set_closed()  # type: ignore[no-untyped-call]
-
-    def get_run_id(self) -> str:
-        """As the inner handler."""
-        return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
         """As the inner handler; False at once when the store is lost (it would block)."""
