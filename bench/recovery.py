@@ -21,7 +21,9 @@ Keys, each with its spread, target and verdict (`bench/_recovery/stats.py`):
 `rank_kill_steps_lost_max`, `rank_kill_recovery_s`, `rank_kill_recovery_vs_durable`,
 `rank_kill_catchup_s` (to the first step beyond the newest one completed before the kill),
 `node_loss_steps_lost_max`, `node_loss_storage_bytes_read` (object GETs the S3 server answered
-between the kill and the first step completed after it), `snapshot_stall_ms` (p99 of
+between the kill and the first step completed after it, but for the status page's own listing
+of new checkpoints, which each request's User-Agent names and which is reported beside it as
+`status_page_bytes_read`), `snapshot_stall_ms` (p99 of
 `trainingd_memory_snapshot_seconds`, interpolated in its buckets),
 `memory_every_1_step_inflation` (extra step time in memcpys of the rank's state; the plain
 ratio beside it), `auto_step_inflation`, `replica_throughput_vs_loopback` (`unavailable: ...`
@@ -148,8 +150,12 @@ def _keys(results: list[dict[str, Any]], memcpy_bps: float, loopback_bps: float)
     keys["node_loss_storage_bytes_read"] = stats.figure(
         max(node_read) if node_read else None, "==", 0, samples=node_read, unit="bytes",
         how="max over node losses of the object bytes the S3 server (durable root) served "
-        "between the kill and the first step completed after it (server-side count)",
+        "between the kill and the first step completed after it (server-side count; the "
+        "status page's timed listing, named by its User-Agent, apart)",
         durable_samples=_kills(results, "storage_bytes_read", failure="node", memory_every=_OFF),
+        status_page_bytes_read=_kills(
+            results, "status_page_bytes_read", failure="node", memory_every=_ON
+        ),
         sources=sorted({k["source"] for r in _select(results, failure="node") for k in r["kills"]}),
     )  # fmt: skip
     buckets: dict[float, float] = {}

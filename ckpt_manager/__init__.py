@@ -101,6 +101,7 @@ if TYPE_CHECKING:
         LeaseLostError,
         MemorySnapshotError,
         SaveFailedError,
+        StaleMemoryRestoreError,
         StepNotFoundError,
         StorageError,
     )
@@ -135,6 +136,7 @@ __all__ = [
     "SaveReport",
     "SaveResult",
     "ShardedTensorLike",
+    "StaleMemoryRestoreError",
     "StepInfo",
     "StepNotFoundError",
     "StorageError",
@@ -184,6 +186,7 @@ _HOME = {
             "LeaseLostError",
             "MemorySnapshotError",
             "SaveFailedError",
+            "StaleMemoryRestoreError",
             "StepNotFoundError",
             "StorageError",
         ],

@@ -80,6 +80,7 @@ from ckpt_manager.errors import (
     CheckpointTimeoutError,
     LeaseHeldError,
     SaveFailedError,
+    StaleMemoryRestoreError,
 )
 
 __all__ = ["CheckpointManager"]
@@ -171,6 +172,9 @@ class CheckpointManager:
         self._lease: Lease | None = None
         self._opening: BackgroundOpen | None = None  # coordinator, while the root is pending
         self._root_pending = False
+        self._root_deferred = False  # [Note: the root opens after a memory restore]
+        self._memory_restored: int | None = None  # the step a memory restore returned
+        self._deferred_polls = 0  # `write_in_flight()` calls while the opening is deferred
         self._restore_returned = False
         # The newest step `save()` queued durably ([Note: whose leftover] in the deleter).
         self._newest_durable_save: int | None = None
@@ -201,27 +205,21 @@ class CheckpointManager:
         self._reports = ReportCache()
 
     # ----------------------------------------------------------------- start-up
-    def _open_root(self) -> None:
-        """Open the root at start, or leave it pending ([Note: a rank starts while its
-        durable root is unreachable] in `_root.py`)."""
+    def _open_root(self, *, at_start: bool = True) -> None:
+        """Open the root (collective), or leave it pending ([Note: a rank starts while its
+        durable root is unreachable] in `_root.py`) or, at start, deferred ([Note: the root
+        opens after a memory restore] there). A failure at start also ends the manager's
+        groups (the constructor raises); a later one leaves them to `close()`."""
+        self._root_deferred = False
         outcome: RootOutcome | None = None
         if self._coord.is_coordinator:
-            unreachable = None
-            if self._memory is not None:
-                unreachable = probe_root(self._storage, self.config)
-            if unreachable is not None:
-                self._opening = BackgroundOpen(self._storage, self.run_id, self.config, unreachable)
-                outcome = RootOutcome("pending", unreachable)
-            else:
-                try:
-                    opened = open_root(self._storage, self.run_id, self.config)
-                except CheckpointError as err:
-                    outcome = outcome_of(err)
-                else:
-                    self._lease = opened.lease
-                    outcome = RootOutcome("ok", latest=opened.latest)
+            outcome = self._open_on_coordinator(allow_defer=at_start)
         outcome = self._coord.broadcast(outcome)
         assert outcome is not None
+        if outcome.kind == "deferred":
+            self._root_pending = self._root_deferred = True
+            self._log.info("ckpt_root_open_deferred", reason=outcome.message)
+            return
         if outcome.kind == "pending":
             self._root_pending = True
             self._log.warning(
@@ -231,12 +229,28 @@ class CheckpointManager:
             )
             return
         if outcome.kind != "ok":
-            self._final_coord.destroy()
-            self._coord.destroy()
+            if at_start:
+                self._final_coord.destroy()
+                self._coord.destroy()
             if outcome.kind == "lease":
                 raise LeaseHeldError(outcome.message)
             raise CheckpointError(outcome.message)
         self._root_opened(outcome)
+
+    def _open_on_coordinator(self, *, allow_defer: bool) -> RootOutcome:
+        if allow_defer and self._memory is not None and self._memory.holds_this_run():
+            return RootOutcome("deferred", "a memory restore may follow")
+        if self._memory is not None:
+            unreachable = probe_root(self._storage, self.config)
+            if unreachable is not None:
+                self._opening = BackgroundOpen(self._storage, self.run_id, self.config, unreachable)
+                return RootOutcome("pending", unreachable)
+        try:
+            opened = open_root(self._storage, self.run_id, self.config)
+        except CheckpointError as err:
+            return outcome_of(err)
+        self._lease = opened.lease
+        return RootOutcome("ok", latest=opened.latest)
 
     def _sync_root(self, step: int) -> None:
         """Every rank learns how the pending root's opening went (collective: the first
@@ -248,6 +262,7 @@ class CheckpointManager:
                 collective timeout), or refused the opening; the next durable save tries
                 again.
         """
+        self._begin_deferred_open()
         outcome: RootOutcome | None = None
         if self._opening is not None:  # the coordinator
             wait_s = 0.0 if self._opening.done() else self.config.finalize_timeout_s / 2
@@ -271,7 +286,44 @@ class CheckpointManager:
         self._log.info("ckpt_root_open", ckpt_step=step)
         self._root_opened(outcome)
 
+    def _begin_deferred_open(self) -> None:
+        """Start a deferred opening in the background (local: the coordinator's thread does
+        the work; every rank stays pending until `_sync_root`)."""
+        if not self._root_deferred:
+            return
+        self._root_deferred = False
+        if self._coord.is_coordinator:
+            self._opening = BackgroundOpen(
+                self._storage, self.run_id, self.config, "deferred behind the memory restore"
+            )
+
+    def _check_memory_restore(self, latest: tuple[int, float] | None) -> None:
+        """Raise if the memory restore went back past a commit the root holds ([Note: the
+        root opens after a memory restore] in `_root.py`): drop this rank's snapshots and
+        record the commit as the floor first, so a restart restores it durably."""
+        restored, self._memory_restored = self._memory_restored, None
+        if restored is None or latest is None or latest[0] <= restored:
+            return
+        assert self._memory is not None
+        if self._snapshots is not None:
+            with contextlib.suppress(CheckpointError):
+                self._snapshots.collect(self.config.staging_timeout_s, everything=True)
+        self._memory.drop_timeline(latest[0])
+        error = StaleMemoryRestoreError(restored, latest[0])
+        self._log.error("ckpt_memory_restore_stale", error=str(error))
+        raise error
+
+    def _check_opening(self) -> None:
+        """On the coordinator, as soon as a deferred opening has ended: the check above."""
+        opening = self._opening
+        if self._memory_restored is None or opening is None or not opening.done():
+            return
+        outcome = opening.wait(0)
+        if outcome.kind == "ok":
+            self._check_memory_restore(outcome.latest)
+
     def _root_opened(self, outcome: RootOutcome) -> None:
+        self._check_memory_restore(outcome.latest)
         if outcome.latest is not None:
             self._final.last_committed = (int(outcome.latest[0]), float(outcome.latest[1]))
         if self._coord.is_coordinator:
@@ -382,6 +434,8 @@ class CheckpointManager:
             json.dumps(metrics, allow_nan=True)
         except (TypeError, ValueError) as err:
             raise ValueError(f"metrics must be JSON values: {err}") from err
+        self._begin_deferred_open()  # [Note: the root opens after a memory restore]
+        self._check_opening()
         if durable and self._root_pending:
             self._sync_root(step)  # the newest commit is known once the root is open
         if self._snapshots is not None:
@@ -582,6 +636,12 @@ class CheckpointManager:
         rank defers, `save()` being collective), and saves later instead.
         """
         self._check_open()
+        if self._root_deferred:  # [Note: the root opens after a memory restore]
+            self._deferred_polls += 1
+            if self._deferred_polls < 2:
+                return self._coord.is_coordinator
+            self._begin_deferred_open()
+        self._check_opening()
         if self._opening is not None and not self._opening.done():
             return True  # [Note: a rank starts while its durable root is unreachable]
         return (
@@ -698,12 +758,16 @@ class CheckpointManager:
                 memory = restore_from_memory(self._memory, self._coord, template, known)
                 if memory.step is not None:
                     self._log.info("ckpt_restored", ckpt_step=memory.step, source=memory.source)
+                    if self._root_pending:  # checked once the root opens
+                        self._memory_restored = memory.step
                     state = unwrap_dtensors(memory.state)
                     result = RestoreResult(memory.step, state, memory.source)
                 else:
                     reason = memory.reason
                     self._log.warning("ckpt_memory_restore_fallback", reason=reason)
             if result is None:
+                if self._root_deferred:  # [Note: the root opens after a memory restore]
+                    self._open_root(at_start=False)
                 # [Note: a corrupt step is moved aside, never silently deleted] in
                 # `_store/quarantine.py`: the corrupt steps the restore skips move aside
                 # under the lease, and their step numbers are free to save again.

@@ -18,6 +18,37 @@ one request, each bounded by `PROBE_TIMEOUT_S`):
     opening too; a durable save reached anyway waits for the opening up to `write_timeout_s`
     and fails as a save (`SaveFailedError`) if it is still pending. A memory restore reads no
     storage; a durable restore reads committed steps, which needs no lease.
+
+[Note: the root opens after a memory restore]
+Opening the root reads and writes the storage (the lease document, the retention record, the
+newest manifest for its commit time: on S3 about ten requests, 0.2-1 s on a busy store), and
+none of it is needed by a restore from memory, which must read nothing from storage (issue
+29). So when the coordinator's memory tier already holds a snapshot of this run at start (a
+restart: its ranks will restore from memory), the opening is *deferred*: every rank starts with
+the root pending, and nothing touches the storage until one of
+  - the first `save()` after the start (memory or durable), or the second
+    `write_in_flight()` (a caller that never stalls on storage asks it once per step, so the
+    run has then completed a step past the restore: the recovery itself stays storage-free):
+    the coordinator starts the background opening, and the run trains on meanwhile, exactly
+    as with a root unreachable at start (`write_in_flight()` is True on the coordinator until
+    the root is open, so such a caller defers a durable save due meanwhile; a durable save
+    reached anyway waits for the opening in `_sync_root`);
+  - a restore that reads the durable tier (the memory restore failed, or an explicit step):
+    the root is opened there and then, synchronously as at a first start, so a corrupt step
+    can be moved aside under the lease.
+A first start (no snapshot of this run in memory) opens the root synchronously as before, so
+a second run on the same root still fails at its start.
+
+What the memory restore cannot know without the root: a step committed by ranks none of which
+is in this world (an elastic shrink, then every node that went on alone lost). The ranks'
+durable floors ([Note: a memory step older than a durable one is stale] in
+`_memory/floor.py`) cover every commit a rank of this world saw; for the rest, once the opening
+ends its newest committed step is compared with the step restored from memory (on the
+coordinator at its next call, on every rank at the first durable save, before anything is
+written): a restore that went back past a commit raises `StaleMemoryRestoreError` after
+dropping the tier's snapshots and recording the commit as its floor, so the restart restores
+that commit from the durable tier. The cost of that rare case is one restart; the common
+restart reads no storage until it trains again.
 """
 
 from __future__ import annotations
@@ -67,8 +98,9 @@ class Opened:
 class RootOutcome:
     """An opening's outcome, as every rank learns it (small and picklable).
 
-    `kind`: `ok`, `lease` (another live run holds the root), `error` (anything else), or
-    `pending` (still being opened in the background).
+    `kind`: `ok`, `lease` (another live run holds the root), `error` (anything else),
+    `pending` (still being opened in the background) or `deferred` (not opened yet: [Note:
+    the root opens after a memory restore]).
     """
 
     kind: str

@@ -33,6 +33,7 @@ __all__ = [
     "ObjectExistsError",
     "ObjectNotFoundError",
     "SaveFailedError",
+    "StaleMemoryRestoreError",
     "StepNotFoundError",
     "StorageError",
     "VersionMismatchError",
@@ -101,6 +102,33 @@ class MemorySnapshotError(CheckpointError):
     intact and the tier goes on with the next save, so a caller may log it and train on: a
     step this rank lacks is simply never agreed on for a memory restore.
     """
+
+
+class StaleMemoryRestoreError(CheckpointError):
+    """The step restored from memory is older than a step the root holds committed.
+
+    A memory restore reads nothing from storage, so it knows only the commits the ranks'
+    memory tiers recorded ([Note: the root opens after a memory restore] in `_root.py`); after
+    an elastic change that every rank that saw a newer commit left, it can restore a step
+    older than that commit. Found once the root opens (soon after the restore), before any
+    durable save: the ranks' memory snapshots of this timeline are dropped and the commit
+    recorded as the tier's floor, so a restart restores that commit from the durable tier.
+    """
+
+    def __init__(self, restored: int, committed: int) -> None:
+        self.restored = restored
+        """The step restored from memory."""
+        self.committed = committed
+        """The newest committed step under the root."""
+        super().__init__(
+            f"the memory restore went back to step {restored}, but step {committed} is "
+            "committed under the root (an elastic change the memory tiers did not see): "
+            "its memory snapshots are dropped; restart to restore step "
+            f"{committed} from the durable tier"
+        )
+
+    def __reduce__(self) -> tuple[type[StaleMemoryRestoreError], tuple[int, int]]:
+        return (type(self), (self.restored, self.committed))
 
 
 class CommitConflictError(CheckpointError):

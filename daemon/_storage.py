@@ -30,9 +30,22 @@ def _s3_endpoint(cfg: DaemonConfig) -> S3Options:
         raise StartupCheckError(f"$AWS_ENDPOINT_URL: {err}") from None
 
 
-def s3_storage_options(cfg: DaemonConfig) -> dict[str, Any]:
-    """fsspec options for the checkpoint root (empty unless it is an `s3://` URI)."""
-    return _s3_endpoint(cfg).fsspec_options(cfg.checkpoint.ckpt_uri)
+def s3_storage_options(cfg: DaemonConfig, component: str = "agent") -> dict[str, Any]:
+    """fsspec options for the checkpoint root (empty unless it is an `s3://` URI).
+
+    `component` names the caller in each request's User-Agent (`trainingd-rank`,
+    `trainingd-status`, `trainingd-agent`): an object store's access log then tells a
+    rank's restore from the status page's listing.
+    """
+    return _named(_s3_endpoint(cfg).fsspec_options(cfg.checkpoint.ckpt_uri), component)
+
+
+def _named(options: dict[str, Any], component: str) -> dict[str, Any]:
+    if not options:
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config["user_agent_extra"] = f"trainingd-{component}"
+    return {**options, "config_kwargs": config}
 
 
 def data_storage_options(cfg: DaemonConfig, uri: str) -> dict[str, Any]:
@@ -41,4 +54,4 @@ def data_storage_options(cfg: DaemonConfig, uri: str) -> dict[str, Any]:
     Token files and checkpoints usually live on the same object store, so the data side reads
     with the same endpoint (`[checkpoint] s3_endpoint_url`, else `$AWS_ENDPOINT_URL`).
     """
-    return _s3_endpoint(cfg).fsspec_options(uri)
+    return _named(_s3_endpoint(cfg).fsspec_options(uri), "data")

@@ -218,11 +218,18 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
             sample = progress.kill_sample(killed, before, before_start, after, restored)
             row = sample._asdict()
             if s3 is not None:
-                reads = s3.object_reads(killed, after.batch_starts[1])
+                window = s3.object_reads(killed, after.batch_starts[1])
+                # The status page lists new checkpoints on its own timer, restore or not:
+                # counted apart. Everything else (the ranks', or an unnamed client's) counts.
+                listing = [x for x in window if x.component == "trainingd-status"]
+                reads = [x for x in window if x.component != "trainingd-status"]
                 row["storage_bytes_read"] = sum(x.num_bytes for x in reads)
                 row["storage_objects_read"] = len(reads)
-                # Which objects (key without the bucket, bytes): says what a restore still reads.
-                row["storage_reads"] = [[x.key.split("/", 1)[-1], x.num_bytes] for x in reads]
+                row["status_page_bytes_read"] = sum(x.num_bytes for x in listing)
+                # Which objects (key without the bucket, bytes, component): what is still read.
+                row["storage_reads"] = [
+                    [x.key.split("/", 1)[-1], x.num_bytes, x.component] for x in window
+                ]
             out["kills"].append(row)
             print(
                 f"{spec.name}: kill {restart}: lost {sample.steps_lost}, "

@@ -4,7 +4,8 @@ of what a restore read from the durable root.
 Each GET of an object (not a bucket listing) is recorded with its time, key and the bytes of
 its response body, as the WSGI layer hands them to the client; HEAD, PUT, LIST and multipart
 calls are not reads of checkpoint data and are not counted. `object_bytes_read(t0, t1)` is
-the sum over the GETs answered in a time window.
+the sum over the GETs answered in a time window; each read names the trainingd component that
+made it (from its User-Agent), so a restore's reads are told from the status page's listing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ class ObjectRead(NamedTuple):
     done_unix: float
     key: str
     num_bytes: int
+    component: str
+    """The trainingd component named in the request's User-Agent (`trainingd-rank`: a rank's
+    checkpoint manager, `trainingd-status`: the status page's listing; `daemon/_storage.py`),
+    or "" when none is."""
 
 
 class _Counting:
@@ -44,7 +49,9 @@ class _Counting:
             yield chunk
         if is_object_get:
             with self._lock:
-                self.reads.append(ObjectRead(time.time(), path.strip("/"), num_bytes))
+                agent = str(environ.get("HTTP_USER_AGENT", ""))
+                component = next((w for w in agent.split() if w.startswith("trainingd-")), "")
+                self.reads.append(ObjectRead(time.time(), path.strip("/"), num_bytes, component))
 
     def snapshot(self) -> list[ObjectRead]:
         with self._lock:

@@ -201,6 +201,21 @@ class MemoryTier:
                 self.files.remove_meta(slot)
             self.held.clear()
 
+    def holds_this_run(self) -> bool:
+        """Whether a slot's meta names this run and world size (read from the metas alone,
+        unverified): a memory restore may follow ([Note: the root opens after a memory
+        restore] in `_root.py`)."""
+        for raw in self.files.read_metas().values():
+            if not isinstance(raw, dict):
+                continue
+            try:
+                meta = SlotMeta.parse(raw)
+            except ValueError:
+                continue
+            if meta.run_id == self.run_id and meta.world_size == self.world_size:
+                return True
+        return False
+
     def after_restore(self, step: int | None) -> None:
         """The run resumes at `step` (None: from scratch): keep this run's snapshots up to it,
         empty the others (a newer one belongs to a timeline the run left)."""
@@ -220,6 +235,16 @@ class MemoryTier:
             else:
                 self.held[slot] = keep
         self.newest_step = max(self.held.values(), default=step)
+
+    def drop_timeline(self, committed: int) -> None:
+        """The run's memory timeline went back past `committed`: empty every slot and record
+        `committed` as the floor ([Note: the root opens after a memory restore] in
+        `_root.py`)."""
+        for slot in self.files.read_metas():
+            self.files.remove_meta(slot)
+        self.held.clear()
+        self.newest_step = None
+        self.record_durable(committed)
 
     def record_durable(self, step: int) -> None:
         """The run holds `step` durably (committed or restored): raise the tier's floor

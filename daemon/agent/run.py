@@ -328,7 +328,7 @@ def run_daemon(
             board = StatusBoard(
                 max_steps=cfg.train.max_steps,
                 ckpt_uri=cfg.checkpoint.ckpt_uri,
-                storage_options=s3_storage_options(cfg),
+                storage_options=s3_storage_options(cfg, "status"),
                 tier_bytes=memory.tier_bytes,
                 hangs=hangs,
                 stragglers=stragglers,

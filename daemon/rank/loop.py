@@ -228,7 +228,7 @@ def _checkpoint_config(cfg: DaemonConfig, *, memory: bool = False) -> Any:
     from daemon._storage import s3_storage_options
 
     ck = cfg.checkpoint
-    options = s3_storage_options(cfg)
+    options = s3_storage_options(cfg, "rank")
     return CheckpointConfig(
         memory=MemoryTierConfig(directory=str(cfg.memory_tier_dir)) if memory else None,
         async_mode=ck.async_mode,

@@ -50,6 +50,7 @@ EXPECTED = [
     "SaveReport",
     "SaveResult",
     "ShardedTensorLike",
+    "StaleMemoryRestoreError",
     "StepInfo",
     "StepNotFoundError",
     "StorageError",

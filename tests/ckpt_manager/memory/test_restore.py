@@ -105,18 +105,24 @@ def _save_then_snapshots(rank: int, world: int, root: str, memory: str) -> list[
 
 
 def _restore_from_memory(rank: int, world: int, root: str, memory: str) -> dict[str, Any]:
-    """Fresh ranks: restore counts storage reads, then the run goes on (a durable step 4)."""
+    """Fresh ranks: restore counts storage reads and looks at the lease, then the run goes on
+    (a durable step 4)."""
     with CheckpointManager(root, _config(memory), run_id=RUN_ID) as mgr:
         template = _template(rank, world)
         with count_requests(mgr.storage) as counted:
             result = mgr.restore(into=template)
         assert result is not None
         reads = sum(counted.calls[name] for name in _READS)
+        # [Note: the root opens after a memory restore]: the lease is still the previous
+        # life's until the run saves again.
+        lease_before_save = _lease_pid(root)
         restored = _plain(result.state)
         assert result.state["model"]["dt"] is template["model"]["dt"]  # filled in place
         mgr.save(4, _state(rank, world, 4))  # numbering goes on past the memory step
         mgr.wait_until_finished()
         return {
+            "lease_taken_by_restore": lease_before_save == os.getpid(),
+            "lease_taken_by_save": _lease_pid(root) == os.getpid(),
             "step": result.step,
             "source": result.source,
             "reason": result.fallback_reason,
@@ -126,6 +132,14 @@ def _restore_from_memory(rank: int, world: int, root: str, memory: str) -> dict[
             "expected": _plain(_state(rank, world, 3)),
             "steps": mgr.all_steps(),
         }
+
+
+def _lease_pid(root: str) -> int | None:
+    """The pid the root's lease names (None: no lease document)."""
+    try:
+        return int(json.loads(pathlib.Path(root, "_LEASE.json").read_text())["pid"])
+    except FileNotFoundError:
+        return None
 
 
 def _restore(rank: int, world: int, root: str, memory: str, expected: int) -> dict[str, Any]:
@@ -220,6 +234,8 @@ def test_memory_first_then_durable_fallbacks(tmp_path: pathlib.Path) -> None:
         assert (got["reads"], got["read_bytes"]) == (0, 0)
         _equal(got["state"], got["expected"])
         assert got["steps"] == [1, 4]
+    # Nor did the start: the coordinator took the lease only when the run saved again.
+    assert (out[0]["lease_taken_by_restore"], out[0]["lease_taken_by_save"]) == (False, True)
 
     # Another world size: the durable tier, with the reason.
     (got,) = run_on_ranks(_one_rank_restore, 1, root, str(memory), timeout_s=120)

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from ckpt_manager import (
     MemorySnapshotError,
     MemoryTierConfig,
     SaveFailedError,
+    StaleMemoryRestoreError,
 )
 from ckpt_manager._memory.slots import SlotFiles
 from ckpt_manager._save.writer import FAULT_ENV
@@ -203,6 +205,15 @@ def test_a_full_tmpfs_is_a_clear_error_or_a_skipped_extra_slot(
         assert sorted(_metas(tiny_tmpfs).values()) == [2]  # the last good snapshot is intact
 
 
+def _ask_write_in_flight_until_it_raises(mgr: CheckpointManager) -> None:
+    """The loop's question before each durable save, asked until it raises (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        mgr.write_in_flight()
+        time.sleep(0.01)
+    raise AssertionError("write_in_flight() did not raise within 60 s")
+
+
 def test_a_memory_step_older_than_a_durable_commit_is_not_restored(tmp_path: pathlib.Path) -> None:
     # [Note: a memory step older than a durable one is stale]: this tier holds step 4 (as the
     # nodes of an elastic job do after a shrink), while the run went on elsewhere (another
@@ -229,11 +240,25 @@ def test_a_memory_step_older_than_a_durable_commit_is_not_restored(tmp_path: pat
         mgr.wait_until_finished()
     assert sorted(_metas(memory).values()) == [3, 4]
     cfg = CheckpointConfig(memory=MemoryTierConfig(str(memory)))
+    # No rank of this world saw step 7 committed, and a memory restore reads no storage
+    # ([Note: the root opens after a memory restore]): step 4 is restored from memory, and
+    # the root, opened behind the run's next save, says the run went back past a commit.
+    # Nothing is written: the tier's snapshots are dropped and step 7 becomes its floor.
+    with CheckpointManager(root, cfg, run_id="r") as mgr:
+        result = mgr.restore(into={"w": torch.zeros(100), "step": 0})
+        assert result is not None
+        assert (result.step, result.source) == (4, "memory")
+        mgr.save(5, {"w": torch.zeros(100), "step": 0}, durable=False)  # opens the root
+        with pytest.raises(StaleMemoryRestoreError, match="back to step 4, but step 7"):
+            _ask_write_in_flight_until_it_raises(mgr)
+    assert _metas(memory) == {}
+    assert mgr.all_steps() == [4, 7]
+    # The restart restores step 7 from the durable tier.
     with CheckpointManager(root, cfg, run_id="r") as mgr:
         result = mgr.restore(into={"w": torch.zeros(100), "step": 0})
     assert result is not None
     assert (result.step, result.source) == (7, "durable")
-    assert "older than step 7, which the run holds durably" in str(result.fallback_reason)
+    assert "no rank holds a memory snapshot" in str(result.fallback_reason)
     assert torch.equal(result.state["w"], torch.full((100,), 5.0))
 
 

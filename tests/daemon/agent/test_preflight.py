@@ -13,10 +13,15 @@ def test_s3_options_come_from_config_then_environment() -> None:
     cfg = load_config({"ckpt_uri": "s3://b/run", "s3_endpoint_url": "http://127.0.0.1:9"}, env={})
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:7")
-        assert s3_storage_options(cfg) == {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}
+        assert s3_storage_options(cfg) == {
+            "client_kwargs": {"endpoint_url": "http://127.0.0.1:9"},
+            "config_kwargs": {"user_agent_extra": "trainingd-agent"},
+        }
         plain = load_config({"ckpt_uri": "s3://b/run"}, env={})
-        assert s3_storage_options(plain) == {
-            "client_kwargs": {"endpoint_url": "http://127.0.0.1:7"}
+        # Each caller is named in its requests' User-Agent (an access log tells them apart).
+        assert s3_storage_options(plain, "rank") == {
+            "client_kwargs": {"endpoint_url": "http://127.0.0.1:7"},
+            "config_kwargs": {"user_agent_extra": "trainingd-rank"},
         }
         local = load_config({"ckpt_uri": "/data/ckpt"}, env={})
         assert s3_storage_options(local) == {}
