@@ -78,8 +78,14 @@ def _check_root(cfg: DaemonConfig) -> None:
 def _check_lease(cfg: DaemonConfig) -> None:
     uri = cfg.checkpoint.ckpt_uri
     try:
-        # A node (re)joining an elastic job finds the lease held by the job's own coordinator.
-        joining = cfg.run_id if cfg.launch.elastic else None
+        # A node of a multi-node job (re)joining it, e.g. a fresh daemon replacing a lost node,
+        # finds the lease held by the job's own coordinator, or by a coordinator of it that
+        # died and will take it over once the ranks train again ([Note: the root opens after a
+        # memory restore] in ckpt_manager/_root.py): its run id passes at once instead of a
+        # watch of half the lease's ttl (60 s by default) for a refresh that is not coming.
+        # Another run's live lease still fails the start; a second launch of the same run id
+        # is fenced by the coordinator's own acquisition.
+        joining = cfg.run_id if cfg.launch.max_nodes > 1 else None
         check_root_lease(uri, s3_storage_options(cfg), joining_run_id=joining)
     except LeaseHeldError as err:
         raise StartupCheckError(f"ckpt_uri={uri!r}: {err}") from None
