@@ -33,9 +33,10 @@ def _s3_endpoint(cfg: DaemonConfig) -> S3Options:
 def s3_storage_options(cfg: DaemonConfig, component: str = "agent") -> dict[str, Any]:
     """fsspec options for the checkpoint root (empty unless it is an `s3://` URI).
 
-    `component` names the caller in each request's User-Agent (`trainingd-rank`,
+    `component` names the caller in each request's User-Agent (`trainingd-rank/<restart>.<pid>`,
     `trainingd-status`, `trainingd-agent`): an object store's access log then tells a
-    rank's restore from the status page's listing.
+    restarted rank's restore from the status page's listing and from the reads of the
+    incarnation it replaced.
     """
     return _named(_s3_endpoint(cfg).fsspec_options(cfg.checkpoint.ckpt_uri), component)
 

@@ -199,6 +199,7 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
             # A random point of training: 0.5-3 step times after the group trains again.
             step_s = max(progress.step_times(before, skip=0)[-3:] or [0.2])
             time.sleep(rng.uniform(0.5, 3.0) * step_s)
+            ended_pids = {pid for d in r.nodes for pid in d.rank_pids()}  # the group the kill ends
             killed = time.time()
             if spec.failure == "rank":
                 pids = [pid for d in r.nodes for pid in d.rank_pids()]
@@ -219,16 +220,31 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
             row = sample._asdict()
             if s3 is not None:
                 window = s3.object_reads(killed, after.batch_starts[1])
-                # The status page lists new checkpoints on its own timer, restore or not:
-                # counted apart. Everything else (the ranks', or an unnamed client's) counts.
+                # Counted apart: the status page's listing of new checkpoints (on its own
+                # timer, restore or not), and the reads of the rank group the kill ended while
+                # it winds down (its retention pass, say: named by the rank's pid in its
+                # User-Agent). Everything else counts: the restarted ranks', a fresh daemon's
+                # start-up checks, an unnamed client's.
                 listing = [x for x in window if x.component == "trainingd-status"]
-                reads = [x for x in window if x.component != "trainingd-status"]
+                ended = [
+                    x for x in window if x.component == "trainingd-rank" and x.pid in ended_pids
+                ]
+                reads = [x for x in window if x not in listing and x not in ended]
                 row["storage_bytes_read"] = sum(x.num_bytes for x in reads)
                 row["storage_objects_read"] = len(reads)
                 row["status_page_bytes_read"] = sum(x.num_bytes for x in listing)
-                # Which objects (key without the bucket, bytes, component): what is still read.
+                row["ended_group_bytes_read"] = sum(x.num_bytes for x in ended)
+                # Which objects (key without the bucket, bytes, component, seconds after the
+                # kill): what is still read, and by whom.
                 row["storage_reads"] = [
-                    [x.key.split("/", 1)[-1], x.num_bytes, x.component] for x in window
+                    [
+                        x.key.split("/", 1)[-1],
+                        x.num_bytes,
+                        x.component,
+                        x.pid,
+                        round(x.done_unix - killed, 3),
+                    ]
+                    for x in window
                 ]
             out["kills"].append(row)
             print(

@@ -27,8 +27,10 @@ class ObjectRead(NamedTuple):
     num_bytes: int
     component: str
     """The trainingd component named in the request's User-Agent (`trainingd-rank`: a rank's
-    checkpoint manager, `trainingd-status`: the status page's listing; `daemon/_storage.py`),
-    or "" when none is."""
+    checkpoint manager, `trainingd-status`: the status page's listing, `trainingd-agent`: the
+    daemon's own checks; `daemon/_storage.py`), or "" when none is."""
+    pid: int | None
+    """For a rank's read, the rank's pid (`trainingd-rank/<restart>.<pid>`)."""
 
 
 class _Counting:
@@ -50,8 +52,17 @@ class _Counting:
         if is_object_get:
             with self._lock:
                 agent = str(environ.get("HTTP_USER_AGENT", ""))
-                component = next((w for w in agent.split() if w.startswith("trainingd-")), "")
-                self.reads.append(ObjectRead(time.time(), path.strip("/"), num_bytes, component))
+                named = next((w for w in agent.split() if w.startswith("trainingd-")), "")
+                component, _, version = named.partition("/")
+                pid = version.rpartition(".")[2]
+                read = ObjectRead(
+                    time.time(),
+                    path.strip("/"),
+                    num_bytes,
+                    component,
+                    int(pid) if pid.isdigit() else None,
+                )
+                self.reads.append(read)
 
     def snapshot(self) -> list[ObjectRead]:
         with self._lock:

@@ -223,12 +223,14 @@ def _agree_any(flag: bool, device: torch.device) -> bool:
     return bool(value.item() > 0)
 
 
-def _checkpoint_config(cfg: DaemonConfig, *, memory: bool = False) -> Any:
+def _checkpoint_config(cfg: DaemonConfig, *, memory: bool = False, restart: int = 0) -> Any:
     from ckpt_manager import CheckpointConfig, MemoryTierConfig, S3Options
     from daemon._storage import s3_storage_options
 
     ck = cfg.checkpoint
-    options = s3_storage_options(cfg, "rank")
+    # `trainingd-rank/<restart>.<pid>`: an access log tells a restarted group's reads from
+    # those of the group it replaced, still winding down.
+    options = s3_storage_options(cfg, f"rank/{restart}.{os.getpid()}")
     return CheckpointConfig(
         memory=MemoryTierConfig(directory=str(cfg.memory_tier_dir)) if memory else None,
         async_mode=ck.async_mode,
@@ -493,7 +495,7 @@ class _Training:
         )
         self.manager = CheckpointManager(
             cfg.checkpoint.ckpt_uri,
-            _checkpoint_config(cfg, memory=self.memory_tier),
+            _checkpoint_config(cfg, memory=self.memory_tier, restart=telemetry.restart),
             run_id=cfg.run_id,
             observer=telemetry,
         )

@@ -91,6 +91,8 @@ class RankTelemetry:
             "world_size": world_size,
             "restart": restart,
         }
+        self.restart = restart
+        """This incarnation's restart count (`TORCHELASTIC_RESTART_COUNT` plus earlier rounds')."""
         self._interval_s = publish_interval_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -283,6 +285,8 @@ class NullTelemetry:
     def __init__(self) -> None:
         self.started_unix_s = time.time()
         """When this object was made (read only for `trainingd_rank_recovery_seconds`)."""
+        self.restart = 0
+        """No incarnation is tracked: 0."""
 
     def inc(self, name: str, amount: float = 1.0, label: str = "") -> None:
         """Do nothing (`RankTelemetry.inc` adds to a counter)."""
