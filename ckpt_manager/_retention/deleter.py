@@ -42,7 +42,6 @@ import structlog
 
 from ckpt_manager._format.layout import MANIFEST_NAME, step_dir
 from ckpt_manager._retention.base import RetentionPolicy, StepInfo, plan_deletions
-from ckpt_manager._store.listing import list_steps
 from ckpt_manager._store.pins import pinned_steps
 from ckpt_manager._store.steps import (
     abort_orphaned_uploads,
@@ -105,7 +104,6 @@ class Deleter:
         self._max_defer_s = max_defer_s
         self._deferred_since: float | None = None  # monotonic; None: not put off
         self._infos: dict[int, StepInfo] = {}
-        self._seeded = False  # [Note: the first pass reads the catalog, not every manifest]
         self._doomed: set[int] = set()  # deletion started (manifest may be gone): finish them
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -231,29 +229,7 @@ class Deleter:
         info = self._infos[step] = StepInfo(step, m.committed_unix_s, dict(m.metrics))
         return info
 
-    def _seed_from_catalog(self) -> None:
-        """[Note: the first pass reads the catalog, not every manifest] A deleter starts with
-        no step known, so its first pass read every kept step's manifest: on S3 one GET each
-        (5-7 of 45 KB for the default job at every restart, hundreds with `keep_every`), on
-        every restart of the coordinator. The root catalog indexes the same commit time and
-        metrics; `list_steps` reconciles it with the folders and checks the newest manifests'
-        sizes (the listing `ckptctl list` trusts), so the first pass takes what it lists as
-        committed and reads only the manifests it could not vouch for. What it cannot see
-        either: an older catalogued manifest deleted by hand (see `_store/listing.py`)."""
-        self._seeded = True
-        try:
-            listing = list_steps(self._storage, repair=False)
-        except CheckpointError as err:  # the pass reads the manifests instead
-            _log.warning("ckpt_retention_catalog_unread", error=str(err))
-            return
-        for entry in listing.committed:
-            self._infos.setdefault(
-                entry.step, StepInfo(entry.step, entry.committed_unix_s, dict(entry.metrics))
-            )
-
     def _pass(self) -> None:
-        if not self._seeded:
-            self._seed_from_catalog()
         for s in sorted(self._doomed):
             if self._held_back() or self._stop.is_set():
                 return

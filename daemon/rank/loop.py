@@ -625,7 +625,14 @@ class _Training:
         dist.all_reduce(early)
         self.stopped = bool(early[0] > 0)
         if self.stopped:
-            log.info("stopping", step=self.step, signal=self.control.stop_signal)
+            log.info("stopping", step=self.step, signal=self._stop_signal())
+
+    def _stop_signal(self) -> str | None:
+        """The signal that asked for the agreed stop. A rank may learn of the stop from its
+        peers' flags before its own poll saw the daemon's stop file (written once, before the
+        first rank saw it): reading the file again names the signal on every rank."""
+        self.control.stop_requested()
+        return self.control.stop_signal
 
     # --- one step -----------------------------------------------------------------------------
     def train_step(self) -> None:
@@ -656,7 +663,7 @@ class _Training:
             loss = round(agreed.loss, 4)
             log.info("step", step=self.step, loss=loss, lr=lr, step_s=round(step_s, 4))
         if self.stopped:
-            log.info("stopping", step=self.step, signal=self.control.stop_signal)
+            log.info("stopping", step=self.step, signal=self._stop_signal())
 
     def next_batches(self) -> list[Batch]:
         """This step's micro-batches, on the device (copies from pinned memory overlap)."""

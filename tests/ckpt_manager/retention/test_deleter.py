@@ -286,38 +286,3 @@ def test_retention_learns_this_runs_commits_without_reading_their_manifests(
     manifest = read_manifest(storage, 3)
     assert seen[-1][3] == (manifest.committed_unix_s, dict(manifest.metrics))
     assert seen[-1][3][1] == {"loss": 0.5, "pair": [3, 1]}
-
-
-def test_a_restarted_runs_first_pass_reads_the_catalog_not_every_manifest(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # [Note: the first pass reads the catalog, not every manifest]: a restarted coordinator
-    # learns the six kept steps' commit times and metrics from `_CATALOG.json`, so its first
-    # retention pass reads none of their manifests, and the policy sees what they hold.
-    import ckpt_manager._retention.deleter as deleter_mod
-    from ckpt_manager._store.steps import read_manifest
-
-    losses = {step: 1.0 / step for step in range(1, 7)}
-    assert _save_all(tmp_path, _config(KeepLast(n=100)), losses) == list(losses)
-    read: list[int] = []
-
-    def counting(storage: Storage, step: int) -> Any:
-        read.append(step)
-        return read_manifest(storage, step)
-
-    monkeypatch.setattr(deleter_mod, "read_manifest", counting)
-    seen: list[dict[int, Any]] = []
-
-    class Recording:
-        def keep(self, steps: Any) -> set[int]:
-            seen.append({s.step: (s.committed_unix_s, dict(s.metrics)) for s in steps})
-            return {s.step for s in steps}
-
-    with CheckpointManager(str(tmp_path), _config(Recording()), run_id="r") as mgr:
-        assert mgr.restore() is not None
-        _eventually(lambda: bool(seen))
-    assert read == []
-    storage = Storage(str(tmp_path))
-    assert seen[0] == {
-        s: (read_manifest(storage, s).committed_unix_s, {"loss": losses[s]}) for s in losses
-    }
