@@ -8,6 +8,7 @@ loss (`daemon/agent/replica/`); it reads and writes the slots through these name
                   `posix_fallocate`, atomic metas)
     SlotMeta      a parsed, self-checked meta (run id, rank, world size, step, layouts,
                   checksum, origin)
+    parsed_metas  the metas of `SlotFiles.read_metas()` that parse, with their JSON objects
     restamp       a meta with fields added and its self-check renewed (a replica's stamps)
     verify_slot   why a payload does not match its meta's checksum (None: it does)
     ORIGIN_REPLICA  the `origin` of a slot copied from a peer: the restore then reports
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 from ckpt_manager._memory.keep import write_kept_step
 from ckpt_manager._memory.load import verify_slot
-from ckpt_manager._memory.meta import ORIGIN_LOCAL, ORIGIN_REPLICA, SlotMeta, restamp
+from ckpt_manager._memory.meta import ORIGIN_LOCAL, ORIGIN_REPLICA, SlotMeta, parsed_metas, restamp
 from ckpt_manager._memory.slots import SlotFiles
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "ORIGIN_REPLICA",
     "SlotFiles",
     "SlotMeta",
+    "parsed_metas",
     "restamp",
     "verify_slot",
     "write_kept_step",

@@ -39,6 +39,7 @@ __all__ = [
     "ORIGIN_REPLICA",
     "MetaEncoder",
     "SlotMeta",
+    "parsed_metas",
     "restamp",
 ]
 
@@ -204,6 +205,22 @@ class MetaEncoder:
         data = text.encode()
         value = _crc32c(data)
         return data[:-1] + f',"{_SELF_CHECK}":{value}}}'.encode()
+
+
+def parsed_metas(
+    raw_metas: dict[int, dict[str, Any] | str],
+) -> dict[int, tuple[SlotMeta, dict[str, Any]]]:
+    """The metas of `SlotFiles.read_metas()` that parse, by slot, with their JSON objects (a
+    torn, foreign or bit-flipped meta is left out, as if its slot were empty)."""
+    found: dict[int, tuple[SlotMeta, dict[str, Any]]] = {}
+    for slot, raw in raw_metas.items():
+        if not isinstance(raw, dict):
+            continue
+        try:
+            found[slot] = (SlotMeta.parse(raw), raw)
+        except ValueError:
+            continue
+    return found
 
 
 def restamp(raw: dict[str, Any], **fields: Any) -> dict[str, Any]:

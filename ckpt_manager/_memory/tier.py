@@ -36,7 +36,7 @@ from ckpt_manager._format.checksum import ChecksumAlgorithm
 from ckpt_manager._format.tree import Flattened, TensorLeaf
 from ckpt_manager._memory.floor import write_floor
 from ckpt_manager._memory.keep import KeptStep
-from ckpt_manager._memory.meta import MetaEncoder, SlotMeta
+from ckpt_manager._memory.meta import MetaEncoder, SlotMeta, parsed_metas
 from ckpt_manager._memory.plan import MemoryPlan, MemoryPlanCache
 from ckpt_manager._memory.slots import SlotFiles
 from ckpt_manager.errors import CheckpointError
@@ -205,16 +205,10 @@ class MemoryTier:
         """Whether a slot's meta names this run and world size (read from the metas alone,
         unverified): a memory restore may follow ([Note: the root opens after a memory
         restore] in `_root.py`)."""
-        for raw in self.files.read_metas().values():
-            if not isinstance(raw, dict):
-                continue
-            try:
-                meta = SlotMeta.parse(raw)
-            except ValueError:
-                continue
-            if meta.run_id == self.run_id and meta.world_size == self.world_size:
-                return True
-        return False
+        return any(
+            meta.run_id == self.run_id and meta.world_size == self.world_size
+            for meta, _ in parsed_metas(self.files.read_metas()).values()
+        )
 
     def after_restore(self, step: int | None) -> None:
         """The run resumes at `step` (None: from scratch): keep this run's snapshots up to it,

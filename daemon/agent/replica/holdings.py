@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from ckpt_manager.memory_slots import SlotFiles, SlotMeta, restamp, write_kept_step
+from ckpt_manager.memory_slots import SlotFiles, SlotMeta, parsed_metas, restamp, write_kept_step
 
 __all__ = ["NUM_REPLICA_SLOTS", "HeldReplica", "ReplicaHoldings", "complete_slots"]
 
@@ -148,14 +148,9 @@ class ReplicaHoldings:
 def complete_slots(files: SlotFiles, run_id: str) -> list[HeldReplica]:
     """The complete snapshots of `run_id` in `files` (their metas parse and name that rank),
     oldest step first: replicas under `replicas/`, or a rank's own slots."""
-    found = []
-    for slot, raw in files.read_metas().items():
-        if not isinstance(raw, dict):
-            continue
-        try:
-            meta = SlotMeta.parse(raw)
-        except ValueError:
-            continue
-        if meta.run_id == run_id and meta.rank == files.rank:
-            found.append(HeldReplica(files.rank, slot, meta, raw))
+    found = [
+        HeldReplica(files.rank, slot, meta, raw)
+        for slot, (meta, raw) in parsed_metas(files.read_metas()).items()
+        if meta.run_id == run_id and meta.rank == files.rank
+    ]
     return sorted(found, key=lambda h: h.meta.step)
