@@ -45,6 +45,7 @@ memory and never call each other; they talk through files in the run directory (
       agent/             the daemon process:
         run.py           `trainingd run` from start-up checks to exit code.
         preflight.py     start-up checks -> exit 2.
+        root_checks.py   the root's checks of a multi-node job's node: first round only.
         memory_dir.py    the node's memory-tier directory in tmpfs: claimed at start (a live
                          owner refused, a killed one's reclaimed), removed at every exit.
         memory_budget.py the tier's start-up budget: tmpfs, cgroup, estimated need -> one line;

@@ -5,6 +5,8 @@ Module plan:
                     supervisor, elastic agent; the exit codes.
     preflight.py    start-up checks (job importable, storage reachable and writable, lease free,
                     the device available, `--init-from` fits) -> exit 2.
+    root_checks.py  a node of a multi-node job checks the checkpoint root in the job's first
+                    round only (a node joining a running job reads nothing from storage).
     memory_dir.py   the node's memory-tier directory (tmpfs): claimed with an owner record at
                     start, this run's stale ones reclaimed, removed at every exit.
     memory_budget.py  the memory tier's start-up budget line; exit 2 or durable-only if unfit.

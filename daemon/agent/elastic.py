@@ -115,11 +115,13 @@ _FORK_SERVER_START_S = 300.0
 """How long the fork server's imports may take (seconds unloaded; a loaded node is slower, and
 a spawned rank would pay the same)."""
 
-RoundHook = Callable[[Any, int, int, list[int], int], None]
+RoundHook = Callable[[Any, int, int, list[int], int], int | None]
 """Called after each rendezvous, before the ranks start, as
 `hook(store, group_rank, num_nodes, global_ranks, world_size)`: the round's rendezvous store,
 this node's rank among the round's nodes, their number, this node's global ranks and the world
-size (`ReplicaService.on_rendezvous`)."""
+size (`ReplicaService.on_rendezvous`); it returns the job's membership round when it learnt it
+(None otherwise). An exception from it ends the launch (a `StartupCheckError` from the root
+checks of a node's first round: `root_checks.py`)."""
 
 FailureHook = Callable[[list[RankExit], int], bool]
 """Called with the failed ranks of an attempt and its restart count (membership rounds

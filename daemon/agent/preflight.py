@@ -31,7 +31,7 @@ from daemon._storage import s3_storage_options
 from daemon.config import DaemonConfig, RdzvBackend
 from daemon.errors import StartupCheckError
 
-__all__ = ["check_startup"]
+__all__ = ["check_root_access", "check_startup"]
 
 _CONNECT_TIMEOUT_S = 3.0
 
@@ -141,7 +141,8 @@ def _check_init_from(cfg: DaemonConfig) -> None:
 
 
 def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
-    """Run every start-up check.
+    """Run every start-up check (a node of a multi-node job checks its checkpoint root in its
+    first round instead: `root_checks.py`).
 
     Raises:
         StartupCheckError: the first failing check, as one line.
@@ -153,6 +154,19 @@ def check_startup(cfg: DaemonConfig, run_dir: Path) -> None:
     _check_job(cfg)
     if cfg.train.init_from and not _resuming(cfg):
         _check_init_from(cfg)
+    if cfg.launch.max_nodes == 1:
+        # A node of a multi-node job checks the root after its first rendezvous, and not at
+        # all when it joins a job that already ran a round ([Note: a node joining a running
+        # job skips the root checks] in `root_checks.py`).
+        check_root_access(cfg)
+    _check_local_dir(run_dir, "run directory")
+
+
+def check_root_access(cfg: DaemonConfig) -> None:
+    """The checkpoint root is writable and no other live run holds its lease.
+
+    Raises:
+        StartupCheckError: it is not (one line naming the root, and the holder).
+    """
     _check_root(cfg)
     _check_lease(cfg)
-    _check_local_dir(run_dir, "run directory")

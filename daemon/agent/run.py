@@ -70,6 +70,7 @@ from daemon.agent.preflight import check_startup
 from daemon.agent.progress import LiveProgress, ProgressEvents
 from daemon.agent.relay import RankOutputRelay
 from daemon.agent.replica import ReplicaService, announce_without_replicas
+from daemon.agent.root_checks import FirstRoundRootChecks
 from daemon.agent.straggler import StragglerWatch
 from daemon.agent.supervisor import Supervisor
 from daemon.config import DaemonConfig
@@ -462,6 +463,12 @@ def run_daemon(
             end_display()  # the ranks' last lines (their tracebacks) come before this record
             incidents.end_open_as_fatal()  # the failures' incidents: the run ends on them
             return _failed(cfg, failures, board, err)
+        except StartupCheckError as err:  # the root's checks in this node's first round
+            end_display()
+            board.note_error(str(err))
+            log.error("startup_check_failed", error=str(err), exit_code=EXIT_CONFIG)
+            print(f"trainingd: {err}", file=sys.stderr, flush=True)
+            return EXIT_CONFIG
         if supervisor.budget_exceeded.is_set():
             return EXIT_FAILED
         results = outcome.summary_results()
@@ -538,11 +545,16 @@ def _failed(cfg: DaemonConfig, failures: FailureTracker, board: StatusBoard, err
 
 
 def _round_hook(cfg: DaemonConfig, replicas: ReplicaService | None) -> RoundHook | None:
-    """What runs after each rendezvous: the replica ring's, or, on a node of a multi-node job
-    that keeps none, its empty part in the address exchange (the others must not wait)."""
-    if replicas is not None:
-        return replicas.on_rendezvous
-    return announce_without_replicas(cfg.run_id) if cfg.launch.max_nodes > 1 else None
+    """What runs after each rendezvous of a multi-node job: the replica ring's, or, on a node
+    that keeps none, its empty part in the address exchange (the others must not wait); then,
+    in this node's first round, the checkpoint root's checks unless the job already ran a
+    round ([Note: a node joining a running job skips the root checks] in `root_checks.py`)."""
+    if cfg.launch.max_nodes == 1:
+        return None
+    inner = (
+        replicas.on_rendezvous if replicas is not None else announce_without_replicas(cfg.run_id)
+    )
+    return FirstRoundRootChecks(cfg, inner)
 
 
 def _rendezvous_line(cfg: DaemonConfig, err: BaseException) -> str:

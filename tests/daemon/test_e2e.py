@@ -440,6 +440,11 @@ def test_a_lost_node_resumes_from_its_peer_replica_without_reading_storage(
     assert restored[0]["fallback_reason"] is None
     fetched = fresh.find("replica_fetched")
     assert fetched, fresh.logs()
+    # The fresh node joined a job that had run a round: it did not check the root (nothing
+    # read from storage before its rank trained); node 0 checked it in the job's first round.
+    (skipped,) = fresh.find("root_checks_skipped")
+    assert int(skipped["round"]) > 1
+    assert not nodes[0].find("root_checks_skipped")
     # The fresh node's rank is whichever global rank the new round gave it (the rendezvous
     # may swap them): it fetched that rank's state, which holds the held step.
     (steps,) = fetched[0]["steps"].values()

@@ -125,3 +125,53 @@ def test_a_root_whose_lease_is_live_exits_2_naming_the_holder(tmp_path: Path) ->
     assert f"run 'the-holder' (host {socket.gethostname()}, pid {holder.pid}, refresh #" in line
     assert "last refresh 20" in line
     assert "training" not in result.stderr.replace("trainingd", "")  # no rank started
+
+
+def test_both_nodes_of_a_new_two_node_job_exit_2_on_a_root_another_run_holds(
+    tmp_path: Path,
+) -> None:
+    # [Note: a node joining a running job skips the root checks]: a node of a multi-node job
+    # checks the root after its first rendezvous; in the job's first round every node does,
+    # and fails as a single node does: exit 2, the holder named, no rank started.
+    root, ready = tmp_path / "ckpt", tmp_path / "ready"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(root), str(ready)])
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes: list[subprocess.Popen[bytes]] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and holder.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), "the holder never took the lease"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TRAININGD_")}
+        args = [
+            "run", "--metrics-port", "0", "--log-format", "json", "--ckpt-uri", str(root),
+            "--max-steps", "1", "--nnodes", "2", "--rdzv-endpoint", endpoint,
+            "--rdzv-timeout-s", "60",
+        ]  # fmt: skip
+        # Files, not pipes: a node is never blocked on a full pipe while the other is waited.
+        logs = [tmp_path / f"node{k}.err" for k in (0, 1)]
+        for k in (0, 1):
+            with logs[k].open("w") as err_file:
+                nodes.append(
+                    subprocess.Popen(
+                        [TRAININGD, *args, "--node-rank", str(k)],
+                        stdout=subprocess.DEVNULL,
+                        stderr=err_file,
+                        env=env,
+                        cwd=tmp_path,
+                    )
+                )
+        codes = [node.wait(timeout=150) for node in nodes]
+    finally:
+        for process in [holder, *nodes]:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=60)
+    for code, log in zip(codes, logs, strict=True):
+        err = log.read_text()
+        assert code == 2, err
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("trainingd: "), line
+        assert f"run 'the-holder' (host {socket.gethostname()}, pid {holder.pid}" in line
+        assert "root_checks_skipped" not in err
+        assert '"event": "training"' not in err  # no rank started

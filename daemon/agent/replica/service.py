@@ -106,7 +106,7 @@ class ReplicaService:
 
     def on_rendezvous(
         self, store: Any, group_rank: int, num_nodes: int, ranks: Sequence[int], world_size: int
-    ) -> None:
+    ) -> int | None:
         """A round formed and its ranks are about to start (see the module docstring).
 
         Args:
@@ -115,10 +115,14 @@ class ReplicaService:
             num_nodes: nodes in the round.
             ranks: this node's global ranks in the round.
             world_size: ranks in the round.
+
+        Returns:
+            The job's membership round, or None when this node could not learn it (a round of
+            one node exchanges nothing; a failed exchange).
         """
         if num_nodes < 2:
             self._sender.set_ring(Ring(0, None, tuple(ranks)))
-            return
+            return None
         try:
             peers = exchange(
                 store,
@@ -135,7 +139,7 @@ class ReplicaService:
                 error=f"{type(err).__name__}: {err}",
                 note="no replica is sent or fetched this round",
             )
-            return
+            return None
         # "": that node keeps no replicas (its memory tier or replicas are off).
         others = {g: a for g, a in peers.addresses.items() if g != group_rank and a}
         try:
@@ -146,6 +150,7 @@ class ReplicaService:
         former = former_ranks(self._tier_dir, ranks)
         self._sender.set_ring(Ring(peers.round, target, tuple(ranks)), former=former)
         log.info("replica_ring", round=peers.round, group_rank=group_rank, target=target)
+        return peers.round
 
     def _fetch(
         self, round_: int, others: dict[int, str], ranks: Sequence[int], world_size: int
@@ -177,17 +182,21 @@ class ReplicaService:
         self._server.close()
 
 
-def announce_without_replicas(run_id: str) -> Callable[[Any, int, int, Sequence[int], int], None]:
+def announce_without_replicas(
+    run_id: str,
+) -> Callable[[Any, int, int, Sequence[int], int], int | None]:
     """The round hook of a node of a multi-node job that keeps no replicas (its memory tier or
     its replicas are off, e.g. `auto` found no room): it takes part in the exchange with an
     empty address, so the other nodes neither wait for it nor stream to it, and, as group
-    rank 0, still counts the round."""
+    rank 0, still counts the round. Returns the job's membership round, as `on_rendezvous`."""
 
-    def hook(store: Any, group_rank: int, num_nodes: int, ranks: Sequence[int], _w: int) -> None:
+    def hook(
+        store: Any, group_rank: int, num_nodes: int, ranks: Sequence[int], _w: int
+    ) -> int | None:
         if num_nodes < 2:
-            return
+            return None
         try:
-            exchange(
+            peers = exchange(
                 store,
                 run_id=run_id,
                 group_rank=group_rank,
@@ -197,5 +206,7 @@ def announce_without_replicas(run_id: str) -> Callable[[Any, int, int, Sequence[
             )
         except (RuntimeError, ValueError) as err:
             log.warning("replica_ring_unavailable", error=f"{type(err).__name__}: {err}")
+            return None
+        return peers.round
 
     return hook
