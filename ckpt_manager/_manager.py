@@ -262,7 +262,6 @@ class CheckpointManager:
                 collective timeout), or refused the opening; the next durable save tries
                 again.
         """
-        self._begin_deferred_open()
         outcome: RootOutcome | None = None
         if self._opening is not None:  # the coordinator
             wait_s = 0.0 if self._opening.done() else self.config.finalize_timeout_s / 2

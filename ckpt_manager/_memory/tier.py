@@ -36,7 +36,7 @@ from ckpt_manager._format.checksum import ChecksumAlgorithm
 from ckpt_manager._format.tree import Flattened, TensorLeaf
 from ckpt_manager._memory.floor import write_floor
 from ckpt_manager._memory.keep import KeptStep
-from ckpt_manager._memory.meta import MetaEncoder, SlotMeta, parsed_metas
+from ckpt_manager._memory.meta import MetaEncoder, parsed_metas
 from ckpt_manager._memory.plan import MemoryPlan, MemoryPlanCache
 from ckpt_manager._memory.slots import SlotFiles
 from ckpt_manager.errors import CheckpointError
@@ -197,9 +197,13 @@ class MemoryTier:
         """A save before any restore: slots from a previous life are another timeline."""
         if self._inherited:
             self._inherited = False
-            for slot in self.files.read_metas():
-                self.files.remove_meta(slot)
-            self.held.clear()
+            self._empty_slots()
+
+    def _empty_slots(self) -> None:
+        """Remove every slot's meta (the payloads stay allocated for the next snapshots)."""
+        for slot in self.files.read_metas():
+            self.files.remove_meta(slot)
+        self.held.clear()
 
     def holds_this_run(self) -> bool:
         """Whether a slot's meta names this run and world size (read from the metas alone,
@@ -215,14 +219,13 @@ class MemoryTier:
         empty the others (a newer one belongs to a timeline the run left)."""
         self._inherited = False
         self.held.clear()
-        for slot, raw in self.files.read_metas().items():
+        raw_metas = self.files.read_metas()
+        parsed = parsed_metas(raw_metas)
+        for slot in raw_metas:
             keep = None
-            if isinstance(raw, dict) and step is not None:
-                try:
-                    meta = SlotMeta.parse(raw)
-                except ValueError:
-                    meta = None
-                if meta is not None and meta.run_id == self.run_id and meta.step <= step:
+            if slot in parsed and step is not None:
+                meta = parsed[slot][0]
+                if meta.run_id == self.run_id and meta.step <= step:
                     keep = meta.step
             if keep is None:
                 self.files.remove_meta(slot)
@@ -234,9 +237,7 @@ class MemoryTier:
         """The run's memory timeline went back past `committed`: empty every slot and record
         `committed` as the floor ([Note: the root opens after a memory restore] in
         `_root.py`)."""
-        for slot in self.files.read_metas():
-            self.files.remove_meta(slot)
-        self.held.clear()
+        self._empty_slots()
         self.newest_step = None
         self.record_durable(committed)
 
