@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import gc
 import json
+import os
 import statistics
 import tempfile
 import threading
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import _common
+from _recovery import job as bench_job
 
 
 class _Probe:
@@ -203,13 +205,15 @@ def _rank(rank: int, world_size: int, root: str, memory_dir: str, args: dict[str
     import torch
 
     from daemon._config_load import load_config
-    from daemon.jobs.default_job import build
     from daemon.jobs.job import JobContext
     from daemon.rank.loop import run_training
     from daemon.rank.telemetry import NullTelemetry
     from daemon.rundir.control import RankControl
 
     _common.stdout_to_stderr()
+    if args["state_mib"]:
+        # The recovery bench's `big` job: the default GPT plus a ballast of that many MiB.
+        os.environ[bench_job.STATE_MIB_ENV] = str(args["state_mib"])
     probe = _Probe()
     _instrument(probe)
     cfg = load_config(
@@ -221,12 +225,13 @@ def _rank(rank: int, world_size: int, root: str, memory_dir: str, args: dict[str
             "memory_dir": memory_dir,
             "run_id": "stallbench",
             "device": "cpu",
+            **({"strategy": "no_shard"} if args["state_mib"] else {}),
         },
         env={},
     )
     cfg.memory_tier_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
-    spec = build(JobContext(rank=rank, world_size=world_size, seed=0))
+    spec = bench_job.build(JobContext(rank=rank, world_size=world_size, seed=0))
 
     job = dataclasses.replace(spec, sample=None)
     run_training(
@@ -264,6 +269,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--memory-every", default="1", help="steps, or auto")
+    parser.add_argument(
+        "--state-mib", type=int, default=0, help="extra state per rank (the recovery bench's big job)"
+    )
     parser.add_argument("--skip", type=int, default=5, help="first snapshots left out (warm-up)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -273,7 +281,7 @@ def main() -> int:
             args.ranks,
             root,
             shm,
-            {"steps": args.steps, "memory_every": args.memory_every},
+            {"steps": args.steps, "memory_every": args.memory_every, "state_mib": args.state_mib},
             timeout_s=60 + args.steps * 3.0,
         )
     records = [rec for r in results for rec in r["records"][args.skip :]]

@@ -131,6 +131,9 @@ class DistributedOptimizer:
         """The dynamic loss scaler (`None` unless the policy has `loss_scale`)."""
         self.last_step_skipped = False
         """Whether the last `step()` was skipped because a gradient overflowed (loss scaling)."""
+        self._state_adjacent = False
+        # [Note: a bucket's optimizer state in one storage]: whether every chunk's state has
+        # been checked (or moved) to lie end to end; cleared when the state is replaced.
 
     @property
     def loss_scale(self) -> float:
@@ -180,6 +183,42 @@ class DistributedOptimizer:
             out.append((chunk[1], chunk[2], state))
         return out or None
 
+    def _make_state_adjacent(self) -> None:
+        """Move each bucket's elementwise state into one tensor per key, chunks as its views.
+
+        [Note: a bucket's optimizer state in one storage] torch creates each chunk's state
+        tensors on their own (`zeros_like` at the first step), so a parameter spanning chunks
+        (any over `CHUNK_NUMEL` elements: most of a real model's) had pieces that
+        `sharded_state_dict` had to concatenate: a copy of nearly all optimizer state on the
+        caller's thread at every call, which the memory tier makes at every snapshot (6.4 ms
+        of a 134 MB rank's 8.6 ms stall, `bench/snapshot_stall.py --state-mib 128`). Once
+        each key's chunks are views of one tensor, end to end in chunk order, every piece is a
+        view (`_state_range`) and a snapshot copies the state once, into its slab. Done once
+        after the first step that created state and after a load; the chunks keep their
+        shapes and values, each update still runs on a chunk (the cache-sized working set).
+        """
+        for pos in range(len(self.buckets)):
+            chunks = self.bucket_chunks(pos)
+            if chunks is None:
+                return  # no state yet (a skipped first step): checked again after the next
+            base = chunks[0][0]
+            for key, value in chunks[0][2].items():
+                if not (isinstance(value, torch.Tensor) and value.dim() > 0):
+                    continue
+                if _end_to_end([s[key] for _, _, s in chunks]):
+                    continue
+                flat = torch.empty(chunks[-1][1] - base, dtype=value.dtype, device=value.device)
+                for start, end, state in chunks:
+                    view = flat[start - base : end - base].view_as(state[key])
+                    view.copy_(state[key])
+                    state[key] = view
+        self._state_adjacent = True
+
+    def _state_replaced(self) -> None:
+        """Called after the torch state was replaced (a load): check it again."""
+        self._state_adjacent = False
+        self._make_state_adjacent()
+
     def bucket_state(self, pos: int) -> dict[str, Any] | None:
         """The optimizer state of bucket `pos` as flat main-weight-shaped tensors (copies)."""
         chunks = self.bucket_chunks(pos)
@@ -198,8 +237,10 @@ class DistributedOptimizer:
         _, a, e, _ = self.chunks[index]
         # Scalar tensors (Adam's `step`) are cloned too: torch updates them in place, so
         # chunks sharing one tensor would advance it once per chunk.
+        # Elementwise state stays a view of `flat` ([Note: a bucket's optimizer state in one
+        # storage]): chunks of one bucket do not overlap.
         return {
-            key: (value[a:e] if value.dim() > 0 else value).clone()
+            key: (value[a:e] if value.dim() > 0 else value.clone())
             if isinstance(value, torch.Tensor)
             else value
             for key, value in flat.items()
@@ -271,6 +312,8 @@ class DistributedOptimizer:
             return
         self._link_grads()
         self.optimizer.step()
+        if not self._state_adjacent:
+            self._make_state_adjacent()
         # [Note: deferred weight gather]: not waited here; the next forward waits per unit.
         # Issued in the order it waits (the root unit first): a process group runs its
         # collectives in issue order, so the first wait must not queue behind the others.
@@ -327,8 +370,10 @@ def optimizer_sharded_state_dict(opt: DistributedOptimizer) -> StateDict:
     a piece spanning chunks is concatenated. Concatenating every bucket's state first, as
     before, copied all of the optimizer state on the caller's thread at each call: the memory
     tier calls this on the training thread at every snapshot and copies the pieces itself
-    (0.4 of the 1 ms this took for the default job). A caller that keeps the pieces across
-    `step()` copies them (the checkpoint manager's `save()` does, before its fence).
+    (0.4 of the 1 ms this took for the default job). A piece spanning chunks is one view
+    too once the bucket's state lies in one storage ([Note: a bucket's optimizer state in one
+    storage], after the first step). A caller that keeps the pieces across `step()` copies
+    them (the checkpoint manager's `save()` does, before its fence).
     Scalar state (Adam's `step`) is cloned as before: torch updates it in place.
     """
     state: dict[str, dict[str, Any]] = {}
@@ -384,7 +429,27 @@ def _state_range(
         if start >= e:
             break
         parts.append(chunk_state[key].reshape(-1)[max(a, start) - start : min(e, end) - start])
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    if len(parts) == 1:
+        return parts[0]
+    if _end_to_end(parts):
+        # One view over the chunks ([Note: a bucket's optimizer state in one storage]).
+        return parts[0].as_strided((e - a,), (1,))
+    return torch.cat(parts)
+
+
+def _end_to_end(tensors: list[torch.Tensor]) -> bool:
+    """Whether contiguous tensors lie end to end in one storage, in list order."""
+    storage = tensors[0].untyped_storage().data_ptr()
+    end = tensors[0].data_ptr()
+    for tensor in tensors:
+        if (
+            not tensor.is_contiguous()
+            or tensor.untyped_storage().data_ptr() != storage
+            or tensor.data_ptr() != end
+        ):
+            return False
+        end += tensor.numel() * tensor.element_size()
+    return True
 
 
 def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: StateDict) -> None:
@@ -451,3 +516,4 @@ def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: Sta
         group["params"] = cur["params"]
         new_groups.append(group)
     opt.optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+    opt._state_replaced()
