@@ -270,7 +270,10 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--memory-every", default="1", help="steps, or auto")
     parser.add_argument(
-        "--state-mib", type=int, default=0, help="extra state per rank (the recovery bench's big job)"
+        "--state-mib",
+        type=int,
+        default=0,
+        help="extra state per rank (the recovery bench's big job)",
     )
     parser.add_argument("--skip", type=int, default=5, help="first snapshots left out (warm-up)")
     parser.add_argument("--json", action="store_true")

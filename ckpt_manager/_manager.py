@@ -50,7 +50,7 @@ from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Status
 from ckpt_manager._format.dtensor import unwrap_dtensors, wrap_dtensors
 from ckpt_manager._format.layout import shard_file_name
-from ckpt_manager._format.tree import flatten
+from ckpt_manager._format.tree import LeafMemo, flatten
 from ckpt_manager._load.quarantine import Quarantine
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._memory.restore import restore_from_memory
@@ -201,6 +201,7 @@ class CheckpointManager:
             self.config, self._storage, self.rank, self._log, self._memory
         )
         self._plans = PlanCache()  # [Note: the plan cache] in _save/plan.py
+        self._leaves = LeafMemo()  # [Note: a sharded leaf is validated once] in _format/tree.py
         # [Note: the report skeleton is reused while the layout is unchanged] in report.py
         self._reports = ReportCache()
 
@@ -486,7 +487,7 @@ class CheckpointManager:
     def _prepare(
         self, step: int, state: Any, metrics: dict[str, Any], started: float
     ) -> SaveRequest:
-        flat = flatten(state, keep_replicas=self._memory is not None)
+        flat = flatten(state, keep_replicas=self._memory is not None, memo=self._leaves)
         leaves = leaves_to_write(flat, self.rank)
         spread = self.config.spread_for(self._storage.root_uri)
         file_name = shard_file_name(self.rank, spread) if leaves else None
@@ -531,7 +532,7 @@ class CheckpointManager:
     def _snapshot_only(self, step: int, state: Any, started: float) -> None:
         """`save(..., durable=False)`: the memory snapshot alone."""
         assert self._snapshots is not None
-        flat = flatten(state, keep_replicas=True)
+        flat = flatten(state, keep_replicas=True, memo=self._leaves)
         leaves = leaves_to_write(flat, self.rank)
         spread = self.config.spread_for(self._storage.root_uri)
         # The payload starts with the durable file's bytes: the same (cached) plan.

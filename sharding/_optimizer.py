@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -193,9 +194,11 @@ class DistributedOptimizer:
         caller's thread at every call, which the memory tier makes at every snapshot (6.4 ms
         of a 134 MB rank's 8.6 ms stall, `bench/snapshot_stall.py --state-mib 128`). Once
         each key's chunks are views of one tensor, end to end in chunk order, every piece is a
-        view (`_state_range`) and a snapshot copies the state once, into its slab. Done once
-        after the first step that created state and after a load; the chunks keep their
-        shapes and values, each update still runs on a chunk (the cache-sized working set).
+        view (`_state_range`) and a snapshot copies the state once, into its slab; and the
+        pieces, all views, are made once ([Note: saved pieces are made once]; a bucket of one
+        chunk moves too, so its state is a view whose pieces do not hold it). Done once after
+        the first step that created state and after a load; the chunks keep their shapes and
+        values, each update still runs on a chunk (the cache-sized working set).
         """
         for pos in range(len(self.buckets)):
             chunks = self.bucket_chunks(pos)
@@ -205,8 +208,9 @@ class DistributedOptimizer:
             for key, value in chunks[0][2].items():
                 if not (isinstance(value, torch.Tensor) and value.dim() > 0):
                     continue
-                if _end_to_end([s[key] for _, _, s in chunks]):
-                    continue
+                tensors = [s[key] for _, _, s in chunks]
+                if _end_to_end(tensors) and all(t._base is not None for t in tensors):
+                    continue  # views of one tensor already (a load makes them so)
                 flat = torch.empty(chunks[-1][1] - base, dtype=value.dtype, device=value.device)
                 for start, end, state in chunks:
                     view = flat[start - base : end - base].view_as(state[key])
@@ -387,21 +391,11 @@ def optimizer_sharded_state_dict(opt: DistributedOptimizer) -> StateDict:
             for key, value in first.items()
             if not (isinstance(value, torch.Tensor) and value.dim() > 0)
         }
-        starts = [start for start, _, _ in chunks]
-        base = 0 if bucket.main_weight.numel() == bucket.layout.padded_numel else bucket.start
-        for slot in bucket.layout.slots:
-            lo, hi = piece_bounds(bucket, slot)
-            offset = max(lo - slot.offset, 0)
+        keys = [key for key in first if key not in scalars]
+        pieces = _state_pieces(bucket, chunks, keys)
+        for slot, by_key in zip(bucket.layout.slots, pieces, strict=True):
             state[slot.names[0]] = {
-                key: ShardedTensor(
-                    local=_state_range(chunks, starts, key, lo - base, hi - base),
-                    global_shape=tuple(slot.shape),
-                    global_offset=(0,) * len(slot.shape),
-                    flat_range=(offset, offset + (hi - lo)),
-                )
-                if key not in scalars
-                else scalars[key]
-                for key in first
+                key: by_key[key] if key not in scalars else scalars[key] for key in first
             }
     groups = opt.optimizer.state_dict()["param_groups"]
     out: StateDict = {
@@ -416,25 +410,76 @@ def optimizer_sharded_state_dict(opt: DistributedOptimizer) -> StateDict:
     return out
 
 
+_PIECES_ATTR = "_trainingd_saved_pieces"
+"""Attribute of a bucket's first chunk state tensor that holds the bucket's pieces."""
+
+
+def _state_pieces(
+    bucket: Any, chunks: list[tuple[int, int, dict[str, Any]]], keys: list[str]
+) -> list[dict[str, ShardedTensor]]:
+    """Per slot of `bucket`, the `ShardedTensor` of each elementwise state key.
+
+    [Note: saved pieces are made once] (`_state_dict.py`) for the optimizer: pieces that are
+    all views are kept on the first chunk's state tensor (an attribute, so they go when
+    torch's state goes: a load, `state.clear()`) with weak references to every chunk tensor
+    they were cut from, and served again while those are the state's tensors. Pieces with a
+    concatenated copy among them (state not yet in one storage) are made anew at each call.
+    """
+    tensors = [state[key] for _, _, state in chunks for key in keys]
+    if not tensors:
+        return [{} for _ in bucket.layout.slots]
+    cached = getattr(tensors[0], _PIECES_ATTR, None)
+    if (
+        cached is not None
+        and len(cached[0]) == len(tensors)
+        and all(ref() is t for ref, t in zip(cached[0], tensors, strict=True))
+    ):
+        return cached[1]
+    starts = [start for start, _, _ in chunks]
+    base = 0 if bucket.main_weight.numel() == bucket.layout.padded_numel else bucket.start
+    copied = False
+    pieces: list[dict[str, ShardedTensor]] = []
+    for slot in bucket.layout.slots:
+        lo, hi = piece_bounds(bucket, slot)
+        offset = max(lo - slot.offset, 0)
+        by_key = {}
+        for key in keys:
+            local, is_copy = _state_range(chunks, starts, key, lo - base, hi - base)
+            copied = copied or is_copy
+            by_key[key] = ShardedTensor(
+                local=local,
+                global_shape=tuple(slot.shape),
+                global_offset=(0,) * len(slot.shape),
+                flat_range=(offset, offset + (hi - lo)),
+            )
+        pieces.append(by_key)
+    if not copied and all(t._base is not None for t in tensors):
+        # Views of views have the root as their base: the pieces do not hold the chunk
+        # tensors, so the attribute makes no cycle through torch's C++ references.
+        setattr(tensors[0], _PIECES_ATTR, ([weakref.ref(t) for t in tensors], pieces))
+    return pieces
+
+
 def _state_range(
     chunks: list[tuple[int, int, dict[str, Any]]], starts: list[int], key: str, a: int, e: int
-) -> torch.Tensor:
-    """Elements `[a, e)` (main-weight coordinates) of state `key`: a view of one chunk's
-    tensor, or the parts of several concatenated ([Note: optimizer pieces are views])."""
+) -> tuple[torch.Tensor, bool]:
+    """Elements `[a, e)` (main-weight coordinates) of state `key`, and whether they are a copy:
+    a view of one chunk's tensor or of several in one storage, else the parts of several
+    concatenated ([Note: optimizer pieces are views])."""
     first = max(bisect.bisect_right(starts, a) - 1, 0)
     if a >= e:
-        return chunks[first][2][key].reshape(-1)[:0]
+        return chunks[first][2][key].reshape(-1)[:0], False
     parts = []
     for start, end, chunk_state in chunks[first:]:
         if start >= e:
             break
         parts.append(chunk_state[key].reshape(-1)[max(a, start) - start : min(e, end) - start])
     if len(parts) == 1:
-        return parts[0]
+        return parts[0], False
     if _end_to_end(parts):
         # One view over the chunks ([Note: a bucket's optimizer state in one storage]).
-        return parts[0].as_strided((e - a,), (1,))
-    return torch.cat(parts)
+        return parts[0].as_strided((e - a,), (1,)), False
+    return torch.cat(parts), True
 
 
 def _end_to_end(tensors: list[torch.Tensor]) -> bool:

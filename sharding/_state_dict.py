@@ -15,6 +15,7 @@ piece helpers (`shard_of` to save, `piece_bounds` / `local_of` / `fill` /
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -164,6 +165,27 @@ ALIASES_KEY = "__aliases__"
 parameter is saved once, and exports use this to give the plain module every name it has."""
 
 
+_WEIGHT_PIECES: weakref.WeakKeyDictionary[FlatBucket, tuple[torch.Tensor, list[ShardedTensor]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _weight_pieces(bucket: FlatBucket) -> list[ShardedTensor]:
+    """Each slot's `shard_of` the bucket's main weights, made once per main-weight tensor.
+
+    [Note: saved pieces are made once] A piece is a view with fixed bounds (the layout, the
+    shard range and the replica role never change), and a `ShardedTensor` is frozen, so the
+    same objects serve every call: the memory tier asks at every snapshot, on the training
+    thread, and a new view per parameter was a third of the model's state-dict time.
+    """
+    cached = _WEIGHT_PIECES.get(bucket)
+    if cached is not None and cached[0] is bucket.main_weight:
+        return cached[1]
+    pieces = [shard_of(bucket, slot, bucket.main_weight) for slot in bucket.layout.slots]
+    _WEIGHT_PIECES[bucket] = (bucket.main_weight, pieces)
+    return pieces
+
+
 def model_sharded_state_dict(
     buckets: list[FlatBucket], buffers: dict[str, torch.Tensor]
 ) -> StateDict:
@@ -174,8 +196,8 @@ def model_sharded_state_dict(
     out: StateDict = {}
     aliases: dict[str, str] = {}
     for bucket in buckets:
-        for slot in bucket.layout.slots:
-            out[slot.names[0]] = shard_of(bucket, slot, bucket.main_weight)
+        for slot, piece in zip(bucket.layout.slots, _weight_pieces(bucket), strict=True):
+            out[slot.names[0]] = piece
             aliases.update((name, slot.names[0]) for name in slot.names[1:])
     for name, buf in buffers.items():
         out[name] = buf.detach()

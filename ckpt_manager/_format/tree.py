@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -28,6 +29,7 @@ from ckpt_manager.errors import CheckpointError
 __all__ = [
     "Flattened",
     "LeafKind",
+    "LeafMemo",
     "Placement",
     "TensorLeaf",
     "copy_into_template",
@@ -211,8 +213,66 @@ memory snapshot calls `flatten` on the training thread at every snapshot.
 """
 
 
+class LeafMemo:
+    """Sharded leaves validated by an earlier `flatten`, by object, for the next one.
+
+    [Note: a sharded leaf is validated once] A caller that hands the same frozen pieces to
+    every save (the sharding engine's are made once: [Note: saved pieces are made once] in
+    `sharding/_state_dict.py`) gets each one's placement checked at its first `flatten` only;
+    later calls take the leaf from here (the memory tier flattens the state on the training
+    thread at every snapshot). Only frozen dataclass instances are kept, by weak reference and
+    without their tensor (a dropped piece frees its storage); an entry serves the same object
+    under the same key, and each `flatten` keeps just the entries it used.
+    """
+
+    def __init__(self) -> None:
+        self.types: set[type] = set()
+        """Types of the values kept (a node of another type is not looked up)."""
+        self._entries: dict[int, _MemoEntry] = {}
+        self._next: dict[int, _MemoEntry] = {}
+
+    def get(self, value: Any, key: str) -> TensorLeaf | None:
+        entry = self._entries.get(id(value))
+        if entry is None or entry[1] != key:
+            return None
+        held = entry[0]()
+        if held is not value or held is None:
+            return None
+        self._next[id(value)] = entry
+        return TensorLeaf(key, LeafKind.SHARDED, held.local, entry[2], entry[3], entry[4])
+
+    def put(self, value: Any, leaf: TensorLeaf) -> None:
+        cls = type(value)
+        if _is_frozen(cls):
+            self.types.add(cls)
+            entry = (weakref.ref(value), leaf.key, leaf.global_shape, leaf.global_offset)
+            self._next[id(value)] = (*entry, leaf.flat_range)
+
+    def turn(self) -> None:
+        """End one `flatten`: what it did not use is forgotten."""
+        self._entries, self._next = self._next, {}
+
+
+_MemoEntry = tuple[
+    "weakref.ref[Any]", str, tuple[int, ...], tuple[int, ...] | None, tuple[int, int] | None
+]
+"""A kept leaf: its object (weakly), key, global shape, global offset and flat range."""
+_FROZEN: dict[type, bool] = {}
+
+
+def _is_frozen(cls: type) -> bool:
+    frozen = _FROZEN.get(cls)
+    if frozen is None:
+        params = getattr(cls, "__dataclass_params__", None)
+        frozen = _FROZEN[cls] = bool(params is not None and params.frozen) and hasattr(
+            cls, "__weakref__"
+        )
+    return frozen
+
+
 class _Flattener:
-    def __init__(self, keep_replicas: bool) -> None:
+    def __init__(self, keep_replicas: bool, memo: LeafMemo | None) -> None:
+        self.memo = memo
         self.leaves: list[TensorLeaf] = []
         self.rank_local: list[Any] = []
         self.keys: set[str] = set()
@@ -237,11 +297,22 @@ class _Flattener:
             self.rank_local.append(None)
             self.rank_local[index] = self.visit(value.value, key, True)
             return ["R", index]
+        memo = self.memo
+        if memo is not None and type(value) in memo.types and not in_rank_local:
+            # [Note: a sharded leaf is validated once]
+            known = memo.get(value, key or "<root>")
+            if known is not None:
+                self._claim(known.key)
+                self.leaves.append(known)
+                return ["S", known.key]
         if _has_sharded_members(value):  # not a tensor: that was tested first
             key = key or "<root>"
             if in_rank_local:
                 raise TypeError(f"state leaf {key!r}: a sharded tensor inside RankLocal")
-            self.leaves.append(_sharded_leaf(value, self._claim(key)))
+            leaf = _sharded_leaf(value, self._claim(key))
+            self.leaves.append(leaf)
+            if self.memo is not None:
+                self.memo.put(value, leaf)
             return ["S", key]
         if value is None or isinstance(value, bool | int | float | str):
             return ["v", value]
@@ -288,20 +359,26 @@ class _Flattener:
         return ["T", key]
 
 
-def flatten(state: Any, *, keep_replicas: bool = False) -> Flattened:
+def flatten(state: Any, *, keep_replicas: bool = False, memo: LeafMemo | None = None) -> Flattened:
     """Flatten a state (see the module docstring for the skeleton).
 
     Args:
         state: the state.
         keep_replicas: also record the local shard of each DTensor replica
             (`Flattened.replica_leaves`).
+        memo: sharded leaves an earlier call validated ([Note: a sharded leaf is validated
+            once]); updated with this call's.
 
     Raises:
         TypeError: an unsupported leaf type (the message names its path).
         ValueError: inconsistent sharded-tensor metadata or colliding keys.
     """
-    f = _Flattener(keep_replicas)
-    tree = f.visit(state, "", False)
+    f = _Flattener(keep_replicas, memo)
+    try:
+        tree = f.visit(state, "", False)
+    finally:
+        if memo is not None:
+            memo.turn()
     return Flattened(tree, f.rank_local, f.leaves, f.replicas)
 
 

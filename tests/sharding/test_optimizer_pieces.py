@@ -108,3 +108,101 @@ def test_optimizer_pieces_are_views_equal_to_the_concatenated_state(
             assert result["copies"] == 0, (where, result)
             if chunk_numel == 100:
                 assert result["spanning"] > 0, (where, result)
+
+
+def _pieces_made_once(rank: int, world: int, strategies: list[Strategy]) -> list[dict[str, Any]]:
+    import gc
+    import weakref
+
+    from sharding import _optimizer
+
+    _optimizer.CHUNK_NUMEL = 100  # most parameters span chunks
+    out = []
+    for strategy in strategies:
+        setup = Setup(strategy=strategy, groups=True)
+        model = wrap(make_model(setup), setup)
+        opt = model.make_optimizer(
+            torch.optim.AdamW, param_groups(model, setup), lr=1e-3, weight_decay=0.1
+        )
+        _step(model, opt, 0, rank, world)
+        first, first_model = opt.sharded_state_dict(), model.sharded_state_dict()
+        _step(model, opt, 1, rank, world)
+        second, second_model = opt.sharded_state_dict(), model.sharded_state_dict()
+        names = list(first["state"])
+        same = all(
+            first["state"][n][k] is second["state"][n][k]
+            for n in names
+            for k in ("exp_avg", "exp_avg_sq")
+        )
+        same_model = all(first_model[n] is second_model[n] for n in names)
+        # The kept pieces are views: they show the state after the second step.
+        current = [
+            torch.equal(second["state"][n]["exp_avg"].local, want["exp_avg"].local)
+            for n, want in _fresh_pieces(opt).items()
+        ]
+        # Adam's step is a value at the call, not a view: the first call's says 1.
+        steps = (float(first["state"][names[0]]["step"]), float(second["state"][names[0]]["step"]))
+        # A load replaces the state: new pieces that show the loaded values, the old go.
+        old = weakref.ref(first["state"][names[0]]["exp_avg"])
+        saved = {
+            "state": {
+                n: {k: _scaled(v) for k, v in entry.items()} for n, entry in second["state"].items()
+            },
+            "param_groups": second["param_groups"],
+        }
+        del first, second, first_model, second_model
+        opt.load_sharded_state_dict(saved)
+        del saved
+        gc.collect()
+        third = opt.sharded_state_dict()
+        loaded = all(
+            torch.equal(third["state"][n]["exp_avg"].local, want["exp_avg"].local)
+            for n, want in _fresh_pieces(opt).items()
+        )
+        out.append(
+            {
+                "same": same,
+                "same_model": same_model,
+                "current": all(current),
+                "steps": steps,
+                "old_freed": old() is None,
+                "loaded": loaded,
+            }
+        )
+    return out
+
+
+def _scaled(value: Any) -> Any:
+    """A saved piece with different values (a copy, so the load reads new numbers)."""
+    if hasattr(value, "local") and value.local.numel() > 0:
+        return type(value)(
+            local=value.local * 2 + 1,
+            global_shape=value.global_shape,
+            global_offset=value.global_offset,
+            flat_range=value.flat_range,
+        )
+    return value
+
+
+def _fresh_pieces(opt: Any) -> dict[str, dict[str, Any]]:
+    """The optimizer's pieces sliced out of its concatenated state (no cache involved)."""
+    out = {}
+    for pos, bucket in enumerate(opt.buckets):
+        flat = opt.bucket_state(pos)
+        for slot in bucket.layout.slots:
+            out[slot.names[0]] = {"exp_avg": shard_of(bucket, slot, flat["exp_avg"])}
+    return out
+
+
+def test_saved_pieces_are_made_once_and_follow_a_load() -> None:
+    per_rank = run_on_ranks(_pieces_made_once, 2, STRATEGIES, timeout_s=240)
+    for rank, results in enumerate(per_rank):
+        for strategy, result in zip(STRATEGIES, results, strict=True):
+            assert result == {
+                "same": True,
+                "same_model": True,
+                "current": True,
+                "steps": (1.0, 2.0),
+                "old_freed": True,
+                "loaded": True,
+            }, (rank, strategy)
