@@ -44,6 +44,7 @@ from daemon.observe.hangs import HangLedger, HangReport
 from daemon.rundir.progress import ProgressPhase, progress_path, read_progress
 from daemon.rundir.stacks import (
     STACK_DUMP_SIGNAL,
+    hang_stacks_path,
     innermost_frame,
     parse_stacks,
     stacks_path,
@@ -235,6 +236,9 @@ class HangDetector:
                     text = dumps[view.rank].read_text()[sizes[view.rank] :]
                 except OSError:
                     text = ""
+                kept = hang_stacks_path(self._run_dir, view.rank, view.pid)
+                if text and _write(kept, text):
+                    dumps[view.rank] = kept
                 threads = parse_stacks(text)
                 inner = innermost_frame(threads)
                 frame = str(inner) if inner is not None else None
@@ -318,6 +322,16 @@ class HangDetector:
             if reading is not None and last is not None and last[0] != (view.pid, reading.sequence):
                 moved = True
         return moved
+
+
+def _write(path: Path, text: str) -> bool:
+    """Keep a hang's dump in its own file ([Note: a hang's stacks outlive the restart])."""
+    try:
+        path.write_text(text)
+    except OSError as err:
+        log.warning("hang_stacks_not_kept", path=str(path), error=str(err))
+        return False
+    return True
 
 
 def _size(path: Path) -> int:

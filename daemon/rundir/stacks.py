@@ -24,6 +24,7 @@ from typing import IO, NamedTuple
 __all__ = [
     "STACK_DUMP_SIGNAL",
     "Frame",
+    "hang_stacks_path",
     "innermost_frame",
     "install_stack_dump",
     "is_ours_or_jobs",
@@ -63,6 +64,18 @@ class Frame(NamedTuple):
 def stacks_path(run_dir: Path, rank: int) -> Path:
     """Where rank `rank` writes its stacks inside the per-run directory."""
     return run_dir / "stacks" / f"rank-{rank}.txt"
+
+
+def hang_stacks_path(run_dir: Path, rank: int, pid: int) -> Path:
+    """Where the daemon keeps the dump of rank `rank`'s process `pid` taken for a hang.
+
+    [Note: a hang's stacks outlive the restart] The rank's own file is truncated by the next
+    incarnation (`install_stack_dump`), which the restart that follows a hang starts within
+    about a second: the dump an operator is pointed to (`rank_hung`'s `stacks`, the status
+    page) was seen empty. The daemon copies what it read into this file, which nothing
+    rewrites.
+    """
+    return run_dir / "stacks" / f"rank-{rank}.pid-{pid}.txt"
 
 
 def install_stack_dump(run_dir: Path, rank: int) -> Path:
