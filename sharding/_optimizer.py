@@ -112,6 +112,12 @@ class DistributedOptimizer:
             for start in range(a, e, CHUNK_NUMEL)
         ]
         self.params = [self.buckets[pos].main_weight[a:e] for pos, a, e, _ in self.chunks]
+        # Chunks are in bucket order: bucket `pos` owns `self.chunks[lo:hi]`, so a bucket's
+        # lookup costs its own chunks, not every chunk of the model (26K for 7B parameters).
+        self._chunk_spans = [
+            (bisect.bisect_left(self.chunks, (pos,)), bisect.bisect_left(self.chunks, (pos + 1,)))
+            for pos in range(len(self.buckets))
+        ]
         self.group_names: list[list[str]] = [[] for _ in groups]
         """First name of every parameter in each group (saved with the state dict)."""
         for (pos, index), group in sorted(owner.items()):
@@ -132,9 +138,10 @@ class DistributedOptimizer:
         """The dynamic loss scaler (`None` unless the policy has `loss_scale`)."""
         self.last_step_skipped = False
         """Whether the last `step()` was skipped because a gradient overflowed (loss scaling)."""
-        self._state_adjacent = False
-        # [Note: a bucket's optimizer state in one storage]: whether every chunk's state has
-        # been checked (or moved) to lie end to end; cleared when the state is replaced.
+        self._adjacent_marker: weakref.ref[torch.Tensor] | None = None
+        # [Note: a bucket's optimizer state in one storage]: the first chunk's first state
+        # tensor when every chunk's state was last checked (or moved) to lie end to end; a
+        # state replaced since (a load, `state.clear()` and a step) has another.
 
     @property
     def loss_scale(self) -> float:
@@ -175,9 +182,8 @@ class DistributedOptimizer:
         """The torch state of bucket `pos`'s chunks: `(start, end, state)` in main-weight
         coordinates, ascending, tiling its main weights (None: no state yet)."""
         out: list[tuple[int, int, dict[str, Any]]] = []
-        for chunk, param in zip(self.chunks, self.params, strict=True):
-            if chunk[0] != pos:
-                continue
+        lo, hi = self._chunk_spans[pos]
+        for chunk, param in zip(self.chunks[lo:hi], self.params[lo:hi], strict=True):
             state = self.optimizer.state.get(param)
             if not state:
                 return None
@@ -200,10 +206,15 @@ class DistributedOptimizer:
         the first step that created state and after a load; the chunks keep their shapes and
         values, each update still runs on a chunk (the cache-sized working set).
         """
+        marker = self._state_marker()
+        if marker is None or (
+            self._adjacent_marker is not None and self._adjacent_marker() is marker
+        ):
+            return  # no state yet (a skipped first step), or checked since it was made
         for pos in range(len(self.buckets)):
             chunks = self.bucket_chunks(pos)
             if chunks is None:
-                return  # no state yet (a skipped first step): checked again after the next
+                return  # not every bucket has state yet: checked again after the next step
             base = chunks[0][0]
             for key, value in chunks[0][2].items():
                 if not (isinstance(value, torch.Tensor) and value.dim() > 0):
@@ -216,12 +227,16 @@ class DistributedOptimizer:
                     view = flat[start - base : end - base].view_as(state[key])
                     view.copy_(state[key])
                     state[key] = view
-        self._state_adjacent = True
+        moved = self._state_marker()
+        self._adjacent_marker = weakref.ref(marker if moved is None else moved)
 
-    def _state_replaced(self) -> None:
-        """Called after the torch state was replaced (a load): check it again."""
-        self._state_adjacent = False
-        self._make_state_adjacent()
+    def _state_marker(self) -> torch.Tensor | None:
+        """The first chunk's first elementwise state tensor (None: no state yet)."""
+        state = self.optimizer.state.get(self.params[0]) if self.params else None
+        for value in (state or {}).values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                return value
+        return None
 
     def bucket_state(self, pos: int) -> dict[str, Any] | None:
         """The optimizer state of bucket `pos` as flat main-weight-shaped tensors (copies)."""
@@ -316,8 +331,7 @@ class DistributedOptimizer:
             return
         self._link_grads()
         self.optimizer.step()
-        if not self._state_adjacent:
-            self._make_state_adjacent()
+        self._make_state_adjacent()
         # [Note: deferred weight gather]: not waited here; the next forward waits per unit.
         # Issued in the order it waits (the root unit first): a process group runs its
         # collectives in issue order, so the first wait must not queue behind the others.
@@ -561,4 +575,4 @@ def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: Sta
         group["params"] = cur["params"]
         new_groups.append(group)
     opt.optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
-    opt._state_replaced()
+    opt._make_state_adjacent()

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def _pieces_and_reference(
-    rank: int, world: int, strategies: list[Strategy], chunk_numel: int, reload: bool
+    rank: int, world: int, strategies: list[Strategy], chunk_numel: int, replace: str
 ) -> list[dict[str, Any]]:
     from sharding import _optimizer
 
@@ -38,9 +38,13 @@ def _pieces_and_reference(
         )
         for step in range(2):
             _step(model, opt, step, rank, world)
-        if reload:
+        if replace == "load":
             # A load replaces the torch state: its pieces must be views again at once.
             opt.load_sharded_state_dict(opt.sharded_state_dict())
+        elif replace == "clear":
+            # torch makes new state at the next step: moved into one storage again.
+            opt.optimizer.state.clear()
+            _step(model, opt, 2, rank, world)
         state = opt.sharded_state_dict()["state"]
         storages = {
             s[key].untyped_storage().data_ptr()
@@ -92,16 +96,18 @@ def _pieces_and_reference(
 STRATEGIES = [Strategy.NO_SHARD, Strategy.OPTIM, Strategy.OPTIM_GRADS_PARAMS]
 
 
-@pytest.mark.parametrize(("chunk_numel", "reload"), [(1 << 18, False), (100, False), (100, True)])
+@pytest.mark.parametrize(
+    ("chunk_numel", "replace"), [(1 << 18, ""), (100, ""), (100, "load"), (100, "clear")]
+)
 def test_optimizer_pieces_are_views_equal_to_the_concatenated_state(
-    chunk_numel: int, reload: bool
+    chunk_numel: int, replace: str
 ) -> None:
     per_rank = run_on_ranks(
-        _pieces_and_reference, 2, STRATEGIES, chunk_numel, reload, timeout_s=240
+        _pieces_and_reference, 2, STRATEGIES, chunk_numel, replace, timeout_s=240
     )
     for rank, results in enumerate(per_rank):
         for strategy, result in zip(STRATEGIES, results, strict=True):
-            where = (rank, strategy, chunk_numel, reload)
+            where = (rank, strategy, chunk_numel, replace)
             assert result["mismatched"] == [], where
             assert result["views"] > 0, where
             # No piece is copied, whether it lies in one chunk or spans several.
