@@ -12,7 +12,10 @@ a rank holds `--state-mib` MiB of state, under `no_shard`):
   object bytes it serves (`bench/_recovery/s3count.py`): node 1's whole process group is
   SIGKILLed and a fresh daemon with an empty memory directory takes its place;
 - before the first kill of every round `--measure-steps` step times are recorded, and one round
-  per job and topology with `memory_every auto` and no kill gives the auto cadence's steps.
+  per job and topology with `memory_every auto` and no kill gives the auto cadence's steps;
+  `--step-rounds N` runs the off / 1 / auto rounds N times, interleaved (the kills in the
+  first repetition only), and judges the step keys on their intervals ([Note: interleaved
+  step rounds]).
 
 Samples come from outside: the job's progress files (the time each rank's training loop
 starts a step's forward: a step completed; [Note: the bench times the training thread] in
@@ -26,14 +29,18 @@ of new checkpoints, which each request's User-Agent names and which is reported 
 `status_page_bytes_read`), `snapshot_stall_ms` (p99 of
 `trainingd_memory_snapshot_seconds`, interpolated in its buckets),
 `memory_every_1_step_inflation` (extra step time in memcpys of the rank's state; the plain
-ratio beside it), `auto_step_inflation`, `replica_throughput_vs_loopback` (`unavailable: ...`
-where the daemon has no peer replicas). The machine's memcpy rate and loopback TCP rate are
-measured in the same run.
+ratio beside it), `auto_step_inflation`, `replica_throughput_vs_loopback` (the daemons'
+replica path alone, `_recovery/machine.py`'s `replica_path_vs_loopback`, against a plain TCP
+copy, interleaved, both on the idle machine; the 2x1 rounds' rate while the ranks train beside it;
+`unavailable: ...` where the daemon has no peer replicas). The machine's memcpy rate and
+loopback TCP rate are measured in the same run.
 
     .venv/bin/python bench/recovery.py --quick          # smoke run: 3 kills, default job
     .venv/bin/python bench/recovery.py --json           # the full run (see --help)
     .venv/bin/python bench/recovery.py --jobs big --topologies 1x2 --kills 5
     .venv/bin/python bench/recovery.py --topologies 1x2 --node-kills 0 --rank-durable s3
+    .venv/bin/python bench/recovery.py --jobs default --topologies 1x2 --kills 0 --node-kills 0 \
+        --measure-steps 150 --step-rounds 3                # the step keys, interleaved
 """
 
 from __future__ import annotations
@@ -66,19 +73,24 @@ def _plan(args: argparse.Namespace) -> list[rounds.RoundSpec]:
             "state_mib": args.state_mib,
             "seed": args.seed,
         }
-        for topology in args.topologies:
-            for memory in (_OFF, _ON):
-                specs.append(
-                    rounds.RoundSpec(
-                        topology=topology, memory_every=memory, failure="rank",
-                        kills=args.kills, **common,
-                    )
-                )  # fmt: skip
-            specs.append(
-                rounds.RoundSpec(
-                    topology=topology, memory_every=_AUTO, failure="rank", kills=0, **common
-                )
-            )
+        # [Note: interleaved step rounds] `--step-rounds N` repeats the off / 1 / auto rounds
+        # N times, interleaved and in reverse order every other time (off, 1, auto, then
+        # auto, 1, off), so that a drift of the machine falls on every setting alike (this
+        # VM's step time drifted 25% over nine rounds, and the last setting of each triplet
+        # took all of it); the step keys are the medians of the per-repetition ratios
+        # (adjacent rounds), judged on their intervals' bad ends. The kills run in the first
+        # repetition only.
+        for repeat in range(args.step_rounds):
+            order = (_OFF, _ON, _AUTO) if repeat % 2 == 0 else (_AUTO, _ON, _OFF)
+            for topology in args.topologies:
+                for memory in order:
+                    kills = args.kills if repeat == 0 and memory != _AUTO else 0
+                    specs.append(
+                        rounds.RoundSpec(
+                            topology=topology, memory_every=memory, failure="rank",
+                            kills=kills, repeat=repeat, **common,
+                        )
+                    )  # fmt: skip
         if "2x1" in args.topologies and args.node_kills > 0:
             for memory in (_OFF, _ON):
                 specs.append(
@@ -99,17 +111,25 @@ def _kills(results: list[dict[str, Any]], key: str, **match: str) -> list[float]
     return [float(k[key]) for k in rows if k.get(key) is not None]
 
 
-def _median_step_s(results: list[dict[str, Any]], **match: str) -> dict[tuple[str, str], float]:
-    """Median step time per (job, topology) of the matching rounds."""
+def _median_step_s(
+    results: list[dict[str, Any]], **match: str
+) -> dict[tuple[str, str, int], float]:
+    """Median step time per (job, topology, repetition) of the matching rounds."""
     out = {}
     for r in _select(results, **match):
         if r.get("step_times_s"):
-            key = (r["spec"]["job_name"], r["spec"]["topology"])
+            spec = r["spec"]
+            key = (spec["job_name"], spec["topology"], int(spec.get("repeat", 0)))
             out[key] = statistics.median(r["step_times_s"])
     return out
 
 
-def _keys(results: list[dict[str, Any]], memcpy_bps: float, loopback_bps: float) -> dict:
+def _keys(
+    results: list[dict[str, Any]],
+    memcpy_bps: float,
+    loopback_bps: float,
+    replica_path: dict[str, list[float]] | None,
+) -> dict[str, Any]:
     keys: dict[str, Any] = {}
     lost_on = _kills(results, "steps_lost", failure="rank", memory_every=_ON)
     keys["rank_kill_steps_lost_max"] = stats.figure(
@@ -173,51 +193,66 @@ def _keys(results: list[dict[str, Any]], memcpy_bps: float, loopback_bps: float)
         _median_step_s(results, memory_every=m, failure="rank") for m in (_OFF, _ON, _AUTO)
     )
     per_setting: dict[str, Any] = {}
-    extra_memcpys: list[float] = []
-    on_ratios: list[float] = []
-    auto_ratios: list[float] = []
+    # Per (job, topology): one sample per repetition ([Note: interleaved step rounds]).
+    extra_memcpys: dict[tuple[str, str], list[float]] = {}
+    on_ratios: dict[tuple[str, str], list[float]] = {}
+    auto_ratios: dict[tuple[str, str], list[float]] = {}
 
     def state_of(job_name: str) -> int:
         rows = _select(results, job_name=job_name)
         return max((r.get("state_bytes_per_rank", 0) for r in rows), default=0)
 
-    for key, t_off in sorted(off.items(), key=lambda item: state_of(item[0][0])):
+    for key, t_off in sorted(off.items(), key=lambda item: (state_of(item[0][0]), item[0])):
+        setting = key[:2]
         state = state_of(key[0])
         memcpy_s = state / memcpy_bps if state else None
-        row: dict[str, Any] = {"step_s_off": t_off, "state_bytes_per_rank": state}
+        row = per_setting.setdefault(
+            f"{key[0]}-{key[1]}", {"state_bytes_per_rank": state, "memcpy_s": memcpy_s}
+        )
+        row.setdefault("step_s_off", []).append(t_off)
         if key in on:
-            row["step_s_every_1"] = on[key]
-            on_ratios.append(on[key] / t_off)
+            row.setdefault("step_s_every_1", []).append(on[key])
+            on_ratios.setdefault(setting, []).append(on[key] / t_off)
             if memcpy_s:
-                row["memcpy_s"] = memcpy_s
-                extra_memcpys.append((on[key] - t_off) / memcpy_s)
+                extra_memcpys.setdefault(setting, []).append((on[key] - t_off) / memcpy_s)
         if key in auto:
-            row["step_s_auto"] = auto[key]
-            auto_ratios.append(auto[key] / t_off)
-        per_setting[f"{key[0]}-{key[1]}"] = row
-    # Judged on the largest state: a few MiB copy in well under the step times' noise.
-    judged = extra_memcpys[-1] if extra_memcpys else None
+            row.setdefault("step_s_auto", []).append(auto[key])
+            auto_ratios.setdefault(setting, []).append(auto[key] / t_off)
+    # Judged on the largest state (the last setting in that order): a few MiB copy in well
+    # under the step times' noise.
+    largest = list(extra_memcpys.values())[-1] if extra_memcpys else []
     keys["memory_every_1_step_inflation"] = stats.figure(
-        judged, "<=", 1, samples=extra_memcpys,
-        unit="memcpys of the rank's state per step",
+        statistics.median(largest) if largest else None, "<=", 1, samples=largest,
+        unit="memcpys of the rank's state per step", judge_bad_end=True,
         how="(median step at memory_every 1 - at 0) / (state bytes / memcpy rate) of the "
-        "largest state's job (last topology); the plain ratios in step_time_ratio",
-        step_time_ratio=stats.spread(on_ratios), per_setting=per_setting,
+        "largest state's job (last topology), median over the interleaved repetitions; the "
+        "plain ratios in step_time_ratio",
+        step_time_ratio={f"{j}-{t}": stats.spread(v) for (j, t), v in on_ratios.items()},
+        per_setting=per_setting,
     )  # fmt: skip
+    worst = max(auto_ratios.values(), key=statistics.median, default=[])
     keys["auto_step_inflation"] = stats.figure(
-        max(auto_ratios) if auto_ratios else None, "<=", 1.02, samples=auto_ratios,
-        unit="ratio", how="median step at memory_every auto / at 0, worst job and topology",
+        statistics.median(worst) if worst else None, "<=", 1.02, samples=worst,
+        unit="ratio", judge_bad_end=True,
+        how="median step at memory_every auto / at 0 (adjacent rounds), median over the "
+        "interleaved repetitions, worst job and topology",
+        per_setting={f"{j}-{t}": stats.spread(v) for (j, t), v in auto_ratios.items()},
     )  # fmt: skip
-    keys["replica_throughput_vs_loopback"] = _replica_figure(results, loopback_bps)
+    keys["replica_throughput_vs_loopback"] = _replica_figure(results, loopback_bps, replica_path)
     return keys
 
 
-def _replica_figure(results: list[dict[str, Any]], loopback_bps: float) -> dict[str, Any]:
+def _replica_figure(
+    results: list[dict[str, Any]], loopback_bps: float, path: dict[str, list[float]] | None
+) -> dict[str, Any]:
     how = (
-        "replica bytes / replica seconds (the daemons' trainingd_memory_replica_* counters) "
-        "vs a plain TCP copy of the same bytes on loopback in this run"
+        "replica bytes/s of the daemons' replica path (a memory-tier snapshot streamed by "
+        "ReplicaSender to a ReplicaServer on 127.0.0.1, the server's receive counters) / a "
+        "plain TCP copy of the same bytes on loopback just before it, both on the idle "
+        "machine, median over interleaved rounds judged on its interval; the 2x1 rounds' "
+        "rate while both nodes' ranks train beside it"
     )
-    if not rounds.replica_config_supported():
+    if not rounds.replica_config_supported() or path is None:
         why = "unavailable: no [checkpoint] memory_replica_address in this daemon (no replicas)"
         return stats.figure(why, ">=", 0.8, how=how)
     totals: dict[str, float] = {}
@@ -226,11 +261,7 @@ def _replica_figure(results: list[dict[str, Any]], loopback_bps: float) -> dict[
             totals[name] = totals.get(name, 0.0) + value
     num_bytes = [v for n, v in totals.items() if "bytes" in n and n.endswith("_total")]
     seconds = [v for n, v in totals.items() if "seconds" in n and n.endswith(("_sum", "_total"))]
-    if not num_bytes or not seconds or not seconds[0]:
-        names = ", ".join(sorted(totals)) or "none"
-        why = f"unavailable: no replica bytes and seconds counters among {names}"
-        return stats.figure(why, ">=", 0.8, how=how)
-    replica_bps = num_bytes[0] / seconds[0]
+    training_bps = num_bytes[0] / seconds[0] if num_bytes and seconds and seconds[0] else None
     # The same plain copy taken while the 2x1 rounds trained (`rounds.py`): what loopback TCP
     # gives under the load the replicas stream under, for the reader to compare.
     loaded = [
@@ -239,11 +270,21 @@ def _replica_figure(results: list[dict[str, Any]], loopback_bps: float) -> dict[
         if r.get("loopback_under_load_bytes_per_s")
     ]
     loaded_bps = statistics.median(loaded) if loaded else None
+    ratios = [
+        received / plain
+        for received, plain in zip(
+            path["receive_bytes_per_s"], path["loopback_bytes_per_s"], strict=True
+        )
+    ]
     return stats.figure(
-        replica_bps / loopback_bps, ">=", 0.8, unit="ratio", how=how,
-        replica_bytes_per_s=replica_bps, loopback_bytes_per_s=loopback_bps, counters=totals,
+        statistics.median(ratios), ">=", 0.8, samples=ratios, unit="ratio", how=how,
+        judge_bad_end=True, path=path,
+        during_training_bytes_per_s=training_bps, counters=totals,
+        during_training_vs_loopback=training_bps / loopback_bps if training_bps else None,
         loopback_under_load_bytes_per_s=loaded_bps,
-        vs_loopback_under_load=replica_bps / loaded_bps if loaded_bps else None,
+        during_training_vs_loopback_under_load=(
+            training_bps / loaded_bps if training_bps and loaded_bps else None
+        ),
     )  # fmt: skip
 
 
@@ -258,6 +299,13 @@ def main() -> int:
     parser.add_argument("--jobs", nargs="+", default=["default", "big"], choices=["default", "big"])
     parser.add_argument("--topologies", nargs="+", default=["1x2", "2x1"], choices=["1x2", "2x1"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--step-rounds",
+        type=int,
+        default=1,
+        help="interleaved repetitions of the off / 1 / auto rounds (step keys judged on their "
+        "intervals from 3 on)",
+    )
     parser.add_argument(
         "--rank-durable",
         choices=["local", "s3"],
@@ -291,10 +339,17 @@ def main() -> int:
     state = max(max((r.get("state_bytes_per_rank", 0) for r in results), default=0), 256 * MIB)
     memcpy_bps = machine.memcpy_bytes_per_s(state)
     loopback_bps = machine.loopback_tcp_bytes_per_s(state)
+    replica_path = (
+        machine.replica_path_vs_loopback(state) if rounds.replica_config_supported() else None
+    )
     report: dict[str, Any] = {
-        "keys": _keys(results, memcpy_bps, loopback_bps),
+        "keys": _keys(results, memcpy_bps, loopback_bps, replica_path),
         "memcpy_bytes_per_s": memcpy_bps,
         "loopback_tcp_bytes_per_s": loopback_bps,
+        "loopback_anonymous_memory_tcp_bytes_per_s": machine.loopback_tcp_bytes_per_s(
+            state, shared_memory=False
+        ),
+        "loopback_cached_tcp_bytes_per_s": machine.loopback_cached_tcp_bytes_per_s(state),
         "reference_bytes": state,
         "rounds": results,
         "args": vars(args),

@@ -157,3 +157,24 @@ def test_one_nodes_processes_are_followed_whatever_their_global_rank(tmp_path: P
     ]
     assert progress.restored_by_restart(events, rank=None)[1]["ckpt_step"] == 2
     assert progress.restored_by_restart(events, rank=0) == {}
+
+
+def test_a_figure_judged_on_its_bad_end_meets_only_if_its_interval_does() -> None:
+    # Medians 1.01 below the 1.02 target, but the interval's upper end is above it.
+    noisy = [0.99, 1.00, 1.01, 1.01, 1.05, 1.06]
+    fig = stats.figure(1.01, "<=", 1.02, samples=noisy, judge_bad_end=True)
+    assert fig["judged_on"] > 1.02
+    assert fig["verdict"] == "unresolved"  # the target lies inside the interval
+    above = [1.03, 1.04, 1.05, 1.06]
+    assert stats.figure(1.05, "<=", 1.02, samples=above, judge_bad_end=True)["verdict"] == (
+        "MISSES"
+    )
+    tight = [1.00, 1.005, 1.01, 1.01, 1.012]
+    assert stats.figure(1.01, "<=", 1.02, samples=tight, judge_bad_end=True)["verdict"] == "meets"
+    # For ">=" the lower end is judged; under 3 samples the value itself.
+    low = stats.figure(0.9, ">=", 0.8, samples=[0.5, 0.9, 1.0, 1.1], judge_bad_end=True)
+    assert low["judged_on"] == 0.5
+    assert low["verdict"] == "unresolved"
+    two = stats.figure(0.9, ">=", 0.8, samples=[0.5, 1.3], judge_bad_end=True)
+    assert "judged_on" not in two
+    assert two["verdict"] == "meets"

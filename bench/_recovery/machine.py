@@ -1,16 +1,22 @@
-"""Reference rates measured on the bench's machine in the same run: memcpy and loopback TCP.
+"""Reference rates measured on the bench's machine in the same run: memcpy and loopback TCP,
+and the daemons' replica path on its own.
 
 The recovery figures are judged against what the machine does at best: a snapshot against one
 memcpy of the rank's state, a replica stream against a plain TCP copy of the same bytes over
-127.0.0.1 (one sender, one receiver thread, `sendall` / `recv_into` of 4 MiB pieces).
+127.0.0.1 (one sender, one receiver thread: `sendall` of the source, `recv_into` the
+destination; [Note: the plain copy moves the same bytes]).
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import socket
 import statistics
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 
 _PIECE = 4 << 20
 
@@ -30,8 +36,81 @@ def memcpy_bytes_per_s(num_bytes: int, repeats: int = 5) -> float:
     return num_bytes / statistics.median(times)
 
 
-def loopback_tcp_bytes_per_s(num_bytes: int, repeats: int = 3) -> float:
-    """Median rate of sending `num_bytes` over a fresh TCP connection on 127.0.0.1."""
+def loopback_tcp_bytes_per_s(
+    num_bytes: int, repeats: int = 3, *, shared_memory: bool = True
+) -> float:
+    """Median rate of copying `num_bytes` from one buffer to another over a fresh TCP
+    connection on 127.0.0.1: one `sendall` of the whole source, `recv_into` the destination
+    (both allocated and touched first, as a snapshot and a replica slot are).
+
+    [Note: the plain copy moves the same bytes] The buffers are files in /dev/shm, mapped
+    shared (`shared_memory`, the default), as a memory-tier slot and a held replica are; or
+    anonymous memory. An earlier reference sent one 4 MiB buffer over and over into another
+    4 MiB buffer: both stayed in the CPU's cache and the copy never touched the memory a
+    replica must (4.3-4.8 GB/s on this VM, `loopback_cached_tcp_bytes_per_s`). Between
+    256 MiB buffers in memory this VM copies 1.4-3.3 GB/s from one transfer to the next,
+    anonymous or /dev/shm, with `sendfile` or `sendall` alike.
+    """
+    with (
+        _buffer(num_bytes, shared_memory, fill=1) as source,
+        _buffer(num_bytes, shared_memory, fill=0) as destination,
+    ):
+        rates = []
+        for _ in range(repeats):
+            listener = socket.create_server(("127.0.0.1", 0))
+            port = listener.getsockname()[1]
+            received = [0]
+
+            def receive(
+                listener: socket.socket = listener,
+                received: list[int] = received,
+                destination: memoryview = destination,
+            ) -> None:
+                conn, _ = listener.accept()
+                with conn:
+                    while received[0] < num_bytes:
+                        with destination[received[0] :] as rest:
+                            n = conn.recv_into(rest, num_bytes - received[0])
+                        if n == 0:
+                            break
+                        received[0] += n
+
+            thread = threading.Thread(target=receive, daemon=True)
+            thread.start()
+            with socket.create_connection(("127.0.0.1", port)) as sender:
+                t0 = time.perf_counter()
+                sender.sendall(source)
+                thread.join(timeout=120)
+                elapsed = time.perf_counter() - t0
+            listener.close()
+            if received[0] != num_bytes:
+                raise RuntimeError(f"loopback copy received {received[0]} of {num_bytes} bytes")
+            rates.append(num_bytes / elapsed)
+    return statistics.median(rates)
+
+
+@contextlib.contextmanager
+def _buffer(num_bytes: int, shared_memory: bool, fill: int) -> Iterator[memoryview]:
+    """`num_bytes` of memory, every page written: a /dev/shm file mapped shared, or not."""
+    if not shared_memory:
+        with memoryview(bytearray(bytes([fill])) * num_bytes) as view:
+            yield view
+        return
+    with tempfile.TemporaryFile(dir="/dev/shm") as file:
+        file.truncate(num_bytes)
+        mapped = mmap.mmap(file.fileno(), num_bytes, flags=mmap.MAP_SHARED)
+        try:
+            with memoryview(mapped) as view:
+                view[:] = bytes([fill]) * num_bytes
+                yield view
+        finally:
+            mapped.close()
+
+
+def loopback_cached_tcp_bytes_per_s(num_bytes: int, repeats: int = 3) -> float:
+    """Median rate of sending `num_bytes` as 4 MiB pieces of one buffer into another 4 MiB
+    buffer on 127.0.0.1: the kernel's loopback with cache-resident buffers ([Note: the plain
+    copy moves the same bytes])."""
     payload = memoryview(bytearray(_PIECE))
     rates = []
     for _ in range(repeats):
@@ -65,3 +144,71 @@ def loopback_tcp_bytes_per_s(num_bytes: int, repeats: int = 3) -> float:
             raise RuntimeError(f"loopback copy received {received[0]} of {num_bytes} bytes")
         rates.append(num_bytes / elapsed)
     return statistics.median(rates)
+
+
+def replica_path_vs_loopback(num_bytes: int, rounds: int = 15) -> dict[str, list[float]]:
+    """The peer-replica path alone on this machine, idle, against the plain copy, interleaved:
+    `rounds` times, one plain loopback copy of `num_bytes` (`loopback_tcp_bytes_per_s`), then
+    one memory-tier snapshot of `num_bytes` made by a real `CheckpointManager` and streamed by
+    a `ReplicaSender` to a `ReplicaServer` on 127.0.0.1 (the daemons' code).
+
+    Returns per round: `loopback_bytes_per_s`, `receive_bytes_per_s` (the server's receive
+    counters: go-ahead to the last payload byte) and `send_bytes_per_s` (the sender's).
+
+    The bench's 2x1 rounds measure replicas while both nodes' ranks train on this machine's
+    cores; this measures what the replica protocol itself moves against the plain copy under
+    the same conditions (this VM's rate for one 256 MiB transfer ranges 1.4-3.4 GB/s, so the
+    two alternate and the ratio is judged on its interval).
+    """
+    from pathlib import Path
+
+    import torch
+
+    from ckpt_manager import CheckpointConfig, CheckpointManager, MemoryTierConfig
+    from daemon.agent.replica.holdings import ReplicaHoldings
+    from daemon.agent.replica.sender import ReplicaSender, Ring
+    from daemon.agent.replica.server import ReplicaServer
+    from daemon.agent.replica.stats import ReplicaStats
+
+    run_id = "replica-path"
+    out: dict[str, list[float]] = {
+        "loopback_bytes_per_s": [],
+        "receive_bytes_per_s": [],
+        "send_bytes_per_s": [],
+    }
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm, tempfile.TemporaryDirectory() as root:
+        local, remote = Path(shm, "local"), Path(shm, "remote")
+        local.mkdir()
+        remote.mkdir()
+        stats_in, stats_out = ReplicaStats(), ReplicaStats()
+        holdings = ReplicaHoldings(remote / "replicas", run_id)
+        server = ReplicaServer(holdings, str(remote), stats_in, "127.0.0.1", 0)
+        sender = ReplicaSender(str(local), run_id, node=0, stats=stats_out)
+        cfg = CheckpointConfig(memory=MemoryTierConfig(str(local)))
+        state = {"w": torch.ones(num_bytes // 4, dtype=torch.float32)}
+        try:
+            with CheckpointManager(root, cfg, run_id=run_id) as manager:
+                sender.set_ring(Ring(round=1, target=f"127.0.0.1:{server.port}", ranks=(0,)))
+                for step in range(1, rounds + 1):
+                    out["loopback_bytes_per_s"].append(loopback_tcp_bytes_per_s(num_bytes, 1))
+                    before_in = (stats_in.received_bytes, stats_in.receive_s)
+                    before_out = (stats_out.sent_bytes, stats_out.send_s)
+                    manager.save(step, state, durable=False)
+                    manager.before_optimizer_step()
+                    manager.wait_until_finished()
+                    deadline = time.monotonic() + 120
+                    while stats_in.received_bytes == before_in[0] or stats_out.lag_steps():
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"the replica of step {step} did not arrive")
+                        time.sleep(0.01)
+                    out["receive_bytes_per_s"].append(
+                        (stats_in.received_bytes - before_in[0])
+                        / (stats_in.receive_s - before_in[1])
+                    )
+                    out["send_bytes_per_s"].append(
+                        (stats_out.sent_bytes - before_out[0]) / (stats_out.send_s - before_out[1])
+                    )
+        finally:
+            sender.close()
+            server.close()
+    return out

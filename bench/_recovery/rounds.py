@@ -51,11 +51,14 @@ class RoundSpec:
     ckpt_every: int = 5
     batch_size: int = 8
     seed: int = 0
+    repeat: int = 0
+    """Which of the interleaved step-time repetitions (`--step-rounds`) this round is."""
 
     @property
     def name(self) -> str:
-        """`<failure>-<topology>-<job>-mem<memory_every>`."""
-        return f"{self.failure}-{self.topology}-{self.job_name}-mem{self.memory_every}"
+        """`<failure>-<topology>-<job>-mem<memory_every>`, `-r<repeat>` after the first."""
+        name = f"{self.failure}-{self.topology}-{self.job_name}-mem{self.memory_every}"
+        return f"{name}-r{self.repeat}" if self.repeat else name
 
 
 def replica_config_supported() -> bool:

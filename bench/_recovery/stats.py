@@ -99,13 +99,22 @@ def figure(
     samples: Sequence[float] = (),
     unit: str = "",
     how: str = "",
+    judge_bad_end: bool = False,
     **extra: Any,
 ) -> dict[str, Any]:
     """One report key: value, target, verdict, spread of `samples` and how it was measured.
 
     A `str` value must start with `unavailable: ` (why it was not measured); a `None` target
-    reports the value without judging it.
+    reports the value without judging it. With `judge_bad_end` (and at least 3 samples) the
+    verdict is taken on the end of the median's bootstrap interval that is worse for the
+    target (`judged_on`): a key meets only if its whole interval does, misses if none of it
+    does, and is `unresolved` (the machine's noise cannot tell) when the target lies inside.
     """
+    judged = value
+    good_end: float | None = None
+    if judge_bad_end and len(samples) >= 3 and target is not None:
+        lo, hi = spread(samples)["median_ci95"]
+        judged, good_end = (hi, lo) if op == "<=" else (lo, hi)
     if isinstance(value, str):
         if not value.startswith("unavailable: "):
             raise ValueError("a figure's text value must say `unavailable: <why>`")
@@ -113,7 +122,9 @@ def figure(
     elif target is None:
         verdict = "no target"
     else:
-        verdict = judge(value, op, target)
+        verdict = judge(None if isinstance(judged, str) else judged, op, target)
+        if verdict == "MISSES" and good_end is not None and judge(good_end, op, target) == "meets":
+            verdict = "unresolved"
     out: dict[str, Any] = {
         "value": value,
         "target": "none" if target is None else f"{op} {target:g}",
@@ -123,6 +134,8 @@ def figure(
     }
     if samples:
         out["spread"] = spread(samples)
+    if judged is not value:
+        out["judged_on"] = judged
     out.update(extra)
     return out
 
