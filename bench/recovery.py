@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import structlog
 from _common import MIB, machine_conditions, markdown_table, print_json
 from _recovery import machine, rounds, stats
 from _recovery.s3count import CountingS3
@@ -317,6 +318,12 @@ def main() -> int:
     if args.quick:
         args.kills, args.node_kills, args.measure_steps, args.jobs = 3, 3, 15, ["default"]
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    # The replica path measured in this process logs through structlog: to stderr, info and
+    # up (stdout holds only the table or the JSON object).
+    structlog.configure(
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    )
     isolate_aws_environment()
     rng = random.Random(args.seed)
     before = machine_conditions()
