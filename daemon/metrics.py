@@ -217,8 +217,13 @@ _CKPT_BACKGROUND_S = (
     3600.0,
 )
 """Background checkpoint phases (write, schedule to commit, restore): 100 ms to an hour."""
-_MEMORY_SNAPSHOT_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-"""What one memory snapshot cost the training thread: well under 5 ms is the target."""
+_MEMORY_SNAPSHOT_S = (
+    0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5,
+)  # fmt: skip
+"""What one memory snapshot cost the training thread: well under 5 ms is the target. Buckets
+are 1 ms apart around it: `histogram_quantile` interpolates linearly inside a bucket, and
+with 5 and 10 ms adjacent a p99 read 8 ms when 2.6% of snapshots took a little over 5 ms."""
 _RECOVERY_S = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 """A restarted rank's start to its first step: seconds from memory, minutes from storage."""
 QUEUE_DEPTH_BUCKETS = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
