@@ -16,7 +16,7 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _PIECE = 4 << 20
 
@@ -55,38 +55,52 @@ def loopback_tcp_bytes_per_s(
         _buffer(num_bytes, shared_memory, fill=1) as source,
         _buffer(num_bytes, shared_memory, fill=0) as destination,
     ):
-        rates = []
-        for _ in range(repeats):
-            listener = socket.create_server(("127.0.0.1", 0))
-            port = listener.getsockname()[1]
-            received = [0]
 
-            def receive(
-                listener: socket.socket = listener,
-                received: list[int] = received,
-                destination: memoryview = destination,
-            ) -> None:
-                conn, _ = listener.accept()
-                with conn:
-                    while received[0] < num_bytes:
-                        with destination[received[0] :] as rest:
-                            n = conn.recv_into(rest, num_bytes - received[0])
-                        if n == 0:
-                            break
-                        received[0] += n
+        def receive(conn: socket.socket) -> int:
+            got = 0
+            while got < num_bytes:
+                with destination[got:] as rest:
+                    n = conn.recv_into(rest, num_bytes - got)
+                if n == 0:
+                    break
+                got += n
+            return got
 
-            thread = threading.Thread(target=receive, daemon=True)
-            thread.start()
-            with socket.create_connection(("127.0.0.1", port)) as sender:
-                t0 = time.perf_counter()
-                sender.sendall(source)
-                thread.join(timeout=120)
-                elapsed = time.perf_counter() - t0
-            listener.close()
-            if received[0] != num_bytes:
-                raise RuntimeError(f"loopback copy received {received[0]} of {num_bytes} bytes")
-            rates.append(num_bytes / elapsed)
+        rates = [
+            _timed_transfer(num_bytes, lambda sock: sock.sendall(source), receive)
+            for _ in range(repeats)
+        ]
     return statistics.median(rates)
+
+
+def _timed_transfer(
+    num_bytes: int,
+    send: Callable[[socket.socket], None],
+    receive: Callable[[socket.socket], int],
+) -> float:
+    """The rate of one transfer on a fresh 127.0.0.1 connection: `send(sender)` while a thread
+    runs `receive(accepted)` (which returns the bytes it got), timed to the receiver's end."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = [0]
+
+    def run_receiver() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            received[0] = receive(conn)
+
+    thread = threading.Thread(target=run_receiver, daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(("127.0.0.1", listener.getsockname()[1])) as sender:
+            t0 = time.perf_counter()
+            send(sender)
+            thread.join(timeout=120)
+            elapsed = time.perf_counter() - t0
+    finally:
+        listener.close()
+    if received[0] != num_bytes:
+        raise RuntimeError(f"loopback copy received {received[0]} of {num_bytes} bytes")
+    return num_bytes / elapsed
 
 
 @contextlib.contextmanager
@@ -112,37 +126,24 @@ def loopback_cached_tcp_bytes_per_s(num_bytes: int, repeats: int = 3) -> float:
     buffer on 127.0.0.1: the kernel's loopback with cache-resident buffers ([Note: the plain
     copy moves the same bytes])."""
     payload = memoryview(bytearray(_PIECE))
-    rates = []
-    for _ in range(repeats):
-        listener = socket.create_server(("127.0.0.1", 0))
-        port = listener.getsockname()[1]
-        received = [0]
 
-        def receive(listener: socket.socket = listener, received: list[int] = received) -> None:
-            conn, _ = listener.accept()
-            buf = bytearray(_PIECE)
-            with conn:
-                while received[0] < num_bytes:
-                    n = conn.recv_into(buf)
-                    if n == 0:
-                        break
-                    received[0] += n
+    def send(sock: socket.socket) -> None:
+        left = num_bytes
+        while left > 0:
+            piece = payload[: min(left, _PIECE)]
+            sock.sendall(piece)
+            left -= len(piece)
 
-        thread = threading.Thread(target=receive, daemon=True)
-        thread.start()
-        with socket.create_connection(("127.0.0.1", port)) as sender:
-            t0 = time.perf_counter()
-            left = num_bytes
-            while left > 0:
-                piece = payload[: min(left, _PIECE)]
-                sender.sendall(piece)
-                left -= len(piece)
-            thread.join(timeout=120)
-            elapsed = time.perf_counter() - t0
-        listener.close()
-        if received[0] != num_bytes:
-            raise RuntimeError(f"loopback copy received {received[0]} of {num_bytes} bytes")
-        rates.append(num_bytes / elapsed)
+    def receive(conn: socket.socket) -> int:
+        buf, got = bytearray(_PIECE), 0
+        while got < num_bytes:
+            n = conn.recv_into(buf)
+            if n == 0:
+                break
+            got += n
+        return got
+
+    rates = [_timed_transfer(num_bytes, send, receive) for _ in range(repeats)]
     return statistics.median(rates)
 
 

@@ -23,19 +23,26 @@ from tests.support.dist import run_on_ranks
 pytestmark = pytest.mark.slow
 
 
+def _model_and_optimizer(strategy: Strategy, chunk_numel: int) -> tuple[Any, Any]:
+    """The test GPT wrapped under `strategy` with its AdamW (two parameter groups), the
+    optimizer's chunks `chunk_numel` elements long (small: most parameters span several)."""
+    from sharding import _optimizer
+
+    _optimizer.CHUNK_NUMEL = chunk_numel
+    setup = Setup(strategy=strategy, groups=True)
+    model = wrap(make_model(setup), setup)
+    opt = model.make_optimizer(
+        torch.optim.AdamW, param_groups(model, setup), lr=1e-3, weight_decay=0.1
+    )
+    return model, opt
+
+
 def _pieces_and_reference(
     rank: int, world: int, strategies: list[Strategy], chunk_numel: int, replace: str
 ) -> list[dict[str, Any]]:
-    from sharding import _optimizer
-
-    _optimizer.CHUNK_NUMEL = chunk_numel  # small: most parameters span several chunks
     out = []
     for strategy in strategies:
-        setup = Setup(strategy=strategy, groups=True)
-        model = wrap(make_model(setup), setup)
-        opt = model.make_optimizer(
-            torch.optim.AdamW, param_groups(model, setup), lr=1e-3, weight_decay=0.1
-        )
+        model, opt = _model_and_optimizer(strategy, chunk_numel)
         for step in range(2):
             _step(model, opt, step, rank, world)
         if replace == "load":
@@ -120,16 +127,9 @@ def _pieces_made_once(rank: int, world: int, strategies: list[Strategy]) -> list
     import gc
     import weakref
 
-    from sharding import _optimizer
-
-    _optimizer.CHUNK_NUMEL = 100  # most parameters span chunks
     out = []
     for strategy in strategies:
-        setup = Setup(strategy=strategy, groups=True)
-        model = wrap(make_model(setup), setup)
-        opt = model.make_optimizer(
-            torch.optim.AdamW, param_groups(model, setup), lr=1e-3, weight_decay=0.1
-        )
+        model, opt = _model_and_optimizer(strategy, 100)  # most parameters span chunks
         _step(model, opt, 0, rank, world)
         first, first_model = opt.sharded_state_dict(), model.sharded_state_dict()
         _step(model, opt, 1, rank, world)
