@@ -4,10 +4,12 @@ Rounds (`bench/_recovery/rounds.py`), each one `trainingd run` per node on loopb
 the bench's job (`bench/_recovery/job.py`: the default job, or it with a ballast parameter so
 a rank holds `--state-mib` MiB of state, under `no_shard`):
 
-- rank kills on one node x 2 ranks and on two nodes x 1 rank: `--kills` times one rank chosen
-  at random is SIGKILLed at a random point (0.5-3 step times after the group trains again),
-  with `memory_every 0` (today's durable path, `ckpt_every 5`) and `memory_every 1`, the
-  durable root on local disk or, with `--rank-durable s3`, on the loopback S3 server;
+- rank kills on one node x 2 ranks and on two nodes x 1 rank (or on a single rank, `1x1`,
+  which leaves this 2-core VM a core for the daemon and the staging thread): `--kills` times
+  one rank chosen at random is SIGKILLed at a random point (0.5-3 step times after the group
+  trains again), with `memory_every 0` (today's durable path, `ckpt_every 5`) and
+  `memory_every 1`, the durable root on local disk or, with `--rank-durable s3`, on the
+  loopback S3 server;
 - node losses on two nodes x 1 rank, durable root on a loopback S3 server that counts the
   object bytes it serves (`bench/_recovery/s3count.py`): node 1's whole process group is
   SIGKILLed and a fresh daemon with an empty memory directory takes its place;
@@ -298,7 +300,9 @@ def main() -> int:
     parser.add_argument("--measure-steps", type=int, default=30, help="steps timed per round")
     parser.add_argument("--state-mib", type=int, default=256, help="state per rank, big job")
     parser.add_argument("--jobs", nargs="+", default=["default", "big"], choices=["default", "big"])
-    parser.add_argument("--topologies", nargs="+", default=["1x2", "2x1"], choices=["1x2", "2x1"])
+    parser.add_argument(
+        "--topologies", nargs="+", default=["1x2", "2x1"], choices=["1x2", "2x1", "1x1"]
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--step-rounds",

@@ -220,7 +220,7 @@ def _rank(rank: int, world_size: int, root: str, memory_dir: str, args: dict[str
         {
             "ckpt_uri": f"{root}/ckpt",
             "max_steps": str(args["steps"]),
-            "ckpt_every": "0",
+            "ckpt_every": str(args["ckpt_every"]),
             "memory_every": str(args["memory_every"]),
             "memory_dir": memory_dir,
             "run_id": "stallbench",
@@ -275,6 +275,9 @@ def main() -> int:
         default=0,
         help="extra state per rank (the recovery bench's big job)",
     )
+    parser.add_argument(
+        "--ckpt-every", type=int, default=0, help="durable saves too, every N steps (0: none)"
+    )
     parser.add_argument("--skip", type=int, default=5, help="first snapshots left out (warm-up)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -284,7 +287,12 @@ def main() -> int:
             args.ranks,
             root,
             shm,
-            {"steps": args.steps, "memory_every": args.memory_every, "state_mib": args.state_mib},
+            {
+                "steps": args.steps,
+                "memory_every": args.memory_every,
+                "state_mib": args.state_mib,
+                "ckpt_every": args.ckpt_every,
+            },
             timeout_s=60 + args.steps * 3.0,
         )
     records = [rec for r in results for rec in r["records"][args.skip :]]

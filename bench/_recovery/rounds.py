@@ -36,7 +36,8 @@ class RoundSpec:
     """One round's setting."""
 
     topology: str
-    """`1x2` (one node, 2 ranks) or `2x1` (two nodes on loopback, 1 rank each)."""
+    """`1x2` (one node, 2 ranks), `2x1` (two nodes on loopback, 1 rank each) or `1x1` (one
+    rank: a core of this 2-core VM left to the daemon and the rank's staging thread)."""
     job_name: str
     """`default` or `big` (the ballast job, `state_mib` per rank, `no_shard`)."""
     memory_every: str
@@ -99,7 +100,7 @@ class _Round:
             self.ckpt_uri = f"s3://{bucket}/run"
         else:
             self.ckpt_uri = str(self.dir / "ckpt")
-        nnodes, nproc = (1, 2) if spec.topology == "1x2" else (2, 1)
+        nnodes, nproc = (int(n) for n in spec.topology.split("x"))
         self.nnodes = nnodes
         strategy = "no_shard" if spec.job_name == "big" else "optim_grads_params"
         self.args = [
