@@ -139,6 +139,8 @@ class DistributedOptimizer:
         self.last_step_skipped = False
         """Whether the last `step()` was skipped because a gradient overflowed (loss scaling)."""
         self._adjacent_marker: weakref.ref[torch.Tensor] | None = None
+        self._pieces: dict[int, _KeptPieces] = {}
+        # [Note: saved pieces are made once]: by bucket position; dropped with the state.
         # [Note: a bucket's optimizer state in one storage]: the first chunk's first state
         # tensor when every chunk's state was last checked (or moved) to lie end to end; a
         # state replaced since (a load, `state.clear()` and a step) has another.
@@ -201,8 +203,7 @@ class DistributedOptimizer:
         of a 134 MB rank's 8.6 ms stall, `bench/snapshot_stall.py --state-mib 128`). Once
         each key's chunks are views of one tensor, end to end in chunk order, every piece is a
         view (`_state_range`) and a snapshot copies the state once, into its slab; and the
-        pieces, all views, are made once ([Note: saved pieces are made once]; a bucket of one
-        chunk moves too, so its state is a view whose pieces do not hold it). Done once after
+        pieces, all views, are made once ([Note: saved pieces are made once]). Done once after
         the first step that created state and after a load; the chunks keep their shapes and
         values, each update still runs on a chunk (the cache-sized working set).
         """
@@ -211,6 +212,7 @@ class DistributedOptimizer:
             self._adjacent_marker is not None and self._adjacent_marker() is marker
         ):
             return  # no state yet (a skipped first step), or checked since it was made
+        self._pieces.clear()  # pieces of a state replaced since (they hold its storage)
         for pos in range(len(self.buckets)):
             chunks = self.bucket_chunks(pos)
             if chunks is None:
@@ -220,8 +222,8 @@ class DistributedOptimizer:
                 if not (isinstance(value, torch.Tensor) and value.dim() > 0):
                     continue
                 tensors = [s[key] for _, _, s in chunks]
-                if _end_to_end(tensors) and all(t._base is not None for t in tensors):
-                    continue  # views of one tensor already (a load makes them so)
+                if _end_to_end(tensors):
+                    continue  # one tensor already (a load makes them views of one)
                 flat = torch.empty(chunks[-1][1] - base, dtype=value.dtype, device=value.device)
                 for start, end, state in chunks:
                     view = flat[start - base : end - base].view_as(state[key])
@@ -406,7 +408,7 @@ def optimizer_sharded_state_dict(opt: DistributedOptimizer) -> StateDict:
             if not (isinstance(value, torch.Tensor) and value.dim() > 0)
         }
         keys = [key for key in first if key not in scalars]
-        pieces = _state_pieces(bucket, chunks, keys)
+        pieces = _state_pieces(opt._pieces, pos, bucket, chunks, keys)
         for slot, by_key in zip(bucket.layout.slots, pieces, strict=True):
             state[slot.names[0]] = {
                 key: by_key[key] if key not in scalars else scalars[key] for key in first
@@ -424,25 +426,33 @@ def optimizer_sharded_state_dict(opt: DistributedOptimizer) -> StateDict:
     return out
 
 
-_PIECES_ATTR = "_trainingd_saved_pieces"
-"""Attribute of a bucket's first chunk state tensor that holds the bucket's pieces."""
+_KeptPieces = tuple[list["weakref.ref[torch.Tensor]"], list[dict[str, ShardedTensor]]]
+"""A bucket's pieces, with weak references to the chunk tensors they were cut from."""
 
 
 def _state_pieces(
-    bucket: Any, chunks: list[tuple[int, int, dict[str, Any]]], keys: list[str]
+    kept: dict[int, _KeptPieces],
+    pos: int,
+    bucket: Any,
+    chunks: list[tuple[int, int, dict[str, Any]]],
+    keys: list[str],
 ) -> list[dict[str, ShardedTensor]]:
-    """Per slot of `bucket`, the `ShardedTensor` of each elementwise state key.
+    """Per slot of bucket `pos`, the `ShardedTensor` of each elementwise state key.
 
     [Note: saved pieces are made once] (`_state_dict.py`) for the optimizer: pieces that are
-    all views are kept on the first chunk's state tensor (an attribute, so they go when
-    torch's state goes: a load, `state.clear()`) with weak references to every chunk tensor
-    they were cut from, and served again while those are the state's tensors. Pieces with a
-    concatenated copy among them (state not yet in one storage) are made anew at each call.
+    all views are kept in `kept` with weak references to every chunk tensor they were cut
+    from, and served again while those are the state's tensors. The optimizer drops them
+    when its state is replaced (a load; `state.clear()` by the next step's check), so they
+    never hold a replaced state's storage beyond one step. Not on the tensors themselves: an
+    attribute of a torch tensor is pickled with it (`torch.save` of the torch optimizer's
+    state would carry these objects, and `torch.load(weights_only=True)` refuse them).
+    Pieces with a concatenated copy among them (state not yet in one storage) are made anew
+    at each call.
     """
     tensors = [state[key] for _, _, state in chunks for key in keys]
     if not tensors:
         return [{} for _ in bucket.layout.slots]
-    cached = getattr(tensors[0], _PIECES_ATTR, None)
+    cached = kept.get(pos)
     if (
         cached is not None
         and len(cached[0]) == len(tensors)
@@ -467,10 +477,10 @@ def _state_pieces(
                 flat_range=(offset, offset + (hi - lo)),
             )
         pieces.append(by_key)
-    if not copied and all(t._base is not None for t in tensors):
-        # Views of views have the root as their base: the pieces do not hold the chunk
-        # tensors, so the attribute makes no cycle through torch's C++ references.
-        setattr(tensors[0], _PIECES_ATTR, ([weakref.ref(t) for t in tensors], pieces))
+    if copied:
+        kept.pop(pos, None)
+    else:
+        kept[pos] = ([weakref.ref(t) for t in tensors], pieces)
     return pieces
 
 
@@ -575,4 +585,5 @@ def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: Sta
         group["params"] = cur["params"]
         new_groups.append(group)
     opt.optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+    opt._pieces.clear()
     opt._make_state_adjacent()
