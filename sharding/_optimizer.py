@@ -585,5 +585,4 @@ def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: Sta
         group["params"] = cur["params"]
         new_groups.append(group)
     opt.optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
-    opt._pieces.clear()
-    opt._make_state_adjacent()
+    opt._make_state_adjacent()  # new state tensors: the kept pieces go there too

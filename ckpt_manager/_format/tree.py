@@ -236,7 +236,7 @@ class LeafMemo:
         if entry is None or entry[1] != key:
             return None
         held = entry[0]()
-        if held is not value or held is None:
+        if held is not value:  # a dead entry (None) whose id a new object took
             return None
         self._next[id(value)] = entry
         return TensorLeaf(key, LeafKind.SHARDED, held.local, entry[2], entry[3], entry[4])
