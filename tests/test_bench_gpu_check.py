@@ -19,7 +19,7 @@ import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "gpu_check.py"
-PARTS = {"parity", "staging", "resume", "metrics"}
+PARTS = {"parity", "staging", "resume", "metrics", "memory"}
 
 
 def _check(*args: str, timeout_s: float = 120) -> tuple[int, dict[str, Any] | None, str]:

@@ -50,6 +50,7 @@ budget would.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import threading
 import time
@@ -114,6 +115,16 @@ _AGENT_SHUTDOWN_S = 10
 _FORK_SERVER_START_S = 300.0
 """How long the fork server's imports may take (seconds unloaded; a loaded node is slower, and
 a spawned rank would pay the same)."""
+
+
+def agent_shutdown_kwargs(agent_class: type) -> dict[str, Any]:
+    """`shutdown_timeout` for agents that take it (torch >= 2.12); older agents (the range in
+    pyproject starts at 2.6) give ranks their own fixed 30 s between SIGTERM and SIGKILL, and
+    refuse the argument."""
+    if "shutdown_timeout" in inspect.signature(agent_class).parameters:
+        return {"shutdown_timeout": _AGENT_SHUTDOWN_S}
+    return {}
+
 
 RoundHook = Callable[[Any, int, int, list[int], int], int | None]
 """Called after each rendezvous, before the ranks start, as
@@ -502,7 +513,7 @@ class ElasticLauncher:
             restart_offset=restart_offset,
             logs_specs=self._logs_specs(),
             start_method=START_METHOD if warm else "spawn",
-            shutdown_timeout=_AGENT_SHUTDOWN_S,
+            **agent_shutdown_kwargs(LocalElasticAgent),
         )
         result: RunResult | None = agent.run()
         if result is None:

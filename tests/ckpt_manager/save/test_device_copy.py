@@ -8,7 +8,10 @@ import pytest
 import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
+from ckpt_manager._format.checksum import SAVE_ALGORITHM, checksum
 from ckpt_manager._save.device_copy import DeviceFence
+from ckpt_manager._save.pipeline import _LandedChecksums
+from ckpt_manager._save.staging import Slab
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -17,6 +20,38 @@ def test_a_cpu_snapshot_has_no_device_fence() -> None:
     cpu_state = [torch.ones(3), torch.zeros(2, 2), "not a tensor"]
     assert DeviceFence.after_current_work(cpu_state) is None
     assert DeviceFence.after_current_work([]) is None
+
+
+@pytest.mark.parametrize(
+    ("split", "marks"),
+    [
+        (700, [100, 100, 650, 700, 701, 1000]),  # repeated, inside, at and past the split
+        (700, [1000]),  # one landing: the whole copy
+        (1000, [300, 999]),  # no payload past the file
+        (0, [1, 500]),  # no file bytes
+    ],
+)
+def test_checksums_taken_as_a_device_copy_lands_equal_one_pass_after_it(
+    split: int, marks: list[int]
+) -> None:
+    # [Note: the CUDA checksum overlaps the copy]: the same values, whatever the parts.
+    slab = Slab(0, 1000)
+    assert slab.tensor is not None
+    slab.tensor[:1000].copy_(torch.randint(0, 256, (1000,), dtype=torch.uint8))
+    told: list[int] = []
+    sums = _LandedChecksums(slab, split, 1000, told.append)
+    try:
+        for mark in marks:
+            sums.landed(mark)
+        got = sums.finish()
+    finally:
+        sums.close()
+    data = bytes(slab.tensor[:1000].numpy())
+    file_sum = checksum(SAVE_ALGORITHM, data[:split])
+    assert got == (file_sum, checksum(SAVE_ALGORITHM, data[split:], file_sum))
+    assert told == sorted(set(told))
+    assert told[-1] == 1000
+    slab.close()
 
 
 @pytest.mark.gpu

@@ -16,7 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from daemon.agent.elastic import LaunchOutcome, MembershipWatch, WaitListThrottle
+from daemon.agent.elastic import (
+    LaunchOutcome,
+    MembershipWatch,
+    WaitListThrottle,
+    agent_shutdown_kwargs,
+)
 from tests.daemon._daemon_proc import (
     GATED_JOB,
     DaemonProc,
@@ -86,6 +91,22 @@ def test_the_wait_list_is_asked_at_most_every_interval_however_often_the_agent_c
     inner.waiting = 0
     assert throttle.num_nodes_waiting() == 0
     assert (inner.asks, inner.rendezvous) == (3, 1)
+
+
+def test_the_agents_stop_grace_is_passed_only_to_a_torch_agent_that_takes_it() -> None:
+    # torch 2.11's LocalElasticAgent has no `shutdown_timeout` (added in 2.12): passing it made
+    # every `trainingd run` fail with a TypeError there (seen on a GPU machine's torch 2.11).
+    class Before212:
+        def __init__(self, spec: object, logs_specs: object, start_method: str = "spawn") -> None:
+            pass
+
+    class Since212:
+        def __init__(self, spec: object, shutdown_timeout: int = 30) -> None:
+            pass
+
+    assert agent_shutdown_kwargs(Before212) == {}
+    Before212(None, None, **agent_shutdown_kwargs(Before212))
+    assert agent_shutdown_kwargs(Since212) == {"shutdown_timeout": 10}
 
 
 def test_the_summary_of_several_rounds_counts_from_the_first_and_ends_with_the_last() -> None:
