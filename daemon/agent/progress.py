@@ -17,6 +17,7 @@ status page uses, and read the rates and ETA from the `StatusBoard`:
 from __future__ import annotations
 
 import sys
+import threading
 from typing import NamedTuple, Protocol, TextIO, cast
 
 import structlog
@@ -105,6 +106,10 @@ class ProgressSink(Protocol):
         """Take in one supervisor tick (`now`: monotonic seconds)."""
         ...
 
+    def finish(self) -> None:
+        """The ranks have ended and a tick after that was observed: show the run's end."""
+        ...
+
 
 class ProgressEvents:
     """Logs a `progress` event every `every_s` seconds (off a terminal).
@@ -118,16 +123,35 @@ class ProgressEvents:
         self._board = board
         self._every_s = every_s
         self._last: float | None = None
+        self._latest: Progress | None = None
+        self._finished = False
+        self._lock = threading.Lock()  # ticks on the supervisor's thread, `finish` on main
 
     def observe(self, views: list[RankView], status: NodeStatus, now: float) -> None:
         """Log an event when `every_s` has passed since the last (the first tick starts it)."""
-        if self._last is None:
+        progress = read_progress(views, status, self._board)
+        with self._lock:
+            if self._finished:
+                return
+            self._latest = progress
+            if self._last is None:
+                self._last = now
+                return
+            if now - self._last < self._every_s:
+                return
             self._last = now
-            return
-        if now - self._last < self._every_s:
-            return
-        self._last = now
-        log.info("progress", **read_progress(views, status, self._board)._asdict())
+        log.info("progress", **progress._asdict())
+
+    def finish(self) -> None:
+        """Log the last progress seen, once: a run shorter than `every_s` (or ending between two
+        events) still leaves its final step in the log; nothing is logged after it."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            latest = self._latest
+        if latest is not None:
+            log.info("progress", **latest._asdict())
 
 
 class LiveProgress:
@@ -181,6 +205,9 @@ class LiveProgress:
         """Redraw the status line from the current progress (at the next refresh)."""
         line = format_progress(read_progress(views, status, self._board))
         self._line = Text(line, no_wrap=True, overflow="ellipsis")
+
+    def finish(self) -> None:
+        """Nothing: the line shows the last tick until `close()` prints the run's ending."""
 
     def close(self) -> None:
         """Remove the status line and give the terminal back (idempotent)."""

@@ -471,6 +471,7 @@ def run_daemon(
             return EXIT_CONFIG
         if supervisor.budget_exceeded.is_set():
             return EXIT_FAILED
+        supervisor.end_progress()  # off a terminal: the last `progress` event is the run's end
         results = outcome.summary_results()
         final = max((r.get("final_step", 0) for r in results), default=None)
         code = exit_code_for(signals.stop_signal, outcome.stopped)

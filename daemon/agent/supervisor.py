@@ -135,6 +135,8 @@ class Supervisor:
         self._world_size = 0
         self.budget_exceeded = threading.Event()
         """Set when draining outlived `shutdown_timeout_s` and the ranks were killed."""
+        self._ticks = 0  # ticks ended (`end_progress` waits on them)
+        self._ticked = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="trainingd-supervisor", daemon=True)
 
     def start(self) -> Supervisor:
@@ -165,12 +167,25 @@ class Supervisor:
         for pgid in groups:
             kill_group(pgid)
 
+    def end_progress(self, timeout_s: float = 2.0) -> None:
+        """The ranks have ended: wait until a whole tick has read their last views (the tick
+        in flight may have read them before), then let the progress sink show the end."""
+        with self._ticked:
+            target = self._ticks + 2
+            if self._thread.is_alive():
+                self._ticked.wait_for(lambda: self._ticks >= target, timeout_s)
+        if self._progress is not None:
+            self._progress.finish()
+
     def _run(self) -> None:
         while not self._stop.wait(_TICK_S):
             try:
                 self.tick()
             except Exception:  # the loop must survive a torn file or a transient OSError
                 log.exception("supervisor_tick_failed")
+            with self._ticked:
+                self._ticks += 1
+                self._ticked.notify_all()
 
     def tick(self, now: float | None = None) -> None:
         """One supervisor iteration (public for tests)."""
@@ -193,6 +208,10 @@ class Supervisor:
         if self._incidents is not None:
             self._incidents.observe(views)
         phase, step = derive_phase([v for v in views if pid_alive(v.pid)], self._local_ranks())
+        if step is None:
+            # Every rank has exited: their last published steps are still the node's progress
+            # (a short run can train, publish and exit between two ticks).
+            _, step = derive_phase(views, self._local_ranks())
         status = self._state.update(
             phase=phase,
             world_size=max((v.world_size for v in views), default=None),

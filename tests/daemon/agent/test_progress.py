@@ -99,6 +99,13 @@ def test_progress_events_every_log_every_s_with_the_status_fields(tmp_path: Path
     assert last["last_committed_step"] == 20
     assert last["restarts"] == 0
     assert last["phase"] == "starting"
+    # The run ends 5 s after the last event: its final step is logged once, at the end, and
+    # nothing after it (a 3-step run used to end between two events with no step in the log).
+    with structlog.testing.capture_logs() as logs:
+        events.finish()
+        events.finish()
+        tick(40.0, 40)
+    assert [(e["event"], e["step"]) for e in logs] == [("progress", 25)]
 
 
 class _Terminal(io.StringIO):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -22,7 +23,7 @@ from daemon.observe.collector import RankView, SnapshotAggregator
 from daemon.observe.state import NodePhase, NodeState, NodeStatus
 from daemon.observe.status import StatusBoard
 from daemon.rank.telemetry import RankTelemetry
-from daemon.rundir.snapshot import RankPhase, snapshot_path
+from daemon.rundir.snapshot import RankPhase, snapshot_path, write_snapshot
 
 # What a node shows while all its ranks are in one phase: every `RankPhase` has a row, so a new
 # phase cannot fall through to some default.
@@ -104,6 +105,9 @@ def test_ready_once_watchdog_only_while_ranks_beat_and_progress_line(
         def observe(self, views: list[RankView], status: NodeStatus, now: float) -> None:
             lines.append(format_progress(read_progress(views, status, board)))
 
+        def finish(self) -> None:
+            lines.append("finished")
+
     sup = Supervisor(
         state,
         SnapshotAggregator(tmp_path, 1),
@@ -138,6 +142,38 @@ def test_ready_once_watchdog_only_while_ranks_beat_and_progress_line(
     assert state.request_stop()
     sup.tick(now=20.0)
     assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in _received(sock))
+
+
+def test_a_short_runs_final_step_counts_though_its_ranks_exited_before_a_tick(
+    tmp_path: Path,
+) -> None:
+    # A 3-step run can train, publish its final step and exit between two ticks: the ranks'
+    # last views are the node's progress (it read no step at all before: a CI failure).
+    state = NodeState(local_ranks=1)
+    sup = Supervisor(
+        state,
+        SnapshotAggregator(tmp_path, 1),
+        Notifier({}),
+        heartbeat_timeout_s=30,
+        shutdown_timeout_s=60,
+    )
+    sup.tick(now=0.0)
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    tel = RankTelemetry(snapshot_path(tmp_path, 0), rank=0, world_size=1)
+    tel.set("trainingd_train_step", 3)
+    tel.heartbeat(RankPhase.FINISHED)
+    view = SnapshotAggregator(tmp_path, 1).refresh()[0]
+    assert view.pid == os.getpid()
+    # The rank's process is gone (the pid of a process that exited).
+    dead = int(child.stdout)
+    assert not pid_alive(dead)
+    published = snapshot_path(tmp_path, 0)
+    write_snapshot(published, {**json.loads(published.read_text()), "pid": dead})
+    assert SnapshotAggregator(tmp_path, 1).refresh()[0].pid == dead
+    sup.tick(now=1.0)
+    assert state.status().step == 3
+    assert state.status().phase is NodePhase.RENDEZVOUS
 
 
 def test_start_timeout_is_extended_only_while_the_restore_reads(
