@@ -41,6 +41,7 @@ __all__ = [
     "checksum",
     "crc32",
     "crc32c_at",
+    "crc32c_combine",
     "parse_algorithm",
 ]
 
@@ -126,6 +127,57 @@ def crc32c_at(address: int, nbytes: int, value: int = 0) -> int:
         done += _CRC32C_CHUNK
     crc = _crc32c_isal(address + done, nbytes - done, crc)
     return int(crc) ^ 0xFFFFFFFF
+
+
+# [Note: CRC-32C of parts, combined] The CRC of a concatenation follows from the parts' CRCs
+# and the second part's length: crc(A + B) = (crc(A) * x^(8 len B) mod P) xor crc(B), the
+# arithmetic of polynomials over GF(2) modulo CRC-32C's polynomial, in the reflected bit order
+# the register uses (the pre- and post-inversion cancel out). So parts may be checksummed on
+# several threads and folded in order: O(log len) 32-bit multiplications per part.
+_CRC32C_REFLECTED_POLY = 0x82F63B78
+_X0 = 1 << 31  # the polynomial 1 (x^0) in the reflected order
+
+
+def _multiply_mod_p(a: int, b: int) -> int:
+    """a(x) * b(x) mod P(x), both reflected 32-bit polynomials."""
+    product = 0
+    bit = _X0
+    while a:
+        if a & bit:
+            product ^= b
+            a ^= bit
+        bit >>= 1
+        b = (b >> 1) ^ _CRC32C_REFLECTED_POLY if b & 1 else b >> 1
+    return product
+
+
+def _powers_x_2n() -> list[int]:
+    # x^(2^n) mod P for n = 0..31: each the square of the one before.
+    powers, p = [], _X0 >> 1  # x^1
+    for _ in range(32):
+        powers.append(p)
+        p = _multiply_mod_p(p, p)
+    return powers
+
+
+_X_2N = _powers_x_2n()
+
+
+def _x_8n_mod_p(nbytes: int) -> int:
+    """x^(8 nbytes) mod P: the shift a CRC undergoes over `nbytes` zero bytes."""
+    result, k = _X0, 3  # 8 n = n * 2^3
+    while nbytes:
+        if nbytes & 1:
+            result = _multiply_mod_p(_X_2N[k % 32], result)
+        nbytes >>= 1
+        k += 1
+    return result
+
+
+def crc32c_combine(first: int, second: int, second_nbytes: int) -> int:
+    """CRC-32C of `A + B` from `first` = crc(A), `second` = crc(B) and len(B)
+    ([Note: CRC-32C of parts, combined])."""
+    return _multiply_mod_p(_x_8n_mod_p(second_nbytes), first) ^ second
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:

@@ -15,6 +15,8 @@ persistent writer process, then finalized across ranks (agreement, then one mani
                     BackgroundThread (the staging thread).
     device_copy.py  CUDA snapshots: DeviceFence (events), copy_to_pinned_slab on a dedicated
                     copy stream into a page-locked slab, fenced on the compute stream.
+    landed_checksums.py  LandedChecksums: a CUDA snapshot's CRC-32C, part by part on up to
+                    4 threads as the device copy lands, folded in order.
     writer.py       the writer process (no torch): request loop, write_shard (straight from
                     the slab, no checksum pass), fault hooks.
     writer_proc.py  WriterProcess: trainer-side handle (start, submit, poll, stop, kill).

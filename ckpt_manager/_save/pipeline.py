@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
-from ckpt_manager._format.checksum import SAVE_ALGORITHM, checksum
+from ckpt_manager._format.checksum import SAVE_ALGORITHM
 from ckpt_manager._format.layout import step_dir
 from ckpt_manager._memory.tier import MemoryTier, SnapshotJob
 from ckpt_manager._save.device_copy import copy_to_pinned_slab
+from ckpt_manager._save.landed_checksums import LandedChecksums
 from ckpt_manager._save.report import encode_report_body
 from ckpt_manager._save.request import SaveRequest, SaveState
 from ckpt_manager._save.staging import BackgroundThread, Slab, copy_payload_into_slab
@@ -283,7 +284,7 @@ class LocalPipeline:
                     slab, layout, tensors, split, on_progress, algorithm=SAVE_ALGORITHM
                 )
             else:  # [Note: CUDA staging] in device_copy.py
-                sums = _LandedChecksums(slab, split, layout.total_bytes, _up_to(on_progress, split))
+                sums = LandedChecksums(slab, split, layout.total_bytes, _up_to(on_progress, split))
                 try:
                     copy_to_pinned_slab(slab, layout, tensors, fence, sums.landed)
                     request.checksum, payload_checksum = sums.finish()
@@ -433,52 +434,6 @@ class LocalPipeline:
         finally:
             view.release()
             request.write_s = time.monotonic() - t0
-
-
-class _LandedChecksums:
-    """The file's and the payload's checksums of a CUDA snapshot, taken part by part as its
-    device-to-host copy lands in the slab.
-
-    [Note: the CUDA checksum overlaps the copy] The bytes arrive by DMA, so the checksum is one
-    pass over the pinned slab on the staging thread. Taken after the whole copy, it added its
-    own time to the copy's (a 4 GiB save on an H200: 0.08 s of copy at 55 GB/s, then the
-    pass); taken as each progress mark passes, it reads a part while the copy engine writes the
-    next ones, and the save is staged one part after the slower of the two.
-    """
-
-    def __init__(
-        self, slab: Slab, split: int, total: int, then: Callable[[int], None] | None
-    ) -> None:
-        self._view = slab.view(total)
-        self._split, self._total, self._then = split, total, then
-        self._done = 0
-        self._file = 0
-        self._payload: int | None = None
-
-    def landed(self, upto: int) -> None:
-        """Bytes `[0, upto)` are in the slab: checksum the new ones, then tell `then`."""
-        upto = min(upto, self._total)
-        start = self._done
-        if upto <= start:
-            return
-        if start < self._split:
-            end = min(upto, self._split)
-            self._file = checksum(SAVE_ALGORITHM, self._view[start:end], self._file)
-            start = end
-        if upto > start:  # the payload's bytes continue from the whole file's checksum
-            value = self._file if self._payload is None else self._payload
-            self._payload = checksum(SAVE_ALGORITHM, self._view[start:upto], value)
-        self._done = upto
-        if self._then is not None:
-            self._then(upto)
-
-    def finish(self) -> tuple[int, int]:
-        """(file checksum, payload checksum) once every byte has landed."""
-        self.landed(self._total)
-        return self._file, self._file if self._payload is None else self._payload
-
-    def close(self) -> None:
-        self._view.release()
 
 
 def _up_to(on_progress: Callable[[int], None] | None, limit: int) -> Callable[[int], None] | None:

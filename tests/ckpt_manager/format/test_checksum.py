@@ -8,8 +8,10 @@ import dataclasses
 import json
 import os
 import pathlib
+import random
 import zlib
 
+import crc32c
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from ckpt_manager._format.checksum import (
     SAVE_ALGORITHM,
     ChecksumAlgorithm,
     checksum,
+    crc32c_combine,
     parse_algorithm,
 )
 from ckpt_manager._format.layout import MANIFEST_NAME, index_file_name, shard_file_name, step_dir
@@ -123,3 +126,14 @@ def test_a_checkpoint_with_crc32_records_still_verifies_and_restores(
     with CheckpointManager(str(tmp_path), cfg) as mgr:
         restored = mgr.restore(3)
     assert torch.equal(restored.state["w"], torch.arange(5000, dtype=torch.float32))
+
+
+def test_crc32c_of_parts_combined_equals_the_whole() -> None:
+    # [Note: CRC-32C of parts, combined], against the reference `crc32c` package.
+    rng = random.Random(0)
+    for _ in range(100):
+        a, b = rng.randbytes(rng.randrange(3000)), rng.randbytes(rng.randrange(3000))
+        start = rng.getrandbits(32)
+        combined = crc32c_combine(crc32c.crc32c(a, start), crc32c.crc32c(b), len(b))
+        assert combined == crc32c.crc32c(a + b, start)
+    assert crc32c_combine(0, crc32c.crc32c(b"x"), 1) == crc32c.crc32c(b"x")

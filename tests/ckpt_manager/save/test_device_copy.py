@@ -9,8 +9,9 @@ import torch
 
 from ckpt_manager import AsyncMode, CheckpointConfig, CheckpointManager
 from ckpt_manager._format.checksum import SAVE_ALGORITHM, checksum
+from ckpt_manager._save import landed_checksums
 from ckpt_manager._save.device_copy import DeviceFence
-from ckpt_manager._save.pipeline import _LandedChecksums
+from ckpt_manager._save.landed_checksums import LandedChecksums
 from ckpt_manager._save.staging import Slab
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -22,6 +23,7 @@ def test_a_cpu_snapshot_has_no_device_fence() -> None:
     assert DeviceFence.after_current_work([]) is None
 
 
+@pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize(
     ("split", "marks"),
     [
@@ -32,14 +34,16 @@ def test_a_cpu_snapshot_has_no_device_fence() -> None:
     ],
 )
 def test_checksums_taken_as_a_device_copy_lands_equal_one_pass_after_it(
-    split: int, marks: list[int]
+    split: int, marks: list[int], threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # [Note: the CUDA checksum overlaps the copy]: the same values, whatever the parts.
+    # [Note: the CUDA checksum overlaps the copy]: the same values, whatever the landings, the
+    # parts (64 bytes here, so a landing spans several) and the threads folding them.
+    monkeypatch.setattr(landed_checksums, "PART_BYTES", 64)
     slab = Slab(0, 1000)
     assert slab.tensor is not None
     slab.tensor[:1000].copy_(torch.randint(0, 256, (1000,), dtype=torch.uint8))
     told: list[int] = []
-    sums = _LandedChecksums(slab, split, 1000, told.append)
+    sums = LandedChecksums(slab, split, 1000, told.append, threads=threads)
     try:
         for mark in marks:
             sums.landed(mark)
