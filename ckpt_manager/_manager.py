@@ -495,7 +495,7 @@ class CheckpointManager:
         slot = next(i for i in range(self.config.max_inflight) if not self._slot_in_use(i))
         job = None
         if self._snapshots is not None:
-            job = self._snapshots.begin(step, flat, leaves, self._pending)
+            job = self._snapshots.begin(step, flat, leaves, self._pending, durable=True)
         writer = self._pipeline.writer_for_next_save()
         request = SaveRequest(
             request_id=self._next_request_id,
@@ -537,7 +537,7 @@ class CheckpointManager:
         spread = self.config.spread_for(self._storage.root_uri)
         # The payload starts with the durable file's bytes: the same (cached) plan.
         layout, _ = self._plans.plan(leaves, shard_file_name(self.rank, spread) if leaves else None)
-        job = self._snapshots.begin(step, flat, leaves, self._pending)
+        job = self._snapshots.begin(step, flat, leaves, self._pending, durable=False)
         if job is not None:
             request = self._snapshots.memory_only(step, started, layout, job)
             self._pipeline.submit(request)

@@ -144,10 +144,19 @@ class LocalPipeline:
         if slab is not None:
             self._release(slab)
             del self._memory_slabs[job.slot]
+        started = time.monotonic()
         allocated = self._memory.allocate(job, nbytes)
         if allocated is None:
             return None
         fd, capacity = allocated
+        self._log.info(
+            "ckpt_memory_slot_allocated",
+            rank=self._rank,
+            slot=job.slot,
+            bytes=capacity,
+            seconds=round(time.monotonic() - started, 4),
+            ahead=False,
+        )
         try:
             slab = Slab(self._next_slab_id, capacity, fd=fd)
         except BaseException:
@@ -185,6 +194,37 @@ class LocalPipeline:
             request.staging_cpu_s += time.thread_time() - cpu_started
             request.copied.set()
             request.handed_off.set()
+        if request.memory is not None and request.memory.ok:
+            self._allocate_ahead(request.memory)
+
+    def _allocate_ahead(self, job: SnapshotJob) -> None:
+        """Map the slot the next snapshot will likely take, once this one is copied and the
+        loop has gone on ([Note: slot files allocated ahead] in `_memory/tier.py`): only a
+        slot not mapped here yet, so no file in use is touched."""
+        slot = job.ahead
+        if slot is None or slot in self._memory_slabs or job.plan is None:
+            return
+        assert self._memory is not None
+        started = time.monotonic()
+        allocated = self._memory.allocate_ahead(slot, job.plan.payload.total_bytes)
+        if allocated is None:
+            return  # the snapshot that takes it tries again, and reports a failure
+        fd, capacity = allocated
+        try:
+            slab = Slab(self._next_slab_id, capacity, fd=fd)
+        except Exception:
+            os.close(fd)
+            return
+        self._next_slab_id += 1
+        self._memory_slabs[slot] = slab
+        self._log.info(
+            "ckpt_memory_slot_allocated",
+            rank=self._rank,
+            slot=slot,
+            bytes=capacity,
+            seconds=round(time.monotonic() - started, 4),
+            ahead=True,
+        )
 
     @staticmethod
     def _build_pending_index(request: SaveRequest) -> bool:

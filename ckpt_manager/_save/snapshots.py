@@ -50,7 +50,13 @@ class Snapshots:
         self._inflight: collections.deque[tuple[SaveRequest, SnapshotJob]] = collections.deque()
 
     def begin(
-        self, step: int, flat: Flattened, leaves: list[TensorLeaf], pending: Iterable[SaveRequest]
+        self,
+        step: int,
+        flat: Flattened,
+        leaves: list[TensorLeaf],
+        pending: Iterable[SaveRequest],
+        *,
+        durable: bool,
     ) -> SnapshotJob | None:
         """Claim and empty a slot for `step`'s snapshot; None: skipped (no slot free).
 
@@ -59,6 +65,7 @@ class Snapshots:
             flat: the flattened state.
             leaves: the leaves its durable file holds.
             pending: the durable saves in flight (their slots are pinned).
+            durable: the snapshot is a durable save's (its write will pin its slot).
         """
         pinned = {job.slot for _, job in self._inflight}
         # `memory` may be dropped meanwhile by the staging thread (a skipped extra slot).
@@ -68,7 +75,11 @@ class Snapshots:
             return None
         slot, extra = choice
         self.tier.begin(slot, step)
-        return SnapshotJob(slot, step, flat, leaves, extra)
+        job = SnapshotJob(slot, step, flat, leaves, extra)
+        # [Note: slot files allocated ahead]
+        following = self.tier.likely_next(pinned | {slot} if durable else pinned, slot, step)
+        job.ahead = None if following is None else following[0]
+        return job
 
     def track(self, request: SaveRequest) -> None:
         """Follow `request`'s snapshot (it carries a job) until its staging is over."""
