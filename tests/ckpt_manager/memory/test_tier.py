@@ -252,6 +252,14 @@ def _ask_write_in_flight_until_it_raises(mgr: CheckpointManager) -> None:
     raise AssertionError("write_in_flight() did not raise within 60 s")
 
 
+def _save_then_ask_write_in_flight_until_it_raises(mgr: CheckpointManager) -> None:
+    """A memory-only save opens the root; the save raises itself if the opening ends before
+    its own check (the contract's `save()` / `write_in_flight()`: the test assumed the latter
+    and failed 1 run in 15 on an idle machine), else a later question does."""
+    mgr.save(5, {"w": torch.zeros(100), "step": 0}, durable=False)
+    _ask_write_in_flight_until_it_raises(mgr)
+
+
 def test_a_memory_step_older_than_a_durable_commit_is_not_restored(tmp_path: pathlib.Path) -> None:
     # [Note: a memory step older than a durable one is stale]: this tier holds step 4 (as the
     # nodes of an elastic job do after a shrink), while the run went on elsewhere (another
@@ -287,11 +295,7 @@ def test_a_memory_step_older_than_a_durable_commit_is_not_restored(tmp_path: pat
         assert result is not None
         assert (result.step, result.source) == (4, "memory")
         with pytest.raises(StaleMemoryRestoreError, match="back to step 4, but step 7"):
-            # The save opens the root; it raises itself if the opening ends before its own
-            # check (the contract's `save()` / `write_in_flight()`: this test assumed the
-            # latter and failed 1 run in 15 on an idle machine).
-            mgr.save(5, {"w": torch.zeros(100), "step": 0}, durable=False)
-            _ask_write_in_flight_until_it_raises(mgr)
+            _save_then_ask_write_in_flight_until_it_raises(mgr)
     assert _metas(memory) == {}
     assert mgr.all_steps() == [4, 7]
     # The restart restores step 7 from the durable tier.
