@@ -67,17 +67,18 @@ class Snapshots:
             pending: the durable saves in flight (their slots are pinned).
             durable: the snapshot is a durable save's (its write will pin its slot).
         """
-        pinned = {job.slot for _, job in self._inflight}
         # `memory` may be dropped meanwhile by the staging thread (a skipped extra slot).
-        pinned |= {job.slot for r in pending if (job := r.memory) is not None}
+        writes = {job.slot for r in pending if (job := r.memory) is not None}
+        pinned = writes | {job.slot for _, job in self._inflight}
         choice = self.tier.choose(pinned)
         if choice is None:
             return None
         slot, extra = choice
         self.tier.begin(slot, step)
         job = SnapshotJob(slot, step, flat, leaves, extra)
-        # [Note: slot files allocated ahead]
-        following = self.tier.likely_next(pinned | {slot} if durable else pinned, slot, step)
+        # [Note: slot files allocated ahead] By the next snapshot the copies in flight are
+        # done (the fence waits for them); durable writes, this one's too, still read theirs.
+        following = self.tier.likely_next(writes | {slot} if durable else writes, slot, step)
         job.ahead = None if following is None else following[0]
         return job
 
