@@ -149,21 +149,26 @@ class LocalPipeline:
         if allocated is None:
             return None
         fd, capacity = allocated
-        self._log.info(
-            "ckpt_memory_slot_allocated",
-            rank=self._rank,
-            slot=job.slot,
-            bytes=capacity,
-            seconds=round(time.monotonic() - started, 4),
-            ahead=False,
-        )
+        return self._map_slot(job.slot, fd, capacity, started, ahead=False)
+
+    def _map_slot(self, slot: int, fd: int, capacity: int, started: float, *, ahead: bool) -> Slab:
+        """Map an allocated slot file as `slot`'s slab (it owns `fd` from now on) and log the
+        allocation with its time since `started`."""
         try:
             slab = Slab(self._next_slab_id, capacity, fd=fd)
         except BaseException:
             os.close(fd)
             raise
         self._next_slab_id += 1
-        self._memory_slabs[job.slot] = slab
+        self._memory_slabs[slot] = slab
+        self._log.info(
+            "ckpt_memory_slot_allocated",
+            rank=self._rank,
+            slot=slot,
+            bytes=capacity,
+            seconds=round(time.monotonic() - started, 4),
+            ahead=ahead,
+        )
         return slab
 
     def _stage_and_dispatch(self, request: SaveRequest) -> None:
@@ -210,21 +215,8 @@ class LocalPipeline:
         if allocated is None:
             return  # the snapshot that takes it tries again, and reports a failure
         fd, capacity = allocated
-        try:
-            slab = Slab(self._next_slab_id, capacity, fd=fd)
-        except Exception:
-            os.close(fd)
-            return
-        self._next_slab_id += 1
-        self._memory_slabs[slot] = slab
-        self._log.info(
-            "ckpt_memory_slot_allocated",
-            rank=self._rank,
-            slot=slot,
-            bytes=capacity,
-            seconds=round(time.monotonic() - started, 4),
-            ahead=True,
-        )
+        with contextlib.suppress(Exception):  # as above: the snapshot that takes it retries
+            self._map_slot(slot, fd, capacity, started, ahead=True)
 
     @staticmethod
     def _build_pending_index(request: SaveRequest) -> bool:
