@@ -182,15 +182,20 @@ def _keys(
         sources=sorted({k["source"] for r in _select(results, failure="node") for k in r["kills"]}),
     )  # fmt: skip
     buckets: dict[float, float] = {}
+    warmup: dict[float, float] = {}
     for r in _select(results, memory_every=_ON):
-        for le, count in r.get("snapshot_seconds_buckets", {}).items():
-            buckets[float(le)] = buckets.get(float(le), 0.0) + count
+        for into, name in ((buckets, "snapshot_seconds_buckets"),
+                           (warmup, "snapshot_seconds_buckets_warmup")):  # fmt: skip
+            for le, count in r.get(name, {}).items():
+                into[float(le)] = into.get(float(le), 0.0) + count
     p99 = stats.percentile_from_histogram(buckets, 0.99)
     keys["snapshot_stall_ms"] = stats.figure(
         None if p99 is None else p99 * 1000, "<=", 5, unit="ms",
         how="p99 of trainingd_memory_snapshot_seconds (training thread: save() + fence wait) "
-        "over the memory_every 1 rounds' measured stretch, interpolated in its buckets",
+        "over the memory_every 1 rounds' measured stretch, interpolated in its buckets; the "
+        "warm-up's snapshots (a rank's first allocates its first slot file) apart",
         num_snapshots=buckets.get(float("inf"), 0.0),
+        warmup_buckets={str(le): n for le, n in sorted(warmup.items())},
     )  # fmt: skip
     off, on, auto = (
         _median_step_s(results, memory_every=m, failure="rank") for m in (_OFF, _ON, _AUTO)

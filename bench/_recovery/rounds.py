@@ -184,11 +184,21 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
     started = time.monotonic()
     try:
         r.nodes = [r.start_node(k, f"node{k}") for k in range(r.nnodes)]
+        # The stall histogram of the warm-up (its first snapshots allocate the slot files, a
+        # cost each rank process pays once), apart from the measured stretch's: the ranks
+        # publish it every `--publish-interval-s` (0.5 s), so it is read a second after.
+        r.wait_batches(0, spec.warmup_steps + 1, _START_TIMEOUT_S)
+        time.sleep(1.0)
+        warmup = _stall_buckets(r.nodes)
         first = r.wait_batches(0, spec.warmup_steps + spec.measure_steps + 1, _START_TIMEOUT_S)
         out["step_times_s"] = progress.step_times(first, skip=spec.warmup_steps)[
             : spec.measure_steps
         ]
-        out["snapshot_seconds_buckets"] = _stall_buckets(r.nodes)
+        whole = _stall_buckets(r.nodes)
+        out["snapshot_seconds_buckets"] = {
+            le: count - warmup.get(le, 0.0) for le, count in whole.items()
+        }
+        out["snapshot_seconds_buckets_warmup"] = warmup
         out["state_bytes_per_rank"] = r.slot_bytes()
         if r.nnodes > 1 and spec.memory_every != "0" and out["state_bytes_per_rank"]:
             # The plain loopback copy again, while this round trains: the same load the
