@@ -394,21 +394,6 @@ class _Run:
                         found.append(record)
         return found
 
-    def rank_pids(self) -> list[int]:
-        """Processes of the daemon's session that lead their own process group (the ranks)."""
-        pids = []
-        for entry in pathlib.Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == self.proc.pid:
-                continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            # fields[2] is the process group, fields[3] the session.
-            if fields[3] == str(self.proc.pid) and fields[2] == entry.name:
-                pids.append(int(entry.name))
-        return pids
-
 
 def _until(predicate: Callable[[], bool], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
@@ -493,6 +478,7 @@ def part_resume_and_metrics(work: pathlib.Path) -> tuple[dict[str, Any], dict[st
 def part_memory(work: pathlib.Path) -> dict[str, Any]:
     """Part 5: a SIGKILLed CUDA rank restarts warm and resumes from the memory tier."""
     from tests.daemon import _gated_job
+    from tests.daemon._daemon_proc import rank_pids_of
 
     gate = work / "gate-memory"
     gate.mkdir()
@@ -511,7 +497,7 @@ def part_memory(work: pathlib.Path) -> dict[str, Any]:
     if not held or run.proc.poll() is not None:
         run.wait(5)
         return {"pass": False, "error": "never held at step 30", "log": run.tail()}
-    victims = run.rank_pids()
+    victims = rank_pids_of(run.proc.pid)  # the daemon leads its session
     if len(victims) != 1:
         run.wait(1)
         return {"pass": False, "error": f"expected one rank process, found {victims}"}

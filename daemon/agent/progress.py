@@ -123,24 +123,23 @@ class ProgressEvents:
         self._board = board
         self._every_s = every_s
         self._last: float | None = None
-        self._latest: Progress | None = None
+        self._latest: tuple[list[RankView], NodeStatus] | None = None
         self._finished = False
         self._lock = threading.Lock()  # ticks on the supervisor's thread, `finish` on main
 
     def observe(self, views: list[RankView], status: NodeStatus, now: float) -> None:
         """Log an event when `every_s` has passed since the last (the first tick starts it)."""
-        progress = read_progress(views, status, self._board)
         with self._lock:
             if self._finished:
                 return
-            self._latest = progress
+            self._latest = (views, status)
             if self._last is None:
                 self._last = now
                 return
             if now - self._last < self._every_s:
                 return
             self._last = now
-        log.info("progress", **progress._asdict())
+        log.info("progress", **read_progress(views, status, self._board)._asdict())
 
     def finish(self) -> None:
         """Log the last progress seen, once: a run shorter than `every_s` (or ending between two
@@ -151,7 +150,7 @@ class ProgressEvents:
             self._finished = True
             latest = self._latest
         if latest is not None:
-            log.info("progress", **latest._asdict())
+            log.info("progress", **read_progress(*latest, self._board)._asdict())
 
 
 class LiveProgress:

@@ -60,6 +60,22 @@ def session_pids(sid: int) -> list[int]:
     return pids
 
 
+def rank_pids_of(sid: int) -> list[int]:
+    """Rank processes of the daemon leading session `sid`: those of its session that lead
+    their own process group (children of the daemon's fork server, or of the daemon when
+    spawned)."""
+    pids = []
+    for pid in session_pids(sid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if pid != sid and fields[2] == str(pid):
+            pids.append(pid)
+    return pids
+
+
 def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
     """Poll `predicate` until it returns a truthy value; fail with `what` on timeout."""
     deadline = time.monotonic() + timeout_s
@@ -191,18 +207,8 @@ class DaemonProc:
         return self.proc.wait(timeout=timeout_s)
 
     def rank_pids(self) -> list[int]:
-        """Rank processes: those of the daemon's session that lead their own process group
-        (children of the daemon's fork server, or of the daemon when spawned)."""
-        pids = []
-        for pid in session_pids(self.pid):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if pid != self.pid and fields[2] == str(pid):
-                pids.append(pid)
-        return pids
+        """Rank processes of this daemon (`rank_pids_of` its session)."""
+        return rank_pids_of(self.pid)
 
     def fork_server_pid(self) -> int:
         """The pid of the daemon's rank fork server (from its start-up log line)."""
