@@ -25,6 +25,7 @@ the mean of each part over the snapshots in the top 1% of `stall` (what makes th
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import functools
 import gc
@@ -56,6 +57,8 @@ class _Probe:
         self.gc_any_start = 0.0
         self.gc_run: dict[int, list[float]] = {}  # generation -> [count, seconds], whole run
         self.cadence: list[tuple[float, int]] = []  # (snapshot cost fed, interval after)
+        self.profiler: cProfile.Profile | None = None  # `--profile-stager`
+        self.profile_after = 0
 
     def add(self, part: str, wall: float, cpu: float) -> None:
         if self.current is not None:
@@ -189,7 +192,10 @@ def _instrument(probe: _Probe) -> None:
         def job() -> None:
             w0, c0 = time.perf_counter(), time.thread_time()
             try:
-                stage(request)
+                if probe.profiler is not None and len(probe.stager) >= probe.profile_after:
+                    probe.profiler.runcall(stage, request)
+                else:
+                    stage(request)
             finally:
                 probe.stager.append(
                     (w0 - queued, time.perf_counter() - w0, time.thread_time() - c0)
@@ -215,6 +221,9 @@ def _rank(rank: int, world_size: int, root: str, memory_dir: str, args: dict[str
         # The recovery bench's `big` job: the default GPT plus a ballast of that many MiB.
         os.environ[bench_job.STATE_MIB_ENV] = str(args["state_mib"])
     probe = _Probe()
+    if args["profile_stager"]:
+        probe.profiler = cProfile.Profile()
+        probe.profile_after = args["skip"]
     _instrument(probe)
     cfg = load_config(
         {
@@ -237,6 +246,8 @@ def _rank(rank: int, world_size: int, root: str, memory_dir: str, args: dict[str
     run_training(
         cfg, job, telemetry=NullTelemetry(), control=RankControl(None, graceful_signals=False)
     )
+    if probe.profiler is not None:
+        probe.profiler.dump_stats(f"{args['profile_stager']}.rank{rank}")
     return {
         "cadence": probe.cadence,
         "gc_run": probe.gc_run,
@@ -279,6 +290,11 @@ def main() -> int:
         "--ckpt-every", type=int, default=0, help="durable saves too, every N steps (0: none)"
     )
     parser.add_argument("--skip", type=int, default=5, help="first snapshots left out (warm-up)")
+    parser.add_argument(
+        "--profile-stager",
+        metavar="PREFIX",
+        help="cProfile the staging thread's jobs after the warm-up into PREFIX.rank<N>",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
@@ -292,6 +308,8 @@ def main() -> int:
                 "memory_every": args.memory_every,
                 "state_mib": args.state_mib,
                 "ckpt_every": args.ckpt_every,
+                "profile_stager": args.profile_stager,
+                "skip": args.skip,
             },
             timeout_s=60 + args.steps * 3.0,
         )

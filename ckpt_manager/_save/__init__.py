@@ -11,7 +11,8 @@ persistent writer process, then finalized across ranks (agreement, then one mani
                     (piece_records; PlanCache reuses layout and records while the state
                     keeps its keys, dtypes, shapes and placements).
     staging.py      Slab (memfd shared memory reused across saves; huge pages where shmem
-                    THP is `advise`), copy_into_slab (copies and checksums chunk by chunk),
+                    THP is `advise`), copy_into_slab (copies and checksums chunk by chunk;
+                    the slab keeps its layout's copy program: batches and slot views),
                     BackgroundThread (the staging thread).
     device_copy.py  CUDA snapshots: DeviceFence (events), copy_to_pinned_slab on a dedicated
                     copy stream into a page-locked slab, fenced on the compute stream.

@@ -156,6 +156,76 @@ def test_small_tensors_are_copied_and_checksummed_a_batch_at_a_time(
         slab.close()
 
 
+def test_a_copy_program_is_reused_only_for_tensors_it_still_fits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: the copy program is made once per layout]: the next save of the same layout
+    reuses the slab's program and copies the new tensors' values (not the first save's); a
+    tensor that no longer fits its batch (another dtype, another device, a strided view of
+    the same shape is fine) makes a new program, and every save's bytes and checksums are
+    those of its own tensors."""
+    monkeypatch.setattr(staging, "FUSED_CHUNK_BYTES", 4096)
+    shapes = [(17,), (3, 5), (2000,), (), (9,)]  # (2000,) is 8000 bytes: copied alone
+
+    def fresh(seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(seed)
+        return [torch.randn(shape) for shape in shapes]
+
+    layout = plan_layout([(f"t{i}", torch.float32, s) for i, s in enumerate(shapes)])
+    slab = Slab(1, layout.total_bytes)
+
+    def check(tensors: list[torch.Tensor]) -> None:
+        value = copy_into_slab(slab, layout, tensors)
+        assert slab.tensor is not None
+        view = slab.view(layout.total_bytes)
+        try:
+            assert value == checksum(ChecksumAlgorithm.CRC32C, view)
+        finally:
+            view.release()
+        for slot, tensor in zip(layout.slots, tensors, strict=True):
+            got = slab.tensor[slot.offset : slot.offset + slot.nbytes].view(torch.float32)
+            assert torch.equal(got.view(slot.shape), tensor.float())
+
+    try:
+        check(fresh(1))
+        program = slab.copy_program
+        assert program is not None
+        check(fresh(2))  # new tensor objects, new values: the same program
+        assert slab.copy_program is program
+        transposed = fresh(3)
+        transposed[1] = torch.randn(5, 3).t()  # the batch's typed copy takes any strides
+        check(transposed)
+        assert slab.copy_program is program
+        converted = fresh(4)
+        converted[0] = converted[0].double()  # a typed copy would convert it silently
+        check(converted)
+        assert slab.copy_program is not program
+        check(fresh(5))
+        wrong = fresh(7)
+        wrong[0] = torch.randn(1)  # would broadcast into the slot's 17 elements
+        with pytest.raises(ValueError, match="'t0' has shape"):
+            copy_into_slab(slab, layout, wrong)
+        wrong = fresh(8)
+        wrong[2] = torch.randn(20)  # the one copied alone, by address: would read past it
+        with pytest.raises(ValueError, match="'t2' has shape"):
+            copy_into_slab(slab, layout, wrong)
+        # Another layout (the same shapes, a different order) into the same slab: a new one.
+        program = slab.copy_program
+        other = plan_layout(
+            [(f"t{i}", torch.float32, s) for i, s in reversed(list(enumerate(shapes)))]
+        )
+        tensors = fresh(6)[::-1]
+        value = copy_into_slab(slab, other, tensors)
+        assert slab.copy_program is not program
+        view = slab.view(other.total_bytes)
+        try:
+            assert value == checksum(ChecksumAlgorithm.CRC32C, view)
+        finally:
+            view.release()
+    finally:
+        slab.close()
+
+
 def test_a_slab_is_populated_with_the_gil_released() -> None:
     # [Note: a slab is populated without the GIL]: a slab made on the staging thread must not
     # stop the training thread's Python while its pages fault in (MAP_POPULATE held the GIL
