@@ -3,7 +3,9 @@
 The engine emits the neutral flat form (CONTRACTS.md): one `ShardedTensor` per parameter
 (first name of tied parameters) holding this rank's elements `[start, end)` of the flattened
 fp32 main weight, possibly none. Pieces are views of live buffers; a checkpointer copies
-them before the next optimizer step. Loading accepts, per key, a piece with exactly this
+them before the next optimizer step. Module buffers are copies taken at the call: a training
+forward changes them in place (BatchNorm's running statistics, a buffer broadcast), and it
+runs before that step ([Note: buffers are copied into the state dict]). Loading accepts, per key, a piece with exactly this
 rank's range, the whole tensor, or a list of pieces from any layout (e.g. every rank's
 pieces of a checkpoint written at another world size or strategy) that covers the range.
 
@@ -192,6 +194,14 @@ def model_sharded_state_dict(
     """Per parameter this rank's `ShardedTensor` of the fp32 main weight; buffers whole.
 
     Tied parameters appear once, under their first name; `ALIASES_KEY` maps the others to it.
+
+    [Note: buffers are copied into the state dict] A checkpointer copies the state in the
+    background until the next optimizer step (its fence: weights change only there), while
+    the next forward and backward run. A training forward changes buffers in place
+    (BatchNorm's running statistics; `BufferSync.BROADCAST` overwrites them before it), so a
+    buffer handed out as a view was copied partly before and partly after that forward: a
+    snapshot that no uninterrupted run ever held. Buffers are small next to the weights and
+    the optimizer state; each is cloned here, on the training thread's stream.
     """
     out: StateDict = {}
     aliases: dict[str, str] = {}
@@ -200,7 +210,7 @@ def model_sharded_state_dict(
             out[slot.names[0]] = piece
             aliases.update((name, slot.names[0]) for name in slot.names[1:])
     for name, buf in buffers.items():
-        out[name] = buf.detach()
+        out[name] = buf.detach().clone()
     if aliases:
         out[ALIASES_KEY] = aliases
     return out

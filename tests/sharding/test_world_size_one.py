@@ -86,3 +86,33 @@ def test_activation_checkpointing_under_zero3_is_exact(reentrant: bool) -> None:
     assert got["losses"] == ref["losses"]
     for name, value in ref["weights"].items():
         assert torch.equal(got["weights"][name], value), name
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(4, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.out = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.bn(self.inp(x)))
+
+
+@pytest.mark.parametrize("strategy", list(Strategy), ids=[s.value for s in Strategy])
+def test_a_state_dicts_buffers_do_not_change_with_the_next_forward(strategy: Strategy) -> None:
+    # A checkpointer copies the state in the background until the next optimizer step (the
+    # manager's fence), while the next forward runs: a training forward updates BatchNorm's
+    # running statistics in place, so a buffer handed out as a view of the live one would be
+    # copied half old, half new. Before: the state dict's running_mean moved with the forward.
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(_Normed(), ShardingConfig(strategy=strategy))
+    model(torch.randn(16, 4)).sum().backward()
+    state = model.sharded_state_dict()
+    before = {k: v.clone() for k, v in state.items() if k.startswith("bn.running")}
+    assert before
+    model(torch.randn(16, 4) * 3 + 1)  # train mode: the running statistics move
+    live = dict(model.module.named_buffers())
+    for key, value in before.items():
+        assert not torch.equal(live[key], value), key  # the forward did move them
+        assert torch.equal(state[key], value), key  # the state dict did not
