@@ -5,9 +5,10 @@ The engine emits the neutral flat form (CONTRACTS.md): one `ShardedTensor` per p
 fp32 main weight, possibly none. Pieces are views of live buffers; a checkpointer copies
 them before the next optimizer step. Module buffers are copies taken at the call: a training
 forward changes them in place (BatchNorm's running statistics, a buffer broadcast), and it
-runs before that step ([Note: buffers are copied into the state dict]). Loading accepts, per key, a piece with exactly this
-rank's range, the whole tensor, or a list of pieces from any layout (e.g. every rank's
-pieces of a checkpoint written at another world size or strategy) that covers the range.
+runs before that step ([Note: buffers are copied into the state dict]). Loading accepts, per
+key, a piece with exactly this rank's range, the whole tensor, or a list of pieces from any
+layout (e.g. every rank's pieces of a checkpoint written at another world size or strategy)
+that covers the range.
 
 The model's state dicts live here; the optimizer's (`sharding/_optimizer.py`) use the same
 piece helpers (`shard_of` to save, `piece_bounds` / `local_of` / `fill` /
