@@ -185,15 +185,25 @@ class _Server:
             os.close(fd)
         old = self.slabs.pop(int(msg["slab_id"]), None)
         if old is not None:
-            old.close()
+            self.unmap(old)
         self.slabs[int(msg["slab_id"])] = mm
+
+    def unmap(self, mm: mmap.mmap) -> None:
+        """Unmap a slab, released by every store first (one that kept it pinned its pages)."""
+        for storage in self.storages.values():
+            storage.release_buffer(mm)
+        mm.close()
 
     def write(self, msg: dict[str, Any]) -> dict[str, Any]:
         started = time.monotonic()
         reply: dict[str, Any] = {"op": "done", "request_id": msg["request_id"]}
         try:
             storage = self.storage(msg["root_uri"], msg["storage_options"])
-            view = memoryview(self.slabs[int(msg["slab_id"])])[: int(msg["nbytes"])]
+            slab = self.slabs[int(msg["slab_id"])]
+            # Local disk pins its pages once for every direct write from it ([Note: direct
+            # writes from registered buffers] in `_store/backends/uring.py`).
+            storage.keep_buffer(slab)
+            view = memoryview(slab)[: int(msg["nbytes"])]
             try:
                 if self.fault:
                     _apply_fault(
@@ -313,7 +323,7 @@ class _Server:
             elif op == "drop_slab":
                 old = self.slabs.pop(int(msg["slab_id"]), None)
                 if old is not None:
-                    old.close()
+                    self.unmap(old)
             elif op == "write":
                 self.conn.send(self.write(msg))
             elif op == "staged":

@@ -19,6 +19,7 @@ needs the same way:
 
 from __future__ import annotations
 
+import mmap
 import posixpath
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -284,6 +285,15 @@ class Storage:
         src, dst = self.path(name), self.path(to)
         with translated("move", src):
             self.backend.move_tree(src, dst)
+
+    def keep_buffer(self, buffer: mmap.mmap) -> bool:
+        """Make repeated `write`s from the mapping `buffer` cheaper where the store can (see
+        `StorageBackend.keep_buffer`); call `release_buffer` before unmapping it."""
+        return self.backend.keep_buffer(buffer)
+
+    def release_buffer(self, buffer: mmap.mmap) -> None:
+        """Undo `keep_buffer` (a no-op if the buffer was not kept)."""
+        self.backend.release_buffer(buffer)
 
     def describe_missing_root(self) -> str:
         """Why the root does not exist, for an operator (a missing bucket, an empty prefix,

@@ -20,7 +20,9 @@ callers ask its `capabilities`, never the protocol.
     multipart.py    S3 uploads straight from a buffer (no copy), aborted on failure;
                     listing and aborting incomplete uploads left by killed writers.
     direct_write.py large local writes with O_DIRECT from page-aligned slabs, buffered tail
-                    and fallback.
+                    and fallback; from registered mappings (`keep_buffer`) through uring.py.
+    uring.py        DirectRing: io_uring through ctypes, buffers registered (pinned) once,
+                    O_DIRECT writes from them without pinning (x86-64; off where refused).
 
 Adding a backend: a module here with a class that satisfies `StorageBackend` and
 `BackendFactory` (its `name`, its URI `schemes`, `open(root_uri, storage_options)`), one line

@@ -44,6 +44,7 @@ Missing objects are `FileNotFoundError`.
 from __future__ import annotations
 
 import dataclasses
+import mmap
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
@@ -213,6 +214,16 @@ class StorageBackend(Protocol):
     def describe_missing_root(self) -> str:
         """Why the root does not exist, in words an operator can act on (the bucket is
         missing, or the prefix is empty); never raises."""
+        ...
+
+    def keep_buffer(self, buffer: mmap.mmap) -> bool:
+        """Make repeated `write`s from the mapping `buffer` cheaper where the store can (local
+        disk pins its pages once for direct writes); whether it did. The caller owns the
+        mapping and calls `release_buffer` before unmapping it."""
+        ...
+
+    def release_buffer(self, buffer: mmap.mmap) -> None:
+        """Undo `keep_buffer` for `buffer` (a no-op if it was not kept)."""
         ...
 
 

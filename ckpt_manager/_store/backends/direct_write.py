@@ -13,16 +13,25 @@ tail, small writes, and buffers that are read-only or not aligned take the ordin
 path. A filesystem that refuses `O_DIRECT` (`EINVAL`: tmpfs before Linux 6.6, some FUSE
 mounts) gets buffered writes from where the direct write stopped; any other error (`ENOSPC`,
 `EIO`) propagates unchanged.
+
+Where io_uring is available and the buffer's owner registered its mapping (`register_buffer`,
+the writer process does for each staging slab, and calls `forget_buffer` before unmapping
+it), the aligned bulk is written from the registered pages into a file allocated first
+([Note: direct writes from registered buffers] in `uring.py`); elsewhere with `pwrite`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
-__all__ = ["DIRECT_ALIGN", "write_at_start"]
+from ckpt_manager._store.backends import uring
+
+__all__ = ["DIRECT_ALIGN", "forget_buffer", "register_buffer", "write_at_start"]
 
 DIRECT_ALIGN = 4096
 _DIRECT_MIN_BYTES = 4 << 20
@@ -49,6 +58,7 @@ def write_at_start(
     total = len(view)
     marks = (total,) if staged is None else staged
     dfd = _open_direct(path) if _direct_candidate(view) else None
+    ring = _registered(dfd, view) if dfd is not None else None
     done = 0
     try:
         for upto in marks:
@@ -56,7 +66,7 @@ def write_at_start(
                 raise ValueError(f"staged byte count {upto} outside [{done}, {total}]")
             if dfd is not None:
                 aligned = upto // DIRECT_ALIGN * DIRECT_ALIGN
-                done, ok = _write_direct(dfd, view, done, aligned)
+                done, ok = _write_direct(dfd, view, done, aligned, ring)
                 if not ok:  # refused after all: the rest goes buffered
                     os.close(dfd)
                     dfd = None
@@ -64,6 +74,8 @@ def write_at_start(
                 while done < upto:
                     done += os.pwrite(fd, view[done : min(done + _CHUNK, upto)], done)
     finally:
+        if ring is not None:
+            ring.ring.lock.release()
         if dfd is not None:
             os.close(dfd)
     if done != total:
@@ -88,15 +100,106 @@ def _open_direct(path: str) -> int | None:
         raise
 
 
-def _write_direct(fd: int, view: memoryview, start: int, end: int) -> tuple[int, bool]:
-    """Write `view[start:end]` (block-aligned) at `start` through the `O_DIRECT` fd.
+class _Registered(NamedTuple):
+    """The ring a write uses (its lock held) and where `view` lies in its registered buffer."""
+
+    ring: uring.DirectRing
+    buffer_index: int
+    address: int
+
+
+def _registered(dfd: int, view: memoryview) -> _Registered | None:
+    """The process's ring, its lock taken, where `view` lies inside a registered mapping,
+    with the file allocated to `len(view)`; None (and nothing taken) where nothing was
+    registered, another thread uses the ring, or the file cannot be allocated."""
+    ring = uring.shared_ring() if uring.ring_opened() else None
+    if ring is None or not ring.lock.acquire(blocking=False):
+        return None
+    try:
+        address = _address(view)
+        index = ring.find(address, len(view))
+        if index is not None and _allocate(dfd, len(view)):
+            return _Registered(ring, index, address)
+    except BaseException:
+        ring.lock.release()
+        raise
+    ring.lock.release()
+    return None
+
+
+def _allocate(fd: int, nbytes: int) -> bool:
+    """Allocate the file's blocks up front (a write extending it would not complete inline);
+    False where the filesystem cannot."""
+    if _fallocate is None:
+        return False
+    try:
+        _fallocate(fd, nbytes)
+    except OSError:
+        return False
+    return True
+
+
+def _fallocate_syscall(fd: int, nbytes: int) -> None:
+    # fallocate(2) itself: glibc's posix_fallocate writes a byte per block where the
+    # filesystem has no fallocate, which costs more than it saves.
+    if _libc.fallocate(fd, 0, 0, nbytes) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+_fallocate: Callable[[int, int], None] | None
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)
+    _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    _fallocate = _fallocate_syscall
+except (OSError, AttributeError):  # no fallocate(2) in this libc: no registered writes
+    _fallocate = None
+
+
+def _address(buffer: memoryview | mmap.mmap) -> int:
+    holder = ctypes.c_char.from_buffer(buffer)
+    try:
+        return ctypes.addressof(holder)
+    finally:
+        del holder
+
+
+def register_buffer(buffer: mmap.mmap) -> bool:
+    """Register the mapping `buffer` with the process's ring, so that direct writes from it
+    need not pin its pages each time; False where io_uring is off, unavailable or refuses.
+    The caller owns the mapping and calls `forget_buffer` before unmapping it."""
+    ring = uring.shared_ring()
+    if ring is None:
+        return False
+    with ring.lock:
+        return ring.register(_address(buffer), len(buffer))
+
+
+def forget_buffer(buffer: mmap.mmap) -> None:
+    """Unregister `buffer`'s pages from the process's ring (call before unmapping it: a
+    registered page stays pinned until then); a no-op where nothing was registered."""
+    ring = uring.shared_ring() if uring.ring_opened() else None
+    if ring is None or buffer.closed:
+        return
+    with ring.lock:
+        ring.forget(_address(buffer), len(buffer))
+
+
+def _write_direct(
+    fd: int, view: memoryview, start: int, end: int, ring: _Registered | None = None
+) -> tuple[int, bool]:
+    """Write `view[start:end]` (block-aligned) at `start` through the `O_DIRECT` fd (from
+    the registered buffer where `ring` is given).
 
     Returns `(bytes written up to, whether O_DIRECT may be used further)`.
     """
     done = start
     while done < end:
         try:
-            n = os.pwrite(fd, view[done : min(done + _CHUNK, end)], done)
+            if ring is not None:
+                n = ring.ring.write(fd, ring.buffer_index, ring.address + done, end - done, done)
+            else:
+                n = os.pwrite(fd, view[done : min(done + _CHUNK, end)], done)
         except OSError as err:
             if err.errno == errno.EINVAL:
                 return done, False

@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import errno
 import hashlib
+import mmap
 import posixpath
 import threading
 from collections.abc import Iterable, Mapping
@@ -320,6 +321,13 @@ class FsspecBackend:
     def abort_uploads(self, path: str, *, older_than_s: float) -> int:
         """No resumable uploads here: 0."""
         return 0
+
+    def keep_buffer(self, buffer: mmap.mmap) -> bool:
+        """Nothing to keep on a generic filesystem."""
+        return False
+
+    def release_buffer(self, buffer: mmap.mmap) -> None:
+        """Nothing was kept."""
 
     def describe_missing_root(self) -> str:
         """A missing bucket or an empty prefix on object stores; else no such folder."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import shutil
 import uuid
@@ -24,7 +25,11 @@ from typing import Any, ClassVar, Self
 from fsspec.implementations.local import LocalFileSystem
 
 from ckpt_manager._store.backends.base import Capabilities
-from ckpt_manager._store.backends.direct_write import write_at_start
+from ckpt_manager._store.backends.direct_write import (
+    forget_buffer,
+    register_buffer,
+    write_at_start,
+)
 from ckpt_manager._store.backends.fsspec import FsspecBackend, content_version, open_filesystem
 from ckpt_manager.errors import StorageError
 
@@ -194,3 +199,12 @@ class LocalBackend(FsspecBackend):
         finally:
             os.close(lock)  # releases the lock
         return content_version(data)
+
+    def keep_buffer(self, buffer: mmap.mmap) -> bool:
+        """Register `buffer` for direct writes through io_uring ([Note: direct writes from
+        registered buffers] in `uring.py`): its pages are pinned once, not at every write."""
+        return register_buffer(buffer)
+
+    def release_buffer(self, buffer: mmap.mmap) -> None:
+        """Unregister `buffer` (its pages are pinned until then)."""
+        forget_buffer(buffer)

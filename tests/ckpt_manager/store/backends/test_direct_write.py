@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import zlib
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from ckpt_manager._format import checksum
-from ckpt_manager._store.backends import direct_write
+from ckpt_manager._store.backends import direct_write, uring
 from ckpt_manager._store.backends.direct_write import DIRECT_ALIGN, write_at_start
 from ckpt_manager._store.storage import Storage
 
@@ -128,3 +129,84 @@ def test_checksum_matches_zlib_in_pieces() -> None:
     assert checksum.crc32(data) == zlib.crc32(data)
     assert checksum.crc32(data[1000:], checksum.crc32(data[:1000])) == zlib.crc32(data)
     assert checksum.IMPLEMENTATION == "isal"  # a dependency: the fast path is the real one
+
+
+@pytest.fixture
+def ring() -> uring.DirectRing:
+    found = uring.shared_ring()
+    if found is None:
+        pytest.skip("io_uring is unavailable here (kernel, seccomp or TRAININGD_IO_URING)")
+    return found
+
+
+def test_a_registered_slab_is_written_through_the_ring(
+    tmp_path: Path, ring: uring.DirectRing
+) -> None:
+    # [Note: direct writes from registered buffers]: the aligned bulk from the pinned pages,
+    # the tail buffered; a mapping nobody registered takes pwrite; forgotten, pwrite again.
+    mm = _slab(SIZE)
+    other = _slab(SIZE)
+    try:
+        assert direct_write.register_buffer(mm)
+        before = ring.bytes_written
+        view = memoryview(mm)
+        probe = tmp_path / "probe"
+        probe.touch()
+        dfd = direct_write._open_direct(str(probe))
+        if dfd is None:
+            pytest.skip("this filesystem refuses O_DIRECT")
+        os.close(dfd)
+        assert _write(tmp_path / "ring.bin", view) == mm[:]
+        aligned = SIZE // DIRECT_ALIGN * DIRECT_ALIGN
+        assert ring.bytes_written - before == aligned
+        assert _write_staged(tmp_path / "staged.bin", view, [4096, 3 << 20, SIZE]) == mm[:]
+        assert ring.bytes_written - before == 2 * aligned
+        before = ring.bytes_written
+        other_view = memoryview(other)
+        assert _write(tmp_path / "other.bin", other_view) == other[:]
+        assert ring.bytes_written == before  # not registered: pwrite
+        direct_write.forget_buffer(mm)
+        assert ring.find(direct_write._address(mm), SIZE) is None
+        assert _write(tmp_path / "forgotten.bin", view) == mm[:]
+        assert ring.bytes_written == before
+        view.release()
+        other_view.release()
+    finally:
+        direct_write.forget_buffer(mm)
+        mm.close()
+        other.close()
+
+
+def test_a_ring_write_error_is_raised(tmp_path: Path, ring: uring.DirectRing) -> None:
+    mm = _slab(SIZE)
+    path = tmp_path / "ro.bin"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert direct_write.register_buffer(mm)
+        index = ring.find(direct_write._address(mm), SIZE)
+        assert index is not None
+        with pytest.raises(OSError) as info:
+            ring.write(fd, index, direct_write._address(mm), 1 << 20, 0)
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(fd)
+        direct_write.forget_buffer(mm)
+        mm.close()
+
+
+def test_a_refused_registration_leaves_pwrite(tmp_path: Path, ring: uring.DirectRing) -> None:
+    # Over the kernel's 1 GiB limit per buffer: refused without asking, written by pwrite.
+    assert not ring.register(1 << 40, (1 << 30) + 4096)
+    mm = _slab(SIZE)
+    before = ring.bytes_written
+    view = memoryview(mm)
+    assert _write(tmp_path / "plain.bin", view) == mm[:]
+    assert ring.bytes_written == before
+    view.release()
+    mm.close()
+
+
+def test_io_uring_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(uring.IO_URING_ENV, "off")
+    assert uring.DirectRing.open() is None
