@@ -116,10 +116,9 @@ def _registered(dfd: int, view: memoryview) -> _Registered | None:
     if ring is None or not ring.lock.acquire(blocking=False):
         return None
     try:
-        address = _address(view)
-        index = ring.find(address, len(view))
-        if index is not None and _allocate(dfd, len(view)):
-            return _Registered(ring, index, address)
+        found = ring.find(view)
+        if found is not None and _allocate(dfd, len(view)):
+            return _Registered(ring, *found)
     except BaseException:
         ring.lock.release()
         raise
@@ -156,14 +155,6 @@ except (OSError, AttributeError):  # no fallocate(2) in this libc: no registered
     _fallocate = None
 
 
-def _address(buffer: memoryview | mmap.mmap) -> int:
-    holder = ctypes.c_char.from_buffer(buffer)
-    try:
-        return ctypes.addressof(holder)
-    finally:
-        del holder
-
-
 def register_buffer(buffer: mmap.mmap) -> bool:
     """Register the mapping `buffer` with the process's ring, so that direct writes from it
     need not pin its pages each time; False where io_uring is off, unavailable or refuses.
@@ -172,17 +163,17 @@ def register_buffer(buffer: mmap.mmap) -> bool:
     if ring is None:
         return False
     with ring.lock:
-        return ring.register(_address(buffer), len(buffer))
+        return ring.register(buffer)
 
 
 def forget_buffer(buffer: mmap.mmap) -> None:
     """Unregister `buffer`'s pages from the process's ring (call before unmapping it: a
     registered page stays pinned until then); a no-op where nothing was registered."""
     ring = uring.shared_ring() if uring.ring_opened() else None
-    if ring is None or buffer.closed:
+    if ring is None:
         return
     with ring.lock:
-        ring.forget(_address(buffer), len(buffer))
+        ring.forget(buffer)
 
 
 def _write_direct(

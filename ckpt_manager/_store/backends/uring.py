@@ -36,6 +36,8 @@ import os
 import platform
 import struct
 import threading
+import weakref
+from typing import NamedTuple
 
 import structlog
 
@@ -94,6 +96,27 @@ def _enabled() -> bool:
     return setting not in ("off", "0", "no", "false")
 
 
+class _Range(NamedTuple):
+    """A registered mapping: its pages `[start, end)` and the mapping object itself."""
+
+    start: int
+    end: int
+    owner: weakref.ref[mmap.mmap]
+
+
+def _address(buffer: mmap.mmap | memoryview) -> int:
+    holder = ctypes.c_char.from_buffer(buffer)
+    try:
+        return ctypes.addressof(holder)
+    finally:
+        del holder
+
+
+def _alive(registered: _Range) -> bool:
+    owner = registered.owner()
+    return owner is not None and not owner.closed
+
+
 class DirectRing:
     """One io_uring for `O_DIRECT` writes from registered buffers."""
 
@@ -122,7 +145,7 @@ class DirectRing:
         self._cqes = cq_off[5]
         self.bytes_written = 0
         """Bytes written through the ring since it opened."""
-        self._ranges: list[tuple[int, int]] = []  # registered (address, length), by index
+        self._ranges: list[_Range] = []  # registered, by buffer index
         self._refused: set[tuple[int, int]] = set()
 
     @classmethod
@@ -156,54 +179,60 @@ class DirectRing:
         self._ranges = []
 
     # ------------------------------------------------------------------ buffers
-    def register(self, address: int, length: int) -> bool:
-        """Register `[address, address + length)` (rounded out to pages) for writes; False
-        if the kernel refuses (e.g. `RLIMIT_MEMLOCK`; the range is not asked for again).
+    def register(self, buffer: mmap.mmap) -> bool:
+        """Register the mapping `buffer` (pinning its pages) for writes; False if the kernel
+        refuses (e.g. `RLIMIT_MEMLOCK`; a range refused is not asked for again).
 
-        The caller owns the mapping and calls `forget` before unmapping it: the ring writes
-        from the pages pinned here, whatever is mapped at the address later.
+        The caller owns the mapping and calls `forget` before unmapping it: until then its
+        pages stay pinned. A range is used only for views of this very mapping object, so a
+        mapping closed without `forget` is never written from its stale pinned pages.
         """
+        live = [r for r in self._ranges if _alive(r)]  # a closed mapping's range: dropped
+        if any(r.owner() is buffer for r in live):
+            if len(live) != len(self._ranges):
+                self._register(live)
+            return True
         page = mmap.PAGESIZE
+        address = _address(buffer)
         start = address // page * page
-        end = -(-(address + length) // page) * page
-        if self.find(start, end - start) is not None:
-            return True
-        if (start, end) in self._refused or end - start > _MAX_REGISTER:
-            return False
-        kept = [r for r in self._ranges if r[0] + r[1] <= start or r[0] >= end]
-        wanted = [*kept[-(_MAX_BUFFERS - 1) :], (start, end - start)]
-        if self._register(wanted):
-            return True
-        self._refused.add((start, end))
-        self._register(kept)  # the set before, but for what overlapped the new range
+        end = -(-(address + len(buffer)) // page) * page
+        wanted = [*live[-(_MAX_BUFFERS - 1) :], _Range(start, end, weakref.ref(buffer))]
+        if (start, end) not in self._refused and end - start <= _MAX_REGISTER:
+            if self._register(wanted):
+                return True
+            self._refused.add((start, end))
+        self._register(live)
         return False
 
-    def find(self, address: int, length: int) -> int | None:
-        """The index of the registered buffer holding `[address, address + length)`."""
-        for index, (start, size) in enumerate(self._ranges):
-            if start <= address and address + length <= start + size:
-                return index
+    def find(self, view: memoryview) -> tuple[int, int] | None:
+        """`(buffer index, address)` of `view` where it lies in a registered mapping (the
+        same mapping object it was registered as); None otherwise."""
+        owner = view.obj
+        for index, found in enumerate(self._ranges):
+            if found.owner() is owner and not owner.closed:
+                address = _address(view)
+                if found.start <= address and address + len(view) <= found.end:
+                    return index, address
         return None
 
-    def forget(self, address: int, length: int) -> None:
-        """Unregister every range overlapping `[address, address + length)` (its mapping is
-        about to go: registered pages stay pinned until unregistered)."""
-        kept = [r for r in self._ranges if r[0] + r[1] <= address or r[0] >= address + length]
+    def forget(self, buffer: mmap.mmap) -> None:
+        """Unregister `buffer` (before it is unmapped: its pages stay pinned until then)."""
+        kept = [r for r in self._ranges if r.owner() is not buffer and _alive(r)]
         if len(kept) != len(self._ranges):
             self._register(kept)
 
     @property
     def registered(self) -> list[tuple[int, int]]:
         """The registered `(address, length)` ranges."""
-        return list(self._ranges)
+        return [(r.start, r.end - r.start) for r in self._ranges]
 
-    def _register(self, ranges: list[tuple[int, int]]) -> bool:
+    def _register(self, ranges: list[_Range]) -> bool:
         if self._ranges:
             self._libc.syscall(_SYS_REGISTER, self._fd, _UNREGISTER_BUFFERS, None, 0)
             self._ranges = []
         if not ranges:
             return True
-        iovecs = (_Iovec * len(ranges))(*(_Iovec(a, n) for a, n in ranges))
+        iovecs = (_Iovec * len(ranges))(*(_Iovec(r.start, r.end - r.start) for r in ranges))
         result = self._libc.syscall(
             _SYS_REGISTER, self._fd, _REGISTER_BUFFERS, ctypes.byref(iovecs), len(ranges)
         )
@@ -212,7 +241,7 @@ class DirectRing:
             _log.info(
                 "io_uring_register_refused",
                 error=os.strerror(err),
-                bytes=sum(n for _, n in ranges),
+                bytes=sum(r.end - r.start for r in ranges),
                 hint="registered buffers count against RLIMIT_MEMLOCK (LimitMEMLOCK= in systemd)"
                 if err == errno.ENOMEM
                 else None,

@@ -166,7 +166,7 @@ def test_a_registered_slab_is_written_through_the_ring(
         assert _write(tmp_path / "other.bin", other_view) == other[:]
         assert ring.bytes_written == before  # not registered: pwrite
         direct_write.forget_buffer(mm)
-        assert ring.find(direct_write._address(mm), SIZE) is None
+        assert ring.find(view) is None
         assert _write(tmp_path / "forgotten.bin", view) == mm[:]
         assert ring.bytes_written == before
         view.release()
@@ -184,10 +184,13 @@ def test_a_ring_write_error_is_raised(tmp_path: Path, ring: uring.DirectRing) ->
     fd = os.open(path, os.O_RDONLY)
     try:
         assert direct_write.register_buffer(mm)
-        index = ring.find(direct_write._address(mm), SIZE)
-        assert index is not None
+        view = memoryview(mm)
+        found = ring.find(view)
+        view.release()
+        assert found is not None
+        index, address = found
         with pytest.raises(OSError) as info:
-            ring.write(fd, index, direct_write._address(mm), 1 << 20, 0)
+            ring.write(fd, index, address, 1 << 20, 0)
         assert info.value.errno == errno.EBADF
     finally:
         os.close(fd)
@@ -196,15 +199,43 @@ def test_a_ring_write_error_is_raised(tmp_path: Path, ring: uring.DirectRing) ->
 
 
 def test_a_refused_registration_leaves_pwrite(tmp_path: Path, ring: uring.DirectRing) -> None:
-    # Over the kernel's 1 GiB limit per buffer: refused without asking, written by pwrite.
-    assert not ring.register(1 << 40, (1 << 30) + 4096)
-    mm = _slab(SIZE)
+    # Over the kernel's 1 GiB limit per buffer (mapped, never touched): refused without
+    # asking the kernel, and written by pwrite.
+    mm = mmap.mmap(-1, (1 << 30) + 4096)
+    mm[: 1 << 20] = bytes(range(256)) * 4096
     before = ring.bytes_written
-    view = memoryview(mm)
-    assert _write(tmp_path / "plain.bin", view) == mm[:]
+    try:
+        assert not direct_write.register_buffer(mm)
+        view = memoryview(mm)[: 8 << 20]
+        assert _write(tmp_path / "plain.bin", view) == mm[: 8 << 20]
+        view.release()
+    finally:
+        mm.close()
     assert ring.bytes_written == before
-    view.release()
-    mm.close()
+
+
+def test_a_mapping_closed_without_forget_is_never_written_from_its_pinned_pages(
+    tmp_path: Path, ring: uring.DirectRing
+) -> None:
+    # The ring writes from the pages pinned at registration, whatever is mapped at that
+    # address later: a new mapping at the old one's address must not match its range.
+    old = _slab(SIZE)
+    assert direct_write.register_buffer(old)
+    old.close()  # unmapped without forget_buffer: its pages stay pinned in the ring
+    new = mmap.mmap(-1, SIZE)
+    new.write(b"\x5a" * SIZE)
+    try:
+        before = ring.bytes_written
+        view = memoryview(new)
+        assert _write(tmp_path / "new.bin", view) == b"\x5a" * SIZE  # not the old pattern
+        view.release()
+        assert ring.bytes_written == before
+        # Registering another mapping drops the closed one's range (its pages unpinned).
+        assert direct_write.register_buffer(new)
+        assert [n for _, n in ring.registered] == [-(-SIZE // mmap.PAGESIZE) * mmap.PAGESIZE]
+    finally:
+        direct_write.forget_buffer(new)
+        new.close()
 
 
 def test_io_uring_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
