@@ -186,18 +186,40 @@ class LocalBackend(FsspecBackend):
         _fsync_dir(os.path.dirname(src.rstrip("/")))
 
     def write_if(self, path: str, data: bytes, *, expected_version: str | None) -> str:
-        """Compare and publish under an `flock` on the object's folder."""
+        """Compare and publish: the new content is written and fsynced beside the object
+        first; under an `flock` on the object's folder only the comparison and the rename.
+
+        [Note: the lease lock covers a read and a rename] Every process's conditional write
+        waits for the folder's lock, so whatever runs under it stops them all while it runs
+        and forever if its process is stopped there (SIGSTOP, a frozen cgroup, an fsync hung
+        on a failing disk): a holder stopped inside its refresh kept the next run from ever
+        taking over its expired lease (`test_lease.py`'s stopped holder, under load, failed
+        once in a CI run this way). The temp file's write and fsync, and the folder's fsync,
+        now run outside the lock: it covers a read of a small file and a rename.
+        """
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
-        # The lock is on the folder: the object itself is replaced by rename, and a
-        # lock file would be one more name in the root.
-        lock = os.open(folder, os.O_RDONLY)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            self.check_version(path, expected_version)
-            self.write_file(path, memoryview(data), exclusive=False, staged=None)
+            try:
+                write_at_start(fd, tmp, memoryview(data))
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            # The lock is on the folder: the object itself is replaced by rename, and a
+            # lock file would be one more name in the root.
+            lock = os.open(folder, os.O_RDONLY)
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self.check_version(path, expected_version)
+                os.replace(tmp, path)
+            finally:
+                os.close(lock)  # releases the lock
         finally:
-            os.close(lock)  # releases the lock
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        _fsync_dir(folder)
         return content_version(data)
 
     def keep_buffer(self, buffer: mmap.mmap) -> bool:

@@ -7,6 +7,7 @@ a pid that has exited), never from patching our code.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import pathlib
@@ -108,6 +109,36 @@ def holder(
         proc.communicate(timeout=60)
 
 
+def _stop_outside_the_lock(pid: int, root: str) -> None:
+    """SIGSTOP `pid` at a moment it does not hold the root's lease lock.
+
+    A holder stopped inside its conditional write (a read and a rename under the folder's
+    `flock`: [Note: the lease lock covers a read and a rename]) keeps every other process
+    from writing the lease until it runs again; a refresh's fsyncs were inside it until they
+    moved out, and under load one CI run stopped the holder there. This test is about a
+    holder stopped between refreshes, so it stops it again until the lock is free.
+    """
+    for _ in range(500):
+        os.kill(pid, signal.SIGSTOP)
+        wait_until(lambda: _state(pid) in ("T", "t"), 10)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return  # free, and the holder cannot take it while stopped (closing releases it)
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} held the lease lock at each of 500 stops")
+
+
+def _state(pid: int) -> str:
+    stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0]
+
+
 def _in_flight(root: str) -> list[str]:
     folder = pathlib.Path(root) / step_dir(2)
     return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
@@ -148,7 +179,7 @@ def test_b_a_stopped_holder_is_taken_over_after_a_ttl_and_is_fenced(
     holder: tuple[str, pathlib.Path, subprocess.Popen[str]], tmp_path: pathlib.Path
 ) -> None:
     root, first_flags, first = holder
-    os.kill(first.pid, signal.SIGSTOP)
+    _stop_outside_the_lock(first.pid, root)
     flags = tmp_path / "flags-2"
     flags.mkdir()
     second = _python(_SECOND, root, str(flags), str(TTL_S))
