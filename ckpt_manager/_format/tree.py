@@ -35,6 +35,7 @@ __all__ = [
     "copy_into_template",
     "flatten",
     "is_sharded",
+    "placement_key",
     "placement_of",
 ]
 
@@ -65,6 +66,21 @@ class TensorLeaf(NamedTuple):
     """Box offset of a sharded leaf, or None."""
     flat_range: tuple[int, int] | None
     """Flat range of a sharded leaf, or None."""
+
+
+def placement_key(leaf: TensorLeaf) -> tuple[Any, ...]:
+    """What a plan of `leaf` depends on (key, kind, dtype, shape and placement), as the raw
+    objects: comparing two of them converts nothing (plan caches compare one per leaf per
+    save)."""
+    return (
+        leaf.key,
+        leaf.kind,
+        leaf.tensor.dtype,
+        leaf.tensor.shape,
+        leaf.global_shape,
+        leaf.global_offset,
+        leaf.flat_range,
+    )
 
 
 class Flattened(NamedTuple):

@@ -26,7 +26,7 @@ from typing import Any
 from ckpt_manager._format.pieces import Piece
 from ckpt_manager._format.rank_index import PieceRecord
 from ckpt_manager._format.shard_file import FileLayout, dtype_name, plan_layout
-from ckpt_manager._format.tree import Flattened, LeafKind, TensorLeaf
+from ckpt_manager._format.tree import Flattened, LeafKind, TensorLeaf, placement_key
 
 __all__ = ["PlanCache", "leaves_to_write", "piece_records"]
 
@@ -98,21 +98,7 @@ class PlanCache:
             `(layout, records)`, the same objects as last time when nothing they depend on
             changed.
         """
-        signature = (
-            file_name,
-            tuple(
-                (
-                    leaf.key,
-                    leaf.kind,
-                    leaf.tensor.dtype,
-                    leaf.tensor.shape,
-                    leaf.global_shape,
-                    leaf.global_offset,
-                    leaf.flat_range,
-                )
-                for leaf in leaves
-            ),
-        )
+        signature = (file_name, tuple(map(placement_key, leaves)))
         if self._plan is not None and signature == self._signature:
             return self._plan
         layout = plan_layout([(x.key, x.tensor.dtype, tuple(x.tensor.shape)) for x in leaves])

@@ -43,14 +43,21 @@ def test_aligned_slab_is_written_whole_through_the_direct_path(tmp_path: Path) -
     view.release()
 
 
+def _direct_fd_or_skip(path: Path) -> int:
+    """`path` created and opened with `O_DIRECT`; the test is skipped where the filesystem
+    refuses it (the buffered path writes it all)."""
+    path.touch()
+    fd = direct_write._open_direct(str(path))
+    if fd is None:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    return fd
+
+
 def test_direct_prefix_is_block_aligned_or_refused(tmp_path: Path) -> None:
     mm = _slab(SIZE)
     view = memoryview(mm)
     path = tmp_path / "prefix.bin"
-    path.touch()
-    fd = direct_write._open_direct(str(path))
-    if fd is None:
-        pytest.skip("this filesystem refuses O_DIRECT (the buffered path writes it all)")
+    fd = _direct_fd_or_skip(path)
     try:
         aligned = SIZE // DIRECT_ALIGN * DIRECT_ALIGN
         written, usable = direct_write._write_direct(fd, view, 0, aligned)
@@ -150,12 +157,7 @@ def test_a_registered_slab_is_written_through_the_ring(
         assert direct_write.register_buffer(mm)
         before = ring.bytes_written
         view = memoryview(mm)
-        probe = tmp_path / "probe"
-        probe.touch()
-        dfd = direct_write._open_direct(str(probe))
-        if dfd is None:
-            pytest.skip("this filesystem refuses O_DIRECT")
-        os.close(dfd)
+        os.close(_direct_fd_or_skip(tmp_path / "probe"))
         assert _write(tmp_path / "ring.bin", view) == mm[:]
         aligned = SIZE // DIRECT_ALIGN * DIRECT_ALIGN
         assert ring.bytes_written - before == aligned
