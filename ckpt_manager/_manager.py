@@ -191,6 +191,7 @@ class CheckpointManager:
             on_idle=self._wake_deleter,
             fence=self._confirm_lease,
             on_committed=self._note_committed,
+            before_publish=self._note_commit_to_retention,
         )
         self._pending = self._final.pending  # the same deque: saves in flight, oldest first
         self._finalize_calls: collections.deque[float] = collections.deque(
@@ -369,11 +370,18 @@ class CheckpointManager:
         if self._deleter is not None:
             self._deleter.trigger()
 
-    def _note_committed(
+    def _note_commit_to_retention(
         self, step: int, committed_unix_s: float, metrics: Mapping[str, Any]
     ) -> None:
         if self._deleter is not None:  # the coordinator's
             self._deleter.note_committed(step, committed_unix_s, metrics)
+
+    def _note_committed(
+        self, step: int, committed_unix_s: float, metrics: Mapping[str, Any]
+    ) -> None:
+        # Told again once committed: a manifest another attempt had published first (read
+        # back by the commit) carries its own time and metrics.
+        self._note_commit_to_retention(step, committed_unix_s, metrics)
         if self._memory is not None:  # [Note: a memory step older than a durable one is stale]
             self._memory.record_durable(step)
 

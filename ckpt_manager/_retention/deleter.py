@@ -130,7 +130,9 @@ class Deleter:
     def note_committed(
         self, step: int, committed_unix_s: float, metrics: Mapping[str, Any]
     ) -> None:
-        """Remember a step this run just committed, as its manifest records it.
+        """Remember a step this run is committing, as its manifest records it (told before
+        the manifest is published, so no pass lists the step first; a step whose publish
+        failed is never listed as committed, and a later commit of it replaces the entry).
 
         [Note: retention learns a commit from the finalizer] Each pass needs every committed
         step's commit time and metrics; it read them from the manifest of each step new to

@@ -186,6 +186,7 @@ def commit_step(
     fence: Callable[[], None] | None = None,
     spread_prefixes: int = 0,
     tensors: Mapping[str, Mapping[str, Any]] | None = None,
+    before_publish: Callable[[Manifest], None] | None = None,
 ) -> CommitOutcome:
     """Coordinator: build the top manifest from the reports and publish it.
 
@@ -196,6 +197,9 @@ def commit_step(
     `_store/publish.py`), and restore checks every index against the manifest's size and
     CRC-32. `fence` (the lease's `confirm`) runs before the build and again right before the
     write ([Note: fencing] in `_store/lease.py`). `tensors`: as in `build_top_manifest`.
+    `before_publish` is called with the manifest once it is built, before anyone can list it
+    (retention learns the commit from it: [Note: retention learns a commit from the
+    finalizer] in `_retention/deleter.py`).
 
     Returns:
         The outcome; never raises for storage problems, so it can be broadcast to every rank.
@@ -214,4 +218,6 @@ def commit_step(
         )
     except (CheckpointError, ValueError) as err:
         return failed_outcome(err)
+    if before_publish is not None:
+        before_publish(manifest)
     return publish_manifest(storage, manifest, fence=fence)

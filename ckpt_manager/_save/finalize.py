@@ -109,6 +109,7 @@ from typing import Any, NamedTuple
 
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Pending, Status
+from ckpt_manager._format.manifest import Manifest
 from ckpt_manager._save.commit import TopTensors, commit_step
 from ckpt_manager._save.report import decode_report, encode_report, report_tensor_list
 from ckpt_manager._save.request import Limits, SaveRequest, SaveState
@@ -240,6 +241,7 @@ class Finalizer:
         on_idle: Callable[[], None],
         fence: Callable[[], None] | None = None,
         on_committed: Callable[[int, float, Mapping[str, Any]], None] | None = None,
+        before_publish: Callable[[int, float, Mapping[str, Any]], None] | None = None,
     ) -> None:
         """Wire the finalizer.
 
@@ -257,8 +259,14 @@ class Finalizer:
                 taken over): before each manifest write and each removal of an attempt.
             on_committed: on every rank, called with each committed step, its commit time
                 and the metrics its manifest holds (on the coordinator: rank 0's report
-                carries them; elsewhere empty): [Note: retention learns a commit from the
-                finalizer] in `_retention/deleter.py`, and the memory tier's durable floor.
+                carries them; elsewhere empty): the memory tier's durable floor, and
+                retention again (a manifest read back from another attempt has its own).
+            before_publish: on the coordinator, called on its finalizer thread with a step's
+                commit time and metrics once its manifest is built and before it is
+                published, so that no listing can show the step first ([Note: retention
+                learns a commit from the finalizer] in `_retention/deleter.py`; told when the
+                training thread read the commit, a retention pass between the two read the
+                manifest, and a CI run's retention test saw it).
         """
         self._config = config
         self._storage = storage
@@ -271,6 +279,7 @@ class Finalizer:
         self._on_idle = on_idle
         self._fence = fence
         self._on_committed = on_committed
+        self._before_publish = before_publish
         self.pending: collections.deque[SaveRequest] = collections.deque()
         """Saves in flight, oldest first."""
         self.unclean_steps: set[int] = set()
@@ -583,9 +592,14 @@ class Finalizer:
                 reports=reports,
                 spread_prefixes=spread,
                 tensors=tensors,
+                before_publish=self._announce,
             )
 
         self._worker().submit(lambda: job.run(commit))
+
+    def _announce(self, manifest: Manifest) -> None:
+        if self._before_publish is not None:
+            self._before_publish(manifest.step, manifest.committed_unix_s, manifest.metrics)
 
     def close(self, timeout_s: float) -> None:
         """Stop the finalizer's thread (after the job it runs, if any)."""
