@@ -253,12 +253,17 @@ def test_back_to_back_saves_do_not_starve_retention(tmp_path: pathlib.Path) -> N
         deleter.close(5.0)
 
 
+@pytest.mark.parametrize("pass_before_the_poll", [False, True], ids=["plain", "pass_before_poll"])
 def test_retention_learns_this_runs_commits_without_reading_their_manifests(
-    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, pass_before_the_poll: bool
 ) -> None:
     # [Note: retention learns a commit from the finalizer]: the policy sees what the
-    # manifest holds (a tuple metric as a list), and no manifest of this run is parsed.
+    # manifest holds (a tuple metric as a list), and no manifest of this run is parsed, even
+    # by a retention pass that runs after a manifest is published and before the training
+    # thread reads the commit (`pass_before_the_poll`: forced there; before, told only at
+    # that read, such a pass read the manifest; a CI run hit it by chance).
     import ckpt_manager._retention.deleter as deleter_mod
+    from ckpt_manager._save import finalize as finalize_mod
     from ckpt_manager._store.steps import read_manifest
 
     read: list[int] = []
@@ -277,6 +282,19 @@ def test_retention_learns_this_runs_commits_without_reading_their_manifests(
 
     cfg = _config(Recording())
     with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        if pass_before_the_poll:
+            assert mgr._deleter is not None
+            mgr._deleter._max_defer_s = 0.0  # a pass is not put off for the save in flight
+            committed = finalize_mod.Finalizer._committed
+
+            def after_a_pass(self: Any, request: Any, committed_unix_s: float) -> None:
+                deleter = mgr._deleter
+                assert deleter is not None
+                deleter.trigger()
+                assert deleter.flush(30)
+                committed(self, request, committed_unix_s)
+
+            monkeypatch.setattr(finalize_mod.Finalizer, "_committed", after_a_pass)
         for step in (1, 2, 3):
             mgr.save(step, {"t": torch.tensor([1.0])}, metrics={"loss": 0.5, "pair": (step, 1)})
         mgr.wait_until_finished()
