@@ -269,8 +269,9 @@ def test_retention_learns_this_runs_commits_without_reading_their_manifests(
     read: list[int] = []
 
     def counting(storage: Storage, step: int) -> Any:
-        read.append(step)
-        return read_manifest(storage, step)
+        manifest = read_manifest(storage, step)
+        read.append(step)  # parsed (a step still being saved has none to read yet)
+        return manifest
 
     monkeypatch.setattr(deleter_mod, "read_manifest", counting)
     seen: list[dict[int, Any]] = []
