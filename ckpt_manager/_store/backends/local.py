@@ -19,7 +19,7 @@ import mmap
 import os
 import shutil
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar, Self
 
 from fsspec.implementations.local import LocalFileSystem
@@ -118,10 +118,17 @@ class LocalBackend(FsspecBackend):
 
     @staticmethod
     def write_file(
-        path: str, data: memoryview, *, exclusive: bool, staged: Iterable[int] | None
+        path: str,
+        data: memoryview,
+        *,
+        exclusive: bool,
+        staged: Iterable[int] | None,
+        around_rename: Callable[[], contextlib.AbstractContextManager[object]] = (
+            contextlib.nullcontext
+        ),
     ) -> None:
-        """Publish `data` as the file `path`: temp file, fsync, rename (or link), fsync the
-        folder."""
+        """Publish `data` as the file `path`: temp file, fsync, rename (or link) inside
+        `around_rename()` (a conditional write's lock and comparison), fsync the folder."""
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
@@ -132,12 +139,13 @@ class LocalBackend(FsspecBackend):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            if exclusive:
-                # [Note: link, not replace] os.link is atomic *and* fails if the name exists;
-                # os.replace would silently overwrite a committed manifest.
-                os.link(tmp, path)
-            else:
-                os.replace(tmp, path)
+            with around_rename():
+                if exclusive:
+                    # [Note: link, not replace] os.link is atomic *and* fails if the name
+                    # exists; os.replace would silently overwrite a committed manifest.
+                    os.link(tmp, path)
+                else:
+                    os.replace(tmp, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -198,28 +206,22 @@ class LocalBackend(FsspecBackend):
         now run outside the lock: it covers a read of a small file and a rename.
         """
         folder = os.path.dirname(path)
-        os.makedirs(folder, exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            try:
-                write_at_start(fd, tmp, memoryview(data))
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+
+        @contextlib.contextmanager
+        def compared() -> Iterator[None]:
             # The lock is on the folder: the object itself is replaced by rename, and a
-            # lock file would be one more name in the root.
+            # lock file would be one more name in the root (write_file made the folder).
             lock = os.open(folder, os.O_RDONLY)
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 self.check_version(path, expected_version)
-                os.replace(tmp, path)
+                yield
             finally:
                 os.close(lock)  # releases the lock
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        _fsync_dir(folder)
+
+        self.write_file(
+            path, memoryview(data), exclusive=False, staged=None, around_rename=compared
+        )
         return content_version(data)
 
     def keep_buffer(self, buffer: mmap.mmap) -> bool:
