@@ -22,11 +22,10 @@ it), the aligned bulk is written from the registered pages into a file allocated
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from ckpt_manager._store.backends import uring
@@ -85,8 +84,7 @@ def write_at_start(
 def _direct_candidate(view: memoryview) -> bool:
     if _O_DIRECT is None or view.readonly or len(view) < _DIRECT_MIN_BYTES:
         return False
-    address = ctypes.addressof(ctypes.c_char.from_buffer(view))
-    return address % DIRECT_ALIGN == 0
+    return uring.buffer_address(view) % DIRECT_ALIGN == 0
 
 
 def _open_direct(path: str) -> int | None:
@@ -117,42 +115,13 @@ def _registered(dfd: int, view: memoryview) -> _Registered | None:
         return None
     try:
         found = ring.find(view)
-        if found is not None and _allocate(dfd, len(view)):
+        if found is not None and ring.allocate(dfd, len(view)):
             return _Registered(ring, *found)
     except BaseException:
         ring.lock.release()
         raise
     ring.lock.release()
     return None
-
-
-def _allocate(fd: int, nbytes: int) -> bool:
-    """Allocate the file's blocks up front (a write extending it would not complete inline);
-    False where the filesystem cannot."""
-    if _fallocate is None:
-        return False
-    try:
-        _fallocate(fd, nbytes)
-    except OSError:
-        return False
-    return True
-
-
-def _fallocate_syscall(fd: int, nbytes: int) -> None:
-    # fallocate(2) itself: glibc's posix_fallocate writes a byte per block where the
-    # filesystem has no fallocate, which costs more than it saves.
-    if _libc.fallocate(fd, 0, 0, nbytes) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-_fallocate: Callable[[int, int], None] | None
-try:
-    _libc = ctypes.CDLL(None, use_errno=True)
-    _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    _fallocate = _fallocate_syscall
-except (OSError, AttributeError):  # no fallocate(2) in this libc: no registered writes
-    _fallocate = None
 
 
 def register_buffer(buffer: mmap.mmap) -> bool:

@@ -41,7 +41,7 @@ from typing import NamedTuple
 
 import structlog
 
-__all__ = ["IO_URING_ENV", "DirectRing", "ring_opened", "shared_ring"]
+__all__ = ["IO_URING_ENV", "DirectRing", "buffer_address", "ring_opened", "shared_ring"]
 
 IO_URING_ENV = "TRAININGD_IO_URING"
 """`off` (or `0`, `no`, `false`): never use io_uring for direct writes."""
@@ -104,7 +104,8 @@ class _Range(NamedTuple):
     owner: weakref.ref[mmap.mmap]
 
 
-def _address(buffer: mmap.mmap | memoryview) -> int:
+def buffer_address(buffer: mmap.mmap | memoryview) -> int:
+    """The address of a writable buffer's first byte."""
     holder = ctypes.c_char.from_buffer(buffer)
     try:
         return ctypes.addressof(holder)
@@ -193,7 +194,7 @@ class DirectRing:
                 self._register(live)
             return True
         page = mmap.PAGESIZE
-        address = _address(buffer)
+        address = buffer_address(buffer)
         start = address // page * page
         end = -(-(address + len(buffer)) // page) * page
         wanted = [*live[-(_MAX_BUFFERS - 1) :], _Range(start, end, weakref.ref(buffer))]
@@ -210,7 +211,7 @@ class DirectRing:
         owner = view.obj
         for index, found in enumerate(self._ranges):
             if found.owner() is owner and not owner.closed:
-                address = _address(view)
+                address = buffer_address(view)
                 if found.start <= address and address + len(view) <= found.end:
                     return index, address
         return None
@@ -249,6 +250,13 @@ class DirectRing:
             return False
         self._ranges = list(ranges)
         return True
+
+    def allocate(self, fd: int, nbytes: int) -> bool:
+        """Allocate the first `nbytes` of the file `fd` (`fallocate(2)`) before writing them
+        through the ring: a write extending a file does not complete inline (see the
+        module's note). False where the filesystem cannot (glibc's `posix_fallocate` would
+        write a byte per block instead, which costs more than it saves)."""
+        return self._libc.fallocate(fd, 0, ctypes.c_int64(0), ctypes.c_int64(nbytes)) == 0
 
     # ------------------------------------------------------------------ writes
     def write(self, fd: int, index: int, address: int, length: int, offset: int) -> int:
