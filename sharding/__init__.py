@@ -94,6 +94,8 @@ Module plan:
 * `_optimizer.py`: `DistributedOptimizer`: torch optimizer on main-weight shards, global
   norm clipping, loss scaling, pushing updated weights back (ZeRO-1/2: gathers left pending
   for the next forward); its sharded state dict (save, reshard on load).
+* `_optimizer_state.py`: `materialize_state`: the optimizer's state made without a step (a
+  probe step learns each group's entries), for a restore to fill in place.
 * `_state_dict.py`: `ShardedTensor`, the flat form's piece helpers (resharding on load), the
   model's sharded / full state dicts (`_optimizer` imports it, never the reverse).
 * `_stats.py`: `ShardingStats`, `ShardingStatsSnapshot`, `CollectiveObserver`.

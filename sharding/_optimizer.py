@@ -52,6 +52,7 @@ import torch
 
 from sharding._engine import Engine
 from sharding._groups import group_runs, resolve_groups
+from sharding._optimizer_state import materialize_state
 from sharding._scaler import ShardedLossScaler
 from sharding._state_dict import (
     ShardedTensor,
@@ -358,6 +359,29 @@ class DistributedOptimizer:
         """
         return optimizer_sharded_state_dict(self)
 
+    def materialize_state(self) -> bool:
+        """Give the torch optimizer the state its first step would, without a step.
+
+        For a restore template: `sharded_state_dict()` then has the optimizer's entries, as
+        views of the live state, and `load_sharded_state_dict` of the pieces a restore filled
+        in place keeps the state where it is ([Note: optimizer state made for a restore]).
+        No weight moves, no RNG is drawn, no collective runs; if nothing is loaded after all
+        and it returned True, `optimizer.state.clear()` leaves a fresh optimizer.
+
+        Returns:
+            True if it made the state, False if the optimizer had state already (a step, a
+            load, or one that makes its state when built, as Adagrad): nothing changed.
+
+        Raises:
+            ShardingError: some chunks have state and others none.
+        """
+        made = materialize_state(self.optimizer, self.params, self.chunks)
+        self._pieces.clear()
+        # As a step leaves it: records the layout made (one tensor per key per bucket), or
+        # moves a state the optimizer made when built (Adagrad's, per chunk) into it.
+        self._make_state_adjacent()
+        return made
+
     def load_sharded_state_dict(self, state_dict: StateDict) -> None:
         """Load state saved by `sharded_state_dict` (any world size, any strategy).
 
@@ -506,6 +530,41 @@ def _state_range(
     return torch.cat(parts), True
 
 
+def _restored_in_place(
+    opt: DistributedOptimizer, pos: int, entries: list[Any]
+) -> dict[str, torch.Tensor] | None:
+    """Bucket `pos`'s state tensors, main-weight-shaped, one per elementwise key, when every
+    elementwise entry of the loaded `entries` (per slot) is the very piece this optimizer
+    served for it (`restore(into=...)` of a template it made filled the live state); else None.
+
+    Only where the bucket's state lies in one storage per key and its chunks tile the main
+    weights (the flat tensor the load would have built is then a view of the live state).
+    """
+    cached = opt._pieces.get(pos)
+    chunks = opt.bucket_chunks(pos)
+    if cached is None or chunks is None or not entries:
+        return None
+    keys = list(cached[1][0]) if cached[1] else []
+    tensors = [state[key] for _, _, state in chunks for key in keys]
+    if not keys or len(cached[0]) != len(tensors):
+        return None
+    if not all(ref() is t for ref, t in zip(cached[0], tensors, strict=True)):
+        return None
+    for entry, pieces in zip(entries, cached[1], strict=True):
+        if entry is None or any(entry.get(key) is not pieces[key] for key in keys):
+            return None
+    numel = opt.buckets[pos].main_weight.numel()
+    if chunks[0][0] != 0 or chunks[-1][1] != numel:
+        return None
+    flats = {}
+    for key in keys:
+        parts = [state[key] for _, _, state in chunks]
+        if not _end_to_end(parts):
+            return None
+        flats[key] = parts[0].as_strided((numel,), (1,))
+    return flats
+
+
 def _end_to_end(tensors: list[torch.Tensor]) -> bool:
     """Whether contiguous tensors lie end to end in one storage, in list order."""
     storage = tensors[0].untyped_storage().data_ptr()
@@ -553,8 +612,14 @@ def load_optimizer_sharded_state_dict(opt: DistributedOptimizer, state_dict: Sta
                 "hold either every trained parameter or none"
             )
         flat_state: dict[str, Any] = {}
+        kept = _restored_in_place(opt, pos, entries)
         for key in entries[0] or {}:
             values = [entry[key] for entry in entries if entry is not None]
+            if kept is not None and key in kept:
+                # [Note: optimizer state made for a restore]: filled where it lives.
+                complete_replicated(bucket, kept[key])
+                flat_state[key] = kept[key]
+                continue
             if not _is_elementwise(values[0]):
                 first = as_pieces(values[0])[0]
                 flat_state[key] = first.clone() if isinstance(first, torch.Tensor) else first

@@ -264,39 +264,25 @@ def make_optimizer(
     return model.make_optimizer(torch.optim.AdamW, groups, lr=lr, weight_decay=weight_decay)
 
 
-def _materialize_optimizer_state(optimizer: Any) -> None:
+def _materialize_optimizer_state(optimizer: Any) -> bool:
     """Give the optimizer its state tensors so a restore template has places for them.
 
     [Note: the restore template needs optimizer state] `restore(into=template)` fills only the
     leaves the template has, and a torch optimizer creates its state (AdamW: step, exp_avg,
     exp_avg_sq) lazily at its first step: a template taken before any step would silently
-    restore no optimizer state. One step of the torch optimizer on zero gradients, at learning
-    rate 0, creates every state tensor, for every chunk of every trained bucket, as a training
-    step does (`DistributedOptimizer` links a gradient to every chunk); the restore then
-    overwrites all of it, weights and param groups included. No forward or backward runs and
-    no collective: the state's shapes and dtypes are the parameters' (elementwise optimizers,
-    `sharding/_optimizer.py`), so zero gradients make the same state a real step makes, and
-    the restore template costs one local optimizer step instead of a training step (0.4-0.55 s
-    of the restart's critical path; [Note: the recovery timeline] in
-    `bench/recovery_timeline.py`). At learning rate 0 no weight moves (AdamW's decay is
-    `1 - lr x wd`, its update `-0 x ...`), no RNG is drawn and the loss scaler is not touched:
-    when the restore finds nothing after all (memory slots that do not verify, no durable
-    step), `_forget_optimizer_state` leaves exactly a fresh start.
+    restore no optimizer state. `DistributedOptimizer.materialize_state` makes the state a
+    step would, without one ([Note: optimizer state made for a restore] in
+    `sharding/_optimizer_state.py`): no forward, backward, collective or weight update, no RNG
+    drawn, and the template's pieces are views of the live state, so the restore writes
+    straight into it and the load copies nothing (the restart's critical path:
+    [Note: the recovery timeline] in `bench/recovery_timeline.py`). When the restore finds
+    nothing after all (memory slots that do not verify, no durable step),
+    `_forget_optimizer_state` leaves exactly a fresh start.
+
+    Returns:
+        Whether it made the state (an optimizer that makes its own when built has it).
     """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    rates = [group["lr"] for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    try:
-        for param in params:
-            param.grad = torch.zeros_like(param)
-        with torch.no_grad():
-            optimizer.optimizer.step()
-    finally:
-        for param in params:
-            param.grad = None
-        for group, lr in zip(optimizer.param_groups, rates, strict=True):
-            group["lr"] = lr
+    return bool(optimizer.materialize_state())
 
 
 def _forget_optimizer_state(optimizer: Any) -> None:
@@ -557,9 +543,9 @@ class _Training:
         t0 = time.perf_counter()
         # Memory may hold a step when storage holds none (the tier outlives a rank).
         in_memory = _agree_any(bool(manager.memory_steps()), self.device)
-        materialized = in_memory or _checkpoint_exists(manager)
-        if materialized:
+        materialized = (in_memory or _checkpoint_exists(manager)) and (
             _materialize_optimizer_state(self.optimizer)
+        )
         # [Note: ranks beat while restoring] Every read from storage beats the heartbeat
         # behind /healthz (published at most every `publish_interval_s`), so a restore of any
         # length stays healthy while bytes arrive, and one stuck in a read goes stale after
