@@ -19,6 +19,8 @@ __all__ = ["Region", "fill_region"]
 
 # read(piece, start_element, end_element) -> 1-D tensor of those elements of the piece.
 ReadFn = Callable[[Piece, int, int], torch.Tensor]
+# read_into(piece, start_element, out): elements [start, start + out.numel()) into `out`.
+ReadIntoFn = Callable[[Piece, int, torch.Tensor], None]
 
 
 class Region:
@@ -112,8 +114,13 @@ def fill_region(
     pieces: Sequence[Piece],
     read: ReadFn,
     what: str,
+    *,
+    read_into: ReadIntoFn | None = None,
 ) -> None:
     """Copy every stored element of `region` into `target` (shaped like the region).
+
+    With `read_into` (`target` then has the pieces' dtype), a run of a flat piece that lands
+    in one run of a flat target is read straight into it.
 
     Raises:
         CorruptCheckpointError: the pieces do not cover the region.
@@ -132,8 +139,11 @@ def fill_region(
             hi = min(src.flat_range[1], region.flat_range[1])
             if lo < hi:
                 start = region.flat_range[0]
-                data = read(piece, lo - src.flat_range[0], hi - src.flat_range[0])
-                target.view(-1)[lo - start : hi - start].copy_(data)
+                dst = target.view(-1)[lo - start : hi - start]
+                if read_into is not None:
+                    read_into(piece, lo - src.flat_range[0], dst)
+                else:
+                    dst.copy_(read(piece, lo - src.flat_range[0], hi - src.flat_range[0]))
                 covered += hi - lo
             continue
         if src.flat_range is None and region.flat_range is None and src.offset is not None:

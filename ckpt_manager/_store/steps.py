@@ -291,6 +291,9 @@ def verify_files(
         CorruptCheckpointError: the first file that fails, and why.
     """
     folder = step_dir(manifest.step)
+    # One buffer for every chunk of every file: reads into fresh bytes objects faulted in
+    # new pages at each read ([Note: a durable restore reads into its tensors]).
+    buffer = memoryview(bytearray(0))
     for name in names:
         entry = manifest.files[name]
         path = f"{folder}/{name}"
@@ -304,12 +307,20 @@ def verify_files(
             )
         if not check_crc:
             continue
+        if len(buffer) < min(size, _READ_CHUNK):
+            buffer = memoryview(bytearray(min(size, _READ_CHUNK)))
         crc = 0
         for start in range(0, size, _READ_CHUNK):
-            chunk = storage.read(path, start, min(size, start + _READ_CHUNK))
+            chunk = buffer[: min(size, start + _READ_CHUNK) - start]
+            got = storage.read_into(path, start, chunk)
+            if got != len(chunk):
+                raise CorruptCheckpointError(
+                    f"step {manifest.step}: file {name} ended at {start + got} bytes while "
+                    f"read, manifest says {entry.size}"
+                )
             crc = checksum(entry.algorithm, chunk, crc)
             if on_read is not None:
-                on_read(len(chunk))
+                on_read(got)
         if crc != entry.crc32:
             raise CorruptCheckpointError(
                 f"step {manifest.step}: file {name} checksum {crc:#010x} != manifest "

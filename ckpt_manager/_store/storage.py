@@ -183,6 +183,13 @@ class Storage:
         with translated("read", path):
             return self.backend.read(path, start, end)
 
+    def read_into(self, name: str, start: int, out: memoryview) -> int:
+        """Read bytes `[start, start + len(out))` of an object into `out`; the count read
+        (short only where the object ends)."""
+        path = self.path(name)
+        with translated("read", path):
+            return self.backend.read_into(path, start, out)
+
     def read_with_version(self, name: str) -> tuple[bytes, str]:
         """Read a whole object and the version token `write_if` compares against.
 

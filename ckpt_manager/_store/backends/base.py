@@ -156,6 +156,12 @@ class StorageBackend(Protocol):
         """The object's bytes, or bytes `[start, end)` of it."""
         ...
 
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        """Read bytes `[start, start + len(out))` of the object into `out` (a writable
+        contiguous buffer: no intermediate copy where the store allows); the count read,
+        short only where the object ends."""
+        ...
+
     def read_many(self, paths: list[str]) -> list[bytes | Exception]:
         """Whole objects in one batch (concurrent where the store allows): each one's bytes
         or the exception its read raised, in order."""

@@ -203,6 +203,14 @@ class FsspecBackend:
         """`cat_file`, whole or ranged."""
         return bytes(self.fs.cat_file(path, start=start, end=end))
 
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        """A ranged `cat_file`, copied into `out` (fsspec has no read into a buffer)."""
+        if not len(out):
+            return 0
+        data = self.fs.cat_file(path, start=start, end=start + len(out))
+        out[: len(data)] = data
+        return len(data)
+
     def read_many(self, paths: list[str]) -> list[bytes | Exception]:
         """`cat_ranges` (one concurrent batch on async filesystems)."""
         results = self.fs.cat_ranges(paths, None, None, on_error="return")

@@ -116,6 +116,26 @@ class LocalBackend(FsspecBackend):
         """Temp file (each staged part written as it is final), fsync, rename or link."""
         self.write_file(path, memoryview(data), exclusive=exclusive, staged=staged)
 
+    def read_into(self, path: str, start: int, out: memoryview) -> int:
+        """`preadv` straight into `out`: a restore reads the page cache into its tensors
+        without an intermediate bytes object (whose fresh pages fault at every read) or a
+        copy out of one ([Note: a durable restore reads into its tensors] in
+        `_load/restore.py`). A filesystem class of its own that reads otherwise (a
+        `LocalFileSystem` subclass overriding `cat_file`) is read through its `cat_file`."""
+        if type(self.fs).cat_file is not LocalFileSystem.cat_file:
+            return super().read_into(path, start, out)
+        done = 0
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            while done < len(out):
+                got = os.preadv(fd, [out[done:]], start + done)
+                if got == 0:
+                    break  # the file ends here
+                done += got
+        finally:
+            os.close(fd)
+        return done
+
     @staticmethod
     def write_file(
         path: str,

@@ -208,6 +208,27 @@ def test_reshard_between_forms_and_world_sizes(saved: str, target: str) -> None:
         assert torch.equal(out, whole)
 
 
+def test_flat_pieces_are_read_straight_into_a_flat_target() -> None:
+    # [Note: a durable restore reads into its tensors]: with `read_into` a flat target's runs
+    # are handed to it as views of the target itself; nothing is read to be copied.
+    whole = torch.arange(7 * 5, dtype=torch.float32).reshape(7, 5)
+    pieces, store = _pieces_flat(whole, [0, 12, 12, 35])
+    into: list[tuple[int, int]] = []
+
+    def read(p: Piece, s: int, e: int) -> torch.Tensor:
+        raise AssertionError("a flat run is read into the target")
+
+    def read_into(p: Piece, s: int, out: torch.Tensor) -> None:
+        into.append((out.data_ptr(), out.numel()))
+        out.copy_(store[p.file][s : s + out.numel()])
+
+    out = torch.zeros(20)
+    fill_region(out, Region((7, 5), flat_range=(5, 25)), pieces, read, "t", read_into=read_into)
+    assert torch.equal(out, whole.reshape(-1)[5:25])
+    base = out.data_ptr()
+    assert into == [(base, 7), (base + 7 * 4, 13)]
+
+
 def test_reshard_reports_missing_coverage() -> None:
     whole = torch.arange(10, dtype=torch.float32)
     pieces, store = _pieces_flat(whole, [0, 4])

@@ -125,3 +125,27 @@ def test_cuda_tensors_roundtrip(tmp_path: pathlib.Path) -> None:
     assert result is not None
     assert torch.equal(template["w"].cpu(), want_w)
     assert torch.equal(template["s"].local.cpu(), want_s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_a_piece_is_read_straight_into_a_tensor(tmp_path: pathlib.Path, dtype: torch.dtype) -> None:
+    # [Note: a durable restore reads into its tensors] in ckpt_manager/_load/restore.py.
+    from ckpt_manager._format.pieces import Piece
+    from ckpt_manager._load.restore import read_piece, read_piece_into
+    from ckpt_manager._store.storage import Storage
+    from ckpt_manager.errors import CorruptCheckpointError
+
+    values = torch.arange(100).to(dtype)
+    raw = values.view(torch.uint8).numpy().tobytes()
+    storage = Storage(str(tmp_path))
+    storage.write(f"{step_dir(3)}/piece.bin", b"head" + raw)
+    piece = Piece("piece.bin", 4, len(raw), (100,), (0,), None)
+    out = torch.full((30,), 7).to(dtype)
+    read_piece_into(storage, 3, piece, 50, out[5:25])
+    assert torch.equal(out[5:25], values[50:70])
+    assert torch.equal(out[:5], torch.full((5,), 7).to(dtype))  # nothing outside the run
+    assert torch.equal(read_piece(storage, 3, piece, dtype, 90, 100), values[90:])
+    with pytest.raises(CorruptCheckpointError, match="short"):
+        read_piece_into(storage, 3, piece, 95, torch.empty(10, dtype=dtype))
+    with pytest.raises(ValueError, match="contiguous"):
+        read_piece_into(storage, 3, piece, 0, torch.empty(10, 2, dtype=dtype)[:, 0])

@@ -80,6 +80,24 @@ def test_write_read_roundtrip_and_ranges(backend_root: Root) -> None:
     assert st.list_names("step-000000000001") == ["rank-00000.bin"]
 
 
+def test_read_into_fills_the_buffer_and_counts_a_short_end(backend_root: Root) -> None:
+    st = _storage(backend_root)
+    payload = bytes(range(256)) * 40
+    st.write("step-000000000001/rank-00000.bin", payload)
+    buffer = bytearray(b"\xee" * 64)
+    view = memoryview(buffer)
+    assert st.read_into("step-000000000001/rank-00000.bin", 100, view[8:40]) == 32
+    assert buffer[8:40] == payload[100:132]
+    assert buffer[:8] == b"\xee" * 8  # nothing outside the slice given
+    assert buffer[40:] == b"\xee" * 24
+    # Past the end: the count says how much there was.
+    assert st.read_into("step-000000000001/rank-00000.bin", len(payload) - 10, view) == 10
+    assert buffer[:10] == payload[-10:]
+    assert st.read_into("step-000000000001/rank-00000.bin", 0, view[:0]) == 0
+    with pytest.raises(ObjectNotFoundError):
+        st.read_into("step-000000000001/absent.bin", 0, view)
+
+
 def test_write_accepts_memoryview_and_overwrites_whole(backend_root: Root) -> None:
     st = _storage(backend_root)
     st.write("a/obj", memoryview(b"first version"))
