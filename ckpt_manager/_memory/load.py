@@ -27,7 +27,7 @@ from ckpt_manager._memory.meta import SlotMeta
 from ckpt_manager._types import ALIASES_KEY, RankLocal
 from ckpt_manager.errors import CheckpointError
 
-__all__ = ["load_slot", "needs_template", "verify_slot"]
+__all__ = ["load_slot", "map_verified", "needs_template", "verify_slot"]
 
 
 def _map(path: str, nbytes: int) -> mmap.mmap:
@@ -44,23 +44,35 @@ def _map(path: str, nbytes: int) -> mmap.mmap:
 
 def verify_slot(path: str, meta: SlotMeta) -> str | None:
     """Why the payload at `path` does not match `meta` (None: it does)."""
+    mapped, refused = map_verified(path, meta)
+    if mapped is not None:
+        mapped.close()
+    return refused
+
+
+def map_verified(path: str, meta: SlotMeta) -> tuple[mmap.mmap | None, str | None]:
+    """The payload at `path` mapped and checked against `meta`: `(mapping, None)`, or
+    `(None, why not)`. The caller closes the mapping; `load_slot(..., mapped=it)` loads from
+    the pages the check already mapped ([Note: the chosen slot is verified once])."""
     try:
         mm = _map(path, meta.payload_bytes)
     except (OSError, ValueError) as err:
-        return str(err)
+        return None, str(err)
     try:
         view = memoryview(mm)
         try:
             found = checksum(meta.algorithm, view)
         finally:
             view.release()
-    finally:
+    except BaseException:
         mm.close()
+        raise
     if found != meta.checksum:
-        return (
+        mm.close()
+        return None, (
             f"checksum mismatch ({meta.algorithm.value} {found:#010x}, meta {meta.checksum:#010x})"
         )
-    return None
+    return mm, None
 
 
 def needs_template(meta: SlotMeta) -> bool:
@@ -69,14 +81,21 @@ def needs_template(meta: SlotMeta) -> bool:
     return not all(record.is_whole() for record in meta.records.values())
 
 
-def load_slot(path: str, meta: SlotMeta, into: Any | None) -> Any:
+def load_slot(path: str, meta: SlotMeta, into: Any | None, mapped: mmap.mmap | None = None) -> Any:
     """The snapshot's state (`into` None) or `into` filled in place.
+
+    Args:
+        path: the payload file.
+        meta: its meta.
+        into: a template to fill, or None.
+        mapped: the payload as `map_verified` mapped it (the caller closes it), or None to
+            map `path` here.
 
     Raises:
         CheckpointError: the template does not match the snapshot.
         ValueError: the payload or the meta is inconsistent.
     """
-    mm = _map(path, meta.payload_bytes)
+    mm = _map(path, meta.payload_bytes) if mapped is None else mapped
     try:
         builder = _Builder(meta, torch.frombuffer(mm, dtype=torch.uint8))
         try:
@@ -86,8 +105,9 @@ def load_slot(path: str, meta: SlotMeta, into: Any | None) -> Any:
         finally:
             del builder  # the payload's tensor views go before the mapping
     finally:
-        with contextlib.suppress(BufferError):  # a view still alive: unmapped when it goes
-            mm.close()
+        if mapped is None:
+            with contextlib.suppress(BufferError):  # a view still alive: unmapped when it goes
+                mm.close()
 
 
 class _Builder:

@@ -14,9 +14,9 @@ import structlog
 
 from ckpt_manager._coord import Coordinator
 from ckpt_manager._format.tree import flatten
-from ckpt_manager._memory.agree import Offer, agree, local_offer
+from ckpt_manager._memory.agree import Candidate, Offer, agree, local_offer, release
 from ckpt_manager._memory.floor import read_floor
-from ckpt_manager._memory.load import load_slot
+from ckpt_manager._memory.load import load_slot, map_verified
 from ckpt_manager._memory.meta import ORIGIN_LOCAL, ORIGIN_REPLICA
 from ckpt_manager._memory.plan import held_leaves, layout_fingerprints
 from ckpt_manager._memory.tier import MemoryTier
@@ -44,6 +44,23 @@ def _template_layout(template: Any) -> str:
         return layout_fingerprints(held_leaves(flatten(template)))[0]
     except (TypeError, ValueError) as err:  # no snapshot's layout: every slot is refused
         return f"unusable template: {err}"
+
+
+def _load(tier: MemoryTier, chosen: Candidate, template: Any) -> Any:
+    """Load the agreed slot, verifying it first if the offer did not ([Note: the chosen slot
+    is verified once] in `agree.py`)."""
+    path = tier.files.payload_path(chosen.slot)
+    mapped = chosen.mapped
+    if mapped is None:
+        mapped, refused = map_verified(path, chosen.meta)
+        if mapped is None:
+            raise ValueError(f"slot {chosen.slot} (step {chosen.meta.step}): {refused}")
+        chosen = chosen._replace(mapped=mapped)
+        try:
+            return load_slot(path, chosen.meta, template, mapped=mapped)
+        finally:
+            release([chosen])
+    return load_slot(path, chosen.meta, template, mapped=mapped)
 
 
 def restore_from_memory(
@@ -77,17 +94,20 @@ def restore_from_memory(
         )
     except Exception as err:  # [Note: every rank reaches the exchange]
         offer, candidates = Offer({}, [f"listing the slots failed: {err}"], 1), {}
-    for refused in offer.reasons:
-        log.warning("ckpt_memory_slot_refused", reason=refused)
-    step, reason = agree(coord, offer)
-    if step is None:
-        return MemoryRestore(None, None, reason)
-    chosen = candidates[step]
-    state, error = None, None
     try:
-        state = load_slot(tier.files.payload_path(chosen.slot), chosen.meta, template)
-    except Exception as err:  # [Note: every rank reaches the exchange]
-        error = f"rank {coord.rank}: {type(err).__name__}: {err}"
+        for refused in offer.reasons:
+            log.warning("ckpt_memory_slot_refused", reason=refused)
+        step, reason = agree(coord, offer)
+        if step is None:
+            return MemoryRestore(None, None, reason)
+        chosen = candidates[step]
+        state, error = None, None
+        try:
+            state = _load(tier, chosen, template)
+        except Exception as err:  # [Note: every rank reaches the exchange]
+            error = f"rank {coord.rank}: {type(err).__name__}: {err}"
+    finally:
+        release(candidates.values())
     errors = [e for e in coord.all_gather(error) if e]
     if errors:
         return MemoryRestore(None, None, f"memory step {step} did not load: {errors[0]}")

@@ -197,10 +197,13 @@ def _killed_mid_snapshot(rank: int, world: int, root: str, memory: str) -> None:
             raise AssertionError("rank 1 survived its own SIGKILL")
 
 
-def _flip_a_byte_in_every_snapshot(memory: pathlib.Path, rank: int) -> int:
-    """Flip the last byte of each snapshot's payload (a tensor's); returns how many."""
+def _flip_a_byte_in_every_snapshot(memory: pathlib.Path, rank: int, step: int | None = None) -> int:
+    """Flip the last byte of each snapshot's payload (a tensor's), or only of those of
+    `step`; returns how many (flipping again puts the bytes back)."""
     flipped = 0
     for meta in memory.glob(f"rank-{rank:05d}.slot-*.json"):
+        if step is not None and json.loads(meta.read_text()).get("step") != step:
+            continue
         payload = meta.with_suffix("")
         at = json.loads(meta.read_text())["payload_bytes"] - 1
         with payload.open("r+b") as f:
@@ -259,5 +262,20 @@ def test_memory_first_then_durable_fallbacks(tmp_path: pathlib.Path) -> None:
         got = out[rank]
         assert (got["step"], got["source"]) == (4, "durable")
         assert got["reason"].startswith("rank 1 holds no verified memory step")
+        assert "checksum mismatch" in got["reason"]
+        _equal(got["state"], got["expected"])
+
+    # Killed mid-snapshot again (after the durable restore of step 4 above).
+    # [Note: the chosen slot is verified once] Rank 0's newest slot (7) verifies, its older
+    # one (6) is offered unverified; rank 1 holds only 6, so 6 is agreed, and a flipped byte
+    # in rank 0's copy of it is found at the load: the durable step, never those bytes.
+    with pytest.raises(RankFailedError, match="exited without a result"):
+        run_on_ranks(_killed_mid_snapshot, 2, root, str(memory), timeout_s=120)
+    assert _flip_a_byte_in_every_snapshot(memory, 0, step=6) == 1
+    out = run_on_ranks(_restore, 2, root, str(memory), 4, timeout_s=120)
+    for rank in (0, 1):
+        got = out[rank]
+        assert (got["step"], got["source"]) == (4, "durable")
+        assert got["reason"].startswith("memory step 6 did not load: rank 0:")
         assert "checksum mismatch" in got["reason"]
         _equal(got["state"], got["expected"])
