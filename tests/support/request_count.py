@@ -28,6 +28,7 @@ _COUNTED = (
     "write",
     "write_if",
     "read",
+    "read_into",
     "read_with_version",
     "read_many",
     "size",
@@ -81,6 +82,8 @@ def _counted(counter: RequestCounter, name: str, method: Callable[..., Any]) -> 
         counter.calls[name] += 1
         if name == "read":
             counter.read_bytes += len(result)
+        elif name == "read_into":
+            counter.read_bytes += result  # the count read into the caller's buffer
         elif name == "read_with_version":
             counter.read_bytes += len(result[0])
         return result

@@ -85,12 +85,19 @@ def test_the_candidate_being_read_is_protected_from_the_moment_it_is_chosen(
     class _PassOnShardRead(Storage):
         """Runs a full retention pass when the restore first reads a shard of step 2."""
 
-        def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+        def _pass_first(self, name: str) -> None:
             if name == f"{step_dir(2)}/{shard_file_name(0)}" and not passes:
                 passes.append(name)
                 deleter.trigger()
                 assert deleter.flush(10)
+
+        def read(self, name: str, start: int | None = None, end: int | None = None) -> bytes:
+            self._pass_first(name)
             return super().read(name, start, end)
+
+        def read_into(self, name: str, start: int, out: memoryview) -> int:
+            self._pass_first(name)
+            return super().read_into(name, start, out)
 
     coord = Coordinator(30.0)
     result = None

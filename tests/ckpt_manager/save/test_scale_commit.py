@@ -89,7 +89,8 @@ def committed(tmp_path_factory: pytest.TempPathFactory) -> Storage:
 
 
 class _CountedReads:
-    """Every `Storage.read` (object name, bytes returned), through the real implementation."""
+    """Every `Storage.read` and `read_into` (object name, bytes read), through the real
+    implementation."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.reads: list[tuple[str, int]] = []
@@ -101,6 +102,14 @@ class _CountedReads:
             return data
 
         monkeypatch.setattr(Storage, "read", read)
+        real_into = Storage.read_into
+
+        def read_into(storage: Storage, name: str, start: int, out: memoryview) -> int:
+            got = real_into(storage, name, start, out)
+            self.reads.append((name, got))
+            return got
+
+        monkeypatch.setattr(Storage, "read_into", read_into)
 
     def objects(self) -> set[str]:
         return {name.rsplit("/", 1)[-1] for name, _ in self.reads}
