@@ -20,7 +20,8 @@ What a backend must guarantee, whatever the store:
   other processes too.
 * Reads: whole objects or a byte range `[start, end)`; `read_many` reads a batch and
   returns each object's bytes or the exception its read raised, in order, never failing
-  the batch for one bad name.
+  the batch for one bad name; `read_into` reads a range into the caller's writable buffer
+  and returns the count, short only where the object ends.
 * Listing and metadata: the direct children of a folder (sorted names, empty when the
   folder does not exist), never served from a stale cache (another process wrote them);
   size, existence, modification time (of an object, or of the newest object anywhere
