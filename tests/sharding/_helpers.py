@@ -264,6 +264,19 @@ def train_many_and_ddp(
     }
 
 
+def state_layout(state: Any, skip: tuple[str, ...] = ()) -> Any:
+    """Entries, shapes and dtypes of a (nested) state dict, values left out (and keys in
+    `skip`)."""
+    if isinstance(state, dict):
+        return {k: state_layout(v, skip) for k, v in state.items() if k not in skip}
+    if isinstance(state, list | tuple):
+        return [state_layout(v, skip) for v in state]
+    local = getattr(state, "local", state)
+    if isinstance(local, torch.Tensor):
+        return (type(state).__name__, tuple(local.shape), local.dtype)
+    return type(state).__name__
+
+
 def snapshot(tree: Any) -> Any:
     """Deep copy of a state dict whose tensors may be views of live buffers."""
     if isinstance(tree, dict):

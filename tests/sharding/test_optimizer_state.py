@@ -19,7 +19,7 @@ from sharding import Strategy
 from sharding._optimizer_state import _zero_step
 from sharding.errors import ShardingError
 from tests.sharding._ckpt_ranks import _step
-from tests.sharding._helpers import Setup, make_model, param_groups, wrap
+from tests.sharding._helpers import Setup, make_model, param_groups, state_layout, wrap
 from tests.support.dist import run_on_ranks
 
 STRATEGIES = [Strategy.NO_SHARD, Strategy.OPTIM, Strategy.OPTIM_GRADS_PARAMS]
@@ -39,17 +39,6 @@ def _model_and_optimizer(strategy: Strategy, name: str) -> tuple[Any, Any]:
     model = wrap(make_model(setup), setup)
     cls, hyper = _OPTIMIZERS[name]
     return model, model.make_optimizer(cls, param_groups(model, setup), **hyper)
-
-
-def _layout(state: Any) -> Any:
-    if isinstance(state, dict):
-        return {k: _layout(v) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return [_layout(v) for v in state]
-    local = getattr(state, "local", state)
-    if isinstance(local, torch.Tensor):
-        return (type(state).__name__, tuple(local.shape), local.dtype)
-    return type(state).__name__
 
 
 def _bucket_states(opt: Any) -> list[dict[str, torch.Tensor]]:
@@ -132,7 +121,7 @@ def _materialize_and_restore(rank: int, world: int, name: str) -> list[dict[str,
             for k in a
         )
         row: dict[str, Any] = {
-            "layout": _layout(template) == _layout(saved),
+            "layout": state_layout(template) == state_layout(saved),
             "fresh": fresh,
             "views": all(p.local.untyped_storage().data_ptr() in storages for p in pieces),
             "pieces": len(pieces),

@@ -257,13 +257,7 @@ def test_memory_first_then_durable_fallbacks(tmp_path: pathlib.Path) -> None:
 
     # A flipped byte in rank 1's slots: never those bytes, the newest durable step instead.
     assert _flip_a_byte_in_every_snapshot(memory, 1) == 1  # step 6's (7's was cut short)
-    out = run_on_ranks(_restore, 2, root, str(memory), 4, timeout_s=120)
-    for rank in (0, 1):
-        got = out[rank]
-        assert (got["step"], got["source"]) == (4, "durable")
-        assert got["reason"].startswith("rank 1 holds no verified memory step")
-        assert "checksum mismatch" in got["reason"]
-        _equal(got["state"], got["expected"])
+    _durable_step_4_because(root, memory, "rank 1 holds no verified memory step")
 
     # Killed mid-snapshot again (after the durable restore of step 4 above).
     # [Note: the chosen slot is verified once] Rank 0's newest slot (7) verifies, its older
@@ -272,10 +266,16 @@ def test_memory_first_then_durable_fallbacks(tmp_path: pathlib.Path) -> None:
     with pytest.raises(RankFailedError, match="exited without a result"):
         run_on_ranks(_killed_mid_snapshot, 2, root, str(memory), timeout_s=120)
     assert _flip_a_byte_in_every_snapshot(memory, 0, step=6) == 1
+    _durable_step_4_because(root, memory, "memory step 6 did not load: rank 0:")
+
+
+def _durable_step_4_because(root: str, memory: pathlib.Path, reason: str) -> None:
+    """A restore on 2 ranks gives durable step 4 bitwise, for a checksum mismatch named in a
+    reason that starts with `reason`."""
     out = run_on_ranks(_restore, 2, root, str(memory), 4, timeout_s=120)
     for rank in (0, 1):
         got = out[rank]
         assert (got["step"], got["source"]) == (4, "durable")
-        assert got["reason"].startswith("memory step 6 did not load: rank 0:")
+        assert got["reason"].startswith(reason)
         assert "checksum mismatch" in got["reason"]
         _equal(got["state"], got["expected"])

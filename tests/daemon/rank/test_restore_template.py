@@ -14,6 +14,7 @@ from daemon import GPT, Block, GPTConfig
 from daemon.rank.batch import forward_loss
 from daemon.rank.loop import _forget_optimizer_state, _materialize_optimizer_state, make_optimizer
 from sharding import FullyShardedDataParallel, ShardingConfig, Strategy
+from tests.sharding._helpers import state_layout
 
 
 def _wrapped(strategy: Strategy) -> tuple[FullyShardedDataParallel, object]:
@@ -40,18 +41,6 @@ def _tensors(state: object, path: str) -> list[tuple[str, torch.Tensor]]:
     return [(path, local.detach().clone())] if isinstance(local, torch.Tensor) else []
 
 
-def _layout(state: object) -> object:
-    """Entries, shapes and dtypes of a (nested) state dict, values left out."""
-    if isinstance(state, dict):
-        return {k: _layout(v) for k, v in state.items() if k != "step"}
-    if isinstance(state, list | tuple):
-        return [_layout(v) for v in state]
-    local = getattr(state, "local", state)
-    if isinstance(local, torch.Tensor):
-        return (type(state).__name__, tuple(local.shape), local.dtype)
-    return type(state).__name__
-
-
 @pytest.mark.parametrize("strategy", list(Strategy))
 def test_template_state_is_a_training_steps_without_moving_a_weight(strategy: Strategy) -> None:
     trained, trained_opt = _wrapped(strategy)
@@ -68,7 +57,10 @@ def test_template_state_is_a_training_steps_without_moving_a_weight(strategy: St
 
     template = optimizer.sharded_state_dict()  # type: ignore[attr-defined]
     assert template["state"], "no optimizer state: a restore would fill none"
-    assert _layout(template) == _layout(trained_opt.sharded_state_dict())  # type: ignore[attr-defined]
+    assert state_layout(template, skip=("step",)) == state_layout(
+        trained_opt.sharded_state_dict(),  # type: ignore[attr-defined]
+        skip=("step",),
+    )
     for name, value in _weights(model, optimizer).items():
         assert torch.equal(value, weights[name]), name
         assert value.signbit().equal(weights[name].signbit()), name
