@@ -52,7 +52,7 @@ import torch
 
 from sharding._engine import Engine
 from sharding._groups import group_runs, resolve_groups
-from sharding._optimizer_state import materialize_state
+from sharding._optimizer_state import check_uniform_entries, materialize_state
 from sharding._scaler import ShardedLossScaler
 from sharding._state_dict import (
     ShardedTensor,
@@ -100,6 +100,8 @@ class DistributedOptimizer:
 
         Raises:
             ValueError: a group lists an unknown parameter or one twice, or misses one.
+            ShardingError: groups keep different per-element state (e.g. `amsgrad` in some
+                groups only; [Note: one set of state entries per optimizer]).
         """
         self._engine = engine
         self.buckets = [b for b in engine.buckets if b.trains]
@@ -132,6 +134,8 @@ class DistributedOptimizer:
         ]
         self.optimizer: torch.optim.Optimizer = optimizer_class(torch_groups, **kwargs)
         """The underlying torch optimizer (give it to LR schedulers); one group per user group."""
+        # [Note: one set of state entries per optimizer] in `_optimizer_state.py`.
+        check_uniform_entries(self.optimizer, [n[0] if n else "" for n in self.group_names])
         loss_scale = engine.config.precision.loss_scale
         self.loss_scaler = (
             ShardedLossScaler(loss_scale, engine.comm) if loss_scale is not None else None

@@ -37,7 +37,7 @@ import torch
 
 from sharding.errors import ShardingError
 
-__all__ = ["materialize_state"]
+__all__ = ["check_uniform_entries", "materialize_state"]
 
 _PROBE_NUMEL = 2
 """Elements of the probe parameter: a per-element entry has this shape, a scalar has none."""
@@ -101,6 +101,41 @@ def materialize_state(
                     state[key] = copy.deepcopy(value)
             optimizer.state[param] = state
     return True
+
+
+def check_uniform_entries(optimizer: torch.optim.Optimizer, names: Sequence[str]) -> None:
+    """Refuse parameter groups whose optimizer state has different per-element entries.
+
+    [Note: one set of state entries per optimizer] A bucket's state dict and its load take
+    the entries of the bucket's first chunk for every parameter in it, and chunks of several
+    groups share a bucket: with AdamW's `amsgrad` in some groups only, the amsgrad groups'
+    `max_exp_avg_sq` was silently left out of every checkpoint, and a resumed run had none
+    (torch then fails at the first step). Each group's entries come from a probe step
+    (`_probe`); a group the probe cannot step is not judged.
+
+    Args:
+        optimizer: the torch optimizer over the chunks.
+        names: a label per group (its first parameter's name), for the message.
+
+    Raises:
+        ShardingError: two groups have different per-element entries.
+    """
+    seen: dict[tuple[str, ...], int] = {}
+    for index in range(len(optimizer.param_groups)):
+        probe = _probe(optimizer, index)
+        if probe is None or not optimizer.param_groups[index]["params"]:
+            continue
+        entries = tuple(sorted(k for k, v in probe.items() if _is_per_element(v)))
+        seen.setdefault(entries, index)
+    if len(seen) > 1:
+        found = "; ".join(
+            f"group {g} ({names[g] if g < len(names) else '?'}...): {list(e) or 'none'}"
+            for e, g in seen.items()
+        )
+        raise ShardingError(
+            "parameter groups keep different per-element optimizer state "
+            f"({found}); give every group the same state options (e.g. amsgrad)"
+        )
 
 
 def _probe(optimizer: torch.optim.Optimizer, index: int) -> dict[str, Any] | None:

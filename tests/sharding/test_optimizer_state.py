@@ -223,3 +223,25 @@ def test_materialize_leaves_a_state_it_finds_and_refuses_a_partial_one() -> None
     # Adagrad makes its state when built: there is nothing to make.
     adagrad = model.make_optimizer(torch.optim.Adagrad, lr=1e-2)
     assert adagrad.materialize_state() is False
+
+
+def test_groups_with_different_state_entries_are_refused() -> None:
+    # [Note: one set of state entries per optimizer]: AdamW's amsgrad in one group only left
+    # that group's `max_exp_avg_sq` out of the state dict (a bucket holds both groups' chunks
+    # and its first chunk's entries were taken for all): refused with the groups named.
+    setup = Setup(strategy=Strategy.NO_SHARD, groups=True)
+    model = wrap(make_model(setup), setup)
+    groups = param_groups(model, setup)
+    assert groups is not None
+    mixed = [{**groups[0], "amsgrad": True}, groups[1]]
+    with pytest.raises(ShardingError, match=r"max_exp_avg_sq.*amsgrad"):
+        model.make_optimizer(torch.optim.AdamW, mixed, lr=1e-3)
+    # The same option in every group: each parameter's state has every entry.
+    same = [{**g, "amsgrad": True} for g in groups]
+    opt = model.make_optimizer(torch.optim.AdamW, same, lr=1e-3)
+    tokens = torch.randint(0, 64, (2, 8))
+    model(tokens).float().mean().backward()
+    opt.step()
+    state = opt.sharded_state_dict()["state"]
+    assert state
+    assert all("max_exp_avg_sq" in entry for entry in state.values())
