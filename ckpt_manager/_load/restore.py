@@ -77,12 +77,12 @@ def read_piece_into(
     """Read elements `[start, start + out.numel())` of one stored piece straight into `out`.
 
     [Note: a durable restore reads into its tensors] A restore reads every stored byte twice
-    (the checksum pass, then the load): each read into a new bytes object, appended to a
-    bytearray, wrapped and copied into the template cost a 256 MiB rank's restore from the
-    page cache 0.55 s of reads, most of it faulting in fresh pages, and a copy more. The
-    checksum pass reads into one reused buffer and the load into the tensor that keeps the
-    elements (the template's own piece where it lies in one run of it):
-    `bench/restore_cost.py`.
+    (the checksum pass, then the load). The load read each piece into a new bytes object
+    (its fresh pages faulted in at every read), appended it to a bytearray, wrapped it and
+    copied it into the template: 0.34 s of a 256 MiB rank's restore, its bytes already in the
+    page cache from the checksum pass. Now the checksum pass reads into one reused buffer and
+    the load into the tensor that keeps the elements (the template's own piece where it lies
+    in one run of it): 0.05 s (`bench/restore_cost.py --profile`).
 
     Args:
         storage: the checkpoint root.
