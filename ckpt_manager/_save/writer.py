@@ -7,6 +7,11 @@ Started by `writer_proc.WriterProcess` as `python -m ckpt_manager._save.writer -
 interpreter, like multiprocessing's spawn, but usable in daemonic rank processes). It never
 imports torch: it only moves bytes, so it starts fast and stays small.
 
+[Note: the writer starts without structlog] Nor structlog: the storage backends it imports
+make their loggers at first use, so its start-up (every rank's, at every restart, beside the
+restarted ranks' first steps on the same cores) does not pay structlog's import with `rich`:
+0.20 -> 0.14 s of CPU on this 2-core VM (`python -c "import ckpt_manager._save.writer"`).
+
 Protocol over a private Unix socket (`multiprocessing.connection.Connection`)::
 
     trainer -> writer  {"op": "slab", "slab_id", "size"} + the memfd (SCM_RIGHTS)

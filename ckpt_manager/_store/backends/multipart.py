@@ -33,8 +33,6 @@ import io
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import structlog
-
 __all__ = [
     "MAX_PARTS",
     "MIN_PART_BYTES",
@@ -53,7 +51,15 @@ MAX_PARTS = 10_000
 MAX_PART_BYTES = 5 << 30
 """S3's largest part (and largest single PUT)."""
 
-_log = structlog.get_logger("ckpt_manager.multipart")
+
+def _log() -> Any:
+    """This module's logger. structlog is imported here, not at the top: the writer process
+    imports this module, logs from it almost never, and would pay structlog's import (with
+    `rich`, a quarter of its start-up: [Note: the writer starts without structlog] in
+    `_save/writer.py`) at every start."""
+    import structlog
+
+    return structlog.get_logger("ckpt_manager.multipart")
 
 
 class IncompleteUpload(NamedTuple):
@@ -294,7 +300,7 @@ async def _abort_quietly(
     try:
         await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
     except Exception as err:  # the stale-upload sweep gets it later
-        _log.warning(
+        _log().warning(
             "ckpt_multipart_abort_failed",
             key=key,
             upload_id=upload_id,
