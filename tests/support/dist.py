@@ -208,6 +208,14 @@ def _child(
             world_size=world_size,
             timeout=timedelta(seconds=pg_timeout_s),
         )
+        # [Note: every rank is connected before any runs] gloo's full-mesh connect can return
+        # on one rank while its peer still reads the handshake: a rank whose `fn` returns at
+        # once and exits closed the socket under it, and the peer failed in
+        # `init_process_group` ("Connection closed by peer") instead of in its own `fn` (a
+        # fresh-clone CI run failed `test_rank_exception_surfaces_traceback` that way). NCCL
+        # connects lazily, at the first collective, on the device the test picks.
+        if backend == "gloo":
+            dist.barrier()
         value = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(value, buf)
