@@ -23,6 +23,8 @@ callers ask its `capabilities`, never the protocol.
                     and fallback; from registered mappings (`keep_buffer`) through uring.py.
     uring.py        DirectRing: io_uring through ctypes, buffers registered (pinned) once,
                     O_DIRECT writes from them without pinning (x86-64; off where refused).
+    lazy_log.py     LazyLogger: structlog imported at the first message (the writer
+                    process imports these modules and starts without structlog).
 
 Adding a backend: a module here with a class that satisfies `StorageBackend` and
 `BackendFactory` (its `name`, its URI `schemes`, `open(root_uri, storage_options)`), one line

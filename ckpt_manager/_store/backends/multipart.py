@@ -33,6 +33,8 @@ import io
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from ckpt_manager._store.backends.lazy_log import LazyLogger
+
 __all__ = [
     "MAX_PARTS",
     "MIN_PART_BYTES",
@@ -52,14 +54,7 @@ MAX_PART_BYTES = 5 << 30
 """S3's largest part (and largest single PUT)."""
 
 
-def _log() -> Any:
-    """This module's logger. structlog is imported here, not at the top: the writer process
-    imports this module, logs from it almost never, and would pay structlog's import (with
-    `rich`, a quarter of its start-up: [Note: the writer starts without structlog] in
-    `_save/writer.py`) at every start."""
-    import structlog
-
-    return structlog.get_logger("ckpt_manager.multipart")
+_log = LazyLogger("ckpt_manager.multipart")  # [Note: the writer starts without structlog]
 
 
 class IncompleteUpload(NamedTuple):
@@ -300,7 +295,7 @@ async def _abort_quietly(
     try:
         await fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
     except Exception as err:  # the stale-upload sweep gets it later
-        _log().warning(
+        _log.warning(
             "ckpt_multipart_abort_failed",
             key=key,
             upload_id=upload_id,

@@ -37,7 +37,9 @@ import platform
 import struct
 import threading
 import weakref
-from typing import Any, NamedTuple
+from typing import NamedTuple
+
+from ckpt_manager._store.backends.lazy_log import LazyLogger
 
 __all__ = ["IO_URING_ENV", "DirectRing", "buffer_address", "ring_opened", "shared_ring"]
 
@@ -45,14 +47,7 @@ IO_URING_ENV = "TRAININGD_IO_URING"
 """`off` (or `0`, `no`, `false`): never use io_uring for direct writes."""
 
 
-def _log() -> Any:
-    """This module's logger. structlog is imported here, not at the top: the writer process
-    imports this module, logs from it almost never, and would pay structlog's import (with
-    `rich`, a quarter of its start-up: [Note: the writer starts without structlog] in
-    `_save/writer.py`) at every start."""
-    import structlog
-
-    return structlog.get_logger("ckpt_manager.uring")
+_log = LazyLogger("ckpt_manager.uring")  # [Note: the writer starts without structlog]
 
 
 _SYS_SETUP, _SYS_ENTER, _SYS_REGISTER = 425, 426, 427  # x86-64
@@ -167,13 +162,13 @@ class DirectRing:
         ring_fd = libc.syscall(_SYS_SETUP, _ENTRIES, ctypes.byref(params))
         if ring_fd < 0:
             err = ctypes.get_errno()
-            _log().info("io_uring_unavailable", error=os.strerror(err))
+            _log.info("io_uring_unavailable", error=os.strerror(err))
             return None
         try:
             return cls(libc, ring_fd, params)
         except (OSError, ValueError) as err:
             os.close(ring_fd)
-            _log().info("io_uring_unavailable", error=str(err))
+            _log.info("io_uring_unavailable", error=str(err))
             return None
 
     def close(self) -> None:
@@ -246,7 +241,7 @@ class DirectRing:
         )
         if result < 0:
             err = ctypes.get_errno()
-            _log().info(
+            _log.info(
                 "io_uring_register_refused",
                 error=os.strerror(err),
                 bytes=sum(r.end - r.start for r in ranges),
