@@ -58,6 +58,7 @@ class _Probe:
         self.gc_run: dict[int, list[float]] = {}  # generation -> [count, seconds], whole run
         self.cadence: list[tuple[float, int]] = []  # (snapshot cost fed, interval after)
         self.profiler: cProfile.Profile | None = None  # `--profile-stager`
+        self.call_profiler: cProfile.Profile | None = None  # `--profile-call`
         self.profile_after = 0
 
     def add(self, part: str, wall: float, cpu: float) -> None:
@@ -142,7 +143,10 @@ def _instrument(probe: _Probe) -> None:
         probe.active = True
         w0, c0 = time.perf_counter(), time.thread_time()
         try:
-            snapshot_to_memory(self, step)
+            if probe.call_profiler is not None and len(probe.records) >= probe.profile_after:
+                probe.call_profiler.runcall(snapshot_to_memory, self, step)
+            else:
+                snapshot_to_memory(self, step)
         finally:
             probe.add("call", time.perf_counter() - w0, time.thread_time() - c0)
             probe.active = False
@@ -223,7 +227,9 @@ def _rank(rank: int, world_size: int, root: str, memory_dir: str, args: dict[str
     probe = _Probe()
     if args["profile_stager"]:
         probe.profiler = cProfile.Profile()
-        probe.profile_after = args["skip"]
+    if args["profile_call"]:
+        probe.call_profiler = cProfile.Profile()
+    probe.profile_after = args["skip"]
     _instrument(probe)
     cfg = load_config(
         {
@@ -248,6 +254,8 @@ def _rank(rank: int, world_size: int, root: str, memory_dir: str, args: dict[str
     )
     if probe.profiler is not None:
         probe.profiler.dump_stats(f"{args['profile_stager']}.rank{rank}")
+    if probe.call_profiler is not None:
+        probe.call_profiler.dump_stats(f"{args['profile_call']}.rank{rank}")
     return {
         "cadence": probe.cadence,
         "gc_run": probe.gc_run,
@@ -295,6 +303,11 @@ def main() -> int:
         metavar="PREFIX",
         help="cProfile the staging thread's jobs after the warm-up into PREFIX.rank<N>",
     )
+    parser.add_argument(
+        "--profile-call",
+        metavar="PREFIX",
+        help="cProfile the training thread's snapshot calls after the warm-up into PREFIX.rank<N>",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as root, tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
@@ -309,6 +322,7 @@ def main() -> int:
                 "state_mib": args.state_mib,
                 "ckpt_every": args.ckpt_every,
                 "profile_stager": args.profile_stager,
+                "profile_call": args.profile_call,
                 "skip": args.skip,
             },
             timeout_s=60 + args.steps * 3.0,

@@ -39,11 +39,15 @@ def test_step_peak_is_root_plus_two_units(peaks: list[dict[str, Any]], mode: str
         assert whole - (bound + 2 * unit) >= 3 * unit
         # The engine's own account: the root unit plus the unit in use and one prefetched.
         assert run["stats_peak"] <= bound, (run["stats_peak"], bound)
-        # Measured: the gathered bytes are really resident at the peak, and everything else
-        # the step allocates (gloo's staging of the gathers in flight, activations, the
-        # trained vectors' gradients) stays below two more units.
-        assert run["stats_peak"] <= run["measured_peak"] <= bound + 2 * unit, (
-            run["measured_peak"],
+        # Measured: the gathered bytes are really resident at the peak (an RSS delta also
+        # nets out what the step frees of the previous one's memory: up to 1 MB seen, so an
+        # eighth of a unit is allowed), and everything else the step allocates (activations,
+        # the trained vectors' gradients) stays below half a unit. Gathers write straight into
+        # the unit's buffer ([Note: gloo all-gather] in `sharding/_comm.py`); gloo's own
+        # all-gather staged a full copy of each gather in flight (37-46 MB measured here).
+        measured = run["measured_peak"]
+        assert run["stats_peak"] - unit // 8 <= measured <= bound + unit // 2, (
+            measured,
             run["stats_peak"],
             bound,
         )
