@@ -276,6 +276,12 @@ class Communicator:
             ]
 
     @property
+    def gathers_in_place(self) -> bool:
+        """Whether `all_gather` takes this rank's slot of `output` as its shard (a gather in
+        place: gloo's exchange, [Note: gloo all-gather]; NCCL gets a separate input)."""
+        return self._gather_peers is not None
+
+    @property
     def stats(self) -> ShardingStats:
         """The engine's counters (buckets count their deferred weight gathers there)."""
         return self._stats

@@ -99,8 +99,12 @@ def complete_replicated(bucket: FlatBucket, flat: torch.Tensor) -> None:
     whole = flat.numel() == bucket.layout.padded_numel
     if not whole or (bucket.start == 0 and bucket.end == flat.numel()):
         return
+    own = flat[bucket.start : bucket.end]
+    if bucket.comm.gathers_in_place:
+        bucket.comm.all_gather(flat, own).wait()  # no full-size temporary, no copy back
+        return
     full = torch.empty_like(flat)
-    bucket.comm.all_gather(full, flat[bucket.start : bucket.end].contiguous()).wait()
+    bucket.comm.all_gather(full, own.contiguous()).wait()
     flat.copy_(full)
 
 
