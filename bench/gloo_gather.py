@@ -5,8 +5,9 @@ point-to-point exchange (each rank sends its shard to every other rank and recei
 straight into the output). This times both on `--ranks` fresh gloo ranks, per shard size,
 interleaved (torch, ours, torch, ours, ...), `--repeats` each after a barrier; a sample is the
 mean of enough back-to-back gathers to move 64 MiB (one for the largest), so that the
-barrier's exit skew does not swamp a small gather; each sample is the slowest rank's. The engine's gather is `Communicator.all_gather` over the default group, as
-`complete_replicated` and the ZeRO-3 weight gathers call it.
+barrier's exit skew does not swamp a small gather; each sample is the slowest rank's. The
+engine's gather is `Communicator.all_gather` over the default group, as `complete_replicated`
+and the ZeRO-3 weight gathers call it.
 
     .venv/bin/python bench/gloo_gather.py --json
 """
