@@ -2,8 +2,9 @@
 
 Runs the real training loop (`daemon.rank.loop.run_training`) of the default job on `--ranks`
 gloo ranks (forked, as the tests' `run_on_ranks`) with the memory tier on at `--memory-every`
-(steps, or `auto`: then it also reports the last snapshot costs the cadence was fed and the
-interval it chose), and times, on the training thread only, each part of every snapshot:
+(steps, or `auto`: then it also reports the last snapshot costs the cadence was fed, the
+excess it measured in the step after a snapshot, and the interval it chose), and times, on the
+training thread only, each part of every snapshot:
 
 - `state()`: `model` (`sharded_state_dict`, incl. `wait_weights`, the wait for deferred
   weight gathers), `optimizer`, `scheduler`, `loader`, `rng`;
@@ -56,7 +57,8 @@ class _Probe:
         self.fences = 0
         self.gc_any_start = 0.0
         self.gc_run: dict[int, list[float]] = {}  # generation -> [count, seconds], whole run
-        self.cadence: list[tuple[float, int]] = []  # (snapshot cost fed, interval after)
+        # (snapshot cost fed, the step-after excess measured, interval after)
+        self.cadence: list[tuple[float, float | None, int]] = []
         self.profiler: cProfile.Profile | None = None  # `--profile-stager`
         self.call_profiler: cProfile.Profile | None = None  # `--profile-call`
         self.profile_after = 0
@@ -130,9 +132,9 @@ def _instrument(probe: _Probe) -> None:
 
     observe = memory_cadence.AdaptiveCadence.observe_snapshot
 
-    def observe_snapshot(self: Any, step: int, snapshot_s: float) -> None:
-        observe(self, step, snapshot_s)
-        probe.cadence.append((snapshot_s, self.interval))
+    def observe_snapshot(self: Any, step: int, snapshot_s: float, stall_s: float) -> None:
+        observe(self, step, snapshot_s, stall_s)
+        probe.cadence.append((snapshot_s, self.smoothed_excess_s, self.interval))
 
     memory_cadence.AdaptiveCadence.observe_snapshot = observe_snapshot  # type: ignore[method-assign]
 
@@ -350,9 +352,12 @@ def main() -> int:
         "fences_with_copy_pending": sum(r["fence_copy_pending"] for r in results),
         "fences": sum(r["fences"] for r in results),
         "gc_whole_run_training_thread": [r["gc_run"] for r in results],
-        # memory_every auto: the cost fed to the cadence (ms) and the interval it chose, the
-        # last 5 snapshots of rank 0 (every rank is fed the same agreed values).
-        "auto_cadence_tail": [(c * 1e3, n) for c, n in results[0]["cadence"][-5:]],
+        # memory_every auto: the cost fed to the cadence (ms), the excess it measured in the
+        # step after a snapshot (ms) and the interval it chose, the last 5 snapshots of rank 0
+        # (every rank is fed the same agreed values).
+        "auto_cadence_tail": [
+            (c * 1e3, None if x is None else x * 1e3, n) for c, x, n in results[0]["cadence"][-5:]
+        ],
         "loadavg": Path("/proc/loadavg").read_text().split()[:3],
     }
     if args.json:
@@ -377,7 +382,7 @@ def main() -> int:
             out["gc_whole_run_training_thread"],
         )
         if out["auto_cadence_tail"]:
-            print("auto: (cost fed ms, interval)", out["auto_cadence_tail"])
+            print("auto: (cost fed ms, step-after excess ms, interval)", out["auto_cadence_tail"])
         print(
             f"fences with the copy still pending: {out['fences_with_copy_pending']}/{out['fences']}"
         )

@@ -48,7 +48,9 @@ snapshot stalls the training thread ~5 ms and takes the staging thread ~4 ms of 
 (`bench/snapshot_stall.py`): fed the stall alone, `auto` counted half the cost and aimed at
 an interval of some 3 steps of 125 ms. Where cores are idle the staging time costs no step, so
 `auto` errs towards a longer interval there. Staging time that arrives after its snapshot
-was fed is fed with the next one.
+was fed is fed with the next one. The stall alone rides along too: the cadence adds it to what
+the step after the snapshot measurably lost ([Note: a snapshot's cost is also measured in the
+step after it] in `memory_cadence.py`).
 
 Checkpoint calls go through `SaveFailurePolicy` (`save_failures.py`): a failed save is
 reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
@@ -382,6 +384,8 @@ class _Agreement(NamedTuple):
     snapshot_s: float = 0.0
     """Mean over ranks of the last memory snapshot's cost: training-thread stall plus staging
     CPU time ([Note: a snapshot's cost to the step]; 0: none)."""
+    snapshot_stall_s: float = 0.0
+    """Mean over ranks of the last memory snapshot's training-thread stall alone (0: none)."""
     durable_busy: bool = False
     """Some rank's durable save in flight is still being written: a durable `save()` now
     would wait for it ([Note: a durable save never stalls the loop] in `deferral.py`)."""
@@ -708,6 +712,7 @@ class _Training:
                 float(ckpt_local),
                 self._last_step_s,
                 self._snapshot_cost_s + self._snapshot_staging_s,
+                self._snapshot_cost_s,
                 float(busy_local),
                 *self.stragglers.slots(),  # one per rank, after the fixed fields
             ]
@@ -717,8 +722,8 @@ class _Training:
             dist.all_reduce(agreed)
         values = torch.cat([grad_norm.float().reshape(1), agreed]).tolist()
         grad_norm_value, loss_total, stop_count, ckpt_count, step_s_sum, snapshot_sum = values[:6]
-        busy_count = values[6]
-        self.stragglers.observe(values[7:])
+        stall_sum, busy_count = values[6:8]
+        self.stragglers.observe(values[8:])
         return _Agreement(
             loss=loss_total / self.world,
             stop=stop_count > 0,
@@ -726,6 +731,7 @@ class _Training:
             grad_norm=grad_norm_value,
             step_s=step_s_sum / self.world,
             snapshot_s=snapshot_sum / self.world,
+            snapshot_stall_s=stall_sum / self.world,
             durable_busy=busy_count > 0,
         )
 
@@ -817,9 +823,12 @@ class _Training:
     def _feed_cadence(self, agreed: _Agreement, step_s: float) -> None:
         """Hand the cadence what every rank agreed on; note this step for the next one."""
         if agreed.step_s > 0:
-            self.cadence.observe_step(agreed.step_s)
+            # The agreed time is the previous step's (each rank sends its last step's time).
+            self.cadence.observe_step(self.step - 1, agreed.step_s)
         if self._snapshot_step is not None:
-            self.cadence.observe_snapshot(self._snapshot_step, agreed.snapshot_s)
+            self.cadence.observe_snapshot(
+                self._snapshot_step, agreed.snapshot_s, agreed.snapshot_stall_s
+            )
             self.telemetry.observe("trainingd_memory_snapshot_seconds", self._snapshot_cost_s)
             # The fence wait of the snapshot is not the step's own time.
             step_s -= self._snapshot_cost_s

@@ -20,6 +20,22 @@ wandering around one value moves the interval rarely instead of flapping between
 cost are known it stays at `initial` (10 steps: cheap whatever the snapshot costs, and it
 bounds the steps a restart loses at the start); the first decision takes the aimed interval.
 
+[Note: a snapshot's cost is also measured in the step after it] What the loop can time of a
+snapshot is the training thread's stall (the call and the fence wait) and the staging thread's
+CPU time ([Note: a snapshot's cost to the step] in `loop.py`). Neither shows what the copy's
+memory traffic and the stager's time on a busy core do to the training that runs beside them:
+on the 2-core VM the 256 MiB job's snapshot (2 ranks) was fed as 18.6 ms while a step with one
+behind it took 57 ms longer than a step without (0.312 against 0.255 s), so `auto` aimed at an
+interval of 4-5 and the run went 10% slower instead of 2%. As CheckFreq does, the cadence
+therefore also measures the snapshot's effect on the step: the step right after a snapshot
+(the one its staging runs beside) against the other steps ("clean", smoothed apart), and
+counts a snapshot as `stall + max(0, that step's excess)` when this is more than the fed cost.
+The fed cost stays the floor: where a spare core takes the staging, the excess is about 0 and
+the interval is what it was. The step after a snapshot is the only one compared: staging that
+spills into later steps is in the fed CPU time. At interval 1 no step is clean; the excess is
+then taken against the last clean average (an average that aged upwards overstates the
+excess and lengthens the interval, which brings clean steps back).
+
 [Note: ranks must agree on the interval] A memory step counts only when every rank holds it, so
 every rank must snapshot at the same steps. The class is deterministic: fed the same numbers in
 the same order, every rank holds the same interval. Feed it values all ranks agree on, e.g. the
@@ -49,12 +65,13 @@ class Cadence(Protocol):
         """Whether completed step `step` is snapshotted."""
         ...
 
-    def observe_step(self, step_s: float) -> None:
-        """One optimizer step took `step_s` seconds (without any snapshot cost)."""
+    def observe_step(self, step: int, step_s: float) -> None:
+        """Completed step `step` took `step_s` seconds (without the fence wait of a snapshot)."""
         ...
 
-    def observe_snapshot(self, step: int, snapshot_s: float) -> None:
-        """The snapshot of step `step` cost the training thread `snapshot_s` seconds."""
+    def observe_snapshot(self, step: int, snapshot_s: float, stall_s: float) -> None:
+        """The snapshot of step `step` cost `snapshot_s` seconds (the training thread's stall
+        plus the staging thread's CPU time), of which `stall_s` the training thread's stall."""
         ...
 
 
@@ -82,10 +99,10 @@ class FixedCadence:
         """Every multiple of the interval (never when it is 0)."""
         return self._every > 0 and step % self._every == 0
 
-    def observe_step(self, step_s: float) -> None:
+    def observe_step(self, step: int, step_s: float) -> None:
         """Ignored: a fixed interval does not adapt."""
 
-    def observe_snapshot(self, step: int, snapshot_s: float) -> None:
+    def observe_snapshot(self, step: int, snapshot_s: float, stall_s: float) -> None:
         """Ignored: a fixed interval does not adapt."""
 
 
@@ -136,7 +153,10 @@ class AdaptiveCadence:
         self._min_steps, self._max = min_steps, max_interval
         self._interval = initial
         self._step_s: float | None = None
-        self._snapshot_s: float | None = None
+        self._snapshot_s: float | None = None  # as fed: stall + staging CPU
+        self._stall_s: float | None = None
+        self._clean_step_s: float | None = None  # steps not right after a snapshot
+        self._excess_s: float | None = None  # the step right after one, over the clean ones
         self._num_steps = 0
         self._last_snapshot_step: int | None = None
         self._decided = False
@@ -153,8 +173,20 @@ class AdaptiveCadence:
 
     @property
     def smoothed_snapshot_s(self) -> float | None:
-        """The moving average of the snapshot cost (None before the first)."""
-        return self._snapshot_s
+        """What a snapshot costs by the averages now: the fed cost, or the stall plus the
+        measured excess of the step after it where that is more ([Note: a snapshot's cost is
+        also measured in the step after it]); None before the first snapshot."""
+        if self._snapshot_s is None:
+            return None
+        if self._excess_s is None or self._stall_s is None:
+            return self._snapshot_s
+        return max(self._snapshot_s, self._stall_s + max(self._excess_s, 0.0))
+
+    @property
+    def smoothed_excess_s(self) -> float | None:
+        """The moving average of how much longer the step right after a snapshot takes than
+        the other steps (None before it is measured)."""
+        return self._excess_s
 
     def due(self, step: int) -> bool:
         """`interval` steps after the last snapshot (the first at a multiple of it)."""
@@ -162,27 +194,41 @@ class AdaptiveCadence:
             return step % self._interval == 0
         return step - self._last_snapshot_step >= self._interval
 
-    def observe_step(self, step_s: float) -> None:
-        """Fold in one step time; re-evaluate the interval."""
+    def observe_step(self, step: int, step_s: float) -> None:
+        """Fold in the time of completed step `step`; re-evaluate the interval.
+
+        The step right after a snapshot's step is compared with the clean ones ([Note: a
+        snapshot's cost is also measured in the step after it]); the others are clean.
+        """
         if not math.isfinite(step_s) or step_s <= 0:
             return
         self._step_s = self._average(self._step_s, step_s)
         self._num_steps += 1
+        last = self._last_snapshot_step
+        if last is not None and step == last + 1:
+            if self._clean_step_s is not None:
+                self._excess_s = self._average(self._excess_s, step_s - self._clean_step_s)
+        else:
+            self._clean_step_s = self._average(self._clean_step_s, step_s)
         self._decide()
 
-    def observe_snapshot(self, step: int, snapshot_s: float) -> None:
-        """Fold in one snapshot cost (and remember its step); re-evaluate the interval."""
+    def observe_snapshot(self, step: int, snapshot_s: float, stall_s: float) -> None:
+        """Fold in one snapshot's cost and stall (and remember its step); re-evaluate."""
         self._last_snapshot_step = step
-        if not math.isfinite(snapshot_s) or snapshot_s < 0:
+        if not (math.isfinite(snapshot_s) and math.isfinite(stall_s)):
+            return
+        if snapshot_s < 0 or stall_s < 0:
             return
         self._snapshot_s = self._average(self._snapshot_s, snapshot_s)
+        self._stall_s = self._average(self._stall_s, stall_s)
         self._decide()
 
     def cost_ratio(self, interval: int) -> float | None:
         """Amortized snapshot cost of `interval` as a share of the step time (None: unknown)."""
-        if self._step_s is None or self._snapshot_s is None:
+        cost = self.smoothed_snapshot_s
+        if self._step_s is None or cost is None:
             return None
-        return self._snapshot_s / (interval * self._step_s)
+        return cost / (interval * self._step_s)
 
     def _average(self, old: float | None, new: float) -> float:
         return new if old is None else old + self._smoothing * (new - old)
@@ -195,10 +241,11 @@ class AdaptiveCadence:
         return self._smallest_within(self._aim)
 
     def _smallest_within(self, ratio: float) -> int:
+        cost = self.smoothed_snapshot_s
         assert self._step_s is not None
-        assert self._snapshot_s is not None
+        assert cost is not None
         # The tolerance keeps an exact fit (cost == ratio) from rounding one step up.
-        need = math.ceil(self._snapshot_s / (ratio * self._step_s) - 1e-9)
+        need = math.ceil(cost / (ratio * self._step_s) - 1e-9)
         return min(max(need, 1), self._max)
 
     def _decide(self) -> None:

@@ -12,14 +12,39 @@ from daemon.rank.memory_cadence import AdaptiveCadence, FixedCadence, cadence_fo
 
 
 def _run(cadence: AdaptiveCadence, steps: range, step_s: float, snapshot_s: float) -> list[int]:
-    """Train `steps` with constant timings; the steps snapshotted."""
+    """Train `steps` with constant timings (the stall is the whole cost, no step slows down);
+    the steps snapshotted."""
     done = []
     for step in steps:
-        cadence.observe_step(step_s)
+        cadence.observe_step(step, step_s)
         if cadence.due(step):
-            cadence.observe_snapshot(step, snapshot_s)
+            cadence.observe_snapshot(step, snapshot_s, snapshot_s)
             done.append(step)
     return done
+
+
+def _machine(
+    cadence: AdaptiveCadence,
+    steps: range,
+    *,
+    step_s: float,
+    fed_s: float,
+    stall_s: float,
+    slowdown_s: float,
+) -> list[int]:
+    """Train `steps` on a machine where a snapshot is fed as `fed_s` (stall + staging CPU),
+    stalls the training thread `stall_s` and makes the step after it `slowdown_s` longer;
+    the intervals in force after each step."""
+    intervals, last = [], None
+    for step in steps:
+        # The loop feeds each step's time (fence wait excluded) one step late; the order
+        # of the calls does not matter to the cadence.
+        cadence.observe_step(step, step_s + (slowdown_s if last == step - 1 else 0.0))
+        if cadence.due(step):
+            cadence.observe_snapshot(step, fed_s, stall_s)
+            last = step
+        intervals.append(cadence.interval)
+    return intervals
 
 
 def test_fixed_and_off_and_the_setting_picks_the_kind() -> None:
@@ -37,7 +62,7 @@ def test_fixed_and_off_and_the_setting_picks_the_kind() -> None:
 def test_auto_starts_safe_then_picks_the_smallest_interval_within_2_percent() -> None:
     cadence = AdaptiveCadence(headroom=0.0)  # aim at the budget itself
     assert cadence.interval == 10  # nothing measured yet
-    cadence.observe_step(0.1)
+    cadence.observe_step(0, 0.1)
     assert cadence.interval == 10  # no snapshot cost known
     # 10 ms per snapshot on 100 ms steps: 10% of one step, so 5 steps amortize it to 2%.
     done = _run(cadence, range(1, 60), step_s=0.1, snapshot_s=0.01)
@@ -66,15 +91,15 @@ def test_auto_follows_a_change_up_at_once_and_down_with_hysteresis() -> None:
     _run(cadence, range(1, 30), step_s=0.1, snapshot_s=0.01)
     assert cadence.interval == 5
     # Snapshots get dearer (a bigger state): the budget breaks, the interval goes up now.
-    cadence.observe_snapshot(30, 0.03)
+    cadence.observe_snapshot(30, 0.03, 0.03)
     assert cadence.interval == 15
     # Slightly cheaper: 14 would do, but it comes down only to an interval costing at most
     # 80% of the budget (1.6%), which is 18 here: it stays.
-    cadence.observe_snapshot(45, 0.028)
+    cadence.observe_snapshot(45, 0.028, 0.028)
     assert cadence.aimed_interval() == 14
     assert cadence.interval == 15
     # Much cheaper: it comes down to the smallest interval costing at most 1.6%.
-    cadence.observe_snapshot(60, 0.01)
+    cadence.observe_snapshot(60, 0.01, 0.01)
     assert cadence.interval == 7
     assert cadence.cost_ratio(7) <= 0.016 < cadence.cost_ratio(6)
 
@@ -86,9 +111,10 @@ def test_noisy_timings_neither_flap_nor_break_the_budget() -> None:
     for step in range(1, 2001):
         # Steps of 100 ms +-20%, snapshots of 12 ms +-50%: 12% of a step on average, 6 steps
         # within 2%, 7 aimed 10% under.
-        cadence.observe_step(0.1 * rng.uniform(0.8, 1.2))
+        cadence.observe_step(step, 0.1 * rng.uniform(0.8, 1.2))
         if cadence.due(step):
-            cadence.observe_snapshot(step, 0.012 * rng.uniform(0.5, 1.5))
+            cost = 0.012 * rng.uniform(0.5, 1.5)
+            cadence.observe_snapshot(step, cost, cost / 3)
         intervals.append(cadence.interval)
     settled = intervals[200:]
     changes = sum(a != b for a, b in itertools.pairwise(settled))
@@ -100,9 +126,48 @@ def test_noisy_timings_neither_flap_nor_break_the_budget() -> None:
     # Ignored: non-finite or non-positive step times and negative costs.
     before = cadence.interval
     for bad in (float("nan"), float("inf"), 0.0, -1.0):
-        cadence.observe_step(bad)
-    cadence.observe_snapshot(3000, -1.0)
+        cadence.observe_step(2999, bad)
+    cadence.observe_snapshot(3000, -1.0, 0.0)
+    cadence.observe_snapshot(3000, 0.01, float("nan"))
     assert cadence.interval == before
+
+
+def test_auto_counts_what_the_step_after_a_snapshot_loses() -> None:
+    # [Note: a snapshot's cost is also measured in the step after it]. Fed 3 ms (1 ms of
+    # stall and 2 ms of staging CPU), but the step after each snapshot takes 9 ms longer
+    # (its staging shares the cores with training): a snapshot really costs 10 ms of a 100 ms
+    # step, so 2% needs an interval of 5 or more (6 aimed 10% under). By the fed cost alone
+    # the interval would be 2 and the run 5% slower.
+    cadence = AdaptiveCadence()
+    intervals = _machine(
+        cadence, range(1, 400), step_s=0.1, fed_s=0.003, stall_s=0.001, slowdown_s=0.009
+    )
+    assert cadence.smoothed_excess_s == pytest.approx(0.009, rel=0.05)
+    settled = intervals[200:]
+    assert set(settled) == {6}, sorted(set(settled))
+    assert (0.001 + 0.009) / (6 * 0.1) <= 0.02
+    # Where a spare core takes the staging, no step slows down: the fed cost decides, as
+    # before (3 ms / 1.8% of 100 ms -> 2).
+    spare = AdaptiveCadence()
+    _machine(spare, range(1, 400), step_s=0.1, fed_s=0.003, stall_s=0.001, slowdown_s=0.0)
+    assert spare.interval == 2
+
+
+def test_at_interval_1_a_slower_step_for_another_reason_is_corrected() -> None:
+    # Cheap snapshots: every step. Then every step gets 10 ms slower for a reason of its own
+    # (a longer sequence): measured against the last clean average (there is no clean step at
+    # interval 1), it looks like the snapshots' cost, the interval goes up, clean steps come
+    # back, the average follows them and the interval comes back down to 1.
+    cadence = AdaptiveCadence()
+    before = _machine(
+        cadence, range(1, 300), step_s=0.1, fed_s=0.0005, stall_s=0.0005, slowdown_s=0.0
+    )
+    assert before[-1] == 1
+    after = _machine(
+        cadence, range(300, 1300), step_s=0.11, fed_s=0.0005, stall_s=0.0005, slowdown_s=0.0
+    )
+    assert max(after) > 1  # it took the slower steps for the snapshots' cost at first
+    assert after[-200:] == [1] * 200
 
 
 def test_bad_parameters_name_themselves() -> None:
