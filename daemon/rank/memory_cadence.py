@@ -28,13 +28,14 @@ on the 2-core VM the 256 MiB job's snapshot (2 ranks) was fed as 18.6 ms while a
 behind it took 57 ms longer than a step without (0.312 against 0.255 s), so `auto` aimed at an
 interval of 4-5 and the run went 10% slower instead of 2%. As CheckFreq does, the cadence
 therefore also measures the snapshot's effect on the step: the step right after a snapshot
-(the one its staging runs beside) against the other steps ("clean", smoothed apart), and
+(the one its staging runs beside) against the median of the last 15 other steps ("clean"),
+the difference averaged over snapshots (plainly over the first ten, then as the others), and
 counts a snapshot as `stall + max(0, that step's excess)` when this is more than the fed cost.
 The fed cost stays the floor: where a spare core takes the staging, the excess is about 0 and
 the interval is what it was. The step after a snapshot is the only one compared: staging that
 spills into later steps is in the fed CPU time. At interval 1 no step is clean; the excess is
-then taken against the last clean average (an average that aged upwards overstates the
-excess and lengthens the interval, which brings clean steps back).
+then taken against the last clean steps (a reference that aged upwards overstates the excess
+and lengthens the interval, which brings clean steps back).
 
 [Note: ranks must agree on the interval] A memory step counts only when every rank holds it, so
 every rank must snapshot at the same steps. The class is deterministic: fed the same numbers in
@@ -45,12 +46,21 @@ rank's own clock alone.
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
 from typing import Protocol
 
 from daemon.config import StepInterval
 
 __all__ = ["AdaptiveCadence", "Cadence", "FixedCadence", "cadence_for"]
+
+_CLEAN_STEPS = 15
+"""Clean steps whose median is the reference of the step after a snapshot: a median, so that
+a slow step of another kind (the first after the start, an evaluation, a collection) is not
+taken for the snapshot's effect."""
+_MIN_CLEAN_STEPS = 3
+"""Clean steps needed before the step after a snapshot is compared with them."""
 
 
 class Cadence(Protocol):
@@ -155,8 +165,11 @@ class AdaptiveCadence:
         self._step_s: float | None = None
         self._snapshot_s: float | None = None  # as fed: stall + staging CPU
         self._stall_s: float | None = None
-        self._clean_step_s: float | None = None  # steps not right after a snapshot
-        self._excess_s: float | None = None  # the step right after one, over the clean ones
+        # The recent steps not right after a snapshot, and the moving average of how much
+        # longer the step right after one took than their median (with its sample count).
+        self._clean_steps: collections.deque[float] = collections.deque(maxlen=_CLEAN_STEPS)
+        self._excess_s: float | None = None
+        self._excess_samples = 0
         self._num_steps = 0
         self._last_snapshot_step: int | None = None
         self._decided = False
@@ -206,10 +219,16 @@ class AdaptiveCadence:
         self._num_steps += 1
         last = self._last_snapshot_step
         if last is not None and step == last + 1:
-            if self._clean_step_s is not None:
-                self._excess_s = self._average(self._excess_s, step_s - self._clean_step_s)
+            if len(self._clean_steps) >= _MIN_CLEAN_STEPS:
+                excess = step_s - statistics.median(self._clean_steps)
+                self._excess_samples += 1
+                # The first samples are averaged plainly: an average that starts at its first
+                # sample would carry it for some 20 snapshots, hundreds of steps apart.
+                weight = max(self._smoothing, 1 / self._excess_samples)
+                previous = excess if self._excess_s is None else self._excess_s
+                self._excess_s = previous + weight * (excess - previous)
         else:
-            self._clean_step_s = self._average(self._clean_step_s, step_s)
+            self._clean_steps.append(step_s)
         self._decide()
 
     def observe_snapshot(self, step: int, snapshot_s: float, stall_s: float) -> None:
