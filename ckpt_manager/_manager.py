@@ -695,6 +695,7 @@ class CheckpointManager:
             last_memory_snapshot_bytes=memory.last_snapshot_bytes if memory else 0,
             last_memory_save_s=memory.last_save_s if memory else 0.0,
             memory_staging_cpu_s=memory.staging_cpu_s if memory else 0.0,
+            memory_slot_allocations=memory.slot_allocations if memory else 0,
             memory_bytes_held=memory.held_bytes() if memory else 0,
             newest_memory_step=memory.newest_step if memory else None,
             num_memory_snapshots_failed=memory.num_failed if memory else 0,

@@ -159,6 +159,9 @@ class ManagerStats(NamedTuple):
     """CPU seconds the staging thread spent on the memory-only snapshots recorded so far
     (copy, checksum, meta): their cost besides the training thread's, on a machine whose
     cores all train ([Note: a snapshot's cost to the step] in `daemon/rank/loop.py`)."""
+    memory_slot_allocations: int = 0
+    """Memory slot files allocated (or grown) so far: one-time costs of the snapshots whose
+    staging ran them (the `auto` cadence leaves those snapshots' costs out)."""
     memory_bytes_held: int = 0
     """Bytes held by this rank's memory slot files."""
     newest_memory_step: int | None = None

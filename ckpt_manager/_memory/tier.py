@@ -135,6 +135,9 @@ class MemoryTier:
         """Training-thread seconds of the last memory-only `save()`."""
         self.staging_cpu_s = 0.0
         """CPU seconds the staging thread spent on memory-only snapshots, all of them."""
+        self.slot_allocations = 0
+        """Slot files allocated (or grown) so far, ahead of a snapshot or by one: a snapshot
+        whose staging allocated one paid a cost it will not pay again."""
 
     # ------------------------------------------------------------------ training thread
     def held_bytes(self) -> int:
@@ -290,6 +293,7 @@ class MemoryTier:
             return None
         with self._sizes_lock:
             self._sizes[job.slot] = capacity
+            self.slot_allocations += 1
         return fd, capacity
 
     def allocate_ahead(self, slot: int, nbytes: int) -> tuple[int, int] | None:
@@ -302,6 +306,7 @@ class MemoryTier:
             return None
         with self._sizes_lock:
             self._sizes[slot] = capacity
+            self.slot_allocations += 1
         return fd, capacity
 
     def complete(self, job: SnapshotJob, algorithm: ChecksumAlgorithm, checksum: int) -> None:

@@ -52,6 +52,16 @@ was fed is fed with the next one. The stall alone rides along too: the cadence a
 the step after the snapshot measurably lost ([Note: a snapshot's cost is also measured in the
 step after it] in `memory_cadence.py`).
 
+[Note: a slot's allocation is not a snapshot's cost] A rank's first snapshots allocate its slot
+files (`posix_fallocate` of the state's size, then a mapping: 0.18-0.32 s for the 256 MiB job's
+134 MB slots on the 2-core VM), inside their staging, so the fence waits for it and the staging
+CPU counts it. Fed as a snapshot's cost, that one-time cost made `auto` jump from 10 to an
+interval of 68-87 after the first snapshot of that job, where about 10 was right, and stay
+there for hundreds of steps (a moving average moves only at each snapshot). A snapshot whose
+staging allocated a slot file (`ManagerStats.memory_slot_allocations` changed since the last
+fence) is therefore sent as NaN in the per-step all-reduce: every rank's agreed cost is then
+NaN, and the cadence leaves that snapshot and the step after it out.
+
 Checkpoint calls go through `SaveFailurePolicy` (`save_failures.py`): a failed save is
 reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
 The final save of the drain is retried once and must commit, else the run fails. A durable save
@@ -507,6 +517,10 @@ class _Training:
         # and the manager's running total of it already fed to the cadence.
         self._snapshot_staging_s = 0.0
         self._staging_cpu_fed_s = 0.0
+        # Whether the pending snapshot's staging allocated a slot file, and the manager's
+        # count of allocations seen ([Note: a slot's allocation is not a snapshot's cost]).
+        self._snapshot_allocated = False
+        self._allocations_seen = 0
         self.deferred = DeferredSaves(telemetry)
         # [Note: compute time rides on the per-step agreement] in `stragglers.py`.
         self.stragglers = StragglerProbe(
@@ -688,9 +702,12 @@ class _Training:
         self._tolerate_memory_failure(self.manager.before_optimizer_step)
         if self._snapshot_step is not None:
             self._snapshot_cost_s += time.perf_counter() - fence_start
-            staged = self.manager.stats().memory_staging_cpu_s
+            stats = self.manager.stats()
+            staged = stats.memory_staging_cpu_s
             self._snapshot_staging_s = max(staged - self._staging_cpu_fed_s, 0.0)
             self._staging_cpu_fed_s = staged
+            self._snapshot_allocated = stats.memory_slot_allocations != self._allocations_seen
+            self._allocations_seen = stats.memory_slot_allocations
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.scheduler.step()
@@ -706,13 +723,18 @@ class _Training:
         busy_local = self.manager.write_in_flight()
         # [Note: one host read per step]; a pageable host->device copy with non_blocking
         # is staged at once, without waiting for the stream (a blocking one would).
+        cost, stall = self._snapshot_cost_s + self._snapshot_staging_s, self._snapshot_cost_s
+        if self._snapshot_allocated:
+            # [Note: a slot's allocation is not a snapshot's cost]: NaN in any rank's sum
+            # makes the agreed cost NaN on every rank, which the cadence leaves out.
+            cost = stall = math.nan
         flags = torch.tensor(
             [
                 float(stop_local),
                 float(ckpt_local),
                 self._last_step_s,
-                self._snapshot_cost_s + self._snapshot_staging_s,
-                self._snapshot_cost_s,
+                cost,
+                stall,
                 float(busy_local),
                 *self.stragglers.slots(),  # one per rank, after the fixed fields
             ]
@@ -833,7 +855,7 @@ class _Training:
             # The fence wait of the snapshot is not the step's own time.
             step_s -= self._snapshot_cost_s
             self._snapshot_step, self._snapshot_cost_s = None, 0.0
-            self._snapshot_staging_s = 0.0
+            self._snapshot_staging_s, self._snapshot_allocated = 0.0, False
         self._last_step_s = max(step_s, 0.0)
         self.telemetry.set("trainingd_memory_every_steps", self.cadence.interval)
 

@@ -170,6 +170,7 @@ class AdaptiveCadence:
         self._clean_steps: collections.deque[float] = collections.deque(maxlen=_CLEAN_STEPS)
         self._excess_s: float | None = None
         self._excess_samples = 0
+        self._unmeasured_step: int | None = None  # after a snapshot whose cost was left out
         self._num_steps = 0
         self._last_snapshot_step: int | None = None
         self._decided = False
@@ -218,7 +219,9 @@ class AdaptiveCadence:
         self._step_s = self._average(self._step_s, step_s)
         self._num_steps += 1
         last = self._last_snapshot_step
-        if last is not None and step == last + 1:
+        if step == self._unmeasured_step:
+            pass  # beside a one-time cost: [Note: a slot's allocation is not a snapshot's cost]
+        elif last is not None and step == last + 1:
             if len(self._clean_steps) >= _MIN_CLEAN_STEPS:
                 excess = step_s - statistics.median(self._clean_steps)
                 self._excess_samples += 1
@@ -232,9 +235,14 @@ class AdaptiveCadence:
         self._decide()
 
     def observe_snapshot(self, step: int, snapshot_s: float, stall_s: float) -> None:
-        """Fold in one snapshot's cost and stall (and remember its step); re-evaluate."""
+        """Fold in one snapshot's cost and stall (and remember its step); re-evaluate.
+
+        A non-finite cost (a snapshot that paid a one-time cost, as its slot's allocation) is
+        left out, and so is the step after it.
+        """
         self._last_snapshot_step = step
         if not (math.isfinite(snapshot_s) and math.isfinite(stall_s)):
+            self._unmeasured_step = step + 1
             return
         if snapshot_s < 0 or stall_s < 0:
             return

@@ -356,3 +356,26 @@ def test_the_staging_cpu_time_of_memory_only_snapshots_is_counted(tmp_path: path
             mgr.wait_until_finished()
             totals.append(mgr.stats().memory_staging_cpu_s)
     assert 0.0 < totals[0] < totals[1]
+
+
+def test_slot_allocations_are_counted_once(tmp_path: pathlib.Path) -> None:
+    """[Note: a slot's allocation is not a snapshot's cost] in `daemon/rank/loop.py`: the stats
+    count each slot file allocated (the first snapshots' one-time cost), and no more once both
+    slots exist; a larger state grows them again."""
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(memory)))
+    counts = []
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        assert mgr.stats().memory_slot_allocations == 0
+        for step in range(1, 6):
+            mgr.save(step, {"w": torch.zeros(1 << 16)}, durable=False)
+            mgr.before_optimizer_step()
+            mgr.wait_until_finished()
+            counts.append(mgr.stats().memory_slot_allocations)
+        mgr.save(6, {"w": torch.zeros(1 << 20)}, durable=False)  # 16x larger: slots grow
+        mgr.wait_until_finished()
+        grown = mgr.stats().memory_slot_allocations
+    assert counts[0] >= 1
+    assert counts[1] == counts[-1] == 2, counts  # slot 0 and slot 1, each once
+    assert grown > 2
