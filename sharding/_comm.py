@@ -38,9 +38,10 @@ same all-reduce in place on it and copies its slice out in `wait()`: the same ar
 and the same bytes on the wire, without the clone. NCCL has a real reduce-scatter and keeps
 it.
 
-[Note: gloo all-gather] Gloo's flat all-gather (`all_gather_single`) moved bytes 2-4x slower
-than the same bytes sent point to point on this 2-core VM (two ranks on loopback, median of 7:
-1 MiB 2.6 vs 0.6 ms, 16 MiB 17 vs 8 ms, 128 MiB 185 vs 76 ms). Every ZeRO-3 step gathers the
+[Note: gloo all-gather] Gloo's flat all-gather (`all_gather_single`) moved large gathers about
+3x slower than the same bytes sent point to point on the 2-core VM, and staged a full copy of
+each gather in flight (`bench/gloo_gather.py`, two ranks: 64 MiB 66 vs 23 ms, 128 MiB 132 vs
+46 ms; 4-16 MiB 0.7x; below 1 MiB within the noise). Every ZeRO-3 step gathers the
 weights, and a restore completes the replicated ranges of `no_shard` with all-gathers (256 MiB
 of state per rank: about 0.4 s of the restart, [Note: replicated state is saved once] in
 `_state_dict.py`). So on gloo the engine gathers by exchange (`_exchange_gather`): a rank
@@ -265,8 +266,10 @@ class Communicator:
         """Whether a reduce-scatter of a scratch input runs as an in-place all-reduce
         ([Note: gloo reduce-scatter])."""
         self._gather_peers: list[int] | None = None
-        """On gloo: the gather group's ranks as global ranks, this rank's position in it first
+        """On gloo: the global rank of each rank of the gather group, in the group's order
         ([Note: gloo all-gather]); None where the backend's all-gather is used."""
+        self._gather_rank = 0
+        """This rank's place in the gather group."""
         if self._in_place_reduce_scatter and "gloo" in str(dist.get_backend(self.gather_group)):
             gather_world = dist.get_world_size(self.gather_group)
             self._gather_rank = dist.get_rank(self.gather_group)
