@@ -43,6 +43,8 @@ loopback TCP rate are measured in the same run.
     .venv/bin/python bench/recovery.py --topologies 1x2 --node-kills 0 --rank-durable s3
     .venv/bin/python bench/recovery.py --jobs default --topologies 1x2 --kills 0 --node-kills 0 \
         --measure-steps 150 --step-rounds 3                # the step keys, interleaved
+    .venv/bin/python bench/recovery.py --jobs big --topologies 1x2 --kills 0 --node-kills 0 \
+        --measure-steps 150 --step-rounds 3 --ckpt-every 0 # the memory tier's own step cost
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def _plan(args: argparse.Namespace) -> list[rounds.RoundSpec]:
             "measure_steps": args.measure_steps,
             "state_mib": args.state_mib,
             "seed": args.seed,
+            "ckpt_every": args.ckpt_every,
         }
         # [Note: interleaved step rounds] `--step-rounds N` repeats the off / 1 / auto rounds
         # N times, interleaved and in reverse order every other time (off, 1, auto, then
@@ -317,6 +320,16 @@ def main() -> int:
         "intervals from 3 on)",
     )
     parser.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=5,
+        help="durable checkpoint interval of every round (default 5). A durable save is also a "
+        "memory snapshot, and `auto` adds a memory-only one only when its interval comes due "
+        "between them: with durable saves every 5 steps its arm snapshots no more than the off "
+        "arm. `--ckpt-every 0 --kills 0 --node-kills 0` times the memory tier's own cost "
+        "(`auto`'s cadence acting alone)",
+    )
+    parser.add_argument(
         "--rank-durable",
         choices=["local", "s3"],
         default="local",
@@ -324,6 +337,11 @@ def main() -> int:
         "server (as a production run's object store; node-loss rounds always use S3)",
     )
     args = parser.parse_args()
+    if args.ckpt_every == 0 and (args.kills or args.node_kills):
+        parser.error(
+            "--ckpt-every 0 leaves the tier-off rounds nothing to recover from: "
+            "use it with --kills 0 --node-kills 0"
+        )
     if args.quick:
         args.kills, args.node_kills, args.measure_steps, args.jobs = 3, 3, 15, ["default"]
     logging.getLogger("werkzeug").setLevel(logging.WARNING)

@@ -24,11 +24,12 @@ bounds the steps a restart loses at the start); the first decision takes the aim
 snapshot is the training thread's stall (the call and the fence wait) and the staging thread's
 CPU time ([Note: a snapshot's cost to the step] in `loop.py`). Neither shows what the copy's
 memory traffic and the stager's time on a busy core do to the training that runs beside them:
-on the 2-core VM the 256 MiB job's snapshot (2 ranks) was fed as 18.6-23 ms while the step
-after it took 25-28 ms longer than the others (at `memory_every 1` every step took 57 ms
-longer), so the fed cost alone would aim at 4-5 steps where 6-7 keep within 2% (a simulated
-case in `tests/daemon/rank/test_memory_cadence.py`: fed 3 ms, 9 ms lost, interval 2 and 5%
-instead of 5-6 and 2%). As CheckFreq does, the cadence
+on the 2-core VM the 256 MiB job's snapshot (2 ranks) was fed as 18.6-23 ms, while snapshots
+at 4 of every 5 steps made its steps 57 ms longer on average (0.312 against 0.255 s) and the
+step after a snapshot was measured 38-70 ms longer than the others, so the fed cost alone aims
+at an interval of 4-5 where about 15 keeps within 2% (a simulated case in
+`tests/daemon/rank/test_memory_cadence.py`: fed 3 ms, 9 ms lost, interval 2 and 5% instead of
+5-6 and 2%). As CheckFreq does, the cadence
 therefore also measures the snapshot's effect on the step: the step right after a snapshot
 (the one its staging runs beside) against the median of the last 15 other steps ("clean"),
 the difference averaged over snapshots (plainly over the first ten, then as the others), and
