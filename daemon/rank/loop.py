@@ -816,6 +816,8 @@ class _Training:
             )
             self.saved_step = step
             self.deferred.taken(step)
+            if self.memory_tier:  # the durable save snapshotted the state into memory too
+                self.cadence.observe_durable_save(step)
             log.info("checkpoint_scheduled", ckpt_step=step, loss=round(agreed.loss, 4))
         elif self.memory_tier and self.cadence.due(step):
             self.snapshot_to_memory(step)

@@ -40,6 +40,12 @@ spills into later steps is in the fed CPU time. At interval 1 no step is clean; 
 then taken against the last clean steps (a reference that aged upwards overstates the excess
 and lengthens the interval, which brings clean steps back).
 
+A durable save snapshots the state into memory too (the durable tier is written from that
+snapshot), so the loop tells the cadence of each one (`observe_durable_save`): the interval
+counts from it, and neither its cost nor the step after it (its write beside training) is
+taken for a memory snapshot's. Before, a memory-only snapshot could follow a durable save at
+once, for the same state one step newer.
+
 [Note: ranks must agree on the interval] A memory step counts only when every rank holds it, so
 every rank must snapshot at the same steps. The class is deterministic: fed the same numbers in
 the same order, every rank holds the same interval. Feed it values all ranks agree on, e.g. the
@@ -87,6 +93,10 @@ class Cadence(Protocol):
         plus the staging thread's CPU time), of which `stall_s` the training thread's stall."""
         ...
 
+    def observe_durable_save(self, step: int) -> None:
+        """A durable save at step `step` also snapshotted the state into memory."""
+        ...
+
 
 class FixedCadence:
     """`memory_every N`: every N steps (0: never).
@@ -117,6 +127,9 @@ class FixedCadence:
 
     def observe_snapshot(self, step: int, snapshot_s: float, stall_s: float) -> None:
         """Ignored: a fixed interval does not adapt."""
+
+    def observe_durable_save(self, step: int) -> None:
+        """Ignored: a fixed interval counts from step 0."""
 
 
 class AdaptiveCadence:
@@ -252,6 +265,14 @@ class AdaptiveCadence:
         self._snapshot_s = self._average(self._snapshot_s, snapshot_s)
         self._stall_s = self._average(self._stall_s, stall_s)
         self._decide()
+
+    def observe_durable_save(self, step: int) -> None:
+        """A durable save at `step` snapshotted the state into memory too: the interval counts
+        from it (a memory-only snapshot right after it would hold the same state one step
+        newer, for the same cost). Its cost is a durable save's, not a memory snapshot's: left
+        out, and so is the step after it, which its write runs beside."""
+        self._last_snapshot_step = step
+        self._unmeasured_step = step + 1
 
     def cost_ratio(self, interval: int) -> float | None:
         """Amortized snapshot cost of `interval` as a share of the step time (None: unknown)."""

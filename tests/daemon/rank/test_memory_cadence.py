@@ -179,6 +179,30 @@ def test_a_snapshot_that_paid_a_one_time_cost_is_left_out() -> None:
     assert set(intervals[60:]) <= {5, 6}, intervals
 
 
+def test_a_durable_save_counts_as_a_snapshot() -> None:
+    # Durable saves every 25 steps also snapshot into memory: the interval counts from them
+    # (no memory-only snapshot right after one), and neither their cost nor the slow step
+    # after them (the write beside training) is taken for a memory snapshot's.
+    cadence = AdaptiveCadence(smoothing=1.0, headroom=0.0)
+    memory_only = []
+    last = None
+    for step in range(1, 200):
+        slow = 0.05 if last == step - 1 else 0.0  # the step after a durable save
+        cadence.observe_step(step, 0.1 + slow)
+        if step % 25 == 0:
+            cadence.observe_durable_save(step)
+            last = step
+        elif cadence.due(step):
+            cadence.observe_snapshot(step, 0.01, 0.01)
+            memory_only.append(step)
+    assert cadence.interval == 5  # 10 ms of a 100 ms step
+    assert cadence.smoothed_excess_s == pytest.approx(0.0)
+    after = [s for s in memory_only if s > 100]
+    # Five steps after each durable save, then every five: never the step right after one.
+    assert all(s % 25 != 1 for s in after), after
+    assert [s for s in after if 125 < s < 150] == [130, 135, 140, 145]
+
+
 def test_at_interval_1_a_slower_step_for_another_reason_is_corrected() -> None:
     # Cheap snapshots: every step. Then every step gets 10 ms slower for a reason of its own
     # (a longer sequence): measured against the last clean average (there is no clean step at
