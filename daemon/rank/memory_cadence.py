@@ -28,8 +28,8 @@ which depends on the machine (its memory bandwidth, its idle cores). As CheckFre
 cadence therefore also measures the snapshot's effect on the step: the step right after a
 snapshot (the one its staging runs beside) against the median of the last 15 other steps
 ("clean"), the difference averaged over snapshots (a plain mean of the first ten, then a
-moving average like the others), and counts a snapshot as `stall + max(0, that step's excess)` when this is more than
-the fed cost. The fed cost stays the floor: where a spare core takes the staging, the excess
+moving average like the others), and counts a snapshot as `stall + max(0, that step's
+excess)` when this is more than the fed cost. The fed cost stays the floor: where a spare core takes the staging, the excess
 is about 0 and the interval is what it was. On the 2-core VM the two agree for the 256 MiB
 job on 2 ranks (fed 19-22 ms; stall 2 ms plus a measured excess of 17-19 ms:
 `bench/snapshot_stall.py --ranks 2 --state-mib 256 --memory-every auto`), so there it changes
