@@ -27,18 +27,18 @@ memory traffic and the stager's time on a busy core do to the training that runs
 which depends on the machine (its memory bandwidth, its idle cores). As CheckFreq does, the
 cadence therefore also measures the snapshot's effect on the step: the step right after a
 snapshot (the one its staging runs beside) against the median of the last 15 other steps
-("clean"), the difference averaged over snapshots (a plain mean of the first ten, then a
-moving average like the others), and counts a snapshot as `stall + max(0, that step's
-excess)` when this is more than the fed cost. The fed cost stays the floor: where a spare core takes the staging, the excess
-is about 0 and the interval is what it was. On the 2-core VM the two agree for the 256 MiB
-job on 2 ranks (fed 19-22 ms; stall 2 ms plus a measured excess of 17-19 ms:
+("clean"), the difference averaged over snapshots (a plain mean of the first ten, then a moving
+average like the others), and counts a snapshot as `stall + max(0, that step's excess)` when
+this is more than the fed cost. The fed cost stays the floor: where a spare core takes the
+staging, the excess is about 0 and the interval is what it was. On the 2-core VM the two agree
+for the 256 MiB job on 2 ranks (fed 19-22 ms; stall 2 ms plus a measured excess of 17-19 ms:
 `bench/snapshot_stall.py --ranks 2 --state-mib 256 --memory-every auto`), so there it changes
-nothing; `tests/daemon/rank/test_memory_cadence.py` has the case it guards against (fed 3 ms,
-9 ms lost: interval 2 and 5% by the fed cost, 5-6 and 2% with the measurement). The step
-after a snapshot is the only one compared: staging that spills into later steps is in the fed
-CPU time. At interval 1 no step is clean; the excess is then taken against the last clean
-steps (a reference that aged upwards overstates the excess and lengthens the interval, which
-brings clean steps back).
+nothing; `tests/daemon/rank/test_memory_cadence.py` has the case it guards against (fed 3 ms, 9
+ms lost: interval 2 and 5% by the fed cost, 5-6 and 2% with the measurement). The step after a
+snapshot is the only one compared: staging that spills into later steps is in the fed CPU time.
+At interval 1 no step is clean; the excess is then taken against the last clean steps (a
+reference that aged upwards overstates the excess and lengthens the interval, which brings
+clean steps back).
 
 A durable save snapshots the state into memory too (the durable tier is written from that
 snapshot), so the loop tells the cadence of each one (`observe_durable_save`): the interval
