@@ -270,7 +270,8 @@ class Communicator:
         ([Note: gloo all-gather]); None where the backend's all-gather is used."""
         self._gather_rank = 0
         """This rank's place in the gather group."""
-        if self._in_place_reduce_scatter and "gloo" in str(dist.get_backend(self.gather_group)):
+        gather_on_gloo = self.distributed and not self._on_cuda
+        if gather_on_gloo and "gloo" in str(dist.get_backend(self.gather_group)):
             gather_world = dist.get_world_size(self.gather_group)
             self._gather_rank = dist.get_rank(self.gather_group)
             self._gather_peers = [
@@ -365,11 +366,11 @@ class Communicator:
         own = slots[me]
         if own.data_ptr() != shard.data_ptr():  # else the caller gathers in place
             own.copy_(shard.reshape(-1))
-        source = own  # contiguous, and not written by any receive
+        # Sent from `own`: contiguous, and no receive writes it.
         works = []
         for index, peer in enumerate(peers):
             if index != me:
-                works.append(dist.isend(source, peer, group=self.gather_group, tag=_GATHER_TAG))
+                works.append(dist.isend(own, peer, group=self.gather_group, tag=_GATHER_TAG))
         for index, peer in enumerate(peers):
             if index != me:
                 works.append(

@@ -50,17 +50,15 @@ def _load(tier: MemoryTier, chosen: Candidate, template: Any) -> Any:
     """Load the agreed slot, verifying it first if the offer did not ([Note: the chosen slot
     is verified once] in `agree.py`)."""
     path = tier.files.payload_path(chosen.slot)
-    mapped = chosen.mapped
+    if chosen.mapped is not None:
+        return load_slot(path, chosen.meta, template, mapped=chosen.mapped)
+    mapped, refused = map_verified(path, chosen.meta)
     if mapped is None:
-        mapped, refused = map_verified(path, chosen.meta)
-        if mapped is None:
-            raise ValueError(f"slot {chosen.slot} (step {chosen.meta.step}): {refused}")
-        chosen = chosen._replace(mapped=mapped)
-        try:
-            return load_slot(path, chosen.meta, template, mapped=mapped)
-        finally:
-            release([chosen])
-    return load_slot(path, chosen.meta, template, mapped=mapped)
+        raise ValueError(f"slot {chosen.slot} (step {chosen.meta.step}): {refused}")
+    try:
+        return load_slot(path, chosen.meta, template, mapped=mapped)
+    finally:
+        release([chosen._replace(mapped=mapped)])
 
 
 def restore_from_memory(
