@@ -506,6 +506,9 @@ class CheckpointSettings:
     memory_replica_address: str = ""
     """`host[:port]` the daemon's replica server binds and advertises to its peers (port 0 or
     none: a free one); empty: the host this node is known by in the rendezvous."""
+    memory_replica_streams: int = 4
+    """TCP connections each replica stream to the next node uses: a snapshot of 8 MiB or more
+    is striped over them, so more than one core carries it at each end (1 to 16)."""
 
     def __post_init__(self) -> None:
         if not self.ckpt_uri:
@@ -536,6 +539,11 @@ class CheckpointSettings:
                     f"memory_replica_address={self.memory_replica_address!r}: use host[:port] "
                     "with a port in 0..65535 (0: a free one)"
                 )
+        if not 1 <= self.memory_replica_streams <= 16:
+            raise ValueError(
+                f"memory_replica_streams={self.memory_replica_streams}: use 1 (one connection) "
+                "to 16"
+            )
         if not Path(self.memory_dir).is_absolute():
             raise ValueError(
                 f"memory_dir={self.memory_dir!r}: use an absolute path to a memory-backed "

@@ -10,6 +10,7 @@ destination; [Note: the plain copy moves the same bytes]).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import socket
 import statistics
@@ -147,11 +148,23 @@ def loopback_cached_tcp_bytes_per_s(num_bytes: int, repeats: int = 3) -> float:
     return statistics.median(rates)
 
 
-def replica_path_vs_loopback(num_bytes: int, rounds: int = 15) -> dict[str, list[float]]:
+def default_streams() -> int:
+    """The daemon's default `[checkpoint] memory_replica_streams` (1 before it existed)."""
+    from daemon.config import CheckpointSettings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(CheckpointSettings)}
+    return int(defaults.get("memory_replica_streams", 1))  # type: ignore[call-overload]
+
+
+def replica_path_vs_loopback(
+    num_bytes: int, rounds: int = 15, streams: int | None = None
+) -> dict[str, list[float]]:
     """The peer-replica path alone on this machine, idle, against the plain copy, interleaved:
     `rounds` times, one plain loopback copy of `num_bytes` (`loopback_tcp_bytes_per_s`), then
     one memory-tier snapshot of `num_bytes` made by a real `CheckpointManager` and streamed by
     a `ReplicaSender` to a `ReplicaServer` on 127.0.0.1 (the daemons' code).
+
+    `streams`: the sender's connections (None: the daemon's default `memory_replica_streams`).
 
     Returns per round: `loopback_bytes_per_s`, `receive_bytes_per_s` (the server's receive
     counters: go-ahead to the last payload byte) and `send_bytes_per_s` (the sender's).
@@ -184,7 +197,9 @@ def replica_path_vs_loopback(num_bytes: int, rounds: int = 15) -> dict[str, list
         stats_in, stats_out = ReplicaStats(), ReplicaStats()
         holdings = ReplicaHoldings(remote / "replicas", run_id)
         server = ReplicaServer(holdings, str(remote), stats_in, "127.0.0.1", 0)
-        sender = ReplicaSender(str(local), run_id, node=0, stats=stats_out)
+        sender = ReplicaSender(
+            str(local), run_id, node=0, stats=stats_out, streams=streams or default_streams()
+        )
         cfg = CheckpointConfig(memory=MemoryTierConfig(str(local)))
         state = {"w": torch.ones(num_bytes // 4, dtype=torch.float32)}
         try:

@@ -3,10 +3,16 @@
 One TCP connection carries any number of requests, one at a time:
 
     frame    = u32 big-endian length + that many bytes of UTF-8 JSON (an object)
-    put      sender -> frame {"op": "put", "run_id", "round", "node", "meta"}
-             receiver -> frame {"ok": true} (send it) or {"ok": false, "reason", "detail"}
-             sender -> meta["payload_bytes"] raw bytes + one trailer byte
+    put      sender -> frame {"op": "put", "run_id", "round", "node", "meta"
+                              [, "stripes", "session", "seq"]}
+             receiver -> frame {"ok": true [, "stripes"]} (send it) or {"ok": false, "reason",
+                              "detail"}
+             sender -> meta["payload_bytes"] raw bytes (stripe 0 only, when striped) + one
+                              trailer byte
              receiver -> frame {"ok": true} (held, meta written) or a refusal
+    part     sender -> frame {"op": "part", "session", "seq", "index"} + that stripe's raw
+                              bytes, on another connection of the same sender, no reply
+                              ([Note: replica payloads go over parallel streams], `stripes.py`)
     list     fetcher -> frame {"op": "list", "run_id", "ranks": [int]}
              holder -> frame {"ok": true, "replicas": [{"rank", "slot", "step", ...}],
                               "local_layouts": [hex]}
@@ -20,7 +26,8 @@ still verifies the payload's checksum before it writes a meta; the trailer only 
 superseded copy (not a failure) from a corrupt one.
 
 Payloads leave with `os.sendfile` from the slot file (no copy through user space) and arrive
-with `recv_into` straight into the mapped destination file.
+with `recv_into` straight into the mapped destination file; a large put is striped over the
+sender's `memory_replica_streams` connections.
 
 [Note: replica sockets block in the kernel] Every replica socket is a blocking socket whose
 timeouts are the kernel's (`SO_RCVTIMEO`, `SO_SNDTIMEO`; `configure`), not Python's: a Python
@@ -41,12 +48,13 @@ import os
 import socket
 import struct
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 __all__ = [
     "ABORT",
     "COMMIT",
     "MAX_FRAME_BYTES",
+    "PayloadFill",
     "ProtocolError",
     "Refusal",
     "configure",
@@ -166,8 +174,8 @@ def recv_frame(sock: socket.socket) -> dict[str, Any] | None:
     return obj
 
 
-def send_file(sock: socket.socket, fd: int, nbytes: int) -> None:
-    """Send `nbytes` of `fd` from offset 0 with `os.sendfile` (a socket made by `configure`:
+def send_file(sock: socket.socket, fd: int, nbytes: int, offset: int = 0) -> None:
+    """Send `nbytes` of `fd` from `offset` with `os.sendfile` (a socket made by `configure`:
     one call sends it all, [Note: replica sockets block in the kernel]).
 
     Raises:
@@ -177,12 +185,23 @@ def send_file(sock: socket.socket, fd: int, nbytes: int) -> None:
     sent = 0
     while sent < nbytes:
         try:
-            n = os.sendfile(sock.fileno(), fd, sent, nbytes - sent)
+            n = os.sendfile(sock.fileno(), fd, offset + sent, nbytes - sent)
         except BlockingIOError as err:  # SO_SNDTIMEO expired: the peer stopped reading
             raise TimeoutError(f"the peer took no byte for the timeout after {sent}") from err
         if n == 0:
             raise ProtocolError(f"file ended after {sent} of {nbytes} bytes")
         sent += n
+
+
+class PayloadFill(Protocol):
+    """Receives a payload some other way than all on the request's connection (the
+    stripes of `stripes.py`)."""
+
+    def fill(
+        self, sock: socket.socket, payload: memoryview, ready: Callable[[], None] | None
+    ) -> None:
+        """Call `ready` (if any), then fill all of `payload`; no thread may still write into
+        it when this returns or raises."""
 
 
 def recv_payload(
@@ -191,6 +210,7 @@ def recv_payload(
     capacity: int,
     nbytes: int,
     ready: Callable[[], None] | None = None,
+    fill: PayloadFill | None = None,
 ) -> bytes:
     """Receive `nbytes` of payload straight into the file behind `fd` (allocated to
     `capacity`, mapped shared), then the trailer byte; returns the trailer.
@@ -199,6 +219,7 @@ def recv_payload(
         ready: called once the destination is mapped, before the first byte is read (a
             receiver sends its go-ahead there: the sender's bytes then never wait for the
             mapping's page faults).
+        fill: receives the payload instead of one `recv_into` on `sock` (striped puts).
 
     Raises:
         ProtocolError: the connection closed early.
@@ -211,10 +232,13 @@ def recv_payload(
     # Pre-faulted: one page fault per 4 KiB page would otherwise slow the receive down.
     mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     try:
-        if ready is not None:
+        if ready is not None and fill is None:
             ready()
         with memoryview(mm) as view, view[:nbytes] as payload:
-            recv_into(sock, payload)
+            if fill is not None:
+                fill.fill(sock, payload, ready)
+            else:
+                recv_into(sock, payload)
     finally:
         mm.close()  # every view of it is released by now, even after a broken receive
     return recv_exact(sock, 1)

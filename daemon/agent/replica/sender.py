@@ -4,10 +4,11 @@ One thread in the daemon process (the ranks are not involved and never wait for 
 watches the memory tier's directory (every `POLL_S`) for the newest complete snapshot of each
 local rank, i.e. a meta that parses and verifies, and streams the newest one the peer has not
 acknowledged: a newer snapshot supersedes an older unsent one, so nothing queues. A payload
-leaves with `sendfile` from the slot file; if the rank empties that slot meanwhile (its slot
-is reused two snapshots later), the transfer ends with `ABORT` and the next tick sends the
-newer snapshot. A broken connection is counted, logged once per kind and retried on the next
-tick after `RETRY_S`; replication never stops or slows training.
+leaves with `sendfile` from the slot file, a large one striped over `memory_replica_streams`
+connections ([Note: replica payloads go over parallel streams]); if the rank empties that
+slot meanwhile (its slot is reused two snapshots later), the transfer ends with `ABORT` and
+the next tick sends the newer snapshot. A broken connection is counted, logged once per kind
+and retried on the next tick after `RETRY_S`; replication never stops or slows training.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from daemon.agent.replica.protocol import (
 )
 from daemon.agent.replica.server import IO_TIMEOUT_S
 from daemon.agent.replica.stats import ReplicaStats
+from daemon.agent.replica.stripes import StripeSender, stripe_count, stripe_ranges
 
 __all__ = ["POLL_S", "RETRY_S", "ReplicaSender", "Ring", "parse_address"]
 
@@ -78,10 +80,15 @@ class ReplicaSender:
         run_id: this run.
         node: this node's rank (the receiver tracks rounds per sender).
         stats: the counters.
+        streams: connections a large payload is striped over (`memory_replica_streams`,
+            [Note: replica payloads go over parallel streams]).
     """
 
-    def __init__(self, tier_dir: str, run_id: str, node: int, stats: ReplicaStats) -> None:
+    def __init__(
+        self, tier_dir: str, run_id: str, node: int, stats: ReplicaStats, streams: int = 1
+    ) -> None:
         self._dir, self._run_id, self._node, self._stats = tier_dir, run_id, node, stats
+        self._streams = streams
         self._ring = Ring(0, None, ())
         # Per rank, the newest step acknowledged or refused by the peer: never sent again.
         self._done: dict[int, int] = {}
@@ -92,6 +99,7 @@ class ReplicaSender:
         self._former: tuple[tuple[int, ...], float] = ((), 0.0)
         self._sock: socket.socket | None = None
         self._sock_target: str | None = None
+        self._stripes: StripeSender | None = None
         self._thread = threading.Thread(
             target=self._run, name="trainingd-replica-sender", daemon=True
         )
@@ -226,20 +234,32 @@ class ReplicaSender:
         self._metas[path] = (version, parsed)
         return parsed
 
-    def _connect(self, target: str) -> socket.socket:
-        if self._sock is not None and self._sock_target == target:
-            return self._sock
+    def _connect(self, target: str) -> tuple[socket.socket, StripeSender]:
+        if self._sock is not None and self._stripes is not None and self._sock_target == target:
+            return self._sock, self._stripes
+
+        def connect() -> socket.socket:
+            sock = socket.create_connection(parse_address(target), timeout=IO_TIMEOUT_S)
+            configure(sock, IO_TIMEOUT_S)
+            return sock
+
         self._disconnect()
-        sock = socket.create_connection(parse_address(target), timeout=IO_TIMEOUT_S)
-        configure(sock, IO_TIMEOUT_S)
-        self._sock, self._sock_target = sock, target
-        return sock
+        sock = connect()
+        try:
+            stripes = StripeSender(connect, self._streams - 1)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock, self._stripes, self._sock_target = sock, stripes, target
+        return sock, stripes
 
     def _disconnect(self) -> None:
         if self._sock is not None:
             with contextlib.suppress(OSError):
                 self._sock.close()
-        self._sock, self._sock_target = None, None
+        if self._stripes is not None:
+            self._stripes.close()
+        self._sock, self._stripes, self._sock_target = None, None, None
 
     def _send(self, ring: Ring, rank: int, slot: int, raw: dict[str, Any], meta: SlotMeta) -> None:
         assert ring.target is not None
@@ -249,13 +269,32 @@ class ReplicaSender:
         except FileNotFoundError:
             return  # the slot went away (the run moved on); the next tick sees the newer one
         try:
-            sock = self._connect(ring.target)
-            request = {"op": "put", "run_id": self._run_id, "round": ring.round, "node": self._node}
+            sock, stripes = self._connect(ring.target)
+            seq = stripes.next_seq()
+            request = {
+                "op": "put",
+                "run_id": self._run_id,
+                "round": ring.round,
+                "node": self._node,
+                "stripes": stripe_count(meta.payload_bytes, stripes.streams),
+                "session": stripes.session,
+                "seq": seq,
+            }
             send_frame(sock, {**request, "meta": raw})
-            if not self._accepted(recv_frame(sock), rank, meta):
+            reply = recv_frame(sock)
+            if not self._accepted(reply, rank, meta):
                 return
+            assert reply is not None
+            # A receiver without stripes says nothing: all on this connection.
+            ranges = stripe_ranges(meta.payload_bytes, int(reply.get("stripes", 1)))
             t0 = time.perf_counter()
-            send_file(sock, fd, meta.payload_bytes)
+            parts = stripes.start(fd, ranges, seq)
+            failed = True
+            try:
+                send_file(sock, fd, ranges[0][1])
+                failed = False
+            finally:
+                stripes.finish(parts, abort=failed)  # before the file is closed under them
             seconds = time.perf_counter() - t0
         finally:
             os.close(fd)

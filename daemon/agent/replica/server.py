@@ -12,6 +12,7 @@ sender streaming to it, plus a fetching node after a node loss). Requests are th
   written and the put acknowledged.
 - `list` answers the complete replicas it holds of the asked ranks, and the shared-layout
   fingerprints of this node's own snapshots (the fetching node checks a replica against them).
+- `part` carries one stripe of a put on another connection of its sender (`stripes.py`).
 - `get` streams one held replica (`sendfile`), with the trailer saying whether its slot stayed
   unchanged during the send.
 """
@@ -42,6 +43,7 @@ from daemon.agent.replica.protocol import (
     send_frame,
 )
 from daemon.agent.replica.stats import ReplicaStats
+from daemon.agent.replica.stripes import MAX_STRIPES, StripeBoard, StripedFill, stripe_ranges
 
 __all__ = ["IO_TIMEOUT_S", "ReplicaServer"]
 
@@ -82,6 +84,7 @@ class ReplicaServer:
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
+        self._board = StripeBoard()
         self._thread = threading.Thread(
             target=self._accept, name="trainingd-replica-server", daemon=True
         )
@@ -131,6 +134,8 @@ class ReplicaServer:
                     self._list(conn, request)
                 elif op == "get":
                     self._get(conn, request)
+                elif op == "part":
+                    self._part(conn, request)
                 else:
                     self._refuse(conn, Refusal.PROTOCOL, f"unknown op {op!r}", peer)
         except (OSError, ProtocolError) as err:
@@ -180,6 +185,7 @@ class ReplicaServer:
             self._refuse(conn, Refusal.PROTOCOL, f"{what}: both slots are being written", peer)
             return
         slot, fd, capacity = reserved
+        stripes, fill = self._stripes(request, meta.payload_bytes)
         # The final reply goes out only once the slot is released: a sender that puts its
         # next snapshot as soon as it reads the reply must find the slot free.
         reply: tuple[Refusal | None, dict[str, Any]] | None = None
@@ -187,10 +193,12 @@ class ReplicaServer:
             started: list[float] = []
 
             def go_ahead() -> None:  # the slot is mapped: the bytes may come
-                send_frame(conn, {"ok": True})
+                send_frame(conn, {"ok": True, "stripes": stripes})
                 started.append(time.perf_counter())
 
-            trailer = recv_payload(conn, fd, capacity, meta.payload_bytes, ready=go_ahead)
+            trailer = recv_payload(
+                conn, fd, capacity, meta.payload_bytes, ready=go_ahead, fill=fill
+            )
             self._stats.received(meta.payload_bytes, time.perf_counter() - started[0])
             os.close(fd)
             fd = -1
@@ -215,6 +223,34 @@ class ReplicaServer:
                     send_frame(conn, frame)
                 else:
                     self._refuse(conn, refusal, frame["detail"], peer)
+
+    def _stripes(self, request: dict[str, Any], nbytes: int) -> tuple[int, StripedFill | None]:
+        """How many stripes a put gets (its proposal, within `MAX_STRIPES` and what its size
+        warrants) and what fills them (None: all on the put's own connection)."""
+        try:
+            proposed = int(request.get("stripes", 1))
+            session, seq = str(request.get("session", "")), int(request.get("seq", 0))
+        except (TypeError, ValueError):
+            return 1, None
+        if proposed <= 1 or not session:
+            return 1, None
+        stripes = len(stripe_ranges(nbytes, min(proposed, MAX_STRIPES)))
+        if stripes <= 1:
+            return 1, None
+        return stripes, StripedFill(self._board, session, seq, stripes, IO_TIMEOUT_S)
+
+    def _part(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        """One stripe of a put on another connection ([Note: replica payloads go over
+        parallel streams]); a part that fits no open put closes this connection."""
+        try:
+            session, seq, index = (
+                str(request["session"]),
+                int(request["seq"]),
+                int(request["index"]),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ProtocolError(f"a part whose frame does not parse: {err}") from err
+        self._board.receive_part(conn, session, seq, index)
 
     # ------------------------------------------------------------------ list / get
     def _list(self, conn: socket.socket, request: dict[str, Any]) -> None:

@@ -97,7 +97,13 @@ class ReplicaService:
             else (f"{advertised}:{self._server.port}")
         )
         """`host:port` the other nodes reach this node's server at."""
-        self._sender = ReplicaSender(self._tier_dir, cfg.run_id, cfg.launch.node_rank, self.stats)
+        self._sender = ReplicaSender(
+            self._tier_dir,
+            cfg.run_id,
+            cfg.launch.node_rank,
+            self.stats,
+            streams=cfg.checkpoint.memory_replica_streams,
+        )
         log.info("replica_server_started", address=self.address, replicas=1)
 
     def values(self) -> Mapping[str, Mapping[str, float]]:
