@@ -178,3 +178,31 @@ def test_a_figure_judged_on_its_bad_end_meets_only_if_its_interval_does() -> Non
     two = stats.figure(0.9, ">=", 0.8, samples=[0.5, 1.3], judge_bad_end=True)
     assert "judged_on" not in two
     assert two["verdict"] == "meets"
+
+
+def test_the_recovery_ratio_compares_with_todays_path_and_the_warm_durable_one_beside_it() -> None:
+    import recovery  # bench/recovery.py
+
+    def rank_round(memory: str, recoveries: list[float], rank_start: str | None) -> dict:
+        spec = {"failure": "rank", "topology": "1x2", "job_name": "default", "memory_every": memory}
+        if rank_start is not None:  # results written before today's path existed lack it
+            spec["rank_start"] = rank_start
+        kills = [{"recovery_s": r, "catchup_s": r + 0.5, "steps_lost": 0} for r in recoveries]
+        return {"spec": spec, "kills": kills, "step_times_s": [0.07] * 5}
+
+    results = [
+        rank_round("1", [0.5, 0.5, 0.6], "fork_server"),
+        rank_round("0", [0.6, 0.6, 0.7], None),
+        rank_round("0", [6.0, 6.5, 7.0], "spawn"),
+    ]
+    keys = recovery._keys(results, memcpy_bps=1e10, loopback_bps=1e9, replica_path=None)
+    assert keys["rank_kill_recovery_vs_durable"]["value"] == pytest.approx(0.5 / 6.5)
+    assert keys["rank_kill_recovery_vs_durable"]["verdict"] == "meets"
+    assert keys["rank_kill_recovery_vs_warm_durable"]["value"] == pytest.approx(0.5 / 0.6)
+    assert keys["rank_kill_recovery_vs_warm_durable"]["verdict"] == "MISSES"
+    # The spawn round's step times are not the durable path's: the step keys see one off round.
+    assert keys["memory_every_1_step_inflation"]["per_setting"]["default-1x2"]["step_s_off"] == [
+        0.07
+    ]
+    without = recovery._keys(results[:2], memcpy_bps=1e10, loopback_bps=1e9, replica_path=None)
+    assert without["rank_kill_recovery_vs_durable"]["verdict"] == "unavailable"

@@ -54,11 +54,17 @@ class RoundSpec:
     seed: int = 0
     repeat: int = 0
     """Which of the interleaved step-time repetitions (`--step-rounds`) this round is."""
+    rank_start: str = "fork_server"
+    """`[launch] rank_start`: `spawn` (a fresh interpreter per rank) with `memory_every 0` is
+    the path issue 29 starts from ("today's path")."""
 
     @property
     def name(self) -> str:
-        """`<failure>-<topology>-<job>-mem<memory_every>`, `-r<repeat>` after the first."""
+        """`<failure>-<topology>-<job>-mem<memory_every>`, `-spawn` for fresh interpreters,
+        `-r<repeat>` after the first."""
         name = f"{self.failure}-{self.topology}-{self.job_name}-mem{self.memory_every}"
+        if self.rank_start != "fork_server":
+            name += f"-{self.rank_start}"
         return f"{name}-r{self.repeat}" if self.repeat else name
 
 
@@ -112,6 +118,8 @@ class _Round:
         ]  # fmt: skip
         if s3 is not None:
             self.args += ["--s3-endpoint-url", s3.endpoint_url]
+        if spec.rank_start != "fork_server":
+            self.args += ["--rank-start", spec.rank_start]
         if nnodes > 1:
             endpoint = f"127.0.0.1:{free_port()}"
             self.args += ["--nnodes", str(nnodes), "--rdzv-endpoint", endpoint]

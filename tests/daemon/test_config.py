@@ -198,7 +198,8 @@ def test_memory_replicas_default_to_one_with_several_nodes_and_refuse_what_the_r
     with pytest.raises(ConfigError, match=r"memory_replica_address='h:x': use host\[:port\]"):
         load_config({**two, "memory_replica_address": "h:x"}, env={})
     assert load_config({}, env={}).checkpoint.memory_replica_streams == 4
-    assert load_config({"memory_replica_streams": "1"}, env={}).checkpoint.memory_replica_streams == 1
+    one = load_config({"memory_replica_streams": "1"}, env={})
+    assert one.checkpoint.memory_replica_streams == 1
     for bad in ("0", "17"):
         with pytest.raises(ConfigError, match=rf"memory_replica_streams={bad}: use 1 .* to 16"):
             load_config({"memory_replica_streams": bad}, env={})
