@@ -91,13 +91,13 @@ def main() -> int:
         r.args += ["--log-level", "debug"]
         try:
             r.nodes = [r.start_node(0, "node0")]
-            r.wait_batches(0, spec.warmup_steps + spec.measure_steps, 300)
+            r.wait_started_after(0.0, spec.warmup_steps + spec.measure_steps, 300)
             for restart in range(1, spec.kills + 1):
                 time.sleep(rng.uniform(0.5, 3.0) * 0.15)
                 killed = time.time()
                 victim = rng.choice(r.nodes[0].rank_pids())
                 os.kill(victim, signal.SIGKILL)
-                r.wait_batches(restart, 3, 300)
+                r.wait_started_after(killed, 3, 300)
                 rows.append(timeline(r.nodes[0].events(), killed, restart))
                 print(f"kill {restart}: {rows[-1]}", file=sys.stderr)
             r.nodes[0].signal(signal.SIGTERM)

@@ -147,6 +147,9 @@ def run_rank(
         node=cfg.launch.node_rank if run_dir is not None else _env_int("GROUP_RANK", 0),
         run_id=cfg.run_id,
         restart=restart,
+        # Names the process where the restart count cannot: another node's failure restarts
+        # this node's ranks without counting a restart (torch's membership change).
+        pid=os.getpid(),
     )
     log = structlog.get_logger("trainingd.worker")
     # [Note: the recovery timeline] (`bench/recovery_timeline.py`): one debug line per stage.

@@ -25,6 +25,7 @@ class Incarnation(NamedTuple):
     restart: int
     batch_starts: list[float]
     """Unix times at which it started fetching each batch."""
+    pid: int = 0
 
 
 class KillSample(NamedTuple):
@@ -58,15 +59,22 @@ def parse_progress(text: str) -> tuple[int, list[float]]:
     return restart, [float(line) for line in complete]
 
 
-def read_incarnations(directory: Path, rank: int | None) -> dict[int, Incarnation]:
-    """Rank `rank`'s incarnations that fetched at least one batch, by restart (`rank` None:
-    any rank's; for a directory one node's single-rank processes write, whose global rank
-    can change between rounds: [Note: group ranks move between nodes] in `daemon/agent/replica`).
+def read_incarnations(directory: Path, rank: int | None) -> list[Incarnation]:
+    """Rank `rank`'s incarnations that fetched at least one batch, in the order they started
+    (`rank` None: any rank's; for a directory one node's single-rank processes write, whose
+    global rank can change between rounds: [Note: group ranks move between nodes] in
+    `daemon/agent/replica`).
+
+    [Note: an incarnation is a process, not a restart count] The restart count does not name
+    an incarnation: torch's agent restarts a node's ranks for another node's failure (a
+    membership change) without counting a restart, so on several nodes two processes of one
+    node can carry the same count. The pid (in the file's name, and bound to every line a
+    rank logs) does.
 
     Processes that built the job without training (the daemon's estimate, the fork server's
     preload) wrote no batch and are left out.
     """
-    out: dict[int, Incarnation] = {}
+    out: list[Incarnation] = []
     for path in directory.iterdir():
         match = _NAME.fullmatch(path.name)
         if match is None or (rank is not None and int(match.group(1)) != rank):
@@ -76,10 +84,23 @@ def read_incarnations(directory: Path, rank: int | None) -> dict[int, Incarnatio
             continue  # just created: its `restart` line is not written yet
         restart, times = parse_progress(text)
         if times:
-            if restart in out:
-                raise ValueError(f"two processes of rank {rank} logged restart {restart}")
-            out[restart] = Incarnation(rank, restart, times)
-    return out
+            out.append(Incarnation(int(match.group(1)), restart, times, int(match.group(2))))
+    return sorted(out, key=lambda inc: inc.batch_starts[0])
+
+
+def restored_event(
+    events: Iterable[Mapping[str, Any]], rank: int | None, incarnation: Incarnation
+) -> Mapping[str, Any] | None:
+    """The incarnation's `restored` log event (None: it restored nothing): matched by pid, or
+    by restart count where no event carries a pid (a daemon from before it was bound)."""
+    restored = [
+        e
+        for e in events
+        if e.get("event") == "restored" and (rank is None or int(e.get("rank", -1)) == rank)
+    ]
+    if any("pid" in e for e in restored):
+        return next((e for e in restored if e.get("pid") == incarnation.pid), None)
+    return restored_by_restart(restored, rank).get(incarnation.restart)
 
 
 def restored_by_restart(events: Iterable[Mapping[str, Any]], rank: int | None) -> dict[int, Any]:
@@ -113,7 +134,9 @@ def kill_sample(
         restored: its `restored` log event (None: it started from nothing).
     """
     if len(after.batch_starts) < 2:
-        raise ValueError(f"restart {after.restart} has not completed a step yet")
+        raise ValueError(
+            f"process {after.pid} (restart {after.restart}) has not completed a step yet"
+        )
     restored_step = int(restored["ckpt_step"]) if restored is not None else 0
     last = completed_steps(before, before_start)
     # Line k (1-based) of `after`: restored_step + k - 1 steps complete.

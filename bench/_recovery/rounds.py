@@ -154,7 +154,8 @@ class _Round:
         (its global rank may change when node 1 is replaced)."""
         return 0 if self.nnodes == 1 else None
 
-    def incarnations(self) -> dict[int, progress.Incarnation]:
+    def incarnations(self) -> list[progress.Incarnation]:
+        """Node 0's sampled rank's processes that trained, in the order they started."""
         return progress.read_incarnations(self._node_progress(0), rank=self.rank)
 
     def alive(self) -> None:
@@ -163,14 +164,38 @@ class _Round:
             if code is not None:
                 raise RuntimeError(f"{self.spec.name}: a daemon exited {code}:\n{d.logs()}")
 
-    def wait_batches(self, restart: int, count: int, timeout_s: float) -> progress.Incarnation:
+    def wait_started_after(
+        self, since_unix: float, count: int, timeout_s: float
+    ) -> progress.Incarnation:
+        """The first incarnation that started training after `since_unix` and fetched `count`
+        batches ([Note: an incarnation is a process, not a restart count] in `progress.py`)."""
+
         def ready() -> progress.Incarnation | None:
             self.alive()
-            inc = self.incarnations().get(restart)
+            for inc in self.incarnations():
+                if inc.batch_starts[0] > since_unix and len(inc.batch_starts) >= count:
+                    return inc
+            return None
+
+        found: progress.Incarnation = wait_for(
+            ready, timeout_s, f"{self.spec.name}: a process started after {since_unix:.3f}"
+        )
+        return found
+
+    def wait_incarnation(self, pid: int, count: int, timeout_s: float) -> progress.Incarnation:
+        """Process `pid`'s incarnation once it fetched `count` batches."""
+
+        def ready() -> progress.Incarnation | None:
+            self.alive()
+            inc = self.incarnation(pid)
             return inc if inc is not None and len(inc.batch_starts) >= count else None
 
-        found: progress.Incarnation = wait_for(ready, timeout_s, f"{self.spec.name} r{restart}")
+        found: progress.Incarnation = wait_for(ready, timeout_s, f"{self.spec.name} pid {pid}")
         return found
+
+    def incarnation(self, pid: int) -> progress.Incarnation | None:
+        """Process `pid`'s incarnation as it is now (None: it wrote no batch)."""
+        return next((inc for inc in self.incarnations() if inc.pid == pid), None)
 
     def slot_bytes(self) -> int:
         """Size of one local slot file (the rank's whole state in the memory tier), 0: none."""
@@ -195,10 +220,12 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
         # The stall histogram of the warm-up (its first snapshots allocate the slot files, a
         # cost each rank process pays once), apart from the measured stretch's: the ranks
         # publish it every `--publish-interval-s` (0.5 s), so it is read a second after.
-        r.wait_batches(0, spec.warmup_steps + 1, _START_TIMEOUT_S)
+        first = r.wait_started_after(0.0, spec.warmup_steps + 1, _START_TIMEOUT_S)
         time.sleep(1.0)
         warmup = _stall_buckets(r.nodes)
-        first = r.wait_batches(0, spec.warmup_steps + spec.measure_steps + 1, _START_TIMEOUT_S)
+        first = r.wait_incarnation(
+            first.pid, spec.warmup_steps + spec.measure_steps + 1, _START_TIMEOUT_S
+        )
         out["step_times_s"] = progress.step_times(first, skip=spec.warmup_steps)[
             : spec.measure_steps
         ]
@@ -215,9 +242,8 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
                 out["state_bytes_per_rank"]
             )
         for restart in range(1, spec.kills + 1):
-            before = r.incarnations()[restart - 1]
-            events = r.nodes[0].events()
-            before_start = _start_step(events, restart - 1, r.rank)
+            before = r.incarnations()[-1]  # the newest process: the one training now
+            before_start = _start_step(r.nodes[0].events(), before, r.rank)
             # A random point of training: 0.5-3 step times after the group trains again.
             step_s = max(progress.step_times(before, skip=0)[-3:] or [0.2])
             time.sleep(rng.uniform(0.5, 3.0) * step_s)
@@ -232,12 +258,12 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
                 lost.wait(30)
                 r.replaced.append(lost)
                 r.nodes[1] = r.start_node(1, f"node1-{restart}")
-            after = r.wait_batches(restart, 2, _RESTART_TIMEOUT_S)
-            before = r.incarnations()[restart - 1]  # lines written after the kill count too
-            restored = progress.restored_by_restart(r.nodes[0].events(), r.rank).get(restart)
+            after = r.wait_started_after(killed, 2, _RESTART_TIMEOUT_S)
+            before = r.incarnation(before.pid) or before  # lines written after the kill count too
+            restored = progress.restored_event(r.nodes[0].events(), r.rank, after)
             restored_step = int(restored["ckpt_step"]) if restored is not None else 0
             catchup = progress.lines_to_catch_up(before, before_start, restored_step)
-            after = r.wait_batches(restart, max(catchup, 2), _RESTART_TIMEOUT_S)
+            after = r.wait_incarnation(after.pid, max(catchup, 2), _RESTART_TIMEOUT_S)
             sample = progress.kill_sample(killed, before, before_start, after, restored)
             row = sample._asdict()
             if s3 is not None:
@@ -284,8 +310,10 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
     return out
 
 
-def _start_step(events: list[dict[str, Any]], restart: int, rank: int | None) -> int:
-    restored = progress.restored_by_restart(events, rank).get(restart)
+def _start_step(
+    events: list[dict[str, Any]], incarnation: progress.Incarnation, rank: int | None
+) -> int:
+    restored = progress.restored_event(events, rank, incarnation)
     return int(restored["ckpt_step"]) if restored is not None else 0
 
 
