@@ -77,6 +77,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
+from daemon.agent import rdzv_poll
 from daemon.agent.failures import RankExit
 from daemon.agent.fork_server import START_METHOD, ForkServer, preload_modules, warm_entry
 from daemon.agent.rdzv_delegate import DelegatingHandler
@@ -394,9 +395,13 @@ class ElasticLauncher:
         # agent keeps only SIGQUIT, its "stop the workers now" path (as `elastic_launch` sets).
         os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGQUIT"
         self._params = _rendezvous_parameters(cfg, endpoint)
+        handler = get_rendezvous_handler(self._params)
+        # [Note: a waiting node polls the rendezvous faster on few nodes] in rdzv_poll.py.
+        if not rdzv_poll.install(handler, cfg.launch.max_nodes):
+            log.warning("rendezvous_poll_unchanged", handler=type(handler).__name__)
         # [Note: a store outage is not a crash] in store_guard.py.
         inner = StoreGuard(
-            get_rendezvous_handler(self._params),
+            handler,
             endpoint=endpoint,
             grace_s=cfg.launch.rdzv_store_grace_s,
             incidents=incidents,
