@@ -53,6 +53,7 @@ memory and never call each other; they talk through files in the run directory (
         elastic.py       the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).
         store_guard.py   rendezvous-store outages ridden out within a grace, then exit 75.
         rdzv_delegate.py the rendezvous-handler pass-through the agent's wrappers build on.
+        rdzv_poll.py     a waiting node reads the rendezvous every max_nodes x 20 ms, not 1 s.
         fork_server.py   warm rank starts: ranks fork from a server that imported torch and
                          the job once (never CUDA, no threads), checked on a first fork.
         _server_state.py runs in that server: its CUDA state after its imports.
@@ -74,6 +75,7 @@ memory and never call each other; they talk through files in the run directory (
           holdings.py    the replicas held here: 2 slots per remote rank, rounds per sender.
           server.py      receive (refusals, verify, then the meta) and serve a fetch.
           sender.py      stream the local ranks' newest complete snapshots to the next node.
+          stripes.py     a large payload striped over `memory_replica_streams` connections.
           fetch.py       after a node loss: copy its snapshots back before its ranks start.
           peers.py       the round number and every node's address (rendezvous store).
           stats.py       bytes, seconds, failures by reason, lag: the replica metrics.

@@ -16,6 +16,8 @@ Module plan:
                     or with the store's host gone, exit 75 with one line.
     rdzv_delegate.py  the rendezvous-handler pass-through the agent's wrappers (membership
                     watch, wait-list throttle, store guard) build on.
+    rdzv_poll.py    a node waiting in a rendezvous reads its state every `max_nodes` x 20 ms
+                    (50 ms to torch's 1 s), not once a second from a 1 s cache.
     replica/        peer replicas of the memory tier: a server, a sender to the next node
                     (node ring), the fetch of a lost node's snapshots before its ranks start.
     fork_server.py  warm rank starts: ranks fork from a server that imported torch and the
