@@ -83,6 +83,7 @@ def _plan(args: argparse.Namespace) -> list[rounds.RoundSpec]:
             "state_mib": args.state_mib,
             "seed": args.seed,
             "ckpt_every": args.ckpt_every,
+            "replica_streams": args.replica_streams,
         }
         # [Note: interleaved step rounds] `--step-rounds N` repeats the off / 1 / auto rounds
         # N times, interleaved and in reverse order every other time (off, 1, auto, then
@@ -353,6 +354,10 @@ def main() -> int:
         "--topologies", nargs="+", default=["1x2", "2x1"], choices=["1x2", "2x1", "1x1"]
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--replica-streams", type=int, default=0,
+        help="the daemons' memory_replica_streams (default: theirs)",
+    )  # fmt: skip
     parser.add_argument(
         "--no-today-path", dest="today_path", action="store_false",
         help="skip the rank kills on today's path (memory_every 0 with fresh interpreters, "

@@ -54,6 +54,8 @@ class RoundSpec:
     seed: int = 0
     repeat: int = 0
     """Which of the interleaved step-time repetitions (`--step-rounds`) this round is."""
+    replica_streams: int = 0
+    """`[checkpoint] memory_replica_streams` of the daemons (0: their default)."""
     rank_start: str = "fork_server"
     """`[launch] rank_start`: `spawn` (a fresh interpreter per rank) with `memory_every 0` is
     the path issue 29 starts from ("today's path")."""
@@ -120,6 +122,8 @@ class _Round:
             self.args += ["--s3-endpoint-url", s3.endpoint_url]
         if spec.rank_start != "fork_server":
             self.args += ["--rank-start", spec.rank_start]
+        if spec.replica_streams:
+            self.args += ["--memory-replica-streams", str(spec.replica_streams)]
         if nnodes > 1:
             endpoint = f"127.0.0.1:{free_port()}"
             self.args += ["--nnodes", str(nnodes), "--rdzv-endpoint", endpoint]

@@ -4,9 +4,9 @@
 each end: on loopback the receiver's core copies every byte out of the sender's pages alone
 (`sendfile` leaves no copy to the sender), and between hosts one stream's per-core
 processing caps it well below a fast NIC. `[checkpoint] memory_replica_streams` connections
-share each large payload, as NCCL's socket transport and GridFTP share theirs: 256 MiB between
-/dev/shm files on this 2-core VM went 2.1 GB/s on one stream, 3.6 on two, 4.2 on four
-(`bench/recovery.py`'s replica key).
+share each large payload, as NCCL's socket transport and GridFTP share theirs: a 256 MiB
+snapshot on this 2-core VM went at 0.75 of a plain loopback copy of the same bytes on one
+connection, 1.06 on two, 1.25 on four (`bench/replica_streams.py`).
 
 The put's own connection carries stripe 0 and the frames; each other stripe goes on an extra
 connection of the same sender (a "part": frame `{"op": "part", "session", "seq", "index"}`

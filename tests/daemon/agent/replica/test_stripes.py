@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from daemon.agent.replica.stripes import (
     stripe_count,
     stripe_ranges,
 )
+from tests.daemon._daemon_proc import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -86,13 +86,6 @@ def receiver(tmp_path: Path) -> Iterator[_Receiver]:
     made.server.close()
 
 
-def _wait_for(predicate: Any, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def test_a_large_snapshot_is_striped_over_the_senders_connections_and_held_byte_exact(
     tmp_path: Path, receiver: _Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -112,7 +105,7 @@ def test_a_large_snapshot_is_striped_over_the_senders_connections_and_held_byte_
     sender = ReplicaSender(str(tier), RUN, node=0, stats=stats, streams=4)
     try:
         sender.set_ring(Ring(round=1, target=receiver.address, ranks=(0,)))
-        _wait_for(lambda: stats.lag_steps() == 0 and stats.sent_bytes > 0, "the ack of step 7")
+        wait_for(lambda: stats.lag_steps() == 0 and stats.sent_bytes > 0, 30, "the ack of step 7")
     finally:
         sender.close()
     held = receiver.holdings.held(0)
@@ -219,7 +212,7 @@ def test_a_receiver_that_takes_no_stripes_gets_the_payload_on_one_connection(
     try:
         target = f"127.0.0.1:{listener.getsockname()[1]}"
         sender.set_ring(Ring(round=1, target=target, ranks=(0,)))
-        _wait_for(lambda: stats.sent_bytes > 0, "the old receiver's ack")
+        wait_for(lambda: stats.sent_bytes > 0, 30, "the old receiver's ack")
     finally:
         sender.close()
         listener.close()
