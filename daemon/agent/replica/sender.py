@@ -286,7 +286,11 @@ class ReplicaSender:
                 return
             assert reply is not None
             # A receiver without stripes says nothing: all on this connection.
-            ranges = stripe_ranges(meta.payload_bytes, int(reply.get("stripes", 1)))
+            try:
+                count = int(reply.get("stripes", 1))
+            except (TypeError, ValueError) as err:
+                raise ProtocolError(f"a go-ahead for {reply.get('stripes')!r} stripes") from err
+            ranges = stripe_ranges(meta.payload_bytes, count)
             t0 = time.perf_counter()
             parts = stripes.start(fd, ranges, seq)
             failed = True

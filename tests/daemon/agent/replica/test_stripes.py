@@ -221,3 +221,40 @@ def test_a_receiver_that_takes_no_stripes_gets_the_payload_on_one_connection(
     ((slot, raw),) = ((k, m) for k, m in files.read_metas().items() if isinstance(m, dict))
     assert got.get("trailer") == b"C", got.get("error")
     assert got["payload"] == Path(files.payload_path(slot)).read_bytes()[: raw["payload_bytes"]]
+
+
+def test_a_go_ahead_with_a_bad_stripe_count_is_a_failed_send_not_a_dead_sender(
+    tmp_path: Path,
+) -> None:
+    tier = tmp_path / "sender"
+    _snapshot(tier, 2)
+    listener = socket.create_server(("127.0.0.1", 0))
+    answered = threading.Event()
+
+    def bad_receiver() -> None:
+        conns = []
+        try:
+            while not answered.is_set():
+                conn, _ = listener.accept()
+                conns.append(conn)
+                request = recv_frame(conn)
+                if request is not None and request.get("op") == "put":
+                    send_frame(conn, {"ok": True, "stripes": "many"})
+                    answered.set()
+        except OSError:
+            pass
+        finally:
+            for conn in conns:
+                conn.close()
+
+    threading.Thread(target=bad_receiver, daemon=True).start()
+    stats = ReplicaStats()
+    sender = ReplicaSender(str(tier), RUN, node=0, stats=stats, streams=2)
+    try:
+        target = f"127.0.0.1:{listener.getsockname()[1]}"
+        sender.set_ring(Ring(round=1, target=target, ranks=(0,)))
+        wait_for(lambda: stats.failures["connection"] >= 1, 30, "the failed send")
+        assert sender._thread.is_alive()  # counted, and it will try again
+    finally:
+        sender.close()
+        listener.close()
