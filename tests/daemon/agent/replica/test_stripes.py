@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -175,86 +175,83 @@ def test_a_stripe_cut_short_fails_its_put_and_the_next_put_is_held(
     assert [h.meta.step for h in receiver.holdings.held(0)] == [3]
 
 
-def test_a_receiver_that_takes_no_stripes_gets_the_payload_on_one_connection(
-    tmp_path: Path,
-) -> None:
-    # A receiver of an earlier version answers the go-ahead without `stripes`.
-    tier = tmp_path / "sender"
-    _snapshot(tier, 5)
-    listener = socket.create_server(("127.0.0.1", 0))
-    got: dict[str, Any] = {}
+def _answer_one_put(
+    listener: socket.socket, answer: Callable[[socket.socket, dict[str, Any]], None]
+) -> threading.Thread:
+    """A receiver that is not ours: accepts connections until one carries a `put`, lets
+    `answer` handle it, then closes them all (extra connections never hear from it)."""
 
-    def old_receiver() -> None:
+    def run() -> None:
         conns = []
         try:
             while True:
                 conn, _ = listener.accept()
                 conns.append(conn)
                 request = recv_frame(conn)
-                if request is None or request.get("op") != "put":
-                    continue  # an extra connection: an old receiver never hears from it
-                size = request["meta"]["payload_bytes"]
-                send_frame(conn, {"ok": True})
-                got["payload"] = recv_exact(conn, size)
-                got["trailer"] = recv_exact(conn, 1)
-                send_frame(conn, {"ok": True})
-                return
-        except OSError as err:
-            got["error"] = err
+                if request is not None and request.get("op") == "put":
+                    answer(conn, request)
+                    return
+        except OSError:
+            pass  # the test closed the listener
         finally:
             for conn in conns:
                 conn.close()
 
-    thread = threading.Thread(target=old_receiver, daemon=True)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    return thread
+
+
+def _snapshot_and_peer(tmp_path: Path, step: int) -> tuple[Path, socket.socket]:
+    """A tier holding a snapshot of `step`, and a listening socket for a peer not ours."""
+    tier = tmp_path / "sender"
+    _snapshot(tier, step)
+    return tier, socket.create_server(("127.0.0.1", 0))
+
+
+def _send_to(tier: Path, listener: socket.socket, done: Callable[[ReplicaStats], bool]) -> None:
+    """Run a 4-connection sender of `tier`'s snapshots at `listener` until `done(stats)`."""
     stats = ReplicaStats()
     sender = ReplicaSender(str(tier), RUN, node=0, stats=stats, streams=4)
     try:
         target = f"127.0.0.1:{listener.getsockname()[1]}"
         sender.set_ring(Ring(round=1, target=target, ranks=(0,)))
-        wait_for(lambda: stats.sent_bytes > 0, 30, "the old receiver's ack")
+        wait_for(lambda: done(stats), 30, "the sender's outcome")
+        assert sender._thread.is_alive()  # whatever happened, it keeps sending
     finally:
         sender.close()
         listener.close()
+
+
+def test_a_receiver_that_takes_no_stripes_gets_the_payload_on_one_connection(
+    tmp_path: Path,
+) -> None:
+    # A receiver of an earlier version answers the go-ahead without `stripes`.
+    tier, listener = _snapshot_and_peer(tmp_path, step=5)
+    got: dict[str, Any] = {}
+
+    def old_protocol(conn: socket.socket, request: dict[str, Any]) -> None:
+        send_frame(conn, {"ok": True})
+        got["payload"] = recv_exact(conn, request["meta"]["payload_bytes"])
+        got["trailer"] = recv_exact(conn, 1)
+        send_frame(conn, {"ok": True})
+
+    thread = _answer_one_put(listener, old_protocol)
+    _send_to(tier, listener, lambda stats: stats.sent_bytes > 0)
     thread.join(10)
     files = SlotFiles(str(tier), 0)
     ((slot, raw),) = ((k, m) for k, m in files.read_metas().items() if isinstance(m, dict))
-    assert got.get("trailer") == b"C", got.get("error")
+    assert got.get("trailer") == b"C"
     assert got["payload"] == Path(files.payload_path(slot)).read_bytes()[: raw["payload_bytes"]]
 
 
 def test_a_go_ahead_with_a_bad_stripe_count_is_a_failed_send_not_a_dead_sender(
     tmp_path: Path,
 ) -> None:
-    tier = tmp_path / "sender"
-    _snapshot(tier, 2)
-    listener = socket.create_server(("127.0.0.1", 0))
-    answered = threading.Event()
+    tier, listener = _snapshot_and_peer(tmp_path, step=2)
 
-    def bad_receiver() -> None:
-        conns = []
-        try:
-            while not answered.is_set():
-                conn, _ = listener.accept()
-                conns.append(conn)
-                request = recv_frame(conn)
-                if request is not None and request.get("op") == "put":
-                    send_frame(conn, {"ok": True, "stripes": "many"})
-                    answered.set()
-        except OSError:
-            pass
-        finally:
-            for conn in conns:
-                conn.close()
+    def bad_count(conn: socket.socket, request: dict[str, Any]) -> None:
+        send_frame(conn, {"ok": True, "stripes": "many"})
 
-    threading.Thread(target=bad_receiver, daemon=True).start()
-    stats = ReplicaStats()
-    sender = ReplicaSender(str(tier), RUN, node=0, stats=stats, streams=2)
-    try:
-        target = f"127.0.0.1:{listener.getsockname()[1]}"
-        sender.set_ring(Ring(round=1, target=target, ranks=(0,)))
-        wait_for(lambda: stats.failures["connection"] >= 1, 30, "the failed send")
-        assert sender._thread.is_alive()  # counted, and it will try again
-    finally:
-        sender.close()
-        listener.close()
+    _answer_one_put(listener, bad_count)
+    _send_to(tier, listener, lambda stats: stats.failures["connection"] >= 1)
