@@ -16,6 +16,7 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,28 +174,37 @@ class _Round:
     ) -> progress.Incarnation:
         """The first incarnation that started training after `since_unix` and fetched `count`
         batches ([Note: an incarnation is a process, not a restart count] in `progress.py`)."""
-
-        def ready() -> progress.Incarnation | None:
-            self.alive()
-            for inc in self.incarnations():
-                if inc.batch_starts[0] > since_unix and len(inc.batch_starts) >= count:
-                    return inc
-            return None
-
-        found: progress.Incarnation = wait_for(
-            ready, timeout_s, f"{self.spec.name}: a process started after {since_unix:.3f}"
+        return self._wait_for_incarnation(
+            lambda inc: inc.batch_starts[0] > since_unix,
+            count,
+            timeout_s,
+            f"a process started after {since_unix:.3f}",
         )
-        return found
 
     def wait_incarnation(self, pid: int, count: int, timeout_s: float) -> progress.Incarnation:
         """Process `pid`'s incarnation once it fetched `count` batches."""
+        return self._wait_for_incarnation(
+            lambda inc: inc.pid == pid, count, timeout_s, f"pid {pid}"
+        )
+
+    def _wait_for_incarnation(
+        self,
+        match: Callable[[progress.Incarnation], bool],
+        count: int,
+        timeout_s: float,
+        what: str,
+    ) -> progress.Incarnation:
+        """The first incarnation (in start order) that `match`es once it fetched `count`
+        batches; fails if a daemon exits meanwhile."""
 
         def ready() -> progress.Incarnation | None:
             self.alive()
-            inc = self.incarnation(pid)
-            return inc if inc is not None and len(inc.batch_starts) >= count else None
+            return next(
+                (i for i in self.incarnations() if match(i) and len(i.batch_starts) >= count),
+                None,
+            )
 
-        found: progress.Incarnation = wait_for(ready, timeout_s, f"{self.spec.name} pid {pid}")
+        found: progress.Incarnation = wait_for(ready, timeout_s, f"{self.spec.name}: {what}")
         return found
 
     def incarnation(self, pid: int) -> progress.Incarnation | None:

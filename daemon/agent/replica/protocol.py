@@ -232,12 +232,12 @@ def recv_payload(
     # Pre-faulted: one page fault per 4 KiB page would otherwise slow the receive down.
     mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
     try:
-        if ready is not None and fill is None:
-            ready()
         with memoryview(mm) as view, view[:nbytes] as payload:
             if fill is not None:
                 fill.fill(sock, payload, ready)
             else:
+                if ready is not None:
+                    ready()
                 recv_into(sock, payload)
     finally:
         mm.close()  # every view of it is released by now, even after a broken receive

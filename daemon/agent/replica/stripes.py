@@ -25,7 +25,6 @@ import contextlib
 import secrets
 import socket
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -125,13 +124,10 @@ class StripeBoard:
         for conn in running:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
-        deadline = time.monotonic() + timeout_s
         with pending.cond:
-            while any(i not in pending.finished for i in pending.claimed):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                pending.cond.wait(left)
+            pending.cond.wait_for(
+                lambda: all(i in pending.finished for i in pending.claimed), timeout_s
+            )
         for view in pending.views.values():
             view.release()
 
@@ -171,16 +167,14 @@ class StripedFill:
             start, length = ranges[0]
             with payload[start : start + length] as first:
                 recv_into(sock, first)
-            deadline = time.monotonic() + self._timeout_s
             with pending.cond:
-                while len(pending.finished) < len(views):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise ProtocolError(
-                            f"{len(views) - len(pending.finished)} of {len(ranges)} stripes "
-                            f"did not arrive within {self._timeout_s:g} s"
-                        )
-                    pending.cond.wait(left)
+                if not pending.cond.wait_for(
+                    lambda: len(pending.finished) == len(views), self._timeout_s
+                ):
+                    raise ProtocolError(
+                        f"{len(views) - len(pending.finished)} of {len(ranges)} stripes "
+                        f"did not arrive within {self._timeout_s:g} s"
+                    )
                 failures = [f for f in pending.finished.values() if f is not None]
             if failures:
                 raise ProtocolError("a stripe failed: " + "; ".join(failures))
