@@ -34,9 +34,11 @@ between the kill and the first step completed after it, but for the status page'
 of new checkpoints, which each request's User-Agent names and which is reported beside it as
 `status_page_bytes_read`), `snapshot_stall_ms` (p99 of
 `trainingd_memory_snapshot_seconds`, interpolated in its buckets),
-`memory_every_1_step_inflation` (extra step time in memcpys of the rank's state; the plain
-ratio beside it), `auto_step_inflation`, `replica_throughput_vs_loopback` (the daemons'
-replica path alone, `_recovery/machine.py`'s `replica_path_vs_loopback`, against a plain TCP
+`memory_every_1_step_inflation` (extra step time in memcpys of the rank's state, timed with
+the rank's threads: [Note: a memcpy of the rank's state is the rank's own] in
+`_recovery/machine.py`; the plain ratio and the figure in all-core memcpys beside it),
+`auto_step_inflation`, `replica_throughput_vs_loopback` (the daemons' replica path alone,
+`_recovery/machine.py`'s `replica_path_vs_loopback`, against a plain TCP
 copy, interleaved, both on the idle machine; the 2x1 rounds' rate while the ranks train beside it;
 `unavailable: ...` where the daemon has no peer replicas). The machine's memcpy rate and
 loopback TCP rate are measured in the same run.
@@ -68,6 +70,7 @@ from _common import MIB, machine_conditions, markdown_table, print_json
 from _recovery import machine, rounds, stats
 from _recovery.s3count import CountingS3
 
+from daemon.config import TrainSettings
 from tests.support.s3 import isolate_aws_environment
 
 _OFF, _ON, _AUTO = "0", "1", "auto"
@@ -84,6 +87,7 @@ def _plan(args: argparse.Namespace) -> list[rounds.RoundSpec]:
             "seed": args.seed,
             "ckpt_every": args.ckpt_every,
             "replica_streams": args.replica_streams,
+            "staging_nice": args.staging_nice,
         }
         # [Note: interleaved step rounds] `--step-rounds N` repeats the off / 1 / auto rounds
         # N times, interleaved and in reverse order every other time (off, 1, auto, then
@@ -158,6 +162,7 @@ def _keys(
     memcpy_bps: float,
     loopback_bps: float,
     replica_path: dict[str, list[float]] | None,
+    memcpy_all_threads_bps: float | None = None,
 ) -> dict[str, Any]:
     keys: dict[str, Any] = {}
     lost_on = _kills(results, "steps_lost", failure="rank", memory_every=_ON)
@@ -248,6 +253,7 @@ def _keys(
     per_setting: dict[str, Any] = {}
     # Per (job, topology): one sample per repetition ([Note: interleaved step rounds]).
     extra_memcpys: dict[tuple[str, str], list[float]] = {}
+    extra_all_threads: dict[tuple[str, str], list[float]] = {}
     on_ratios: dict[tuple[str, str], list[float]] = {}
     auto_ratios: dict[tuple[str, str], list[float]] = {}
 
@@ -268,19 +274,28 @@ def _keys(
             on_ratios.setdefault(setting, []).append(on[key] / t_off)
             if memcpy_s:
                 extra_memcpys.setdefault(setting, []).append((on[key] - t_off) / memcpy_s)
+            if state and memcpy_all_threads_bps:
+                extra_all_threads.setdefault(setting, []).append(
+                    (on[key] - t_off) * memcpy_all_threads_bps / state
+                )
         if key in auto:
             row.setdefault("step_s_auto", []).append(auto[key])
             auto_ratios.setdefault(setting, []).append(auto[key] / t_off)
     # Judged on the largest state (the last setting in that order): a few MiB copy in well
     # under the step times' noise.
     largest = list(extra_memcpys.values())[-1] if extra_memcpys else []
+    largest_all_threads = list(extra_all_threads.values())[-1] if extra_all_threads else []
     keys["memory_every_1_step_inflation"] = stats.figure(
         statistics.median(largest) if largest else None, "<=", 1, samples=largest,
         unit="memcpys of the rank's state per step", judge_bad_end=True,
-        how="(median step at memory_every 1 - at 0) / (state bytes / memcpy rate) of the "
-        "largest state's job (last topology), median over the interleaved repetitions; the "
-        "plain ratios in step_time_ratio",
+        how="(median step at memory_every 1 - at 0) / (state bytes / memcpy rate, the rank's "
+        "threads) of the largest state's job (last topology), median over the interleaved "
+        "repetitions; the plain ratios in step_time_ratio, the same extra time in memcpys on "
+        "all cores in in_all_threads_memcpys",
         step_time_ratio={f"{j}-{t}": stats.spread(v) for (j, t), v in on_ratios.items()},
+        in_all_threads_memcpys=(
+            stats.spread(largest_all_threads) if largest_all_threads else None
+        ),
         per_setting=per_setting,
     )  # fmt: skip
     worst = max(auto_ratios.values(), key=statistics.median, default=[])
@@ -359,6 +374,10 @@ def main() -> int:
         help="the daemons' memory_replica_streams (default: theirs)",
     )  # fmt: skip
     parser.add_argument(
+        "--staging-nice", type=int, default=None,
+        help="the daemons' staging_nice (default: theirs)",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-today-path", dest="today_path", action="store_false",
         help="skip the rank kills on today's path (memory_every 0 with fresh interpreters, "
         "the issue's 'off'): rank_kill_recovery_vs_durable is then unavailable",
@@ -422,14 +441,17 @@ def main() -> int:
             s3.stop()
     # The references move at least 256 MiB: a few MiB time the thread start, not the copy.
     state = max(max((r.get("state_bytes_per_rank", 0) for r in results), default=0), 256 * MIB)
-    memcpy_bps = machine.memcpy_bytes_per_s(state)
+    # [Note: a memcpy of the rank's state is the rank's own]: the daemons' default threads.
+    memcpy_bps = machine.memcpy_bytes_per_s(state, threads=TrainSettings().threads_per_rank)
+    memcpy_all_threads_bps = machine.memcpy_bytes_per_s(state, threads=0)
     loopback_bps = machine.loopback_tcp_bytes_per_s(state)
     replica_path = (
         machine.replica_path_vs_loopback(state) if rounds.replica_config_supported() else None
     )
     report: dict[str, Any] = {
-        "keys": _keys(results, memcpy_bps, loopback_bps, replica_path),
+        "keys": _keys(results, memcpy_bps, loopback_bps, replica_path, memcpy_all_threads_bps),
         "memcpy_bytes_per_s": memcpy_bps,
+        "memcpy_all_threads_bytes_per_s": memcpy_all_threads_bps,
         "loopback_tcp_bytes_per_s": loopback_bps,
         "loopback_anonymous_memory_tcp_bytes_per_s": machine.loopback_tcp_bytes_per_s(
             state, shared_memory=False
@@ -447,7 +469,8 @@ def main() -> int:
         return 0
     rows = stats.verdict_table(report["keys"])
     print(markdown_table(["key", "value", "median (min-max, n)", "target", "verdict"], rows))
-    print(f"memcpy {memcpy_bps / 1e9:.2f} GB/s, loopback TCP {loopback_bps / 1e9:.2f} GB/s, ")
+    print(f"memcpy {memcpy_bps / 1e9:.2f} GB/s (all threads {memcpy_all_threads_bps / 1e9:.2f}), ")
+    print(f"loopback TCP {loopback_bps / 1e9:.2f} GB/s")
     print(f"{report['wall_s']} s, load {report['machine_after']['loadavg_1_5_15']}")
     return 0
 

@@ -82,6 +82,12 @@ class CheckpointConfig:
     """Limit for a writer process to start and answer."""
     staging_timeout_s: float = 600.0
     """Limit for the snapshot copy into staging memory (`before_optimizer_step()` fence)."""
+    staging_nice: int = 0
+    """How many nice steps below the thread that made the manager the staging thread copies
+    snapshots (0 to 19; 0: the same priority): where training has no spare core, a lower
+    priority lets the copy take the core's idle gaps before the training's time ([Note: the
+    staging thread yields to training] in `_save/staging.py`). Linux only; elsewhere the
+    thread runs as it is."""
     lease_ttl_s: float = 120.0
     """A lease not refreshed for this long is expired and may be taken over."""
     uncommitted_grace_s: float = 3600.0
@@ -119,6 +125,10 @@ class CheckpointConfig:
                 ) from None
         if self.max_inflight < 1:
             raise ValueError(f"max_inflight={self.max_inflight}: use 1 or more")
+        if not 0 <= self.staging_nice <= 19:
+            raise ValueError(
+                f"staging_nice={self.staging_nice}: use 0 (the training thread's priority) to 19"
+            )
         for name in (
             "finalize_timeout_s",
             "write_timeout_s",

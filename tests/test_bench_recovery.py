@@ -222,3 +222,46 @@ def test_the_recovery_ratio_compares_with_todays_path_and_the_warm_durable_one_b
     ]
     without = recovery._keys(results[:2], memcpy_bps=1e10, loopback_bps=1e9, replica_path=None)
     assert without["rank_kill_recovery_vs_durable"]["verdict"] == "unavailable"
+
+
+def test_step_inflation_counts_memcpys_at_the_ranks_threads_and_all_cores_beside_it() -> None:
+    import recovery  # bench/recovery.py
+
+    def step_round(memory: str, step_s: float) -> dict:
+        spec = {"failure": "rank", "topology": "1x2", "job_name": "big", "memory_every": memory}
+        return {
+            "spec": spec, "kills": [], "step_times_s": [step_s] * 5,
+            "state_bytes_per_rank": 100_000_000,
+        }  # fmt: skip
+
+    results = [step_round("0", 0.30), step_round("1", 0.32)]
+    # A memcpy of 100 MB: 20 ms with the rank's threads (5 GB/s), 10 ms on all cores.
+    keys = recovery._keys(
+        results, memcpy_bps=5e9, loopback_bps=1e9, replica_path=None, memcpy_all_threads_bps=1e10
+    )
+    inflation = keys["memory_every_1_step_inflation"]
+    assert inflation["value"] == pytest.approx(1.0)  # 20 ms more a step: one rank's memcpy
+    assert inflation["in_all_threads_memcpys"]["median"] == pytest.approx(2.0)
+
+
+def test_the_memcpy_reference_runs_at_the_threads_asked_and_leaves_torchs_pool_as_it_was(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    from _recovery import machine
+
+    before = torch.get_num_threads()
+    set_to: list[int] = []
+    real_set = torch.set_num_threads
+
+    def recording_set(n: int) -> None:
+        set_to.append(n)
+        real_set(n)
+
+    monkeypatch.setattr(torch, "set_num_threads", recording_set)
+    assert machine.memcpy_bytes_per_s(8 << 20, repeats=2, threads=1) > 0
+    assert set_to == [1, before]
+    set_to.clear()
+    assert machine.memcpy_bytes_per_s(8 << 20, repeats=2, threads=0) > 0
+    assert set_to == [before]  # torch's own pool, only put back
+    assert torch.get_num_threads() == before

@@ -22,18 +22,35 @@ from collections.abc import Callable, Iterator
 _PIECE = 4 << 20
 
 
-def memcpy_bytes_per_s(num_bytes: int, repeats: int = 5) -> float:
-    """Median rate of `dst.copy_(src)` between two preallocated CPU tensors of `num_bytes`."""
+def memcpy_bytes_per_s(num_bytes: int, repeats: int = 5, *, threads: int = 1) -> float:
+    """Median rate of `dst.copy_(src)` between two preallocated CPU tensors of `num_bytes`,
+    with torch's intra-op pool at `threads` (restored after).
+
+    [Note: a memcpy of the rank's state is the rank's own] The step keys count a snapshot's
+    cost in memcpys of the rank's state: what it costs that rank to copy its state once. A
+    rank copies with the threads it has, `[train] threads_per_rank` (1 by default, as the
+    bench's daemons run), so the reference is timed with as many. torch parallelises a
+    256 MiB `copy_` over its whole pool: with both of this VM's cores it ran at 11.4-12.7
+    GB/s against 6.2-6.6 GB/s on one, a memcpy no rank could make while the other trains
+    beside it. `threads=0` times it with torch's default pool (all cores), which the report
+    keeps beside it.
+    """
     import torch
 
-    src = torch.ones(num_bytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # touch every page once
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
+    before = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        src = torch.ones(num_bytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # touch every page once
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
     return num_bytes / statistics.median(times)
 
 

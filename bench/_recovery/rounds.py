@@ -57,6 +57,8 @@ class RoundSpec:
     """Which of the interleaved step-time repetitions (`--step-rounds`) this round is."""
     replica_streams: int = 0
     """`[checkpoint] memory_replica_streams` of the daemons (0: their default)."""
+    staging_nice: int | None = None
+    """`[checkpoint] staging_nice` of the daemons (None: their default)."""
     rank_start: str = "fork_server"
     """`[launch] rank_start`: `spawn` (a fresh interpreter per rank) with `memory_every 0` is
     the path issue 29 starts from ("today's path")."""
@@ -125,6 +127,8 @@ class _Round:
             self.args += ["--rank-start", spec.rank_start]
         if spec.replica_streams:
             self.args += ["--memory-replica-streams", str(spec.replica_streams)]
+        if spec.staging_nice is not None:
+            self.args += ["--staging-nice", str(spec.staging_nice)]
         if nnodes > 1:
             endpoint = f"127.0.0.1:{free_port()}"
             self.args += ["--nnodes", str(nnodes), "--rdzv-endpoint", endpoint]

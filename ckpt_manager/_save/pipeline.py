@@ -64,7 +64,7 @@ class LocalPipeline:
         self._stager: BackgroundThread | None = None
         self._writer: WriterProcess | None = None
         if config.async_mode is not AsyncMode.SYNC:
-            self._stager = BackgroundThread(f"ckpt-stager-{rank}")
+            self._stager = BackgroundThread(f"ckpt-stager-{rank}", nice=config.staging_nice)
         if config.async_mode is AsyncMode.PERSISTENT:
             self._writer = WriterProcess(rank)
 

@@ -246,6 +246,7 @@ def _checkpoint_config(cfg: DaemonConfig, *, memory: bool = False, restart: int 
     return CheckpointConfig(
         memory=MemoryTierConfig(directory=str(cfg.memory_tier_dir)) if memory else None,
         async_mode=ck.async_mode,
+        staging_nice=ck.staging_nice,
         # The `keep_*` keys, read by ckpt_manager's registry (None: keep every checkpoint).
         retention=ck.retention.policy(),
         storage_options=options,

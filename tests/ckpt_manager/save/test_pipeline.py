@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import threading
 import time
 
 import pytest
@@ -225,3 +226,26 @@ def test_write_in_flight_says_whether_a_save_now_would_wait_on_storage(
         assert mgr.write_in_flight()  # two in flight, step 3 stalled: the next save waits
         mgr.wait_until_finished()
         assert mgr.all_steps() == [3, 4]
+
+
+def _stager_nice(rank: int = 0) -> int:
+    (thread,) = [t for t in threading.enumerate() if t.name == f"ckpt-stager-{rank}"]
+    assert thread.native_id is not None
+    return os.getpriority(os.PRIO_PROCESS, thread.native_id)
+
+
+@pytest.mark.parametrize("staging_nice", [0, 10])
+def test_the_staging_thread_copies_at_the_configured_nice_below_training(
+    tmp_path: pathlib.Path, staging_nice: int
+) -> None:
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    state = {"w": torch.randn(1 << 16)}
+    cfg = CheckpointConfig(async_mode=AsyncMode.PERSISTENT, staging_nice=staging_nice)
+    with CheckpointManager(str(tmp_path), cfg, run_id="r") as mgr:
+        mgr.save(1, state)  # the first job sets the thread's priority before it copies
+        mgr.before_optimizer_step()
+        mgr.wait_until_finished()
+        assert _stager_nice() == min(19, base + staging_nice)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
+    with pytest.raises(ValueError, match="staging_nice=20: use 0"):
+        CheckpointConfig(staging_nice=20)

@@ -255,3 +255,31 @@ def test_a_slab_is_populated_with_the_gil_released() -> None:
     slab.tensor[-1] = 7  # mapped writable, every page there
     slab.tensor = None
     slab.close()
+
+
+def _nice_of(native_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, native_id)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice is Linux's")
+def test_a_background_thread_runs_its_jobs_below_the_thread_that_started_it() -> None:
+    base = _nice_of(threading.get_native_id())
+    seen: list[tuple[int, int]] = []
+    done = threading.Event()
+
+    def job() -> None:
+        seen.append((threading.get_native_id(), _nice_of(threading.get_native_id())))
+        done.set()
+
+    worker = staging.BackgroundThread("test-nice", nice=3)
+    try:
+        worker.submit(job)
+        assert done.wait(10)
+    finally:
+        assert worker.close(10)
+    ((tid, nice),) = seen
+    assert tid != threading.get_native_id()
+    assert nice == min(19, base + 3)
+    assert _nice_of(threading.get_native_id()) == base  # only the worker moved
+    with pytest.raises(ValueError, match="nice=20: use 0"):
+        staging.BackgroundThread("test-nice", nice=20)
