@@ -513,9 +513,9 @@ def lower_thread_priority(increment: int) -> int | None:
     5.1; but `auto`, whose cadence then measured cheaper snapshots and took 2.2x as many, added
     4-22 ms against 1-10, and 3 of its 58 snapshots stalled 5-35 ms (the copy unfinished at
     the fence). With `bench/snapshot_stall.py` (same job), nice 15 and 19 left 13-24 % of the
-    copies pending at the fence (p99 stall 19-40 ms), `SCHED_IDLE` 13-56 %. So the default
-    stays 0 (the same priority) and 10 is the setting for a fixed `memory_every` on a node
-    without a spare core. Linux keeps nice per thread (`setpriority` on the thread id), so
+    copies pending at the fence (p99 stall 16-20 ms), `SCHED_IDLE` 13-56 % (12-25 ms). So
+    the default stays 0 (the same priority) and 10 is the setting for a fixed `memory_every`
+    on a node without a spare core. Linux keeps nice per thread (`setpriority` on the thread id), so
     only this thread moves; an unprivileged process may lower a priority but never raise it
     back, so the staging thread keeps it for its life.
     """
