@@ -107,6 +107,10 @@ class _Launch(NamedTuple):
     modules: tuple[str, ...]
     at: float
     """`time.monotonic()` of the launch."""
+    pids: frozenset[int]
+    """Children of this process that appeared while `launch` started the server: the server,
+    known by its pid before its `exec` shows in /proc ([Note: an unclaimed server is known by
+    its pid])."""
 
 
 class _Pending:
@@ -125,16 +129,30 @@ def launch(modules: Sequence[str]) -> None:
     ctx = multiprocessing.get_context(START_METHOD)
     ctx.set_forkserver_preload(list(modules))
     started = time.monotonic()
+    before = _live_children()
     multiprocessing.forkserver.ensure_running()
-    _Pending.launch = _Launch(tuple(modules), started)
+    _Pending.launch = _Launch(tuple(modules), started, frozenset(_live_children() - before))
 
 
 def stop_unclaimed() -> None:
-    """Stop a server `launch` started that no `ForkServer.start` took over (idempotent)."""
-    if _Pending.launch is None:
+    """Stop a server `launch` started that no `ForkServer.start` took over (idempotent).
+
+    [Note: an unclaimed server is known by its pid] multiprocessing forks the server and
+    returns without waiting for its `exec`: until the new program is loaded its /proc cmdline
+    is this process's, and empty while the kernel swaps it, so a stop right after the launch
+    (a daemon that fails its start-up checks at once) found no server by its command line
+    (a test that stopped at once saw none, under load). The pids `launch` saw appear are
+    stopped too while they are still our children and not yet another program.
+    """
+    launch, _Pending.launch = _Pending.launch, None
+    if launch is None:
         return
-    _Pending.launch = None
-    _kill_servers(_forkserver_children())
+    mine = os.getpid()
+    starting = {
+        pid for pid in launch.pids
+        if parent_of(pid) == mine and pid_alive(pid) and _server_or_starting(pid)
+    }  # fmt: skip
+    _kill_servers(starting | _forkserver_children())
 
 
 class ServerState(NamedTuple):
@@ -261,20 +279,39 @@ def _kill_servers(servers: set[int]) -> None:
         time.sleep(0.01)
 
 
+_SERVER_COMMAND = b"multiprocessing.forkserver import main"
+
+
+def _live_children() -> set[int]:
+    """This process's live (not zombie) children."""
+    me = os.getpid()
+    return {
+        int(entry) for entry in os.listdir("/proc")
+        if entry.isdigit() and parent_of(int(entry)) == me and pid_alive(int(entry))
+    }  # fmt: skip
+
+
+def _cmdline(pid: int) -> bytes | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return None  # ended meanwhile
+
+
+def _server_or_starting(pid: int) -> bool:
+    """Whether child `pid` runs the fork server or has not finished its `exec` yet (its
+    command line still this process's, or empty mid-exec)."""
+    command = _cmdline(pid)
+    return command is not None and (
+        _SERVER_COMMAND in command or command in (b"", _cmdline(os.getpid()))
+    )
+
+
 def _forkserver_children() -> set[int]:
     """This process's live children that run multiprocessing's fork server (the daemon starts
     no other): multiprocessing names none but the newest, and that one only privately."""
-    me, found = os.getpid(), set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or parent_of(int(entry)) != me or not pid_alive(int(entry)):
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if b"multiprocessing.forkserver import main" in f.read():
-                    found.add(int(entry))
-        except OSError:
-            continue  # ended meanwhile
-    return found
+    return {pid for pid in _live_children() if _SERVER_COMMAND in (_cmdline(pid) or b"")}
 
 
 def _start_within(process: BaseProcess, timeout_s: float) -> None:
