@@ -140,9 +140,10 @@ def stop_unclaimed() -> None:
     [Note: an unclaimed server is known by its pid] multiprocessing forks the server and
     returns without waiting for its `exec`: until the new program is loaded its /proc cmdline
     is this process's, and empty while the kernel swaps it, so a stop right after the launch
-    (a daemon that fails its start-up checks at once) found no server by its command line
-    (a test that stopped at once saw none, under load). The pids `launch` saw appear are
-    stopped too while they are still our children and not yet another program.
+    (a daemon that fails its start-up checks at once) could find no server by its command
+    line (a test counting servers that way right after the launch saw none, under load).
+    The pids `launch` saw appear are stopped too while they are still our children and not
+    yet another program.
     """
     launch, _Pending.launch = _Pending.launch, None
     if launch is None:
