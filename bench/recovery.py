@@ -70,7 +70,6 @@ from _common import MIB, machine_conditions, markdown_table, print_json
 from _recovery import machine, rounds, stats
 from _recovery.s3count import CountingS3
 
-from daemon.config import TrainSettings
 from tests.support.s3 import isolate_aws_environment
 
 _OFF, _ON, _AUTO = "0", "1", "auto"
@@ -231,13 +230,9 @@ def _keys(
         ),
         sources=sorted({k["source"] for r in _select(results, failure="node") for k in r["kills"]}),
     )  # fmt: skip
-    buckets: dict[float, float] = {}
-    warmup: dict[float, float] = {}
-    for r in _select(results, memory_every=_ON):
-        for into, name in ((buckets, "snapshot_seconds_buckets"),
-                           (warmup, "snapshot_seconds_buckets_warmup")):  # fmt: skip
-            for le, count in r.get(name, {}).items():
-                into[float(le)] = into.get(float(le), 0.0) + count
+    on_rounds = _select(results, memory_every=_ON)
+    buckets = stats.merge_histograms(r.get("snapshot_seconds_buckets", {}) for r in on_rounds)
+    warmup = stats.merge_histograms(r.get("snapshot_seconds_buckets_warmup", {}) for r in on_rounds)
     p99 = stats.percentile_from_histogram(buckets, 0.99)
     keys["snapshot_stall_ms"] = stats.figure(
         None if p99 is None else p99 * 1000, "<=", 5, unit="ms",
@@ -442,7 +437,7 @@ def main() -> int:
     # The references move at least 256 MiB: a few MiB time the thread start, not the copy.
     state = max(max((r.get("state_bytes_per_rank", 0) for r in results), default=0), 256 * MIB)
     # [Note: a memcpy of the rank's state is the rank's own]: the daemons' default threads.
-    memcpy_bps = machine.memcpy_bytes_per_s(state, threads=TrainSettings().threads_per_rank)
+    memcpy_bps = machine.memcpy_bytes_per_s(state)
     memcpy_all_threads_bps = machine.memcpy_bytes_per_s(state, threads=0)
     loopback_bps = machine.loopback_tcp_bytes_per_s(state)
     replica_path = (

@@ -29,8 +29,6 @@ from typing import Any
 from _common import MIB, machine_conditions, markdown_table, print_json
 from _recovery import machine, rounds, stats
 
-from daemon.config import TrainSettings
-
 _FIVE_MS = 0.005
 
 
@@ -80,8 +78,7 @@ def main() -> int:
                     file=sys.stderr,
                 )
             passes.append({"median_step_s": medians, "stall_buckets": buckets})
-    threads = TrainSettings().threads_per_rank
-    memcpy_s = state / machine.memcpy_bytes_per_s(max(state, 256 * MIB), threads=threads)
+    memcpy_s = state / machine.memcpy_bytes_per_s(max(state, 256 * MIB))
     report = _report(passes, args.nice, memcpy_s)
     report.update(
         state_bytes_per_rank=state, memcpy_s=memcpy_s, passes=passes, args=vars(args),
@@ -109,10 +106,7 @@ def _report(passes: list[dict[str, Any]], nices: list[int], memcpy_s: float) -> 
     for memory_every, nice in _arms(nices)[1:]:
         name = f"mem{memory_every}-nice{nice}"
         extra = [p["median_step_s"][name] - p["median_step_s"]["mem0"] for p in passes]
-        merged: dict[float, float] = {}
-        for p in passes:
-            for le, count in p["stall_buckets"].get(name, {}).items():
-                merged[float(le)] = merged.get(float(le), 0.0) + count
+        merged = stats.merge_histograms(p["stall_buckets"].get(name, {}) for p in passes)
         total = merged.get(float("inf"), 0.0)
         p99 = stats.percentile_from_histogram(merged, 0.99)
         per_arm[name] = {

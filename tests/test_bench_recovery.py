@@ -265,3 +265,8 @@ def test_the_memcpy_reference_runs_at_the_threads_asked_and_leaves_torchs_pool_a
     assert machine.memcpy_bytes_per_s(8 << 20, repeats=2, threads=0) > 0
     assert set_to == [before]  # torch's own pool, only put back
     assert torch.get_num_threads() == before
+
+
+def test_histograms_from_json_add_bucket_by_bucket_under_float_bounds() -> None:
+    merged = stats.merge_histograms([{"0.005": 3.0, "inf": 4.0}, {"0.005": 1.0, "inf": 1.0}, {}])
+    assert merged == {0.005: 4.0, float("inf"): 5.0}

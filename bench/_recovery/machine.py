@@ -22,9 +22,10 @@ from collections.abc import Callable, Iterator
 _PIECE = 4 << 20
 
 
-def memcpy_bytes_per_s(num_bytes: int, repeats: int = 5, *, threads: int = 1) -> float:
+def memcpy_bytes_per_s(num_bytes: int, repeats: int = 5, *, threads: int | None = None) -> float:
     """Median rate of `dst.copy_(src)` between two preallocated CPU tensors of `num_bytes`,
-    with torch's intra-op pool at `threads` (restored after).
+    with torch's intra-op pool at `threads` (restored after; None: the daemon's default
+    `threads_per_rank`, as the bench's ranks run).
 
     [Note: a memcpy of the rank's state is the rank's own] The step keys count a snapshot's
     cost in memcpys of the rank's state: what it costs that rank to copy its state once. A
@@ -37,6 +38,10 @@ def memcpy_bytes_per_s(num_bytes: int, repeats: int = 5, *, threads: int = 1) ->
     """
     import torch
 
+    from daemon.config import TrainSettings
+
+    if threads is None:
+        threads = TrainSettings().threads_per_rank
     before = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)

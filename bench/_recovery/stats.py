@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 _OPS = ("<=", ">=", "==")
@@ -54,6 +54,16 @@ def bootstrap_ratio(
         return {"ratio": value}
     lo, hi = ratios[int(0.025 * (len(ratios) - 1))], ratios[int(0.975 * (len(ratios) - 1))]
     return {"ratio": value, "ratio_ci95": [lo, hi]}
+
+
+def merge_histograms(histograms: Iterable[Mapping[str, float]]) -> dict[float, float]:
+    """Prometheus histograms (`{le: cumulative count}`, bounds as their JSON strings or
+    floats) added bucket by bucket, keyed by float bound."""
+    merged: dict[float, float] = {}
+    for histogram in histograms:
+        for le, count in histogram.items():
+            merged[float(le)] = merged.get(float(le), 0.0) + count
+    return merged
 
 
 def percentile_from_histogram(buckets: Mapping[float, float], q: float) -> float | None:
