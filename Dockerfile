@@ -16,6 +16,11 @@ FROM ${PYTHON_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
 WORKDIR /opt/trainingd
+# A C compiler for the staging copy's helper (ckpt_manager/_save/_streaming_copy.c); only this
+# stage has it, the runtime image gets the built module.
+RUN apt-get update -qq \
+ && apt-get install -y -qq --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md ./
 COPY sharding ./sharding
 COPY ckpt_manager ./ckpt_manager

@@ -21,7 +21,8 @@ SYSTEM_PACKAGES := prometheus chromium systemd tmux etcd-server
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# The C helper is built by the (editable) install, so a change to it reinstalls.
+$(STAMP): pyproject.toml ckpt_manager/_save/_streaming_copy.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check \
 		$(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(TORCH_PIN)

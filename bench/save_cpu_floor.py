@@ -13,7 +13,10 @@ minimum is the best estimate of its cost):
 - the manager's own staging copy (`copy_into_slab`, checksum fused) for each algorithm a
   manifest can record (`staging_copy_crc32`, `staging_copy_crc32c`), for CRC-32C at fused
   chunk sizes of 128 KiB to 1 MiB (`staging_copy_crc32c_chunk_<K>k`), and for CRC-32C through
-  the `crc32c` package (`staging_copy_crc32c_package`: the fallback, and the path before ISA-L);
+  the `crc32c` package (`staging_copy_crc32c_package`: the fallback, and the path before ISA-L),
+  and for each byte copy (`staging_copy_crc32c_streaming`: the C helper's non-temporal stores,
+  the default where it is built; `staging_copy_crc32c_memmove`: libc's), beside that byte copy
+  alone in the same chunks (`copy_streaming`, `copy_memmove`);
 - an `O_DIRECT` write of the slab to `--dir` (submission CPU; the bytes move by DMA).
 
 Each figure is also given in memcpys (the issue's unit for checkpoint inflation).
@@ -128,6 +131,7 @@ def _measure_staging(src: Any, nbytes: int, repeats: int) -> dict[str, float]:
     from ckpt_manager._format import checksum as manager
     from ckpt_manager._format.checksum import ChecksumAlgorithm
     from ckpt_manager._format.shard_file import plan_layout
+    from ckpt_manager._save import chunk_copy
     from ckpt_manager._save import staging as staging_module
     from ckpt_manager._save.staging import Slab, copy_into_slab
 
@@ -153,6 +157,31 @@ def _measure_staging(src: Any, nbytes: int, repeats: int) -> dict[str, float]:
                 )
         finally:
             staging_module.FUSED_CHUNK_BYTES = default_chunk
+        # The byte copy itself, chunk by chunk, and the staging copy with each kind
+        # ([Note: the staging copy streams past the cache] in `_save/_streaming_copy.c`).
+        slab_bytes = slab.tensor
+        assert slab_bytes is not None
+        dst_address, src_address = slab_bytes.data_ptr(), src.data_ptr()
+        usable = numel * 4 * 64
+        for kind in chunk_copy.CopyKind:
+            if kind is chunk_copy.CopyKind.STREAMING and not chunk_copy.streaming_available():
+                continue
+            copy = chunk_copy.byte_copy(kind)
+
+            def copy_only(copy: chunk_copy.ByteCopy = copy) -> None:
+                step = staging_module.FUSED_CHUNK_BYTES
+                for at in range(0, usable, step):
+                    copy(dst_address + at, src_address + at, min(step, usable - at))
+
+            out[f"copy_{kind.value}"] = _fastest_cpu_s(copy_only, repeats)
+            default_copy = staging_module._copy_bytes
+            staging_module._copy_bytes = copy
+            try:
+                out[f"staging_copy_crc32c_{kind.value}"] = _fastest_cpu_s(
+                    lambda: staging(ChecksumAlgorithm.CRC32C), repeats
+                )
+            finally:
+                staging_module._copy_bytes = default_copy
         isal = manager._crc32c_isal
         manager._crc32c_isal = None  # the fallback: the `crc32c` package
         try:

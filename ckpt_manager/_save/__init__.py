@@ -14,6 +14,8 @@ persistent writer process, then finalized across ranks (agreement, then one mani
                     THP is `advise`), copy_into_slab (copies and checksums chunk by chunk;
                     the slab keeps its layout's copy program: batches and slot views),
                     BackgroundThread (the staging thread).
+    chunk_copy.py   the staging copy's byte copy: CopyKind STREAMING (non-temporal stores,
+                    the optional C helper `_streaming_copy.c`) or MEMMOVE (libc, without it).
     device_copy.py  CUDA snapshots: DeviceFence (events), copy_to_pinned_slab on a dedicated
                     copy stream into a page-locked slab, fenced on the compute stream.
     landed_checksums.py  LandedChecksums: a CUDA snapshot's CRC-32C, part by part on up to

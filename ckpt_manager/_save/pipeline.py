@@ -27,6 +27,7 @@ from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._format.checksum import SAVE_ALGORITHM
 from ckpt_manager._format.layout import step_dir
 from ckpt_manager._memory.tier import MemoryTier, SnapshotJob
+from ckpt_manager._save.chunk_copy import STAGING_COPY
 from ckpt_manager._save.device_copy import copy_to_pinned_slab
 from ckpt_manager._save.landed_checksums import LandedChecksums
 from ckpt_manager._save.report import encode_report_body
@@ -65,6 +66,8 @@ class LocalPipeline:
         self._writer: WriterProcess | None = None
         if config.async_mode is not AsyncMode.SYNC:
             self._stager = BackgroundThread(f"ckpt-stager-{rank}", nice=config.staging_nice)
+        # Said once per manager: a build without the C helper copies with ordinary stores.
+        log.info("ckpt_staging_copy", kind=STAGING_COPY.value)
         if config.async_mode is AsyncMode.PERSISTENT:
             self._writer = WriterProcess(rank)
 

@@ -2,8 +2,9 @@
 
 A `Slab` is one anonymous shared-memory file (`memfd`), or a memory-tier slot file on a
 tmpfs ([Note: the memory tier] in `_memory/`), mapped in the trainer and, through
-fd passing, in the writer: the trainer copies tensors into it (checksumming each chunk as
-it lands: [Note: the checksum rides on the staging copy]), the writer writes it out. Slabs
+fd passing, in the writer: the trainer copies tensors into it (streaming stores where the
+C helper is built: `chunk_copy.py`; checksumming each chunk as it is copied: [Note: the
+checksum rides on the staging copy]), the writer writes it out. Slabs
 are allocated once per in-flight slot and reused across saves while the state fits, so the
 steady state allocates nothing. A memfd has no name, so nothing leaks if a process is killed.
 Where the host's shmem THP mode is `advise`, a slab asks for huge pages ([Note: huge-page
@@ -34,6 +35,7 @@ import torch
 
 from ckpt_manager._format.checksum import SAVE_ALGORITHM, ChecksumAlgorithm, checksum, crc32c_at
 from ckpt_manager._format.shard_file import FileLayout, TensorSlot
+from ckpt_manager._save.chunk_copy import STAGING_COPY, byte_copy
 
 __all__ = [
     "FUSED_CHUNK_BYTES",
@@ -249,9 +251,12 @@ def copy_into_slab(
     `FUSED_CHUNK_BYTES` and each chunk is checksummed right after its copy, while it is
     still in cache: the checksum then costs its arithmetic only, not a second pass over the
     state through memory (in the writer process, as before). The writer only writes.
-    A CPU tensor's bytes are copied by libc's `memmove` on the two addresses (no tensor
-    slicing per chunk; glibc copies chunks below 1 MiB with `rep movsb`), and CRC-32C is taken
-    on the slab's address ([Note: CRC-32C through ISA-L] in `_format/checksum.py`).
+    A CPU tensor's bytes are copied on the two addresses (no tensor slicing per chunk) with
+    streaming stores ([Note: the staging copy streams past the cache] in `_streaming_copy.c`;
+    libc's `memmove` where that helper is not built), and the checksum reads the source
+    chunk, which the copy just brought into cache (CRC-32C on its address: [Note: CRC-32C
+    through ISA-L] in `_format/checksum.py`). Taken on the source, it also covers the copy: a
+    byte the copy got wrong fails the slab's verification instead of being checksummed in.
 
     `on_progress(n)` is called whenever the first `n` bytes of the file are final, at least
     `progress_bytes` apart, and last with `layout.total_bytes` (a streamed write follows it).
@@ -453,12 +458,15 @@ def _batched(slot: TensorSlot, tensor: torch.Tensor) -> bool:
 
 
 FUSED_CHUNK_BYTES = 256 << 10
-"""Copy-then-checksum granularity: well inside L2 (the chunk's source and destination both sit
-there while the checksum reads it back), big enough that per-call overhead is noise, and
-below glibc's `rep movsb` stop threshold (1 MiB), whose string copy measured 10-20 % cheaper
-than torch's chunked copy kernel (128 MiB into a memfd slab; BENCHMARKS.md, issue 20). On a
-2 MiB-L2 Xeon, 580 MiB in 64 tensors (`bench/save_cpu_floor.py`): 1.17 / 1.12 / 1.15 / 1.24
-memcpys of CPU at 128 KiB / 256 KiB / 512 KiB / 1 MiB."""
+"""Copy-then-checksum granularity: well inside L2 (the chunk's source sits there while the
+checksum reads it back), big enough that per-call overhead is noise. With `memmove` (below
+glibc's `rep movsb` stop threshold, 1 MiB, its string copy measured 10-20 % cheaper than torch's
+chunked copy kernel: BENCHMARKS.md, issue 20), on a 2 MiB-L2 Xeon, 580 MiB in 64 tensors
+(`bench/save_cpu_floor.py`): 1.17 / 1.12 / 1.15 / 1.24 memcpys of CPU at 128 KiB / 256 KiB /
+512 KiB / 1 MiB."""
+
+_copy_bytes = byte_copy(STAGING_COPY)
+"""The staging copy's byte copy ([Note: the staging copy streams past the cache])."""
 
 
 def _copy_checksummed(
@@ -477,18 +485,20 @@ def _copy_checksummed(
         copy_into_slot(buf, slot, tensor)
         return checksum(algorithm, view[slot.offset : slot.offset + slot.nbytes], value)
     # Raw addresses ([Note: the checksum rides on the staging copy]); `src` and the slab
-    # stay alive for the whole loop. ctypes calls release the GIL, like torch's copy did.
+    # stay alive for the whole loop. Both calls release the GIL, like torch's copy did. The
+    # checksum reads the source chunk, still in cache: the slab's lines were streamed past
+    # it ([Note: the staging copy streams past the cache] in `_streaming_copy.c`).
     src_address = src.data_ptr()
     dst_address = buf.data_ptr() + slot.offset
     by_address = algorithm is ChecksumAlgorithm.CRC32C
     for start in range(0, slot.nbytes, FUSED_CHUNK_BYTES):
         length = min(slot.nbytes - start, FUSED_CHUNK_BYTES)
-        ctypes.memmove(dst_address + start, src_address + start, length)
+        _copy_bytes(dst_address + start, src_address + start, length)
         if by_address:
-            value = crc32c_at(dst_address + start, length, value)
+            value = crc32c_at(src_address + start, length, value)
         else:
-            at = slot.offset + start
-            value = checksum(algorithm, view[at : at + length], value)
+            chunk = (ctypes.c_char * length).from_address(src_address + start)
+            value = checksum(algorithm, memoryview(chunk).cast("B"), value)
     return value
 
 
