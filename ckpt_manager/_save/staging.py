@@ -523,9 +523,19 @@ def lower_thread_priority(increment: int) -> int | None:
     5.1; but `auto`, whose cadence then measured cheaper snapshots and took 2.2x as many, added
     4-22 ms against 1-10, and 3 of its 58 snapshots stalled 5-35 ms (the copy unfinished at
     the fence). With `bench/snapshot_stall.py` (same job), nice 15 and 19 left 13-24 % of the
-    copies pending at the fence (p99 stall 16-20 ms), `SCHED_IDLE` 13-56 % (12-25 ms). So
-    the default stays 0 (the same priority) and 10 is the setting for a fixed `memory_every`
-    on a node without a spare core. Linux keeps nice per thread (`setpriority` on the thread id), so
+    copies pending at the fence (p99 stall 16-20 ms), `SCHED_IDLE` 13-56 % (12-25 ms).
+    Those figures are of the `memmove` copy (1.14 memcpys of CPU). With the streaming copy
+    (0.67: [Note: the staging copy streams past the cache] in `_streaming_copy.c`), three
+    interleaved passes of nice 0 / 10 / 19: `memory_every 1` added 14-32 ms (median 21.7,
+    1.11 memcpys) / 9-24 (15.9, 0.81) / 3-22 (6.5, 0.33), stall p99 4.8 / 3.0 / 8.0 ms;
+    `auto` -4.5-13.9 (8.6) / -7.9-12.1 (0.3) / -1.6-7.0 (1.9) ms with about as many
+    snapshots at each (64 / 56 / 66), but one snapshot a run at nice 10 and 19 stalling
+    10-100 ms (the slot allocation's, at the lower priority). Why a lower priority helps
+    more than the CPU it moves: the ranks' gradient all-reduces wait for the slowest rank,
+    so time the copy takes from one rank at one bucket and from the other at another adds
+    up in the step, where the same copy in the waits costs nothing. The engine's default
+    stays 0 (a library does not renice threads unasked); the daemon's `[checkpoint]
+    staging_nice` defaults to 10. Linux keeps nice per thread (`setpriority` on the thread id), so
     only this thread moves; an unprivileged process may lower a priority but never raise it
     back, so the staging thread keeps it for its life.
     """

@@ -208,9 +208,10 @@ def test_memory_replicas_default_to_one_with_several_nodes_and_refuse_what_the_r
 def test_staging_nice_is_checked_and_reaches_the_manager() -> None:
     from daemon.rank.loop import _checkpoint_config
 
-    assert load_config({}, env={}).checkpoint.staging_nice == 0
-    lower = load_config({"staging_nice": "10"}, env={})
-    assert _checkpoint_config(lower).staging_nice == 10
+    assert load_config({}, env={}).checkpoint.staging_nice == 10
+    assert _checkpoint_config(load_config({}, env={})).staging_nice == 10
+    same = load_config({"staging_nice": "0"}, env={})
+    assert _checkpoint_config(same).staging_nice == 0
     for bad in ("-1", "20"):
         with pytest.raises(ConfigError, match=rf"staging_nice={bad}: use 0 .* to 19"):
             load_config({"staging_nice": bad}, env={})
