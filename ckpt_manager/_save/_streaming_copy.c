@@ -13,8 +13,9 @@
  * own large copy does), which keeps more DRAM pages open at once than one running stream.
  * Measured on the 2-core VM (128 MiB in 256 KiB chunks, CPU time against torch's one-thread
  * `copy_`): 0.51 memcpys for the copy, 0.67 for the staging copy with its CRC-32C, against
- * 0.92 and 1.14 through `memmove` (`bench/save_cpu_floor.py --size-mib 128`). Off x86-64 the module copies with `memcpy` and says so
- * (`NON_TEMPORAL` false), and the Python side keeps `memmove`.
+ * 0.92 and 1.14 through `memmove` (`bench/save_cpu_floor.py --size-mib 128`). Off x86-64 the
+ * module copies with `memcpy` and says so (`NON_TEMPORAL` false), and the Python side keeps
+ * `memmove`.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,7 +34,8 @@
 #define STRIDES 4
 
 #if HAVE_NON_TEMPORAL
-/* One 64-byte line: unaligned loads from the source, streaming stores to the aligned destination. */
+/* One 64-byte line: unaligned loads from the source, streaming stores to the aligned
+ * destination. */
 static inline void stream_line(char *dst, const char *src)
 {
     __m128i a = _mm_loadu_si128((const __m128i *)src);
@@ -73,7 +75,8 @@ static void stream_copy(char *dst, const char *src, size_t n)
         src += LINE_BYTES;
         n -= LINE_BYTES;
     }
-    /* Streaming stores are weakly ordered: fence them before anyone is told the bytes are there. */
+    /* Streaming stores are weakly ordered: fence them before anyone is told the bytes are
+     * there. */
     _mm_sfence();
     memcpy(dst, src, n);
 }
