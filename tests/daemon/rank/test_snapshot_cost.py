@@ -80,17 +80,26 @@ def test_the_cadence_counts_the_staging_cpu_time_besides_the_stall(tmp_path: Pat
     [(fed, stalls)] = run_on_ranks(_fed_and_stalls, 1, str(tmp_path), str(memory), timeout_s=300)
     # Snapshots at steps 1-7 are fed at the next step (step 8 is the final durable save).
     assert len(fed) == len(stalls) == 7
-    # The first snapshot allocated the slot files: its cost is sent as NaN, left out of the
-    # cadence ([Note: a slot's allocation is not a snapshot's cost]); the others are not.
+    # The first snapshot allocated the first slot file: its cost is sent as NaN, left out of
+    # the cadence ([Note: a slot's allocation is not a snapshot's cost]). The second slot's
+    # file is allocated ahead on the staging thread once that copy is done ([Note: slot files
+    # allocated ahead] in `ckpt_manager/_memory/tier.py`); the snapshot whose fence first
+    # sees it is left out too: the first's, or the second's where the allocation outlasts the
+    # next step (a loaded machine, a staging thread below the training thread). No other is.
     assert math.isnan(fed[0][0])
     assert math.isnan(fed[0][1])
-    assert not any(math.isnan(cost) or math.isnan(stall) for cost, stall in fed[1:]), fed
+    left_out = [i for i, (cost, stall) in enumerate(fed) if math.isnan(cost) or math.isnan(stall)]
+    assert left_out in ([0], [0, 1]), fed
+    measured = [
+        (f, s) for i, (f, s) in enumerate(zip(fed, stalls, strict=True)) if i not in left_out
+    ]
     # Each cost fed is the stall (through the float32 all-reduce) plus a staging time >= 0;
     # the default job's 5 MiB copy and checksum take the staging thread milliseconds of CPU.
-    costs = [cost for cost, _ in fed[1:]]
-    assert all(f >= s * (1 - 1e-6) for f, s in zip(costs, stalls[1:], strict=True)), fed
-    assert sum(costs) - sum(stalls[1:]) > 1e-4, (fed, stalls)
+    costs = [cost for (cost, _), _ in measured]
+    reported = [stall for _, stall in measured]
+    assert all(f >= s * (1 - 1e-6) for f, s in zip(costs, reported, strict=True)), fed
+    assert sum(costs) - sum(reported) > 1e-4, (fed, stalls)
     # The stall rides along on its own ([Note: a snapshot's cost is also measured in the step
     # after it]): the one the loop reports, through the float32 all-reduce.
-    for (_, stall), reported in zip(fed[1:], stalls[1:], strict=True):
-        assert stall == pytest.approx(reported, rel=1e-6, abs=1e-9)
+    for (_, stall), loop_stall in measured:
+        assert stall == pytest.approx(loop_stall, rel=1e-6, abs=1e-9)
