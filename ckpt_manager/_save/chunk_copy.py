@@ -56,12 +56,13 @@ def byte_copy(kind: CopyKind) -> ByteCopy:
     """
     if kind is CopyKind.MEMMOVE:
         return ctypes.memmove
-    if _helper is None or not _helper.NON_TEMPORAL:
+    if not streaming_available():
         raise ValueError(
             "the streaming staging copy is not available here: the C helper "
             "ckpt_manager._save._streaming_copy was not built (no C compiler at install) "
             "or this machine is not x86-64; use CopyKind.MEMMOVE"
         )
+    assert _helper is not None
     copy: ByteCopy = _helper.copy
     return copy
 
