@@ -50,7 +50,8 @@ from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._coord import Coordinator, Status
 from ckpt_manager._format.dtensor import unwrap_dtensors, wrap_dtensors
 from ckpt_manager._format.layout import shard_file_name
-from ckpt_manager._format.tree import LeafMemo, flatten
+from ckpt_manager._format.shard_file import FileLayout
+from ckpt_manager._format.tree import Flattened, LeafMemo, TensorLeaf, flatten
 from ckpt_manager._load.quarantine import Quarantine
 from ckpt_manager._load.recover import restore_agreed
 from ckpt_manager._memory.restore import restore_from_memory
@@ -537,14 +538,51 @@ class CheckpointManager:
     def _slot_in_use(self, slot: int) -> bool:
         return any(r.slot == slot for r in self._pending)
 
-    def _snapshot_only(self, step: int, state: Any, started: float) -> None:
-        """`save(..., durable=False)`: the memory snapshot alone."""
-        assert self._snapshots is not None
+    def reserve_memory(self, state: Any) -> bool:
+        """Allocate, in the background, the memory slots the next snapshots of `state` will
+        take, so that no snapshot's fence waits for a slot file nor a step after one for
+        the next slot's ([Note: the first slots allocated ahead] in `_save/snapshots.py`).
+
+        Call it once the state has its final size (after the first optimizer step, which
+        creates the optimizer's state), before or right after the first snapshot. It returns
+        at once and raises nothing for a failed allocation: the snapshot that takes the slot
+        allocates it then and reports a failure as usual.
+
+        Args:
+            state: the state the next `save()` will be given (the same structure).
+
+        Returns:
+            True when an allocation was queued; False without the memory tier, or when the
+            next snapshot would take an extra slot or none (those are allocated only when a
+            snapshot takes them).
+
+        Raises:
+            TypeError: `state` holds a value `save()` does not take.
+            CheckpointError: the manager is closed.
+        """
+        self._check_open()
+        if self._snapshots is None:
+            return False
+        slots = self._snapshots.slots_to_reserve(self._pending)
+        if not slots:
+            return False
+        flat, leaves, layout = self._memory_payload(state)
+        self._pipeline.reserve(slots, flat, leaves, layout)
+        return True
+
+    def _memory_payload(self, state: Any) -> tuple[Flattened, list[TensorLeaf], FileLayout]:
+        """`state` flattened for a memory snapshot, the leaves its durable file holds, and
+        that file's layout (the payload starts with those bytes: the same, cached, plan)."""
         flat = flatten(state, keep_replicas=True, memo=self._leaves)
         leaves = leaves_to_write(flat, self.rank)
         spread = self.config.spread_for(self._storage.root_uri)
-        # The payload starts with the durable file's bytes: the same (cached) plan.
         layout, _ = self._plans.plan(leaves, shard_file_name(self.rank, spread) if leaves else None)
+        return flat, leaves, layout
+
+    def _snapshot_only(self, step: int, state: Any, started: float) -> None:
+        """`save(..., durable=False)`: the memory snapshot alone."""
+        assert self._snapshots is not None
+        flat, leaves, layout = self._memory_payload(state)
         job = self._snapshots.begin(step, flat, leaves, self._pending, durable=False)
         if job is not None:
             request = self._snapshots.memory_only(step, started, layout, job)

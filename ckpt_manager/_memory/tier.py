@@ -174,6 +174,21 @@ class MemoryTier:
         held[slot] = step
         return self._pick(pinned, held, self._kept.step())
 
+    def next_configured_slots(self, pinned: set[int]) -> list[int]:
+        """The configured slots the next snapshots take, in order, while `pinned` stay pinned
+        and each completes: up to the configured `slots`, ending before the first that would
+        be an extra slot. Changes nothing ([Note: the first slots allocated ahead] in
+        `_save/snapshots.py`)."""
+        held, kept = dict(self.held), self._kept.step()
+        slots: list[int] = []
+        while len(slots) < self.config.slots:
+            choice = self._pick(pinned, held, kept)
+            if choice is None or choice[1] or choice[0] in slots:
+                break
+            slots.append(choice[0])
+            held[choice[0]] = max(held.values(), default=-1) + 1
+        return slots
+
     def _pick(
         self, pinned: set[int], held: dict[int, int], kept: int | None
     ) -> tuple[int, bool] | None:

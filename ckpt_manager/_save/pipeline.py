@@ -26,6 +26,8 @@ from typing import Any
 from ckpt_manager._config import AsyncMode, CheckpointConfig
 from ckpt_manager._format.checksum import SAVE_ALGORITHM
 from ckpt_manager._format.layout import step_dir
+from ckpt_manager._format.shard_file import FileLayout
+from ckpt_manager._format.tree import Flattened, TensorLeaf
 from ckpt_manager._memory.tier import MemoryTier, SnapshotJob
 from ckpt_manager._save.chunk_copy import STAGING_COPY
 from ckpt_manager._save.device_copy import copy_to_pinned_slab
@@ -205,6 +207,32 @@ class LocalPipeline:
         if request.memory is not None and request.memory.ok:
             self._allocate_ahead(request.memory)
 
+    def reserve(
+        self, slots: list[int], flat: Flattened, durable: list[TensorLeaf], layout: FileLayout
+    ) -> None:
+        """Allocate and map memory `slots` for `flat`'s snapshots before snapshots take them
+        ([Note: the first slots allocated ahead] in `snapshots.py`): on the staging thread,
+        or inline in sync mode. Nothing is raised: a snapshot that takes a slot allocates it
+        if this could not, and reports a failure as usual."""
+        if self._stager is None:
+            self._reserve(slots, flat, durable, layout)
+            return
+        self._stager.submit(lambda: self._reserve(slots, flat, durable, layout))
+
+    def _reserve(
+        self, slots: list[int], flat: Flattened, durable: list[TensorLeaf], layout: FileLayout
+    ) -> None:
+        assert self._memory is not None
+        try:
+            # The plan is cached: the snapshots that take the slots reuse it.
+            plan, _ = self._memory.plans.plan(flat, durable, layout)
+        except Exception as err:  # the snapshot plans again and reports it
+            self._log.warning("ckpt_memory_reserve_failed", rank=self._rank, error=str(err))
+            return
+        for slot in slots:
+            if slot not in self._memory_slabs:
+                self._map_ahead(slot, plan.payload.total_bytes)
+
     def _allocate_ahead(self, job: SnapshotJob) -> None:
         """Map the slot the next snapshot will likely take, once this one is copied and the
         loop has gone on ([Note: slot files allocated ahead] in `_memory/tier.py`): only a
@@ -212,9 +240,14 @@ class LocalPipeline:
         slot = job.ahead
         if slot is None or slot in self._memory_slabs or job.plan is None:
             return
+        self._map_ahead(slot, job.plan.payload.total_bytes)
+
+    def _map_ahead(self, slot: int, nbytes: int) -> None:
+        """Allocate and map `slot`'s file for `nbytes` ahead of the snapshot that takes it;
+        a failure leaves that snapshot to allocate it (and report it)."""
         assert self._memory is not None
         started = time.monotonic()
-        allocated = self._memory.allocate_ahead(slot, job.plan.payload.total_bytes)
+        allocated = self._memory.allocate_ahead(slot, nbytes)
         if allocated is None:
             return  # the snapshot that takes it tries again, and reports a failure
         fd, capacity = allocated

@@ -67,9 +67,7 @@ class Snapshots:
             pending: the durable saves in flight (their slots are pinned).
             durable: the snapshot is a durable save's (its write will pin its slot).
         """
-        # `memory` may be dropped meanwhile by the staging thread (a skipped extra slot).
-        writes = {job.slot for r in pending if (job := r.memory) is not None}
-        pinned = writes | {job.slot for _, job in self._inflight}
+        writes, pinned = self._pinned(pending)
         choice = self.tier.choose(pinned)
         if choice is None:
             return None
@@ -81,6 +79,33 @@ class Snapshots:
         following = self.tier.likely_next(writes | {slot} if durable else writes, slot, step)
         job.ahead = None if following is None else following[0]
         return job
+
+    def slots_to_reserve(self, pending: Iterable[SaveRequest]) -> list[int]:
+        """The configured slots the next snapshots will take, in order, to allocate ahead of
+        them (none that would be an extra slot).
+
+        [Note: the first slots allocated ahead] A slot's file is allocated ahead once the
+        snapshot before it is copied ([Note: slot files allocated ahead] in
+        `_memory/tier.py`). That left a run's first snapshot (and the first after a restart,
+        whose process maps the slot files anew) allocating its own slot before its copy, the
+        fence waiting for both: on the 2-core VM, with the staging thread 10 nice steps below
+        training (the daemon's default), the fence of `auto`'s first snapshot waited 10-100
+        ms. And the second slot's allocation, ahead of the second snapshot, ran in the step
+        after the first, which the cadence measures as that snapshot's effect
+        ([Note: a snapshot's cost is also measured in the step after it] in
+        `daemon/rank/memory_cadence.py`). `CheckpointManager.reserve_memory` hands every
+        configured slot to the staging thread as soon as the state's size is known (the
+        daemon calls it after a life's first step, once the optimizer's state exists), so
+        that the snapshots that take them find them mapped.
+        """
+        return self.tier.next_configured_slots(self._pinned(pending)[1])
+
+    def _pinned(self, pending: Iterable[SaveRequest]) -> tuple[set[int], set[int]]:
+        """The slots durable writes in flight read, and those plus the slots of snapshots
+        still being copied (neither may be overwritten)."""
+        # `memory` may be dropped meanwhile by the staging thread (a skipped extra slot).
+        writes = {job.slot for r in pending if (job := r.memory) is not None}
+        return writes, writes | {job.slot for _, job in self._inflight}
 
     def track(self, request: SaveRequest) -> None:
         """Follow `request`'s snapshot (it carries a job) until its staging is over."""

@@ -57,10 +57,14 @@ files (`posix_fallocate` of the state's size, then a mapping: 0.18-0.32 s for th
 134 MB slots on the 2-core VM), inside their staging, so the fence waits for it and the staging
 CPU counts it. Fed as a snapshot's cost, that one-time cost made `auto` jump from 10 to an
 interval of 68-87 after the first snapshot of that job, where about 10 was right, and stay
-there for hundreds of steps (a moving average moves only at each snapshot). A snapshot whose
-staging allocated a slot file (`ManagerStats.memory_slot_allocations` changed since the last
-fence) is therefore sent as NaN in the per-step all-reduce: every rank's agreed cost is then
-NaN, and the cadence leaves that snapshot and the step after it out.
+there for hundreds of steps (a moving average moves only at each snapshot). A snapshot during
+which a slot file was allocated (`ManagerStats.memory_slot_allocations` changed between its
+`save()` and its fence) is therefore sent as NaN in the per-step all-reduce: every rank's
+agreed cost is then NaN, and the cadence leaves that snapshot and the step after it out. Since
+the loop has the manager allocate the configured slots after a life's first step
+(`reserve_memory`: [Note: the first slots allocated ahead] in `ckpt_manager/_save/snapshots.py`),
+that is a snapshot taken before those allocations are done (`memory_every 1`), or one that
+grows a slot or takes an extra one.
 
 Checkpoint calls go through `SaveFailurePolicy` (`save_failures.py`): a failed save is
 reported and training continues, until `max_consecutive_save_failures` in a row stop the run.
@@ -518,10 +522,14 @@ class _Training:
         # and the manager's running total of it already fed to the cadence.
         self._snapshot_staging_s = 0.0
         self._staging_cpu_fed_s = 0.0
-        # Whether the pending snapshot's staging allocated a slot file, and the manager's
-        # count of allocations seen ([Note: a slot's allocation is not a snapshot's cost]).
+        # Whether a slot file was allocated between the pending snapshot's `save()` and its
+        # fence, and the manager's count of allocations at that `save()` ([Note: a slot's
+        # allocation is not a snapshot's cost]).
         self._snapshot_allocated = False
         self._allocations_seen = 0
+        # The slots are allocated ahead once per life ([Note: the first slots allocated ahead]
+        # in `ckpt_manager/_save/snapshots.py`).
+        self._slots_reserved = False
         self.deferred = DeferredSaves(telemetry)
         # [Note: compute time rides on the per-step agreement] in `stragglers.py`.
         self.stragglers = StragglerProbe(
@@ -708,7 +716,6 @@ class _Training:
             self._snapshot_staging_s = max(staged - self._staging_cpu_fed_s, 0.0)
             self._staging_cpu_fed_s = staged
             self._snapshot_allocated = stats.memory_slot_allocations != self._allocations_seen
-            self._allocations_seen = stats.memory_slot_allocations
         self.optimizer.step()
         self.optimizer.zero_grad()
         self.scheduler.step()
@@ -822,6 +829,8 @@ class _Training:
             log.info("checkpoint_scheduled", ckpt_step=step, loss=round(agreed.loss, 4))
         elif self.memory_tier and self.cadence.due(step):
             self.snapshot_to_memory(step)
+        if self.memory_tier and not self._slots_reserved:
+            self._reserve_memory_slots()
         self.failures.guard(
             functools.partial(self._tolerate_memory_failure, self.manager.maybe_finalize)
         )
@@ -836,9 +845,24 @@ class _Training:
             return {"loss": loss, "val_loss": last[1]}
         return {"loss": loss}
 
+    def _reserve_memory_slots(self) -> None:
+        """After a life's first step (the optimizer's state now exists, the state has its
+        size), have the manager allocate the memory slots ahead of the snapshots that take
+        them. A refusal is logged, not raised: the snapshots allocate them then."""
+        from ckpt_manager import CheckpointError
+
+        self._slots_reserved = True
+        try:
+            self.manager.reserve_memory(self.state())
+        except (CheckpointError, TypeError) as err:
+            log.warning("memory_slots_not_reserved", error=str(err))
+
     def snapshot_to_memory(self, step: int) -> None:
         """Snapshot the state into the memory tier alone ([Note: the memory tier in the loop])."""
         started = time.perf_counter()
+        # Only an allocation from here to the fence is this snapshot's: one made ahead (a
+        # slot reserved, or allocated after the previous copy) is not.
+        self._allocations_seen = self.manager.stats().memory_slot_allocations
         self._tolerate_memory_failure(
             functools.partial(self.manager.save, step, self.state(), durable=False)
         )

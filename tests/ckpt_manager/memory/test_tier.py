@@ -236,6 +236,91 @@ def test_the_next_snapshots_slot_file_is_allocated_before_it_is_taken(
     assert allocated == [(0, False), (1, True), (2, True)]
 
 
+def test_reserved_slots_are_allocated_before_the_first_snapshot(
+    tmp_path: pathlib.Path, log_events: list[dict[str, Any]]
+) -> None:
+    # [Note: the first slots allocated ahead]: before, the first snapshot allocated slot 0
+    # between its save() and its fence, and slot 1 was allocated in the step after it.
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    files = SlotFiles(str(memory), 0)
+    cfg = CheckpointConfig(memory=MemoryTierConfig(str(memory)))
+    state = {"w": torch.arange(250_000, dtype=torch.float32), "step": 0}  # 1 MB
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        assert mgr.reserve_memory(state)
+        _wait_for(lambda: mgr.stats().memory_slot_allocations == 2, "both slots reserved")
+        assert files.payload_size(0) >= 1_000_000
+        assert files.payload_size(1) >= 1_000_000
+        assert _metas(memory) == {}  # reserved, not holding anything
+        for step in (1, 2, 3):
+            state["w"] += 1
+            state["step"] = step
+            mgr.save(step, state, durable=False)
+            mgr.before_optimizer_step()
+            mgr.wait_until_finished()
+        assert mgr.stats().memory_slot_allocations == 2  # no snapshot allocated one
+        assert mgr.stats().num_memory_snapshots == 3
+        assert _metas(memory) == {0: 3, 1: 2}
+        # A state grown since: its snapshot grows the slot it takes, and lands whole.
+        grown = {"w": torch.arange(500_000, dtype=torch.float32), "step": 4}
+        mgr.save(4, grown, durable=False)
+        mgr.before_optimizer_step()
+        mgr.wait_until_finished()
+        assert mgr.stats().memory_slot_allocations == 3
+    allocated = [
+        (e["slot"], e["ahead"]) for e in log_events if e["event"] == "ckpt_memory_slot_allocated"
+    ]
+    assert allocated == [(0, True), (1, True), (1, False)]
+    # The snapshots in reserved slots restore as any other.
+    with CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r") as mgr:
+        result = mgr.restore(into={"w": torch.zeros(500_000), "step": 0})
+        assert result is not None
+        assert (result.step, result.source) == (4, "memory")
+        assert torch.equal(result.state["w"], grown["w"])
+        # After a restart the process maps the files anew: the one holding the restored
+        # step is not among those the next snapshots take first, and none is reallocated.
+        before = mgr.stats().memory_slot_allocations
+        assert mgr.reserve_memory(grown)
+        _wait_for(lambda: mgr.stats().memory_slot_allocations == before + 2, "slots mapped")
+        mgr.save(5, grown, durable=False)
+        mgr.before_optimizer_step()
+        mgr.wait_until_finished()
+        assert mgr.stats().memory_slot_allocations == before + 2
+        assert _metas(memory) == {0: 5, 1: 4}
+
+
+def test_reserving_memory_slots_without_the_tier_or_once_closed(tmp_path: pathlib.Path) -> None:
+    state = {"w": torch.zeros(100)}
+    with CheckpointManager(str(tmp_path / "off"), CheckpointConfig(), run_id="r") as mgr:
+        assert not mgr.reserve_memory(state)
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    cfg = CheckpointConfig(async_mode=AsyncMode.SYNC, memory=MemoryTierConfig(str(memory)))
+    mgr = CheckpointManager(str(tmp_path / "ckpt"), cfg, run_id="r")
+    with pytest.raises(TypeError, match="'w' has type object"):
+        mgr.reserve_memory({"w": object()})  # as save() refuses it
+    assert mgr.reserve_memory(state)  # sync mode: inline, done on return
+    assert mgr.stats().memory_slot_allocations == 2
+    mgr.close()
+    with pytest.raises(CheckpointError, match="closed"):
+        mgr.reserve_memory(state)
+
+
+def test_only_configured_slots_are_reserved(tmp_path: pathlib.Path) -> None:
+    from ckpt_manager._memory.tier import MemoryTier
+
+    memory = tmp_path / "shm"
+    memory.mkdir()
+    tier = MemoryTier(
+        MemoryTierConfig(str(memory), slots=3), rank=0, world_size=1, run_id="r", max_extra=2
+    )
+    assert tier.next_configured_slots(set()) == [0, 1, 2]
+    assert tier.next_configured_slots({1}) == [0, 2]  # then an extra slot: not reserved
+    tier.held = {1: 7}  # restored step 7 in slot 1: taken last
+    assert tier.next_configured_slots(set()) == [0, 2, 1]
+    assert tier.next_configured_slots({0, 2}) == []
+
+
 def _wait_for(predicate: Any, what: str, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
