@@ -859,10 +859,10 @@ class _Training:
 
     def snapshot_to_memory(self, step: int) -> None:
         """Snapshot the state into the memory tier alone ([Note: the memory tier in the loop])."""
-        started = time.perf_counter()
         # Only an allocation from here to the fence is this snapshot's: one made ahead (a
         # slot reserved, or allocated after the previous copy) is not.
         self._allocations_seen = self.manager.stats().memory_slot_allocations
+        started = time.perf_counter()
         self._tolerate_memory_failure(
             functools.partial(self.manager.save, step, self.state(), durable=False)
         )
