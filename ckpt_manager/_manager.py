@@ -421,6 +421,8 @@ class CheckpointManager:
         Raises:
             ValueError: bad step, metrics or state, or `durable=False` without the memory
                 tier.
+            TypeError: a state leaf of a type it does not take (e.g. a numpy array, a sparse
+                tensor).
             SaveFailedError: an older save that had to be finalized first failed (raised
                 after this save is queued: it goes on), or, in `AsyncMode.SYNC`, this one.
             CheckpointError: the manager is closed, a collective failed, or an earlier memory
@@ -557,7 +559,7 @@ class CheckpointManager:
             snapshot takes them).
 
         Raises:
-            TypeError: `state` holds a value `save()` does not take.
+            TypeError, ValueError: `state` holds something `save()` refuses (as it would).
             CheckpointError: the manager is closed.
         """
         self._check_open()

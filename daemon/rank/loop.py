@@ -854,7 +854,7 @@ class _Training:
         self._slots_reserved = True
         try:
             self.manager.reserve_memory(self.state())
-        except (CheckpointError, TypeError) as err:
+        except (CheckpointError, TypeError, ValueError) as err:
             log.warning("memory_slots_not_reserved", error=str(err))
 
     def snapshot_to_memory(self, step: int) -> None:
