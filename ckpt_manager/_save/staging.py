@@ -155,11 +155,12 @@ def _fault_in_page_by_page(buf: torch.Tensor) -> None:
     in; every other thread's `mmap`/`munmap`, e.g. the training thread's allocator freeing a
     large tensor, waits for all of it, and a waiting writer holds up new page faults too. On
     the staging thread, below training's priority on a busy core, the call also waits for
-    the CPU while it holds the lock: in a stand-alone test on the 2-core VM (a nice-10 thread
-    populating 268 MB slot files while a nice-0 thread allocated and freed 64 MiB tensors,
-    two busy processes beside them) the nice-0 thread's p99 iteration took 740-835 ms, against
-    82-103 ms with the pages faulted in one at a time as here (131-135 ms with the same
-    thread copying memory instead). Each read fault takes the lock for a moment; on a shared
+    the CPU while it holds the lock: on the 2-core VM (`bench/slab_fault_in.py`: a nice-10
+    thread mapping 268 MB slot files while a nice-0 thread allocates and frees 64 MiB
+    tensors, two busy processes beside them) the nice-0 thread's p99 iteration took 703-723
+    ms (max 830-840) with one populate call, against 60-67 ms with the pages faulted in one at
+    a time as here (102-109 ms with that thread copying memory instead). Each read fault
+    takes the lock for a moment; on a shared
     mapping of a tmpfs file it maps the page writable, so the copy takes no fault later
     (68.8k faults for 268 MB here, 6 in the first write after them). A torch reduction over
     one byte per page releases the GIL ([Note: a slab is populated without the GIL]: the
