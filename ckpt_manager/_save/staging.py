@@ -160,11 +160,11 @@ def _fault_in_page_by_page(buf: torch.Tensor) -> None:
     tensors, two busy processes beside them) the nice-0 thread's p99 iteration took 703-723
     ms (max 830-840) with one populate call, against 60-67 ms with the pages faulted in one at
     a time as here (102-109 ms with that thread copying memory instead). Each read fault
-    takes the lock for a moment; on a shared
-    mapping of a tmpfs file it maps the page writable, so the copy takes no fault later
-    (68.8k faults for 268 MB here, 6 in the first write after them). A torch reduction over
-    one byte per page releases the GIL ([Note: a slab is populated without the GIL]: the
-    staging thread must not stop the training thread's Python either).
+    takes the lock for a moment; on a shared mapping of a tmpfs file it maps the page
+    writable, so the copy takes no fault later (68.8k faults for 268 MB here, 6 in the first
+    write after them). A torch reduction over one byte per page releases the GIL ([Note: a
+    slab is populated without the GIL]: the staging thread must not stop the training
+    thread's Python either).
     """
     int(buf[:: mmap.PAGESIZE].sum())
 

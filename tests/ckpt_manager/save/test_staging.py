@@ -221,6 +221,13 @@ def test_a_copy_program_is_reused_only_for_tensors_it_still_fits(
         slab.close()
 
 
+def _allocated_slot_file(nbytes: int) -> int:
+    """A descriptor like a memory slot's file: `nbytes` allocated by its owner."""
+    fd = os.memfd_create("slot", os.MFD_CLOEXEC)
+    os.posix_fallocate(fd, 0, nbytes)
+    return fd
+
+
 def test_a_slab_is_populated_with_the_gil_released() -> None:
     # [Note: a slab is populated without the GIL]: a slab made on the staging thread must not
     # stop the training thread's Python while its pages fault in (MAP_POPULATE held the GIL
@@ -228,8 +235,7 @@ def test_a_slab_is_populated_with_the_gil_released() -> None:
     # it is released: the other thread counts on while the pages fault in only if that
     # released it. Before: 0-3 counts (mmap's own dup() releases it for a moment).
     nbytes = 128 << 20
-    fd = os.memfd_create("slot", os.MFD_CLOEXEC)  # a slot file, allocated by its owner
-    os.posix_fallocate(fd, 0, nbytes)
+    fd = _allocated_slot_file(nbytes)
     go, stop = threading.Event(), threading.Event()
     counts = [0]
 
@@ -269,8 +275,7 @@ def test_making_a_slab_leaves_other_threads_their_mappings() -> None:
     # of it. Before: 0.99 of it; after: 0.04 (the bound leaves room for a busy machine's
     # scheduling delays).
     nbytes = 512 << 20
-    fd = os.memfd_create("slot", os.MFD_CLOEXEC)  # a slot file, allocated by its owner
-    os.posix_fallocate(fd, 0, nbytes)
+    fd = _allocated_slot_file(nbytes)
     started, stop = threading.Event(), threading.Event()
     slowest = [0.0]
 
