@@ -157,9 +157,9 @@ def _fault_in_page_by_page(buf: torch.Tensor) -> None:
     the staging thread, below training's priority on a busy core, the call also waits for
     the CPU while it holds the lock: on the 2-core VM (`bench/slab_fault_in.py`: a nice-10
     thread mapping 268 MB slot files while a nice-0 thread allocates and frees 64 MiB
-    tensors, two busy processes beside them) the nice-0 thread's p99 iteration took 703-723
-    ms (max 830-840) with one populate call, against 60-67 ms with the pages faulted in one at
-    a time as here (102-109 ms with that thread copying memory instead). Each read fault
+    tensors, two busy processes beside them) the nice-0 thread's p99 iteration took 640-723
+    ms (max 653-840) with one populate call, against 55-73 ms with the pages faulted in one at
+    a time as here (102-119 ms with that thread copying memory instead). Each read fault
     takes the lock for a moment; on a shared mapping of a tmpfs file it maps the page
     writable, so the copy takes no fault later (68.8k faults for 268 MB here, 6 in the first
     write after them). A torch reduction over one byte per page releases the GIL ([Note: a

@@ -527,9 +527,6 @@ class _Training:
         # allocation is not a snapshot's cost]).
         self._snapshot_allocated = False
         self._allocations_seen = 0
-        # The slots are allocated ahead once per life ([Note: the first slots allocated ahead]
-        # in `ckpt_manager/_save/snapshots.py`).
-        self._slots_reserved = False
         self.deferred = DeferredSaves(telemetry)
         # [Note: compute time rides on the per-step agreement] in `stragglers.py`.
         self.stragglers = StragglerProbe(
@@ -829,7 +826,9 @@ class _Training:
             log.info("checkpoint_scheduled", ckpt_step=step, loss=round(agreed.loss, 4))
         elif self.memory_tier and self.cadence.due(step):
             self.snapshot_to_memory(step)
-        if self.memory_tier and not self._slots_reserved:
+        if self.memory_tier and step == self.start_step + 1:
+            # Once per life ([Note: the first slots allocated ahead] in
+            # `ckpt_manager/_save/snapshots.py`).
             self._reserve_memory_slots()
         self.failures.guard(
             functools.partial(self._tolerate_memory_failure, self.manager.maybe_finalize)
@@ -851,7 +850,6 @@ class _Training:
         them. A refusal is logged, not raised: the snapshots allocate them then."""
         from ckpt_manager import CheckpointError
 
-        self._slots_reserved = True
         try:
             self.manager.reserve_memory(self.state())
         except (CheckpointError, TypeError, ValueError) as err:
