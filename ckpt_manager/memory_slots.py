@@ -10,6 +10,12 @@ loss (`daemon/agent/replica/`); it reads and writes the slots through these name
                   checksum, origin)
     parsed_metas  the metas of `SlotFiles.read_metas()` that parse, with their JSON objects
     restamp       a meta with fields added and its self-check renewed (a replica's stamps)
+    ParsedMeta, parse_meta_file, stamp
+                  a meta read from its file's bytes (checked on those bytes: no re-encoding),
+                  and `restamp` for it, encoded once ([Note: a signed meta's text is checked
+                  as it is] in `ckpt_manager/_memory/meta.py`)
+    MetaReader    a directory's complete metas, each file version parsed once (for a thread
+                  that polls them)
     verify_slot   why a payload does not match its meta's checksum (None: it does)
     ORIGIN_REPLICA  the `origin` of a slot copied from a peer: the restore then reports
                   `RestoreResult.source == "replica"`
@@ -24,16 +30,30 @@ from __future__ import annotations
 
 from ckpt_manager._memory.keep import write_kept_step
 from ckpt_manager._memory.load import verify_slot
-from ckpt_manager._memory.meta import ORIGIN_LOCAL, ORIGIN_REPLICA, SlotMeta, parsed_metas, restamp
+from ckpt_manager._memory.meta import (
+    ORIGIN_LOCAL,
+    ORIGIN_REPLICA,
+    ParsedMeta,
+    SlotMeta,
+    parse_meta_file,
+    parsed_metas,
+    restamp,
+    stamp,
+)
+from ckpt_manager._memory.meta_reader import MetaReader
 from ckpt_manager._memory.slots import SlotFiles
 
 __all__ = [
     "ORIGIN_LOCAL",
     "ORIGIN_REPLICA",
+    "MetaReader",
+    "ParsedMeta",
     "SlotFiles",
     "SlotMeta",
+    "parse_meta_file",
     "parsed_metas",
     "restamp",
+    "stamp",
     "verify_slot",
     "write_kept_step",
 ]

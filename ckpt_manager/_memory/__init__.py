@@ -7,6 +7,8 @@ Modules:
     plan.py    what a payload holds and where: the durable shard file, then the leaves it
                dedups away on this rank; layout fingerprints; the plan cache
     meta.py    the meta JSON written next to a complete payload, and its parser
+    meta_reader.py  `MetaReader`: a slot directory's complete metas, each file version parsed
+               once (the daemon's replica threads poll them; torch-free)
     tier.py    `MemoryTier`: which slot a snapshot takes, what the slots hold, counters;
                `SnapshotJob`: the memory part of one save
     load.py    verify a payload's checksum, rebuild its state or fill a template

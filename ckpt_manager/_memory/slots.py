@@ -162,6 +162,15 @@ class SlotFiles:
                 os.unlink(temp)
             raise CheckpointError(f"memory slot {path}: cannot write its meta: {err}") from err
 
+    def meta_slots(self) -> list[int]:
+        """Slots with a meta file, ascending."""
+        found = []
+        for name in _listdir(self.directory):
+            match = self._pattern.fullmatch(name)
+            if match is not None:
+                found.append(int(match.group(1)))
+        return sorted(found)
+
     def read_metas(self) -> dict[int, dict[str, Any] | str]:
         """Every slot's meta by slot: the parsed JSON object, or why it does not read."""
         found: dict[int, dict[str, Any] | str] = {}

@@ -28,7 +28,14 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from ckpt_manager.memory_slots import SlotFiles, SlotMeta, parsed_metas, restamp, write_kept_step
+from ckpt_manager.memory_slots import (
+    MetaReader,
+    ParsedMeta,
+    SlotFiles,
+    SlotMeta,
+    stamp,
+    write_kept_step,
+)
 
 __all__ = ["NUM_REPLICA_SLOTS", "HeldReplica", "ReplicaHoldings", "complete_slots"]
 
@@ -72,6 +79,7 @@ class ReplicaHoldings:
         # written to `kept-step.json` last.
         self._newest: dict[int, tuple[int, int]] = {}
         self._kept: int | None = None
+        self._metas = MetaReader()
 
     def files(self, rank: int) -> SlotFiles:
         """`rank`'s slot files under `replicas/`."""
@@ -87,7 +95,7 @@ class ReplicaHoldings:
 
     def held(self, rank: int) -> list[HeldReplica]:
         """`rank`'s complete replicas of this run (their metas parse), oldest step first."""
-        return complete_slots(self.files(rank), self.run_id)
+        return complete_slots(self.files(rank), self.run_id, self._metas)
 
     def reserve(self, rank: int, nbytes: int) -> tuple[int, int, int] | None:
         """Empty and allocate the slot an arriving replica of `rank` takes.
@@ -123,18 +131,19 @@ class ReplicaHoldings:
         with self._lock:
             self._busy.discard((rank, slot))
 
-    def commit(self, rank: int, slot: int, raw: dict[str, Any], *, round_: int, node: int) -> None:
-        """The payload in `slot` verified: write its restamped meta; remember the round.
+    def commit(self, rank: int, slot: int, parsed: ParsedMeta, *, round_: int, node: int) -> None:
+        """The payload in `slot` verified against `parsed` (the sender's meta, checked): write
+        it stamped; remember the round.
 
         Raises:
-            ValueError: `raw` is not a valid meta.
             CheckpointError: the meta could not be written.
         """
-        stamped = restamp(raw, replica_round=round_, replica_node=node)
-        self.files(rank).write_meta(slot, stamped)
+        self.files(rank).write_meta(
+            slot, stamp(parsed, replica_round=round_, replica_node=node).data
+        )
         with self._lock:
             self._rounds[node] = max(round_, self._rounds.get(node, round_))
-            self._newest[rank] = (round_, SlotMeta.parse(stamped).step)
+            self._newest[rank] = (round_, parsed.meta.step)
             kept = min(step for r, step in self._newest.values() if r == round_)
             if kept == self._kept:
                 return
@@ -145,12 +154,20 @@ class ReplicaHoldings:
                 _log.warning("replica_kept_step_failed", step=kept, error=str(err))
 
 
-def complete_slots(files: SlotFiles, run_id: str) -> list[HeldReplica]:
+def complete_slots(
+    files: SlotFiles, run_id: str, metas: MetaReader | None = None
+) -> list[HeldReplica]:
     """The complete snapshots of `run_id` in `files` (their metas parse and name that rank),
-    oldest step first: replicas under `replicas/`, or a rank's own slots."""
+    oldest step first: replicas under `replicas/`, or a rank's own slots.
+
+    Args:
+        files: the slot files.
+        run_id: the run.
+        metas: the reader that keeps their parses (None: all read afresh).
+    """
     found = [
-        HeldReplica(files.rank, slot, meta, raw)
-        for slot, (meta, raw) in parsed_metas(files.read_metas()).items()
-        if meta.run_id == run_id and meta.rank == files.rank
+        HeldReplica(files.rank, slot, parsed.meta, parsed.raw)
+        for slot, parsed in (metas or MetaReader()).complete(files).items()
+        if parsed.meta.run_id == run_id and parsed.meta.rank == files.rank
     ]
     return sorted(found, key=lambda h: h.meta.step)

@@ -3,8 +3,10 @@
 One TCP connection carries any number of requests, one at a time:
 
     frame    = u32 big-endian length + that many bytes of UTF-8 JSON (an object)
-    put      sender -> frame {"op": "put", "run_id", "round", "node", "meta"
-                              [, "stripes", "session", "seq"]}
+    put      sender -> frame {"op": "put", "run_id", "round", "node", "meta_bytes"
+                              [, "stripes", "session", "seq"]} + that many bytes: the meta
+                              file as the rank wrote it ([Note: a replica costs one parse
+                              at each end] in `sender.py`)
              receiver -> frame {"ok": true [, "stripes"]} (send it) or {"ok": false, "reason",
                               "detail"}
              sender -> meta["payload_bytes"] raw bytes (stripe 0 only, when striped) + one
@@ -61,9 +63,11 @@ __all__ = [
     "recv_exact",
     "recv_frame",
     "recv_into",
+    "recv_meta",
     "recv_payload",
     "send_file",
     "send_frame",
+    "send_meta",
 ]
 
 COMMIT = b"C"
@@ -114,6 +118,29 @@ def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     """Send one JSON frame."""
     data = json.dumps(obj, separators=(",", ":")).encode()
     sock.sendall(_LENGTH.pack(len(data)) + data)
+
+
+def send_meta(sock: socket.socket, request: dict[str, Any], meta: bytes) -> None:
+    """Send a request frame followed by a meta file's bytes (`request["meta_bytes"]` says how
+    many)."""
+    data = json.dumps({**request, "meta_bytes": len(meta)}, separators=(",", ":")).encode()
+    sock.sendall(_LENGTH.pack(len(data)) + data + meta)
+
+
+def recv_meta(sock: socket.socket, request: dict[str, Any]) -> bytes:
+    """The meta bytes that follow `request` (sent by `send_meta`).
+
+    Raises:
+        ProtocolError: no valid `meta_bytes` in `request`, too many of them, or a connection
+            closed before they all came.
+    """
+    nbytes = request.get("meta_bytes")
+    if type(nbytes) is not int or not 0 < nbytes <= MAX_FRAME_BYTES:
+        raise ProtocolError(
+            f"a {request.get('op')!r} request with meta_bytes {nbytes!r} (1 to {MAX_FRAME_BYTES}; "
+            "a peer of another trainingd version sends its meta otherwise)"
+        )
+    return recv_exact(sock, nbytes)
 
 
 def recv_exact(sock: socket.socket, nbytes: int) -> bytes:

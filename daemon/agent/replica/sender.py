@@ -9,12 +9,26 @@ connections ([Note: replica payloads go over parallel streams]); if the rank emp
 slot meanwhile (its slot is reused two snapshots later), the transfer ends with `ABORT` and
 the next tick sends the newer snapshot. A broken connection is counted, logged once per kind
 and retried on the next tick after `RETRY_S`; replication never stops or slows training.
+
+[Note: a replica costs one parse at each end] A meta is the bulk of a replica's Python work:
+49 KB of JSON for the default job (a record per tensor, the state's skeleton), against a 5 MB
+payload that `sendfile` and `recv_into` move without the GIL. Each replica used to be parsed
+and re-encoded about a dozen times between the two daemons (parsed with its self-checksum by
+re-encoding it, sent inside a JSON frame, every slot's meta parsed again to see whether its
+slot changed, the receiver's slots parsed again on every put, the stamped copy encoded twice
+and parsed again). Profiled on the default job at `memory_every 1` on two nodes x 1 rank
+(py-spy, 200 Hz, 10 s), the sender thread was busy 31% of a core and the receiving
+connection's thread 28%, nearly all of it in `json`, and a replica landed 85 ms after its
+snapshot at the median and 260 ms at worst: more than two of the job's 100 ms steps, so a node
+loss cost 3 steps. Now a meta's bytes are parsed once where they are read (`MetaReader`: once
+per file version), checked on those bytes ([Note: a signed meta's text is checked as it is]
+in `ckpt_manager/_memory/meta.py`), sent as those bytes after the put's frame, compared as
+bytes to tell an unchanged slot, and stamped with one encoding at the receiver.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import threading
@@ -24,7 +38,7 @@ from typing import Any, NamedTuple
 
 import structlog
 
-from ckpt_manager.memory_slots import SlotFiles, SlotMeta
+from ckpt_manager.memory_slots import MetaReader, ParsedMeta, SlotFiles, SlotMeta
 from daemon.agent.replica.protocol import (
     ABORT,
     COMMIT,
@@ -33,7 +47,7 @@ from daemon.agent.replica.protocol import (
     configure,
     recv_frame,
     send_file,
-    send_frame,
+    send_meta,
 )
 from daemon.agent.replica.server import IO_TIMEOUT_S
 from daemon.agent.replica.stats import ReplicaStats
@@ -95,7 +109,7 @@ class ReplicaSender:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
-        self._metas: dict[str, tuple[tuple[int, int, int], Any]] = {}
+        self._metas = MetaReader()
         self._former: tuple[tuple[int, ...], float] = ((), 0.0)
         self._sock: socket.socket | None = None
         self._sock_target: str | None = None
@@ -148,12 +162,13 @@ class ReplicaSender:
                 newest = self._newest(rank)
                 if newest is None:
                     continue
-                slot, raw, meta = newest
+                slot, parsed = newest
+                meta = parsed.meta
                 self._stats.local_step(rank, meta.step)
                 if meta.step <= self._done.get(rank, -1):
                     continue
                 try:
-                    self._send(ring, rank, slot, raw, meta)
+                    self._send(ring, rank, slot, parsed)
                 except (OSError, ProtocolError) as err:
                     self._disconnect()
                     detail = f"{type(err).__name__}: {err}"
@@ -196,43 +211,17 @@ class ReplicaSender:
             if self._former[1] == since:
                 self._former = ((), 0.0)
 
-    def _newest(self, rank: int) -> tuple[int, dict[str, Any], SlotMeta] | None:
-        """The rank's newest complete snapshot of this run: `(slot, raw meta, parsed)`."""
-        best: tuple[int, dict[str, Any], SlotMeta] | None = None
-        files = SlotFiles(self._dir, rank)
-        for slot in files.existing_slots():
-            found = self._read_meta(files.meta_path(slot))
-            if found is None:
-                continue
-            raw, meta = found
+    def _newest(self, rank: int) -> tuple[int, ParsedMeta] | None:
+        """The rank's newest complete snapshot of this run: `(slot, its meta)` (a meta is
+        parsed once per file version: `MetaReader`)."""
+        best: tuple[int, ParsedMeta] | None = None
+        for slot, parsed in self._metas.complete(SlotFiles(self._dir, rank)).items():
+            meta = parsed.meta
             if meta.run_id != self._run_id or meta.rank != rank:
                 continue
-            if best is None or meta.step > best[2].step:
-                best = (slot, raw, meta)
+            if best is None or meta.step > best[1].meta.step:
+                best = (slot, parsed)
         return best
-
-    def _read_meta(self, path: str) -> tuple[dict[str, Any], SlotMeta] | None:
-        """A meta file, parsed once per version: a meta is replaced by a rename, so a new
-        (inode, mtime) is a new meta; a large model's meta is not re-parsed every tick."""
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            self._metas.pop(path, None)
-            return None
-        version = (st.st_ino, st.st_mtime_ns, st.st_size)
-        cached = self._metas.get(path)
-        if cached is not None and cached[0] == version:
-            return cached[1]
-        parsed: tuple[dict[str, Any], SlotMeta] | None = None
-        try:
-            with open(path, "rb") as f:
-                raw = json.loads(f.read())
-            if isinstance(raw, dict):
-                parsed = raw, SlotMeta.parse(raw)
-        except (OSError, ValueError):
-            parsed = None  # half gone or broken: not a complete snapshot
-        self._metas[path] = (version, parsed)
-        return parsed
 
     def _connect(self, target: str) -> tuple[socket.socket, StripeSender]:
         if self._sock is not None and self._stripes is not None and self._sock_target == target:
@@ -261,8 +250,9 @@ class ReplicaSender:
             self._stripes.close()
         self._sock, self._stripes, self._sock_target = None, None, None
 
-    def _send(self, ring: Ring, rank: int, slot: int, raw: dict[str, Any], meta: SlotMeta) -> None:
+    def _send(self, ring: Ring, rank: int, slot: int, parsed: ParsedMeta) -> None:
         assert ring.target is not None
+        meta = parsed.meta
         files = SlotFiles(self._dir, rank)
         try:
             fd = os.open(files.payload_path(slot), os.O_RDONLY | os.O_CLOEXEC)
@@ -280,7 +270,7 @@ class ReplicaSender:
                 "session": stripes.session,
                 "seq": seq,
             }
-            send_frame(sock, {**request, "meta": raw})
+            send_meta(sock, request, parsed.data)
             reply = recv_frame(sock)
             if not self._accepted(reply, rank, meta):
                 return
@@ -304,7 +294,7 @@ class ReplicaSender:
             os.close(fd)
         # The rank empties a slot's meta before it overwrites it: an unchanged meta means the
         # bytes sent are the snapshot's.
-        unchanged = files.read_metas().get(slot) == raw
+        unchanged = _file_bytes(files.meta_path(slot)) == parsed.data
         sock.sendall(COMMIT if unchanged else ABORT)
         if self._accepted(recv_frame(sock), rank, meta):
             self._stats.sent(meta.payload_bytes, seconds)
@@ -330,3 +320,12 @@ class ReplicaSender:
         # Not retried at once: the same snapshot would be refused the same way.
         self._done[rank] = max(self._done.get(rank, -1), meta.step)
         return False
+
+
+def _file_bytes(path: str) -> bytes | None:
+    """A file's bytes (None: it is gone)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        return None

@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 
 from ckpt_manager import CheckpointError
-from ckpt_manager.memory_slots import SlotFiles, SlotMeta, verify_slot
+from ckpt_manager.memory_slots import SlotFiles, SlotMeta, parse_meta_file, verify_slot
 from daemon.agent.replica.holdings import ReplicaHoldings, complete_slots
 from daemon.agent.replica.protocol import (
     ABORT,
@@ -38,6 +38,7 @@ from daemon.agent.replica.protocol import (
     Refusal,
     configure,
     recv_frame,
+    recv_meta,
     recv_payload,
     send_file,
     send_frame,
@@ -155,14 +156,19 @@ class ReplicaServer:
     # ------------------------------------------------------------------ put
     def _put(self, conn: socket.socket, request: dict[str, Any], peer: str) -> None:
         holdings = self._holdings
+        if "meta_bytes" not in request:
+            detail = "a put without meta_bytes (its meta inside the frame: another version)"
+            self._refuse(conn, Refusal.PROTOCOL, detail, peer)
+            return
+        data = recv_meta(conn, request)
         try:
-            raw = request["meta"]
             run_id, round_, node = (
                 str(request["run_id"]),
                 int(request["round"]),
                 int(request["node"]),
             )
-            meta = SlotMeta.parse(raw)
+            parsed = parse_meta_file(data)
+            meta = parsed.meta
         except (KeyError, TypeError, ValueError) as err:
             reason = Refusal.CHECKSUM if "checksum" in str(err) else Refusal.PROTOCOL
             self._refuse(conn, reason, f"a put whose meta does not parse: {err}", peer)
@@ -210,7 +216,7 @@ class ReplicaServer:
             if mismatch is not None:
                 reply = (Refusal.CHECKSUM, {"detail": f"{what}: {mismatch}"})
                 return
-            holdings.commit(meta.rank, slot, raw, round_=round_, node=node)
+            holdings.commit(meta.rank, slot, parsed, round_=round_, node=node)
             reply = (None, {"ok": True})
             log.debug("replica_held", rank=meta.rank, step=meta.step, node=node, slot=slot)
         finally:

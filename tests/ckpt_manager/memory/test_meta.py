@@ -75,3 +75,64 @@ def test_the_records_are_encoded_once_per_plan(monkeypatch: pytest.MonkeyPatch) 
     assert json.loads(first)["tensors"] == json.loads(second)["tensors"]
     _encode(encoder, _plan(50), 3)  # another plan (a new layout): encoded afresh
     assert records_encoded() == 2
+
+
+def _count_canonical(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every value `meta` encodes canonically from now on."""
+    encoded: list[Any] = []
+    canonical = meta._canonical
+
+    def counting(value: Any) -> str:
+        encoded.append(value)
+        return canonical(value)
+
+    monkeypatch.setattr(meta, "_canonical", counting)
+    return encoded
+
+
+def test_a_meta_file_is_checked_on_its_bytes_without_encoding_it_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # [Note: a signed meta's text is checked as it is]
+    data = _encode(MetaEncoder(), _plan(4), 7)
+    encoded = _count_canonical(monkeypatch)
+    parsed = meta.parse_meta_file(data)
+    assert encoded == []
+    assert parsed.meta == SlotMeta.parse(json.loads(data))
+    assert (parsed.raw, parsed.data) == (json.loads(data), data)
+    # A flipped digit anywhere, the trailer's included, is refused either way.
+    for at in (data.index(b'"step":7') + 7, len(data) - 3):
+        flipped = bytearray(data)
+        flipped[at] = ord("8") if flipped[at] != ord("8") else ord("9")
+        with pytest.raises(ValueError, match="meta checksum mismatch"):
+            meta.parse_meta_file(bytes(flipped))
+
+
+def test_a_meta_in_another_form_is_checked_by_encoding_it() -> None:
+    raw = json.loads(_encode(MetaEncoder(), _plan(4), 7))
+    spaced = json.dumps(raw, indent=1).encode()  # not the signed form: keys unsorted, spaces
+    assert meta.parse_meta_file(spaced).meta.step == 7
+    raw["step"] = 8
+    with pytest.raises(ValueError, match="meta checksum mismatch"):
+        meta.parse_meta_file(json.dumps(raw).encode())
+    with pytest.raises(ValueError, match="not a JSON object"):
+        meta.parse_meta_file(b"[1, 2]")
+    with pytest.raises(ValueError):
+        meta.parse_meta_file(b'{"format": "trainingd-memory-slot", "format')
+
+
+def test_a_stamped_meta_is_encoded_once_and_parses_back_in_its_signed_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parsed = meta.parse_meta_file(_encode(MetaEncoder(), _plan(4), 7))
+    encoded = _count_canonical(monkeypatch)
+    stamped = meta.stamp(parsed, origin=meta.ORIGIN_REPLICA, replica_round=3)
+    assert len(encoded) == 1
+    assert stamped.meta.origin == meta.ORIGIN_REPLICA
+    assert stamped.raw["replica_round"] == 3
+    assert stamped.meta == parsed.meta._replace(origin=meta.ORIGIN_REPLICA)
+    again = meta.parse_meta_file(stamped.data)
+    assert len(encoded) == 1  # checked on its bytes
+    assert (again.raw, again.meta) == (stamped.raw, stamped.meta)
+    # The same result as `restamp` on the JSON object.
+    assert meta.restamp(parsed.raw, origin=meta.ORIGIN_REPLICA, replica_round=3) == stamped.raw

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import json
 import os
 import socket
 import threading
@@ -25,7 +26,7 @@ from ckpt_manager.memory_slots import SlotFiles, restamp
 from daemon.agent.replica.fetch import fetch_missing, missing_ranks
 from daemon.agent.replica.holdings import ReplicaHoldings
 from daemon.agent.replica.peers import exchange
-from daemon.agent.replica.protocol import Refusal, recv_frame, send_frame
+from daemon.agent.replica.protocol import Refusal, recv_frame, send_meta
 from daemon.agent.replica.sender import ReplicaSender, Ring
 from daemon.agent.replica.server import ReplicaServer
 from daemon.agent.replica.stats import ReplicaStats
@@ -92,10 +93,12 @@ def _wait(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
 
 
 def _put(address: str, request: dict[str, Any], payload: bytes | None = None) -> dict[str, Any]:
-    """One `put` on a fresh connection: the first reply, or the final one if bytes were sent."""
+    """One `put` on a fresh connection: the first reply, or the final one if bytes were sent.
+    `request["meta"]` (a JSON object) goes as its file's bytes would, after the frame."""
     host, port = address.rsplit(":", 1)
+    frame = {k: v for k, v in request.items() if k != "meta"}
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        send_frame(sock, request)
+        send_meta(sock, frame, json.dumps(request["meta"]).encode())
         reply = recv_frame(sock)
         assert reply is not None
         if reply.get("ok") is not True or payload is None:

@@ -6,6 +6,7 @@ parallel streams] in `daemon/agent/replica/stripes.py`)."""
 from __future__ import annotations
 
 import itertools
+import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -18,7 +19,14 @@ import torch
 from ckpt_manager import CheckpointConfig, CheckpointManager, MemoryTierConfig
 from ckpt_manager.memory_slots import SlotFiles, verify_slot
 from daemon.agent.replica.holdings import ReplicaHoldings
-from daemon.agent.replica.protocol import ProtocolError, recv_exact, recv_frame, send_frame
+from daemon.agent.replica.protocol import (
+    ProtocolError,
+    recv_exact,
+    recv_frame,
+    recv_meta,
+    send_frame,
+    send_meta,
+)
 from daemon.agent.replica.sender import ReplicaSender, Ring
 from daemon.agent.replica.server import ReplicaServer
 from daemon.agent.replica.stats import ReplicaStats
@@ -132,8 +140,9 @@ def _raw_put(address: str, tier: Path, stripes: int) -> tuple[socket.socket, dic
     payload = Path(files.payload_path(slot)).read_bytes()[: raw["payload_bytes"]]
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=20)
-    request = {"op": "put", "run_id": RUN, "round": 1, "node": 0, "meta": raw}
-    send_frame(sock, {**request, "stripes": stripes, "session": "s1", "seq": 1})
+    request = {"op": "put", "run_id": RUN, "round": 1, "node": 0}
+    meta = Path(files.meta_path(slot)).read_bytes()
+    send_meta(sock, {**request, "stripes": stripes, "session": "s1", "seq": 1}, meta)
     reply = recv_frame(sock)
     assert reply is not None
     assert reply["ok"] is True, reply
@@ -179,7 +188,8 @@ def _answer_one_put(
     listener: socket.socket, answer: Callable[[socket.socket, dict[str, Any]], None]
 ) -> threading.Thread:
     """A receiver that is not ours: accepts connections until one carries a `put`, lets
-    `answer` handle it, then closes them all (extra connections never hear from it)."""
+    `answer` handle it (its meta parsed into `request["meta"]`), then closes them all (extra
+    connections never hear from it)."""
 
     def run() -> None:
         conns = []
@@ -189,7 +199,7 @@ def _answer_one_put(
                 conns.append(conn)
                 request = recv_frame(conn)
                 if request is not None and request.get("op") == "put":
-                    answer(conn, request)
+                    answer(conn, {**request, "meta": json.loads(recv_meta(conn, request))})
                     return
         except OSError:
             pass  # the test closed the listener
