@@ -75,6 +75,7 @@ memory and never call each other; they talk through files in the run directory (
           holdings.py    the replicas held here: 2 slots per remote rank, rounds per sender.
           server.py      receive (refusals, verify, then the meta) and serve a fetch.
           sender.py      stream the local ranks' newest complete snapshots to the next node.
+          watch.py       wake the sender when a meta is renamed into the tier (inotify).
           stripes.py     a large payload striped over `memory_replica_streams` connections.
           fetch.py       after a node loss: copy its snapshots back before its ranks start.
           peers.py       the round number and every node's address (rendezvous store).

@@ -48,6 +48,20 @@ class MetaReader:
             self._seen[key] = now
         return {slot: parsed for slot, (_, parsed) in now.items() if parsed is not None}
 
+    def remember(self, files: SlotFiles, slot: int, parsed: ParsedMeta) -> None:
+        """`parsed` is what the caller just wrote as `slot`'s meta (`SlotFiles.write_meta`
+        of `parsed.data`, no other writer of that slot meanwhile): the next `complete` takes
+        it without parsing the file."""
+        try:
+            st = os.stat(files.meta_path(slot))
+        except FileNotFoundError:
+            return
+        version = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if st.st_size != len(parsed.data):
+            return  # not what the caller wrote
+        with self._lock:
+            self._seen.setdefault((files.directory, files.rank), {})[slot] = (version, parsed)
+
 
 def _read_if_changed(
     path: str, cached: tuple[_Version, ParsedMeta | None] | None

@@ -9,6 +9,8 @@ Module plan:
                   then write the meta) and serve (`list`, `get`) for a fetching node.
     sender.py     stream every complete snapshot of the local ranks to the next node, off the
                   training thread; a newer snapshot supersedes an unsent older one.
+    watch.py      `NewFiles`: wakes the sender when a meta is renamed into the tier's
+                  directory (inotify through libc; polls without it).
     stripes.py    a payload of 8 MiB or more striped over the sender's
                   `memory_replica_streams` connections (`part` frames), both ends in threads.
     fetch.py      after a node loss: copy a lost node's snapshots back from the peer holding

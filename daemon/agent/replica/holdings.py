@@ -138,9 +138,10 @@ class ReplicaHoldings:
         Raises:
             CheckpointError: the meta could not be written.
         """
-        self.files(rank).write_meta(
-            slot, stamp(parsed, replica_round=round_, replica_node=node).data
-        )
+        files = self.files(rank)
+        stamped = stamp(parsed, replica_round=round_, replica_node=node)
+        files.write_meta(slot, stamped.data)
+        self._metas.remember(files, slot, stamped)
         with self._lock:
             self._rounds[node] = max(round_, self._rounds.get(node, round_))
             self._newest[rank] = (round_, parsed.meta.step)

@@ -1,9 +1,10 @@
 """The replica sender: streams every complete snapshot of this node's ranks to the next node.
 
 One thread in the daemon process (the ranks are not involved and never wait for it). It
-watches the memory tier's directory (every `POLL_S`) for the newest complete snapshot of each
-local rank, i.e. a meta that parses and verifies, and streams the newest one the peer has not
-acknowledged: a newer snapshot supersedes an older unsent one, so nothing queues. A payload
+watches the memory tier's directory (woken by a meta renamed into it: [Note: the sender wakes
+on a new meta] in `watch.py`) for the newest complete snapshot of each local rank, i.e. a meta
+that parses and verifies, and streams the newest one the peer has not acknowledged: a newer
+snapshot supersedes an older unsent one, so nothing queues. A payload
 leaves with `sendfile` from the slot file, a large one striped over `memory_replica_streams`
 connections ([Note: replica payloads go over parallel streams]); if the rank empties that
 slot meanwhile (its slot is reused two snapshots later), the transfer ends with `ABORT` and
@@ -52,13 +53,12 @@ from daemon.agent.replica.protocol import (
 from daemon.agent.replica.server import IO_TIMEOUT_S
 from daemon.agent.replica.stats import ReplicaStats
 from daemon.agent.replica.stripes import StripeSender, stripe_count, stripe_ranges
+from daemon.agent.replica.watch import NewFiles
 
-__all__ = ["POLL_S", "RETRY_S", "ReplicaSender", "Ring", "parse_address"]
+__all__ = ["RETRY_S", "ReplicaSender", "Ring", "parse_address"]
 
 log = structlog.get_logger("trainingd.replica")
 
-POLL_S = 0.02
-"""How often the tier's directory is checked for a new complete snapshot."""
 RETRY_S = 1.0
 """Pause after a failed connection or transfer before the next attempt."""
 
@@ -107,7 +107,7 @@ class ReplicaSender:
         # Per rank, the newest step acknowledged or refused by the peer: never sent again.
         self._done: dict[int, int] = {}
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._watch = NewFiles(tier_dir)
         self._closed = threading.Event()
         self._metas = MetaReader()
         self._former: tuple[tuple[int, ...], float] = ((), 0.0)
@@ -137,20 +137,21 @@ class ReplicaSender:
                 # Without a peer there is no lag to report.
                 self._stats.forget_acks(list(ring.ranks) if ring.target is not None else [])
             self._ring = ring
-        self._wake.set()
+        self._watch.wake()
 
     def close(self) -> None:
         """Stop the thread (idempotent)."""
         self._closed.set()
-        self._wake.set()
+        self._watch.wake()
         self._thread.join(timeout=IO_TIMEOUT_S + 5)
         self._disconnect()
+        if not self._thread.is_alive():
+            self._watch.close()
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         while not self._closed.is_set():
-            self._wake.wait(POLL_S)
-            self._wake.clear()
+            self._watch.wait()
             with self._lock:
                 ring = self._ring
             self._drop_former(ring)
@@ -182,7 +183,7 @@ class ReplicaSender:
                     )
                     # A new ring (`set_ring`, e.g. the lost peer's replacement) or `close`
                     # ends the pause at once.
-                    self._wake.wait(RETRY_S)
+                    self._watch.wait(files=False, timeout_s=RETRY_S)
                     break
 
     def _drop_former(self, ring: Ring) -> None:

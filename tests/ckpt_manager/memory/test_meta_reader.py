@@ -69,3 +69,18 @@ def test_a_meta_that_does_not_verify_is_left_out_until_it_is_replaced(
     assert len(parses) == 1  # the broken version is remembered as broken
     _write(files, 0, 8)
     assert reader.complete(files)[0].meta.step == 8
+
+
+def test_a_meta_the_caller_wrote_is_remembered_without_a_parse(
+    tmp_path: Path, parses: list[bytes]
+) -> None:
+    files = SlotFiles(str(tmp_path), 1)
+    reader = MetaReader()
+    written = parse_meta_file(_encode(MetaEncoder(), _plan(3), 5))
+    files.write_meta(0, written.data)
+    reader.remember(files, 0, written)
+    assert reader.complete(files) == {0: written}
+    assert parses == []
+    _write(files, 0, 6)  # then replaced by another writer: read as usual
+    assert reader.complete(files)[0].meta.step == 6
+    assert len(parses) == 1
