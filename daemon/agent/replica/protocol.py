@@ -9,8 +9,9 @@ One TCP connection carries any number of requests, one at a time:
                               at each end] in `sender.py`)
              receiver -> frame {"ok": true [, "stripes"]} (send it) or {"ok": false, "reason",
                               "detail"}
-             sender -> meta["payload_bytes"] raw bytes (stripe 0 only, when striped) + one
-                              trailer byte
+             sender -> meta["payload_bytes"] raw bytes (stripe 0 only, when striped)
+             receiver -> frame {"received": payload_bytes}, once every byte is in its slot
+             sender -> one trailer byte
              receiver -> frame {"ok": true} (held, meta written) or a refusal
     part     sender -> frame {"op": "part", "session", "seq", "index"} + that stripe's raw
                               bytes, on another connection of the same sender, no reply
@@ -19,13 +20,27 @@ One TCP connection carries any number of requests, one at a time:
              holder -> frame {"ok": true, "replicas": [{"rank", "slot", "step", ...}],
                               "local_layouts": [hex]}
     get      fetcher -> frame {"op": "get", "run_id", "rank", "slot", "step"}
-             holder -> frame {"ok": true, "meta"} + payload bytes + trailer, or a refusal
+             holder -> frame {"ok": true, "meta"} + payload bytes, or a refusal
+             fetcher -> frame {"received": payload_bytes}
+             holder -> one trailer byte
 
-The trailer is `COMMIT` when the bytes sent are the bytes the meta describes (its slot's
-meta was unchanged from before the first byte to after the last), `ABORT` when the slot was
-emptied meanwhile (a newer snapshot is being written into it: the bytes may be torn). A reader
-still verifies the payload's checksum before it writes a meta; the trailer only tells a
-superseded copy (not a failure) from a corrupt one.
+The trailer is `COMMIT` when the bytes the reader holds are the bytes the meta describes (its
+slot's meta was unchanged from before the first byte was sent until the reader said it had
+them all), `ABORT` when the slot was emptied meanwhile (a newer snapshot is being written into
+it: the bytes may be torn). A reader still verifies the payload's checksum before it writes a
+meta; the trailer only tells a superseded copy (not a failure) from a corrupt one.
+
+[Note: a sent page is read when the peer reads it] `os.sendfile` from a tmpfs file into a TCP
+socket copies nothing: the socket's buffers hold references to the file's pages, and the bytes
+are read from those pages only when the peer's `recv` copies them out (and again on a TCP
+retransmission). A page the rank overwrites after `sendfile` returned is sent as it is then
+(measured on this kernel, 6.18: 1 MiB sent over loopback, then overwritten before the peer's
+`recv`: the peer got the new bytes, all of them). The sender used to decide its trailer as
+soon as `sendfile` returned, so a slot reused while its bytes still sat in the buffers went
+out torn under a `COMMIT`: the receiver's checksum refused it, and the replica of that step was
+lost (seen as a `checksum` refusal when a replica lagged two steps on the 2-core VM). The
+sender now waits for the reader's receipt (`await_receipt`; `recv_payload` sends it) before it
+looks at the meta: from then on the reader holds its own copy.
 
 Payloads leave with `os.sendfile` from the slot file (no copy through user space) and arrive
 with `recv_into` straight into the mapped destination file; a large put is striped over the
@@ -59,6 +74,7 @@ __all__ = [
     "PayloadFill",
     "ProtocolError",
     "Refusal",
+    "await_receipt",
     "configure",
     "recv_exact",
     "recv_frame",
@@ -220,6 +236,22 @@ def send_file(sock: socket.socket, fd: int, nbytes: int, offset: int = 0) -> Non
         sent += n
 
 
+def await_receipt(sock: socket.socket, nbytes: int) -> None:
+    """Wait for the reader's receipt of all `nbytes` of a payload (`recv_payload` sends it):
+    only then may the sender judge its trailer ([Note: a sent page is read when the peer reads
+    it]).
+
+    Raises:
+        ProtocolError: no receipt (the connection closed, or another frame came).
+        OSError: the connection broke or timed out.
+    """
+    reply = recv_frame(sock)
+    if reply is None:
+        raise ProtocolError("the reader closed the connection before its receipt")
+    if reply.get("received") != nbytes:
+        raise ProtocolError(f"expected the receipt of {nbytes} bytes, got {reply!r}")
+
+
 class PayloadFill(Protocol):
     """Receives a payload some other way than all on the request's connection (the
     stripes of `stripes.py`)."""
@@ -240,7 +272,8 @@ def recv_payload(
     fill: PayloadFill | None = None,
 ) -> bytes:
     """Receive `nbytes` of payload straight into the file behind `fd` (allocated to
-    `capacity`, mapped shared), then the trailer byte; returns the trailer.
+    `capacity`, mapped shared), send the receipt (`await_receipt`), then receive the trailer
+    byte; returns the trailer.
 
     Args:
         ready: called once the destination is mapped, before the first byte is read (a
@@ -255,6 +288,7 @@ def recv_payload(
     if not nbytes:
         if ready is not None:
             ready()
+        send_frame(sock, {"received": 0})
         return recv_exact(sock, 1)
     # Pre-faulted: one page fault per 4 KiB page would otherwise slow the receive down.
     mm = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
@@ -268,4 +302,5 @@ def recv_payload(
                 recv_into(sock, payload)
     finally:
         mm.close()  # every view of it is released by now, even after a broken receive
+    send_frame(sock, {"received": nbytes})
     return recv_exact(sock, 1)

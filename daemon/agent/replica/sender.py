@@ -45,6 +45,7 @@ from daemon.agent.replica.protocol import (
     COMMIT,
     ProtocolError,
     Refusal,
+    await_receipt,
     configure,
     recv_frame,
     send_file,
@@ -290,11 +291,13 @@ class ReplicaSender:
                 failed = False
             finally:
                 stripes.finish(parts, abort=failed)  # before the file is closed under them
+            await_receipt(sock, meta.payload_bytes)
             seconds = time.perf_counter() - t0
         finally:
             os.close(fd)
-        # The rank empties a slot's meta before it overwrites it: an unchanged meta means the
-        # bytes sent are the snapshot's.
+        # The rank empties a slot's meta before it overwrites it: a meta unchanged until the
+        # receiver holds every byte means the bytes it holds are the snapshot's ([Note: a sent
+        # page is read when the peer reads it] in `protocol.py`).
         unchanged = _file_bytes(files.meta_path(slot)) == parsed.data
         sock.sendall(COMMIT if unchanged else ABORT)
         if self._accepted(recv_frame(sock), rank, meta):

@@ -36,6 +36,7 @@ from daemon.agent.replica.protocol import (
     COMMIT,
     ProtocolError,
     Refusal,
+    await_receipt,
     configure,
     recv_frame,
     recv_meta,
@@ -313,9 +314,11 @@ class ReplicaServer:
             send_frame(conn, {"ok": True, "meta": held.raw})
             t0 = time.perf_counter()
             send_file(conn, fd, held.meta.payload_bytes)
+            await_receipt(conn, held.meta.payload_bytes)
             self._stats.sent(held.meta.payload_bytes, time.perf_counter() - t0)
         finally:
             os.close(fd)
+        # [Note: a sent page is read when the peer reads it] in `protocol.py`.
         unchanged = files.read_metas().get(slot) == held.raw
         conn.sendall(COMMIT if unchanged else ABORT)
 

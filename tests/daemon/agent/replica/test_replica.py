@@ -103,7 +103,9 @@ def _put(address: str, request: dict[str, Any], payload: bytes | None = None) ->
         assert reply is not None
         if reply.get("ok") is not True or payload is None:
             return reply
-        sock.sendall(payload + b"C")
+        sock.sendall(payload)
+        assert recv_frame(sock) == {"received": len(payload)}
+        sock.sendall(b"C")
         final = recv_frame(sock)
         assert final is not None
         return final
@@ -364,3 +366,47 @@ def test_a_late_replica_still_shares_a_step_with_the_survivors_slots(
     # until a snapshot needs it: as after a durable write pinned a slot).
     assert 3 not in held
     assert held[-2:] == [7, 8]
+
+
+def test_a_slot_reused_before_the_receiver_read_its_bytes_is_superseded_not_torn(
+    tmp_path: Path, nodes: list[_Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # [Note: a sent page is read when the peer reads it] The receiver gives the go-ahead, then
+    # reads nothing until the sender's trailer is there (or a second passed); meanwhile the rank
+    # reuses the slot, as it does two snapshots later: the bytes still in the socket's buffers
+    # are the file's pages, so they change too.
+    import fcntl
+    import termios
+
+    from daemon.agent.replica import server as server_module
+
+    a, b = nodes
+    _snapshot(a.tier, [1])
+    slot, raw = _newest_meta(a.tier)
+    nbytes = raw["payload_bytes"]
+    receive = server_module.recv_payload
+
+    def reused_before_read(sock: socket.socket, *args: Any, **kwargs: Any) -> bytes:
+        ready = kwargs.pop("ready")
+        ready()
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            queued = int.from_bytes(fcntl.ioctl(sock, termios.FIONREAD, b"\0" * 4), "little")
+            if queued > nbytes:  # the trailer came before any receipt
+                break
+            time.sleep(0.01)
+        files = SlotFiles(str(a.tier), 0)
+        files.remove_meta(slot)
+        with open(files.payload_path(slot), "r+b") as f:
+            f.write(b"\xa5" * nbytes)
+        return receive(sock, *args, **kwargs)
+
+    monkeypatch.setattr(server_module, "recv_payload", reused_before_read)
+    sender = ReplicaSender(str(a.tier), RUN, node=0, stats=a.stats)
+    try:
+        sender.set_ring(Ring(round=1, target=b.address, ranks=(0,)))
+        _wait(lambda: b.stats.received_bytes > 0, "the put's bytes")
+    finally:
+        sender.close()  # after the put's last reply, which follows any refusal's count
+    assert b.stats.failures["checksum"] == 0, b.stats.failures
+    assert b.holdings.held(0) == []  # superseded: nothing held, nothing refused

@@ -179,7 +179,9 @@ def test_a_stripe_cut_short_fails_its_put_and_the_next_put_is_held(
     sock, reply, payload = _raw_put(receiver.address, tier, stripes=1)
     with sock:
         assert reply.get("stripes", 1) == 1
-        sock.sendall(payload + b"C")
+        sock.sendall(payload)
+        assert recv_frame(sock) == {"received": len(payload)}
+        sock.sendall(b"C")
         assert recv_frame(sock) == {"ok": True}
     assert [h.meta.step for h in receiver.holdings.held(0)] == [3]
 
@@ -236,13 +238,14 @@ def _send_to(tier: Path, listener: socket.socket, done: Callable[[ReplicaStats],
 def test_a_receiver_that_takes_no_stripes_gets_the_payload_on_one_connection(
     tmp_path: Path,
 ) -> None:
-    # A receiver of an earlier version answers the go-ahead without `stripes`.
+    # A receiver that takes no stripes answers the go-ahead without `stripes`.
     tier, listener = _snapshot_and_peer(tmp_path, step=5)
     got: dict[str, Any] = {}
 
     def old_protocol(conn: socket.socket, request: dict[str, Any]) -> None:
         send_frame(conn, {"ok": True})
         got["payload"] = recv_exact(conn, request["meta"]["payload_bytes"])
+        send_frame(conn, {"received": len(got["payload"])})
         got["trailer"] = recv_exact(conn, 1)
         send_frame(conn, {"ok": True})
 
