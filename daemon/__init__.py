@@ -48,6 +48,8 @@ memory and never call each other; they talk through files in the run directory (
         root_checks.py   the root's checks of a multi-node job's node: first round only.
         memory_dir.py    the node's memory-tier directory in tmpfs: claimed at start (a live
                          owner refused, a killed one's reclaimed), removed at every exit.
+        semaphores.py    the named semaphores torch made for the ranks, recorded there for a
+                         successor to unlink after a group SIGKILL.
         memory_budget.py the tier's start-up budget: tmpfs, cgroup, estimated need -> one line;
                          exit 2 (explicit memory_every) or durable-only (auto) when unfit.
         elastic.py       the elastic agent in membership rounds: shrink and grow (`MIN:MAX`).

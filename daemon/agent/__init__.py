@@ -9,6 +9,8 @@ Module plan:
                     round only (a node joining a running job reads nothing from storage).
     memory_dir.py   the node's memory-tier directory (tmpfs): claimed with an owner record at
                     start, this run's stale ones reclaimed, removed at every exit.
+    semaphores.py   the named semaphores torch made for the ranks, recorded in that directory
+                    for a successor to unlink after a group SIGKILL.
     memory_budget.py  the memory tier's start-up budget line; exit 2 or durable-only if unfit.
     elastic.py      the elastic agent in membership rounds: shrink and grow (`MIN:MAX`);
                     the rendezvous on c10d (node 0's store) or etcd-v2 (an etcd server).

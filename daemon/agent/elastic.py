@@ -265,12 +265,14 @@ class _RoundAgent(LocalElasticAgent):
         *args: Any,
         on_rendezvous: RoundHook | None,
         on_failure: FailureHook | None = None,
+        on_started: Callable[[], None] | None = None,
         restart_offset: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self._on_rendezvous = on_rendezvous
         self._on_failure = on_failure
+        self._on_started = on_started
         self._restart_offset = restart_offset
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
@@ -318,6 +320,11 @@ class _RoundAgent(LocalElasticAgent):
             self._on_rendezvous(worker_group.store, group_rank, num_nodes, ranks, world_size)
         started = super()._start_workers(worker_group)
         log.debug("ranks_started", pids=sorted(started.values()))
+        if self._on_started is not None:
+            try:
+                self._on_started()
+            except Exception:  # bookkeeping must never cost the round
+                log.exception("ranks_started_hook_failed")
         return started
 
     def _attempt(self) -> int:
@@ -367,6 +374,8 @@ class ElasticLauncher:
             ahead, with the entry's and the job's modules.
         on_rendezvous: called after each rendezvous, before the ranks start (`RoundHook`).
         on_failure: called on each failed attempt; False ends the retries (`FailureHook`).
+        on_started: called after each round's ranks started (the daemon records the named
+            semaphores torch made for them: `semaphores.py`).
         incidents: where rendezvous-store outages are incidents (`store_guard.py`), or None.
     """
 
@@ -382,9 +391,11 @@ class ElasticLauncher:
         on_rendezvous: RoundHook | None = None,
         on_failure: FailureHook | None = None,
         incidents: IncidentLog | None = None,
+        on_started: Callable[[], None] | None = None,
     ) -> None:
         self._cfg = cfg
         self._on_failure = on_failure
+        self._on_started = on_started
         self._on_rendezvous = on_rendezvous
         self._relay = relay
         self._run_dir = run_dir
@@ -515,6 +526,7 @@ class ElasticLauncher:
             spec=spec,
             on_rendezvous=self._on_rendezvous,
             on_failure=self._on_failure,
+            on_started=self._on_started,
             restart_offset=restart_offset,
             logs_specs=self._logs_specs(),
             start_method=START_METHOD if warm else "spawn",

@@ -10,6 +10,8 @@ restarted rank to restore from. Inside it:
     replicas/                   snapshots a peer node streams here (its own sub-layout).
     kept-step.json              the step of the newest replicas held here, which this node's
                                 ranks keep (`replica/holdings.py`, ckpt_manager reads it).
+    semaphores.json             multiprocessing's named semaphores the daemon holds (a
+                                successor unlinks them: `semaphores.py`).
 
 [Note: who may remove a memory-tier directory] tmpfs is RAM: a directory nobody removes
 holds its bytes until the host reboots. So the daemon removes its own on every exit it sees
@@ -38,6 +40,7 @@ from typing import NamedTuple
 
 import structlog
 
+from daemon.agent.semaphores import record_semaphores, unlink_recorded
 from daemon.errors import MemoryTierBusyError, StartupCheckError
 
 __all__ = [
@@ -217,6 +220,7 @@ class NodeMemoryDir:
         self._run_id, self._node_rank = run_id, node_rank
         self._proc = proc
         self._claimed = False
+        self._semaphores: dict[str, int] | None = None
 
     @property
     def root(self) -> Path:
@@ -266,13 +270,15 @@ class NodeMemoryDir:
                 alive (the same run and node rank started twice).
             StartupCheckError: memory_dir cannot be listed.
         """
-        freed, removed = 0, []
+        freed, removed, semaphores = 0, [], 0
         for found in self._this_run():
             if found.state is not OwnerState.DEAD:
                 if found.path == self.path:
                     raise MemoryTierBusyError(self._busy(found))
                 continue
             num_bytes = _disk_bytes(found.path)
+            # [Note: a group SIGKILL leaves multiprocessing's semaphores] in semaphores.py.
+            semaphores += unlink_recorded(found.path)
             shutil.rmtree(found.path, ignore_errors=True)
             if not found.path.exists():
                 freed += num_bytes
@@ -283,6 +289,7 @@ class NodeMemoryDir:
                 memory_dir=str(self.root),
                 directories=removed,
                 bytes_freed=freed,
+                semaphores_unlinked=semaphores,
                 reason="their daemon is gone (killed without cleaning up)",
             )
         return freed
@@ -343,6 +350,13 @@ class NodeMemoryDir:
     def claimed(self) -> bool:
         """Whether this daemon claimed the directory (the memory tier is on)."""
         return self._claimed
+
+    def record_semaphores(self) -> None:
+        """Record the named semaphores this process holds now (after its ranks started), for a
+        successor to unlink if this daemon is killed ([Note: a group SIGKILL leaves
+        multiprocessing's semaphores] in `semaphores.py`); nothing unless claimed."""
+        if self._claimed:
+            self._semaphores = record_semaphores(self.path, self._semaphores)
 
     def release(self) -> None:
         """Remove the directory and everything in it (idempotent; only if claimed here)."""

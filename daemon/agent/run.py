@@ -441,6 +441,7 @@ def run_daemon(
                 on_rendezvous=_round_hook(cfg, replicas),
                 on_failure=lambda exits, restart: failures.record(exits, restart) is Verdict.RETRY,
                 incidents=incidents,
+                on_started=memory.record_semaphores if memory is not None else None,
             )
             outcome = launcher.run(stopping=lambda: signals.stop_signal is not None)
         except RendezvousError as err:

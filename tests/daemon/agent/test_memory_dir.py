@@ -25,6 +25,7 @@ from daemon.agent.memory_dir import (
     owner_state,
     this_process_owner,
 )
+from daemon.agent.semaphores import LEDGER_FILE
 from daemon.errors import StartupCheckError
 from tests.daemon._daemon_proc import GATED_JOB, DaemonProc, Gate, wait_for
 
@@ -160,8 +161,15 @@ def test_a_daemon_reclaims_its_killed_predecessor_and_a_stop_leaves_nothing(
     # nothing cleans up.
     left = mine / "left-by-the-killed-run.bin"
     left.write_bytes(os.urandom(1 << 20))
+    # The named semaphores torch made for the ranks ([Note: a group SIGKILL leaves
+    # multiprocessing's semaphores] in semaphores.py): recorded once the ranks started.
+    semaphores = json.loads((mine / LEDGER_FILE).read_text())["semaphores"]
+    assert semaphores
+    assert all(name.startswith("sem.mp-") for name in semaphores)
     first.cleanup()
     assert (mine / OWNER_FILE).exists()
+    shm_dir = Path("/dev/shm")
+    assert all((shm_dir / name).exists() for name in semaphores)  # the kill leaves them
 
     second_gate = Gate(tmp_path / "gate2", after_steps=2, batch_size=4)
     second = DaemonProc(tmp_path, args, second_gate.env, "second")
@@ -170,6 +178,8 @@ def test_a_daemon_reclaims_its_killed_predecessor_and_a_stop_leaves_nothing(
     (reclaimed,) = second.find("memory_tier_reclaimed")
     assert reclaimed["directories"] == [mine.name]
     assert reclaimed["bytes_freed"] >= 1 << 20
+    assert reclaimed["semaphores_unlinked"] == len(semaphores)
+    assert not any((shm_dir / name).exists() for name in semaphores)
     assert json.loads((mine / OWNER_FILE).read_text())["pid"] == second.pid
     assert not left.exists()
 
