@@ -54,7 +54,8 @@ def test_an_encoded_meta_parses_back_and_a_changed_value_is_refused() -> None:
         SlotMeta.parse(raw)
 
 
-def test_the_records_are_encoded_once_per_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+def _count_canonical(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every value `meta` encodes canonically from now on."""
     encoded: list[Any] = []
     canonical = meta._canonical
 
@@ -63,6 +64,11 @@ def test_the_records_are_encoded_once_per_plan(monkeypatch: pytest.MonkeyPatch) 
         return canonical(value)
 
     monkeypatch.setattr(meta, "_canonical", counting)
+    return encoded
+
+
+def test_the_records_are_encoded_once_per_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    encoded = _count_canonical(monkeypatch)
     plan, encoder = _plan(50), MetaEncoder()
 
     def records_encoded() -> int:
@@ -75,19 +81,6 @@ def test_the_records_are_encoded_once_per_plan(monkeypatch: pytest.MonkeyPatch) 
     assert json.loads(first)["tensors"] == json.loads(second)["tensors"]
     _encode(encoder, _plan(50), 3)  # another plan (a new layout): encoded afresh
     assert records_encoded() == 2
-
-
-def _count_canonical(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """Every value `meta` encodes canonically from now on."""
-    encoded: list[Any] = []
-    canonical = meta._canonical
-
-    def counting(value: Any) -> str:
-        encoded.append(value)
-        return canonical(value)
-
-    monkeypatch.setattr(meta, "_canonical", counting)
-    return encoded
 
 
 def test_a_meta_file_is_checked_on_its_bytes_without_encoding_it_again(

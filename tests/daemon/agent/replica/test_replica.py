@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import datetime
 import errno
+import fcntl
 import json
 import os
 import socket
+import termios
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from ckpt_manager import CheckpointConfig, CheckpointManager, MemoryTierConfig
 from ckpt_manager.memory_slots import SlotFiles, restamp
+from daemon.agent.replica import server as server_module
 from daemon.agent.replica.fetch import fetch_missing, missing_ranks
 from daemon.agent.replica.holdings import ReplicaHoldings
 from daemon.agent.replica.peers import exchange
@@ -375,11 +378,6 @@ def test_a_slot_reused_before_the_receiver_read_its_bytes_is_superseded_not_torn
     # reads nothing until the sender's trailer is there (or a second passed); meanwhile the rank
     # reuses the slot, as it does two snapshots later: the bytes still in the socket's buffers
     # are the file's pages, so they change too.
-    import fcntl
-    import termios
-
-    from daemon.agent.replica import server as server_module
-
     a, b = nodes
     _snapshot(a.tier, [1])
     slot, raw = _newest_meta(a.tier)
