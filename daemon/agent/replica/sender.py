@@ -21,10 +21,11 @@ and parsed again). Profiled on the default job at `memory_every 1` on two nodes 
 (py-spy, 200 Hz, 10 s), the sender thread was busy 31% of a core and the receiving
 connection's thread 28%, nearly all of it in `json`, and a replica's meta landed 59 ms after
 its snapshot's at the median and 295 ms at worst (timed from outside: `bench/replica_lag.py`):
-more than two of the job's 80-100 ms steps, so a node loss could cost 3 steps. Now a meta's bytes are parsed once where they are read (`MetaReader`: once
-per file version), checked on those bytes ([Note: a signed meta's text is checked as it is]
-in `ckpt_manager/_memory/meta.py`), sent as those bytes after the put's frame, compared as
-bytes to tell an unchanged slot, and stamped with one encoding at the receiver.
+more than two of the job's 80-100 ms steps, so a node loss could cost 3 steps. Now a meta's
+bytes are parsed once where they are read (`MetaReader`: once per file version), checked on
+those bytes ([Note: a signed meta's text is checked as it is] in
+`ckpt_manager/_memory/meta.py`), sent as those bytes after the put's frame, compared as bytes
+to tell an unchanged slot, and stamped with one encoding at the receiver.
 """
 
 from __future__ import annotations
