@@ -272,8 +272,7 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
                 os.kill(rng.choice(pids), signal.SIGKILL)
             else:
                 lost = r.nodes[1]
-                os.killpg(lost.pid, signal.SIGKILL)
-                lost.wait(30)
+                lost.cleanup()  # SIGKILLs its process group; unlinks the daemon's semaphores
                 r.replaced.append(lost)
                 r.nodes[1] = r.start_node(1, f"node1-{restart}")
             after = r.wait_started_after(killed, 2, _RESTART_TIMEOUT_S)

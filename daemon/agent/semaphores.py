@@ -27,7 +27,7 @@ from pathlib import Path
 
 import structlog
 
-__all__ = ["LEDGER_FILE", "held_semaphores", "record_semaphores", "unlink_recorded"]
+__all__ = ["LEDGER_FILE", "held_semaphores", "record_semaphores", "unlink_named", "unlink_recorded"]
 
 log = structlog.get_logger("trainingd.memory")
 
@@ -39,7 +39,8 @@ _MAPS = Path("/proc/self/maps")
 
 
 def held_semaphores(shm: Path = _SHM, maps: Path = _MAPS) -> dict[str, int]:
-    """multiprocessing's named semaphores in `shm` that this process maps: name -> inode."""
+    """multiprocessing's named semaphores in `shm` that a process maps (by default this one;
+    `maps`: its `/proc/<pid>/maps`): name -> inode."""
     try:
         text = maps.read_text()
         st_shm = os.stat(shm)
@@ -93,6 +94,12 @@ def unlink_recorded(directory: Path) -> int:
         shm, held = Path(raw["shm"]), dict(raw["semaphores"])
     except (OSError, ValueError, KeyError, TypeError):
         return 0
+    return unlink_named(held, shm)
+
+
+def unlink_named(held: dict[str, int], shm: Path = _SHM) -> int:
+    """Unlink each of multiprocessing's semaphores in `held` (name -> inode) that still exists
+    in `shm` with that inode; returns how many."""
     unlinked = 0
     for name, inode in held.items():
         if not (isinstance(name, str) and name.startswith(_PREFIX) and "/" not in name):

@@ -24,6 +24,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from daemon.agent.semaphores import held_semaphores, unlink_named
 from tests.daemon import _gated_job
 
 BIN = Path(sys.executable).parent
@@ -215,8 +216,12 @@ class DaemonProc:
         started = wait_for(lambda: self.find("fork_server_started"), 120, "fork_server_started")
         return int(started[0]["pid"])
 
-    def cleanup(self) -> None:
-        """Kill whatever is left of the run (test teardown)."""
+    def cleanup(self, *, leave_semaphores: bool = False) -> None:
+        """Kill whatever is left of the run (test teardown), and unlink the named semaphores
+        the daemon held, which its killed resource tracker would have ([Note: a group SIGKILL
+        leaves multiprocessing's semaphores] in `daemon/agent/semaphores.py`), unless
+        `leave_semaphores` (a test of their reclaim)."""
+        held = {} if leave_semaphores else held_semaphores(maps=Path(f"/proc/{self.pid}/maps"))
         for pid in session_pids(self.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -227,6 +232,7 @@ class DaemonProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+        unlink_named(held)
 
 
 class Gate:

@@ -166,7 +166,7 @@ def test_a_daemon_reclaims_its_killed_predecessor_and_a_stop_leaves_nothing(
     semaphores = json.loads((mine / LEDGER_FILE).read_text())["semaphores"]
     assert semaphores
     assert all(name.startswith("sem.mp-") for name in semaphores)
-    first.cleanup()
+    first.cleanup(leave_semaphores=True)
     assert (mine / OWNER_FILE).exists()
     shm_dir = Path("/dev/shm")
     assert all((shm_dir / name).exists() for name in semaphores)  # the kill leaves them
