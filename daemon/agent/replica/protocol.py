@@ -130,17 +130,21 @@ def configure(sock: socket.socket, timeout_s: float) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+def _frame(obj: dict[str, Any]) -> bytes:
+    """One JSON frame's bytes: length, then the object."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return _LENGTH.pack(len(data)) + data
+
+
 def send_frame(sock: socket.socket, obj: dict[str, Any]) -> None:
     """Send one JSON frame."""
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(_LENGTH.pack(len(data)) + data)
+    sock.sendall(_frame(obj))
 
 
 def send_meta(sock: socket.socket, request: dict[str, Any], meta: bytes) -> None:
     """Send a request frame followed by a meta file's bytes (`request["meta_bytes"]` says how
     many)."""
-    data = json.dumps({**request, "meta_bytes": len(meta)}, separators=(",", ":")).encode()
-    sock.sendall(_LENGTH.pack(len(data)) + data + meta)
+    sock.sendall(_frame({**request, "meta_bytes": len(meta)}) + meta)
 
 
 def recv_meta(sock: socket.socket, request: dict[str, Any]) -> bytes:

@@ -60,6 +60,13 @@ def _local_steps(directory: Path, rank: int = 0) -> list[int]:
     return sorted(int(m["step"]) for m in metas if isinstance(m, dict))
 
 
+def _one_snapshot(tier: Path) -> tuple[int, dict[str, Any], bytes]:
+    """Rank 0's snapshot of step 1 in `tier`: its slot, meta and payload bytes."""
+    _snapshot(tier, [1])
+    slot, raw = _newest_meta(tier)
+    return slot, raw, (tier / f"rank-00000.slot-{slot}").read_bytes()[: raw["payload_bytes"]]
+
+
 def _newest_meta(directory: Path, rank: int = 0) -> tuple[int, dict[str, Any]]:
     metas = SlotFiles(str(directory), rank).read_metas()
     slot = max((k for k, m in metas.items() if isinstance(m, dict)), key=lambda k: metas[k]["step"])  # type: ignore[index]
@@ -208,9 +215,7 @@ def test_receiver_refuses_foreign_runs_stale_rounds_bad_checksums_and_a_full_tmp
     tmp_path: Path, nodes: list[_Node], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     a, b = nodes
-    _snapshot(a.tier, [1])
-    slot, raw = _newest_meta(a.tier)
-    payload = (a.tier / f"rank-00000.slot-{slot}").read_bytes()[: raw["payload_bytes"]]
+    _, raw, payload = _one_snapshot(a.tier)
     put = {"op": "put", "run_id": RUN, "node": 0}
 
     foreign = restamp(raw, run_id="run-b")
@@ -249,9 +254,7 @@ def test_receiver_refuses_foreign_runs_stale_rounds_bad_checksums_and_a_full_tmp
 
 def test_fetch_refuses_another_world_size(tmp_path: Path, nodes: list[_Node]) -> None:
     a, b = nodes
-    _snapshot(a.tier, [1])
-    slot, raw = _newest_meta(a.tier)
-    payload = (a.tier / f"rank-00000.slot-{slot}").read_bytes()[: raw["payload_bytes"]]
+    _, raw, payload = _one_snapshot(a.tier)
     put = {"op": "put", "run_id": RUN, "node": 0, "round": 1, "meta": raw}
     assert _put(b.address, put, payload)["ok"] is True
     fresh = tmp_path / "fresh"
@@ -379,9 +382,8 @@ def test_a_slot_reused_before_the_receiver_read_its_bytes_is_superseded_not_torn
     # reuses the slot, as it does two snapshots later: the bytes still in the socket's buffers
     # are the file's pages, so they change too.
     a, b = nodes
-    _snapshot(a.tier, [1])
-    slot, raw = _newest_meta(a.tier)
-    nbytes = raw["payload_bytes"]
+    slot, _, payload = _one_snapshot(a.tier)
+    nbytes = len(payload)
     receive = server_module.recv_payload
 
     def reused_before_read(sock: socket.socket, *args: Any, **kwargs: Any) -> bytes:
