@@ -143,16 +143,23 @@ def _kills(results: list[dict[str, Any]], key: str, **match: str) -> list[float]
     return [float(k[key]) for k in rows if k.get(key) is not None]
 
 
-def _median_step_s(
-    results: list[dict[str, Any]], **match: str
+def _step_s(
+    results: list[dict[str, Any]], statistic: Any = statistics.fmean, **match: str
 ) -> dict[tuple[str, str, int], float]:
-    """Median step time per (job, topology, repetition) of the matching rounds."""
+    """Step time per (job, topology, repetition) of the matching rounds: the mean (the
+    measured stretch's wall time over its steps), or `statistic` of the step times.
+
+    [Note: step keys on mean steps] The step keys compare mean steps: what a run's wall time
+    pays. A median passes over the one step in n that a snapshot, or a replica of a durable
+    save, slows: the 256 MiB job on 2x1 at `ckpt_every 5` stepped 0.999x the tier-off median
+    under `auto` and 1.071x its mean (`bench/results/recovery_big_2x1_steps60_26d7554_20261205
+    .json`). The medians stay beside them (`by_median`)."""
     out = {}
     for r in _select(results, **match):
         if r.get("step_times_s"):
             spec = r["spec"]
             key = (spec["job_name"], spec["topology"], int(spec.get("repeat", 0)))
-            out[key] = statistics.median(r["step_times_s"])
+            out[key] = statistic(r["step_times_s"])
     return out
 
 
@@ -242,9 +249,17 @@ def _keys(
         num_snapshots=buckets.get(float("inf"), 0.0),
         warmup_buckets={str(le): n for le, n in sorted(warmup.items())},
     )  # fmt: skip
-    off, on, auto = (
-        _median_step_s(results, memory_every=m, failure="rank") for m in (_OFF, _ON, _AUTO)
+    off, on, auto = (_step_s(results, memory_every=m, failure="rank") for m in (_OFF, _ON, _AUTO))
+    off_median, on_median, auto_median = (
+        _step_s(results, statistics.median, memory_every=m, failure="rank")
+        for m in (_OFF, _ON, _AUTO)
     )
+    by_median: dict[str, dict[str, list[float]]] = {}
+    for key, t_off in off_median.items():
+        row_m = by_median.setdefault(f"{key[0]}-{key[1]}", {})
+        for name, table in (("every_1", on_median), ("auto", auto_median)):
+            if key in table:
+                row_m.setdefault(f"{name}_ratio", []).append(table[key] / t_off)
     per_setting: dict[str, Any] = {}
     # Per (job, topology): one sample per repetition ([Note: interleaved step rounds]).
     extra_memcpys: dict[tuple[str, str], list[float]] = {}
@@ -283,23 +298,32 @@ def _keys(
     keys["memory_every_1_step_inflation"] = stats.figure(
         statistics.median(largest) if largest else None, "<=", 1, samples=largest,
         unit="memcpys of the rank's state per step", judge_bad_end=True,
-        how="(median step at memory_every 1 - at 0) / (state bytes / memcpy rate, the rank's "
+        how="(mean step at memory_every 1 - at 0) / (state bytes / memcpy rate, the rank's "
         "threads) of the largest state's job (last topology), median over the interleaved "
         "repetitions; the plain ratios in step_time_ratio, the same extra time in memcpys on "
-        "all cores in in_all_threads_memcpys",
+        "all cores in in_all_threads_memcpys, the ratios of median steps in by_median",
         step_time_ratio={f"{j}-{t}": stats.spread(v) for (j, t), v in on_ratios.items()},
         in_all_threads_memcpys=(
             stats.spread(largest_all_threads) if largest_all_threads else None
         ),
         per_setting=per_setting,
+        by_median={
+            name: {k: stats.spread(v) for k, v in row.items()} for name, row in by_median.items()
+        },
     )  # fmt: skip
     worst = max(auto_ratios.values(), key=statistics.median, default=[])
     keys["auto_step_inflation"] = stats.figure(
         statistics.median(worst) if worst else None, "<=", 1.02, samples=worst,
         unit="ratio", judge_bad_end=True,
-        how="median step at memory_every auto / at 0 (adjacent rounds), median over the "
-        "interleaved repetitions, worst job and topology",
+        how="mean step at memory_every auto / at 0 (adjacent rounds; [Note: step keys on "
+        "mean steps]), median over the interleaved repetitions, worst job and topology; the "
+        "ratios of median steps in by_median",
         per_setting={f"{j}-{t}": stats.spread(v) for (j, t), v in auto_ratios.items()},
+        by_median={
+            name: stats.spread(row["auto_ratio"])
+            for name, row in by_median.items()
+            if "auto_ratio" in row
+        },
     )  # fmt: skip
     keys["replica_throughput_vs_loopback"] = _replica_figure(results, loopback_bps, replica_path)
     return keys

@@ -401,6 +401,7 @@ class CheckpointManager:
         metrics: Mapping[str, Any] | None = None,
         *,
         durable: bool = True,
+        replicate: bool = True,
     ) -> None:
         """Start saving `state` as `step`; returns once the snapshot is queued.
 
@@ -417,6 +418,9 @@ class CheckpointManager:
             durable: write the step to storage and commit it. False (the memory tier only):
                 the snapshot into a memory slot is all it does: no writer, no manifest, no
                 agreement across ranks.
+            replicate: whether the memory snapshot goes to the peer ring (`SlotMeta.replicate`:
+                the daemon's replica sender passes over one saved with False; no effect
+                without the memory tier).
 
         Raises:
             ValueError: bad step, metrics or state, or `durable=False` without the memory
@@ -434,6 +438,8 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         if not isinstance(durable, bool):
             raise ValueError(f"durable must be True or False, got {durable!r}")
+        if not isinstance(replicate, bool):
+            raise ValueError(f"replicate must be True or False, got {replicate!r}")
         if not durable and self._memory is None:
             raise ValueError(
                 "save(..., durable=False) keeps the step in memory only, and the memory tier "
@@ -467,7 +473,7 @@ class CheckpointManager:
                 "only go forward"
             )
         if not durable:
-            self._snapshot_only(step, state, started)
+            self._snapshot_only(step, state, started, replicate)
             return
         if step in self._final.unclean_steps:
             raise CheckpointError(
@@ -483,7 +489,7 @@ class CheckpointManager:
                 self._final.run(blocking=True)
             except SaveFailedError as err:  # the failed request is retired: room was made
                 older_failure = err
-        request = self._prepare(step, state, metrics, started)
+        request = self._prepare(step, state, metrics, started, replicate)
         self._pending.append(request)
         self._newest_durable_save = step
         if self._snapshots is not None and request.memory is not None:
@@ -496,7 +502,7 @@ class CheckpointManager:
             raise older_failure
 
     def _prepare(
-        self, step: int, state: Any, metrics: dict[str, Any], started: float
+        self, step: int, state: Any, metrics: dict[str, Any], started: float, replicate: bool
     ) -> SaveRequest:
         flat = flatten(state, keep_replicas=self._memory is not None, memo=self._leaves)
         leaves = leaves_to_write(flat, self.rank)
@@ -506,7 +512,9 @@ class CheckpointManager:
         slot = next(i for i in range(self.config.max_inflight) if not self._slot_in_use(i))
         job = None
         if self._snapshots is not None:
-            job = self._snapshots.begin(step, flat, leaves, self._pending, durable=True)
+            job = self._snapshots.begin(
+                step, flat, leaves, self._pending, durable=True, replicate=replicate
+            )
         writer = self._pipeline.writer_for_next_save()
         request = SaveRequest(
             request_id=self._next_request_id,
@@ -581,11 +589,13 @@ class CheckpointManager:
         layout, _ = self._plans.plan(leaves, shard_file_name(self.rank, spread) if leaves else None)
         return flat, leaves, layout
 
-    def _snapshot_only(self, step: int, state: Any, started: float) -> None:
+    def _snapshot_only(self, step: int, state: Any, started: float, replicate: bool) -> None:
         """`save(..., durable=False)`: the memory snapshot alone."""
         assert self._snapshots is not None
         flat, leaves, layout = self._memory_payload(state)
-        job = self._snapshots.begin(step, flat, leaves, self._pending, durable=False)
+        job = self._snapshots.begin(
+            step, flat, leaves, self._pending, durable=False, replicate=replicate
+        )
         if job is not None:
             request = self._snapshots.memory_only(step, started, layout, job)
             self._pipeline.submit(request)

@@ -8,6 +8,7 @@
      "tree": skeleton, "rank_local_trees": [skeleton, ...],  (`_format/tree.py`)
      "tensors": {key: [kind, dtype, shape, global_shape, global_offset | null,
                        flat_range | null, offset, nbytes], ...},   (flatten order)
+     ["replicate": false,]                                  (kept off the peer ring)
      ["origin": "replica", "replica_round": int, "replica_node": int,]   (a peer's copy)
      "meta_checksum": int}     CRC-32C of the canonical JSON (sorted keys) of the rest
 
@@ -17,6 +18,11 @@ the shape of everything a restore uses, and the meta's own checksum (the skeleto
 are restored from it, so a flipped bit there must not pass either), so a meta that a bit
 flip broke is refused with a reason instead of raising in the middle of a load or restoring a
 wrong value.
+
+A meta with `"replicate": false` describes a snapshot its rank keeps on its own node only:
+the daemon's replica sender passes over it ([Note: under `auto` a durable save between two
+snapshots stays on its node] in `daemon/rank/memory_cadence.py`). A meta without the field (all
+of them before it existed) is replicated.
 
 A meta without `origin` describes a snapshot this node's rank took; `restamp` (`stamp` for a
 meta already parsed from its file) adds the fields a copy of it carries once a peer node holds
@@ -62,6 +68,7 @@ __all__ = [
 FORMAT = "trainingd-memory-slot"
 FORMAT_VERSION = 1
 _SELF_CHECK = "meta_checksum"
+_REPLICATE = "replicate"
 ORIGIN_LOCAL = "memory"
 """`SlotMeta.origin` of a snapshot taken on this node."""
 ORIGIN_REPLICA = "replica"
@@ -115,6 +122,8 @@ class SlotMeta(NamedTuple):
     records: dict[str, TensorRecord]
     origin: str = ORIGIN_LOCAL
     """`ORIGIN_LOCAL`, or `ORIGIN_REPLICA` for a copy a peer node held (`restamp`)."""
+    replicate: bool = True
+    """Whether the peer ring replicates it (False: it stays on its node)."""
 
     @classmethod
     def parse(cls, raw: dict[str, Any], *, text: bytes | None = None) -> SlotMeta:
@@ -146,6 +155,9 @@ class SlotMeta(NamedTuple):
             trees = raw["rank_local_trees"]
             if not isinstance(trees, list):
                 raise ValueError("rank_local_trees is not a list")
+            replicate = raw.get(_REPLICATE, True)
+            if not isinstance(replicate, bool):
+                raise ValueError(f"replicate is not true or false: {replicate!r}")
             return cls(
                 run_id=str(raw["run_id"]),
                 rank=int(raw["rank"]),
@@ -160,6 +172,7 @@ class SlotMeta(NamedTuple):
                 rank_local_trees=trees,
                 records=records,
                 origin=str(raw.get("origin", ORIGIN_LOCAL)),
+                replicate=replicate,
             )
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"malformed meta: {type(err).__name__}: {err}") from err
@@ -217,8 +230,10 @@ class MetaEncoder:
         checksum: int,
         tree: Any,
         rank_local_trees: list[Any],
+        replicate: bool = True,
     ) -> bytes:
-        """The meta file's bytes of a complete payload (see the module docstring)."""
+        """The meta file's bytes of a complete payload (see the module docstring); `replicate`
+        False marks a snapshot the peer ring passes over (the field is written only then)."""
         if plan is not self._plan:
             # Tuples here are lists once parsed: the same JSON text, so the same checksum.
             self._records = _canonical({key: list(r) for key, r in plan.records.items()})
@@ -240,6 +255,8 @@ class MetaEncoder:
             "tree": tree,
             "rank_local_trees": rank_local_trees,
         }
+        if not replicate:
+            fields[_REPLICATE] = False
         parts = {key: _canonical(value) for key, value in fields.items()}
         parts["tensors"] = self._records
         text = "{" + ",".join(f"{_canonical(k)}:{parts[k]}" for k in sorted(parts)) + "}"

@@ -71,6 +71,8 @@ class SnapshotJob:
     """Why the snapshot was skipped (an extra slot could not be allocated)."""
     error: str | None = None
     """Why the snapshot failed."""
+    replicate: bool = True
+    """Whether the peer ring replicates it (its meta says so: `SlotMeta.replicate`)."""
     ahead: int | None = None
     """The slot the next snapshot will likely take: the staging thread allocates its file once
     this one is copied ([Note: slot files allocated ahead])."""
@@ -343,6 +345,7 @@ class MemoryTier:
             checksum=checksum,
             tree=flat.tree,
             rank_local_trees=flat.rank_local_trees,
+            replicate=job.replicate,
         )
         self.files.write_meta(job.slot, meta)
         job.flat = None

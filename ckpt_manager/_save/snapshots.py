@@ -57,6 +57,7 @@ class Snapshots:
         pending: Iterable[SaveRequest],
         *,
         durable: bool,
+        replicate: bool = True,
     ) -> SnapshotJob | None:
         """Claim and empty a slot for `step`'s snapshot; None: skipped (no slot free).
 
@@ -66,6 +67,7 @@ class Snapshots:
             leaves: the leaves its durable file holds.
             pending: the durable saves in flight (their slots are pinned).
             durable: the snapshot is a durable save's (its write will pin its slot).
+            replicate: whether the peer ring replicates it (`SlotMeta.replicate`).
         """
         writes, pinned = self._pinned(pending)
         choice = self.tier.choose(pinned)
@@ -73,7 +75,7 @@ class Snapshots:
             return None
         slot, extra = choice
         self.tier.begin(slot, step)
-        job = SnapshotJob(slot, step, flat, leaves, extra)
+        job = SnapshotJob(slot, step, flat, leaves, extra, replicate=replicate)
         # [Note: slot files allocated ahead] By the next snapshot the copies in flight are
         # done (the fence waits for them); durable writes, this one's too, still read theirs.
         following = self.tier.likely_next(writes | {slot} if durable else writes, slot, step)

@@ -496,7 +496,9 @@ class _Training:
         )
         self.memory_tier = _agree_all(_memory_tier_available(cfg), device)
         self.cadence: Cadence = (
-            cadence_for(cfg.checkpoint.memory_every) if self.memory_tier else FixedCadence(0)
+            cadence_for(cfg.checkpoint.memory_every, peer_replicas=cfg.num_memory_replicas > 0)
+            if self.memory_tier
+            else FixedCadence(0)
         )
         self.manager = CheckpointManager(
             cfg.checkpoint.ckpt_uri,
@@ -518,6 +520,7 @@ class _Training:
         self._last_step_s = 0.0
         self._snapshot_cost_s = 0.0
         self._snapshot_step: int | None = None
+        self._snapshot_counted = True  # the pending snapshot is one of the cadence's
         # [Note: a snapshot's cost to the step]: the staging CPU time of the pending snapshot,
         # and the manager's running total of it already fed to the cadence.
         self._snapshot_staging_s = 0.0
@@ -808,21 +811,30 @@ class _Training:
         if (due or self.deferred.owed) and agreed.durable_busy and not final:
             self.deferred.defer(step, self.manager.stats(), due=due)
             # The newest state goes to memory instead (at the deferred step, then on cadence).
-            if self.memory_tier and (due or self.cadence.due(step)):
+            if self.memory_tier and self.cadence.due(step):
                 self.snapshot_to_memory(step)
+            elif self.memory_tier and due:
+                self.snapshot_to_memory(step, counted=self.cadence.counts_durable_save(step))
         elif due or self.deferred.owed:
+            # [Note: under `auto` a durable save between two snapshots stays on its node] in
+            # `memory_cadence.py`.
+            counted = not self.memory_tier or self.cadence.counts_durable_save(step)
             self.failures.guard(
                 functools.partial(
                     self._tolerate_memory_failure,
                     functools.partial(
-                        self.manager.save, step, self.state(), metrics=self.metrics(agreed.loss)
+                        self.manager.save,
+                        step,
+                        self.state(),
+                        metrics=self.metrics(agreed.loss),
+                        replicate=counted,
                     ),
                 )
             )
             self.saved_step = step
             self.deferred.taken(step)
             if self.memory_tier:  # the durable save snapshotted the state into memory too
-                self.cadence.observe_durable_save(step)
+                self.cadence.observe_durable_save(step, counted=counted)
             log.info("checkpoint_scheduled", ckpt_step=step, loss=round(agreed.loss, 4))
         elif self.memory_tier and self.cadence.due(step):
             self.snapshot_to_memory(step)
@@ -855,17 +867,30 @@ class _Training:
         except (CheckpointError, TypeError, ValueError) as err:
             log.warning("memory_slots_not_reserved", error=str(err))
 
-    def snapshot_to_memory(self, step: int) -> None:
-        """Snapshot the state into the memory tier alone ([Note: the memory tier in the loop])."""
+    def snapshot_to_memory(self, step: int, *, counted: bool = True) -> None:
+        """Snapshot the state into the memory tier alone ([Note: the memory tier in the loop]).
+
+        Args:
+            step: the step.
+            counted: one of the cadence's snapshots (replicated, its cost fed to the cadence);
+                False: the newest state of a deferred durable save, kept on this node like
+                the durable save it stands in for ([Note: under `auto` a durable save between
+                two snapshots stays on its node] in `memory_cadence.py`).
+        """
         # Only an allocation from here to the fence is this snapshot's: one made ahead (a
         # slot reserved, or allocated after the previous copy) is not.
         self._allocations_seen = self.manager.stats().memory_slot_allocations
         started = time.perf_counter()
         self._tolerate_memory_failure(
-            functools.partial(self.manager.save, step, self.state(), durable=False)
+            functools.partial(
+                self.manager.save, step, self.state(), durable=False, replicate=counted
+            )
         )
         self._snapshot_cost_s = time.perf_counter() - started
         self._snapshot_step = step
+        self._snapshot_counted = counted
+        if not counted:
+            self.cadence.observe_durable_save(step, counted=False)
 
     def _feed_cadence(self, agreed: _Agreement, step_s: float) -> None:
         """Hand the cadence what every rank agreed on; note this step for the next one."""
@@ -873,9 +898,10 @@ class _Training:
             # The agreed time is the previous step's (each rank sends its last step's time).
             self.cadence.observe_step(self.step - 1, agreed.step_s)
         if self._snapshot_step is not None:
-            self.cadence.observe_snapshot(
-                self._snapshot_step, agreed.snapshot_s, agreed.snapshot_stall_s
-            )
+            if self._snapshot_counted:
+                self.cadence.observe_snapshot(
+                    self._snapshot_step, agreed.snapshot_s, agreed.snapshot_stall_s
+                )
             self.telemetry.observe("trainingd_memory_snapshot_seconds", self._snapshot_cost_s)
             # The fence wait of the snapshot is not the step's own time.
             step_s -= self._snapshot_cost_s

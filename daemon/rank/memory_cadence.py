@@ -46,6 +46,21 @@ counts from it, and neither its cost nor the step after it (its write beside tra
 taken for a memory snapshot's. Before, a memory-only snapshot could follow a durable save at
 once, for the same state one step newer.
 
+[Note: under `auto` a durable save between two snapshots stays on its node] Without peer
+replicas a durable save's snapshot costs what its staging copy costs with the tier off (the
+copy lands in a slot instead of a staging slab), so it is one of `auto`'s snapshots for free.
+With peer replicas it also costs a replica, a send of the rank's state and a receive of the
+previous node's, which the durable cadence, not `auto`, would then set: on the 2-core VM the
+256 MiB job on two nodes x 1 rank at `ckpt_every 5` stepped 1.07x its tier-off mean under
+`auto` (the step after each durable save 0.42-0.55 s against 0.31 s), while `auto`'s own
+snapshots, whose replicas it measures, came every 25 steps for 1.00x
+(`bench/recovery.py --jobs big --topologies 2x1 --ckpt-every 5` and `--ckpt-every 0`). So
+with peer replicas (`durable_saves_count=False`) a durable save is one of `auto`'s snapshots
+only where `auto`'s interval has come due (`counts_durable_save`): it is replicated and the
+interval counts from it. Any other stays on its node (`save(..., replicate=False)`: a rank
+restarted here restores it, the replica sender passes over it) and the interval counts on
+from `auto`'s last snapshot. A fixed `memory_every N` replicates every snapshot.
+
 [Note: ranks must agree on the interval] A memory step counts only when every rank holds it, so
 every rank must snapshot at the same steps. The class is deterministic: fed the same numbers in
 the same order, every rank holds the same interval. Feed it values all ranks agree on, e.g. the
@@ -93,8 +108,14 @@ class Cadence(Protocol):
         plus the staging thread's CPU time), of which `stall_s` the training thread's stall."""
         ...
 
-    def observe_durable_save(self, step: int) -> None:
-        """A durable save at step `step` also snapshotted the state into memory."""
+    def counts_durable_save(self, step: int) -> bool:
+        """Whether a durable save at step `step` is one of this cadence's snapshots (its
+        snapshot is replicated and the interval counts from it)."""
+        ...
+
+    def observe_durable_save(self, step: int, *, counted: bool = True) -> None:
+        """A durable save at step `step` also snapshotted the state into memory (`counted`:
+        as one of this cadence's snapshots, `counts_durable_save`)."""
         ...
 
 
@@ -128,7 +149,11 @@ class FixedCadence:
     def observe_snapshot(self, step: int, snapshot_s: float, stall_s: float) -> None:
         """Ignored: a fixed interval does not adapt."""
 
-    def observe_durable_save(self, step: int) -> None:
+    def counts_durable_save(self, step: int) -> bool:
+        """Always: every snapshot of a fixed interval is replicated."""
+        return True
+
+    def observe_durable_save(self, step: int, *, counted: bool = True) -> None:
         """Ignored: a fixed interval counts from step 0."""
 
 
@@ -146,6 +171,9 @@ class AdaptiveCadence:
             interval to come down to it.
         max_interval: the largest interval it picks (bounds the steps a restart can lose when
             snapshots cost far more than steps).
+        durable_saves_count: whether every durable save is one of its snapshots (True: no
+            peer replicas) or only one where its interval has come due (False: [Note: under
+            `auto` a durable save between two snapshots stays on its node]).
 
     Raises:
         ValueError: a parameter out of range (the message names it).
@@ -161,6 +189,7 @@ class AdaptiveCadence:
         headroom: float = 0.1,
         hysteresis: float = 0.2,
         max_interval: int = 1000,
+        durable_saves_count: bool = True,
     ) -> None:
         if not 0 < budget_ratio < 1:
             raise ValueError(f"budget_ratio={budget_ratio}: use a share between 0 and 1")
@@ -177,6 +206,7 @@ class AdaptiveCadence:
         self._ratio, self._smoothing, self._hysteresis = budget_ratio, smoothing, hysteresis
         self._aim = budget_ratio * (1 - headroom)
         self._min_steps, self._max = min_steps, max_interval
+        self._durable_saves_count = durable_saves_count
         self._interval = initial
         self._step_s: float | None = None
         self._snapshot_s: float | None = None  # as fed: stall + staging CPU
@@ -266,12 +296,19 @@ class AdaptiveCadence:
         self._stall_s = self._average(self._stall_s, stall_s)
         self._decide()
 
-    def observe_durable_save(self, step: int) -> None:
-        """A durable save at `step` snapshotted the state into memory too: the interval counts
-        from it (a memory-only snapshot right after it would hold the same state one step
-        newer, for the same cost). Its cost is a durable save's, not a memory snapshot's: left
-        out, and so is the step after it, which its write runs beside."""
-        self._last_snapshot_step = step
+    def counts_durable_save(self, step: int) -> bool:
+        """Every durable save without peer replicas; with them, one where the interval has
+        come due ([Note: under `auto` a durable save between two snapshots stays on its
+        node])."""
+        return self._durable_saves_count or self.due(step)
+
+    def observe_durable_save(self, step: int, *, counted: bool = True) -> None:
+        """A durable save at `step` snapshotted the state into memory too. `counted`: the
+        interval counts from it (a memory-only snapshot right after it would hold the same
+        state one step newer, for the same cost). Its cost is a durable save's, not a memory
+        snapshot's: left out, and so is the step after it, which its write runs beside."""
+        if counted:
+            self._last_snapshot_step = step
         self._unmeasured_step = step + 1
 
     def cost_ratio(self, interval: int) -> float | None:
@@ -311,13 +348,15 @@ class AdaptiveCadence:
         self._interval = min(self._interval, lower)
 
 
-def cadence_for(setting: StepInterval) -> Cadence:
+def cadence_for(setting: StepInterval, *, peer_replicas: bool = False) -> Cadence:
     """The cadence of a `memory_every` setting: `FixedCadence`, or `AdaptiveCadence` for auto.
 
     Args:
         setting: `CheckpointSettings.memory_every` as the daemon handed it (0 when `auto`
             could not fit this node).
+        peer_replicas: the next node holds replicas of this node's snapshots
+            (`DaemonConfig.num_memory_replicas`).
     """
     if setting.steps is None:
-        return AdaptiveCadence()
+        return AdaptiveCadence(durable_saves_count=not peer_replicas)
     return FixedCadence(setting.steps)

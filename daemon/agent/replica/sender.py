@@ -1,4 +1,5 @@
-"""The replica sender: streams every complete snapshot of this node's ranks to the next node.
+"""The replica sender: streams every complete snapshot of this node's ranks to the next node
+(but those its rank keeps on this node: `SlotMeta.replicate` False).
 
 One thread in the daemon process (the ranks are not involved and never wait for it). It
 watches the memory tier's directory (woken by a meta renamed into it: [Note: the sender wakes
@@ -195,7 +196,7 @@ class ReplicaSender:
         if not former:
             return
         for rank in ring.ranks:
-            newest = self._newest(rank)
+            newest = self._newest(rank, for_ring=False)
             if newest is None:
                 continue
             with contextlib.suppress(OSError):
@@ -214,13 +215,17 @@ class ReplicaSender:
             if self._former[1] == since:
                 self._former = ((), 0.0)
 
-    def _newest(self, rank: int) -> tuple[int, ParsedMeta] | None:
+    def _newest(self, rank: int, *, for_ring: bool = True) -> tuple[int, ParsedMeta] | None:
         """The rank's newest complete snapshot of this run: `(slot, its meta)` (a meta is
-        parsed once per file version: `MetaReader`)."""
+        parsed once per file version: `MetaReader`). With `for_ring`, one its rank keeps on
+        this node (`SlotMeta.replicate` False: [Note: under `auto` a durable save between two
+        snapshots stays on its node] in `daemon/rank/memory_cadence.py`) is passed over."""
         best: tuple[int, ParsedMeta] | None = None
         for slot, parsed in self._metas.complete(SlotFiles(self._dir, rank)).items():
             meta = parsed.meta
             if meta.run_id != self._run_id or meta.rank != rank:
+                continue
+            if for_ring and not meta.replicate:
                 continue
             if best is None or meta.step > best[1].meta.step:
                 best = (slot, parsed)

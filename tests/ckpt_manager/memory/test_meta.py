@@ -25,9 +25,10 @@ def _plan(num_tensors: int) -> MemoryPlan:
     return MemoryPlan(layout, layout.total_bytes, (), records, "ab12", "cd34")
 
 
-def _encode(encoder: MetaEncoder, plan: MemoryPlan, step: int) -> bytes:
+def _encode(encoder: MetaEncoder, plan: MemoryPlan, step: int, **extra: Any) -> bytes:
     tree = ["d", [["model", ["T", "t0"]], ["data", ["v", {"epoch": 1, "pos": step}]]]]
     return encoder.encode(
+        **extra,
         run_id="r",
         rank=1,
         world_size=2,
@@ -129,3 +130,23 @@ def test_a_stamped_meta_is_encoded_once_and_parses_back_in_its_signed_form(
     assert (again.raw, again.meta) == (stamped.raw, stamped.meta)
     # The same result as `restamp` on the JSON object.
     assert meta.restamp(parsed.raw, origin=meta.ORIGIN_REPLICA, replica_round=3) == stamped.raw
+
+
+def test_a_snapshot_kept_on_its_node_says_so_and_others_carry_no_field() -> None:
+    # [Note: under `auto` a durable save between two snapshots stays on its node]
+    plan = _plan(2)
+    shared = json.loads(_encode(MetaEncoder(), plan, 7))
+    assert "replicate" not in shared  # a replicated snapshot's meta is what it was before
+    assert SlotMeta.parse(shared).replicate is True
+    kept = meta.parse_meta_file(_encode(MetaEncoder(), plan, 7, replicate=False))
+    assert kept.raw["replicate"] is False
+    assert kept.meta.replicate is False
+    # The field is signed like the rest: a meta whose flag was flipped does not verify.
+    flipped = {**kept.raw, "replicate": True}
+    with pytest.raises(ValueError, match="meta checksum mismatch"):
+        SlotMeta.parse(flipped)
+    # A value that is not true or false is refused with its reason, even correctly signed.
+    body = {k: v for k, v in shared.items() if k != "meta_checksum"}
+    body["replicate"] = "no"
+    with pytest.raises(ValueError, match="replicate is not true or false: 'no'"):
+        SlotMeta.parse({**body, "meta_checksum": meta._meta_checksum(body)})

@@ -51,7 +51,7 @@ def _fed_and_stalls(
         def observe_snapshot(self, step: int, snapshot_s: float, stall_s: float) -> None:
             fed.append((snapshot_s, stall_s))
 
-    loop.cadence_for = lambda interval: _Recording(every)  # type: ignore[assignment]
+    loop.cadence_for = lambda interval, **_: _Recording(every)  # type: ignore[assignment]
     cfg = load_config(
         {
             "ckpt_uri": f"{root}/ckpt",

@@ -41,15 +41,18 @@ pytestmark = pytest.mark.timeout(60)
 RUN = "run-a"
 
 
-def _snapshot(directory: Path, steps: list[int], run_id: str = RUN) -> dict[str, Any]:
-    """Memory snapshots of rank 0 at `steps` in `directory`; the last state saved."""
+def _snapshot(
+    directory: Path, steps: list[int], run_id: str = RUN, *, kept_here: frozenset[int] = frozenset()
+) -> dict[str, Any]:
+    """Memory snapshots of rank 0 at `steps` in `directory` (those in `kept_here` saved with
+    `replicate=False`); the last state saved."""
     directory.mkdir(parents=True, exist_ok=True)
     cfg = CheckpointConfig(memory=MemoryTierConfig(str(directory)))
     state: dict[str, Any] = {"w": torch.arange(4096, dtype=torch.float32), "step": 0}
     with CheckpointManager(str(directory.parent / "durable"), cfg, run_id=run_id) as mgr:
         for step in steps:
             state = {"w": state["w"] + 1, "step": step}
-            mgr.save(step, state, durable=False)
+            mgr.save(step, state, durable=False, replicate=step not in kept_here)
             mgr.before_optimizer_step()
         mgr.wait_until_finished()
     return state
@@ -157,6 +160,27 @@ def test_ring_streams_the_newest_snapshot_and_a_fetch_restores_it_as_replica(
     assert restored is not None
     assert (restored.step, restored.source) == (3, "replica")
     assert torch.equal(restored.state["w"], state["w"])
+
+
+def test_a_snapshot_kept_on_its_node_is_passed_over_by_the_ring(
+    tmp_path: Path, nodes: list[_Node]
+) -> None:
+    # [Note: under `auto` a durable save between two snapshots stays on its node]: step 2 is
+    # saved with replicate=False; the sender streams step 1, the newest meant for the ring.
+    a, b = nodes
+    _snapshot(a.tier, [1, 2], kept_here=frozenset({2}))
+    assert _newest_meta(a.tier)[1]["replicate"] is False
+    sender = ReplicaSender(str(a.tier), RUN, node=0, stats=a.stats)
+    try:
+        sender.set_ring(Ring(round=1, target=b.address, ranks=(0,)))
+        _wait(lambda: [h.meta.step for h in b.holdings.held(0)] == [1], "the replica of step 1")
+        # The lag counts the snapshots meant for the ring: none is waiting.
+        _wait(lambda: a.stats.lag_steps() == 0, "the ack of step 1")
+        time.sleep(0.3)  # a sender that would stream step 2 has had its wake by now
+    finally:
+        sender.close()
+    assert [h.meta.step for h in b.holdings.held(0)] == [1]
+    assert a.stats.sent_bytes == b.stats.received_bytes == b.holdings.held(0)[0].meta.payload_bytes
 
 
 def test_ranks_that_moved_between_nodes_come_back_from_slots_and_own_replicas(
