@@ -49,23 +49,20 @@ once, for the same state one step newer.
 [Note: under `auto` a durable save between two snapshots stays on its node] Without peer
 replicas a durable save's snapshot costs what its staging copy costs with the tier off (the
 copy lands in a slot instead of a staging slab), so it is one of `auto`'s snapshots for free.
-With peer replicas it also costs a replica, a send of the rank's state and a receive of the
-previous node's, which the durable cadence, not `auto`, would then set: on the 2-core VM the
-256 MiB job on two nodes x 1 rank at `ckpt_every 5` stepped 1.07x its tier-off mean under
-`auto` (the step after each durable save 0.42-0.55 s against 0.31 s), while `auto`'s own
-snapshots, whose replicas it measures, came every 25 steps for 1.00x
-(`bench/recovery.py --jobs big --topologies 2x1 --ckpt-every 5` and `--ckpt-every 0`). So
-with peer replicas (`durable_saves_count=False`) a durable save is one of `auto`'s snapshots
-only where `auto`'s interval has come due (`counts_durable_save`): it is replicated and the
-interval counts from it. Any other stays on its node (`save(..., replicate=False)`: a rank
-restarted here restores it, the replica sender passes over it) and the interval counts on
-from `auto`'s last snapshot. A fixed `memory_every N` replicates every snapshot.
-
-[Note: ranks must agree on the interval] A memory step counts only when every rank holds it, so
-every rank must snapshot at the same steps. The class is deterministic: fed the same numbers in
-the same order, every rank holds the same interval. Feed it values all ranks agree on, e.g. the
-step time and the largest snapshot cost over the ranks from the per-step all-reduce, never a
-rank's own clock alone.
+With peer replicas it would also cost a replica, a send of the rank's state and a receive of
+the previous node's, at the durable cadence, not `auto`'s, and unmeasured (the step after a
+durable save is left out): on the 2-core VM the 256 MiB job on two nodes x 1 rank at
+`ckpt_every 5` stepped 1.07x its tier-off mean under `auto` (the step after each durable save
+0.42-0.55 s against 0.31 s). Counting a durable save only where `auto`'s interval had come
+due was not enough: with an interval that is a multiple of `ckpt_every`, every counted
+snapshot was a durable save, none was measured, `auto` kept its initial 10 steps, and each
+replica cost the next step 0.2-0.4 s (1.17x). So with peer replicas (`durable_saves_count=False`)
+no durable save is one of `auto`'s snapshots (`counts_durable_save`): each stays on its node
+(`save(..., replicate=False)`: a rank restarted here restores it, the replica sender passes
+over it), and `auto`'s own snapshots, memory-only and replicated, are measured in the step
+after them like any other (with `ckpt_every 0` there, every 25 steps for 1.00x the tier-off
+mean: `bench/recovery.py --jobs big --topologies 2x1 --ckpt-every 0`). A fixed
+`memory_every N` replicates every snapshot.
 """
 
 from __future__ import annotations
@@ -171,9 +168,9 @@ class AdaptiveCadence:
             interval to come down to it.
         max_interval: the largest interval it picks (bounds the steps a restart can lose when
             snapshots cost far more than steps).
-        durable_saves_count: whether every durable save is one of its snapshots (True: no
-            peer replicas) or only one where its interval has come due (False: [Note: under
-            `auto` a durable save between two snapshots stays on its node]).
+        durable_saves_count: whether a durable save is one of its snapshots (True: no peer
+            replicas; False: [Note: under `auto` a durable save between two snapshots stays
+            on its node]).
 
     Raises:
         ValueError: a parameter out of range (the message names it).
@@ -219,6 +216,7 @@ class AdaptiveCadence:
         self._unmeasured_step: int | None = None  # after a snapshot whose cost was left out
         self._num_steps = 0
         self._last_snapshot_step: int | None = None
+        self._owed = False  # a durable save not counted took the step a snapshot was due at
         self._decided = False
 
     @property
@@ -249,7 +247,10 @@ class AdaptiveCadence:
         return self._excess_s
 
     def due(self, step: int) -> bool:
-        """`interval` steps after the last snapshot (the first at a multiple of it)."""
+        """`interval` steps after the last snapshot (the first at a multiple of it), or since
+        a durable save that was not counted took the step it came due at."""
+        if self._owed:
+            return True
         if self._last_snapshot_step is None:
             return step % self._interval == 0
         return step - self._last_snapshot_step >= self._interval
@@ -286,7 +287,7 @@ class AdaptiveCadence:
         A non-finite cost (a snapshot that paid a one-time cost, as its slot's allocation) is
         left out, and so is the step after it.
         """
-        self._last_snapshot_step = step
+        self._last_snapshot_step, self._owed = step, False
         if not (math.isfinite(snapshot_s) and math.isfinite(stall_s)):
             self._unmeasured_step = step + 1
             return
@@ -297,10 +298,9 @@ class AdaptiveCadence:
         self._decide()
 
     def counts_durable_save(self, step: int) -> bool:
-        """Every durable save without peer replicas; with them, one where the interval has
-        come due ([Note: under `auto` a durable save between two snapshots stays on its
-        node])."""
-        return self._durable_saves_count or self.due(step)
+        """Every durable save without peer replicas, none with them ([Note: under `auto` a
+        durable save between two snapshots stays on its node])."""
+        return self._durable_saves_count
 
     def observe_durable_save(self, step: int, *, counted: bool = True) -> None:
         """A durable save at `step` snapshotted the state into memory too. `counted`: the
@@ -308,7 +308,9 @@ class AdaptiveCadence:
         state one step newer, for the same cost). Its cost is a durable save's, not a memory
         snapshot's: left out, and so is the step after it, which its write runs beside."""
         if counted:
-            self._last_snapshot_step = step
+            self._last_snapshot_step, self._owed = step, False
+        elif self.due(step):
+            self._owed = True  # the snapshot due here comes at the next step
         self._unmeasured_step = step + 1
 
     def cost_ratio(self, interval: int) -> float | None:

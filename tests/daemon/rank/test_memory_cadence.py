@@ -203,58 +203,52 @@ def test_a_durable_save_counts_as_a_snapshot() -> None:
     assert [s for s in after if 125 < s < 150] == [130, 135, 140, 145]
 
 
-def test_with_peer_replicas_only_a_durable_save_that_comes_due_counts() -> None:
-    # [Note: under `auto` a durable save between two snapshots stays on its node]: durable
-    # saves every 5 steps, snapshots costing 40 ms of a 100 ms step (interval 20 at 2%). With
-    # peer replicas a durable save counts only where the interval has come due (steps 20, 40,
-    # ...: replicated, the interval counts from it); the others stay on their node and the
-    # interval counts on. Without them every durable save counts and auto never comes due.
-    def run(durable_saves_count: bool) -> tuple[list[int], list[int]]:
-        cadence = AdaptiveCadence(
-            smoothing=1.0, headroom=0.0, initial=20, durable_saves_count=durable_saves_count
-        )
-        cadence.observe_snapshot(0, 0.04, 0.001)
-        counted, memory_only = [], []
-        for step in range(1, 101):
-            cadence.observe_step(step, 0.1)
-            if step % 5 == 0:
-                counts = cadence.counts_durable_save(step)
-                cadence.observe_durable_save(step, counted=counts)
-                if counts:
-                    counted.append(step)
-            elif cadence.due(step):
-                cadence.observe_snapshot(step, 0.04, 0.001)
-                memory_only.append(step)
-        assert cadence.interval == 20
-        return counted, memory_only
-
-    assert run(durable_saves_count=False) == ([20, 40, 60, 80, 100], [])
-    assert run(durable_saves_count=True) == ([5 * k for k in range(1, 21)], [])
-    assert cadence_for(StepInterval(), peer_replicas=True).counts_durable_save(3) is False
-    assert cadence_for(StepInterval(), peer_replicas=False).counts_durable_save(3) is True
-    assert cadence_for(StepInterval(4), peer_replicas=True).counts_durable_save(3) is True
-
-
-def test_with_peer_replicas_a_memory_snapshot_comes_due_between_durable_saves() -> None:
-    # Snapshots costing 6 ms of a 100 ms step (interval 3 at 2%), durable saves every 5: a
-    # durable save at a step where 3 steps have passed counts; otherwise the memory-only
-    # snapshot comes due 3 steps after the last counted one, durable saves or not.
-    cadence = AdaptiveCadence(smoothing=1.0, headroom=0.0, initial=3, durable_saves_count=False)
-    cadence.observe_snapshot(0, 0.006, 0.001)
+def _durable_every_5(
+    cadence: AdaptiveCadence, steps: range, cost_s: float
+) -> list[tuple[int, str]]:
+    """The loop's calls with durable saves every 5 steps of 100 ms and memory snapshots
+    costing `cost_s`: what each save was."""
     taken: list[tuple[int, str]] = []
-    for step in range(1, 16):
+    for step in steps:
         cadence.observe_step(step, 0.1)
         if step % 5 == 0:
             counts = cadence.counts_durable_save(step)
             cadence.observe_durable_save(step, counted=counts)
             taken.append((step, "durable, counted" if counts else "durable, kept here"))
         elif cadence.due(step):
-            cadence.observe_snapshot(step, 0.006, 0.001)
+            cadence.observe_snapshot(step, cost_s, 0.001)
             taken.append((step, "memory"))
+    return taken
+
+
+def test_with_peer_replicas_auto_snapshots_between_durable_saves_which_stay_on_their_node() -> None:
+    # [Note: under `auto` a durable save between two snapshots stays on its node]: snapshots
+    # costing 40 ms of a 100 ms step (interval 20 at 2%), durable saves every 5 steps. With
+    # peer replicas no durable save is one of auto's snapshots: auto's own come every 20
+    # steps (the one due at a durable step a step later), each measured. Without them every
+    # durable save counts and auto's interval never comes due.
+    replicas = AdaptiveCadence(smoothing=1.0, headroom=0.0, initial=20, durable_saves_count=False)
+    taken = _durable_every_5(replicas, range(1, 101), 0.04)
+    assert replicas.interval == 20
+    assert [s for s, what in taken if what == "memory"] == [20 + 1, 41, 61, 81]
+    assert {what for s, what in taken if s % 5 == 0} == {"durable, kept here"}
+    alone = AdaptiveCadence(smoothing=1.0, headroom=0.0, initial=20)
+    taken = _durable_every_5(alone, range(1, 101), 0.04)
+    assert {what for _, what in taken} == {"durable, counted"}
+    assert cadence_for(StepInterval(), peer_replicas=True).counts_durable_save(20) is False
+    assert cadence_for(StepInterval(), peer_replicas=False).counts_durable_save(3) is True
+    assert cadence_for(StepInterval(4), peer_replicas=True).counts_durable_save(3) is True
+
+
+def test_with_peer_replicas_a_snapshot_due_at_a_durable_save_comes_a_step_later() -> None:
+    # Snapshots costing 6 ms of a 100 ms step (interval 3 at 2%), durable saves every 5.
+    cadence = AdaptiveCadence(smoothing=1.0, headroom=0.0, initial=3, durable_saves_count=False)
+    cadence.observe_snapshot(0, 0.006, 0.001)
+    taken = _durable_every_5(cadence, range(1, 17), 0.006)
     assert cadence.interval == 3
     assert taken == [
         (3, "memory"), (5, "durable, kept here"), (6, "memory"), (9, "memory"),
-        (10, "durable, kept here"), (12, "memory"), (15, "durable, counted"),
+        (10, "durable, kept here"), (12, "memory"), (15, "durable, kept here"), (16, "memory"),
     ]  # fmt: skip
 
 
