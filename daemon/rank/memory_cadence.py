@@ -35,7 +35,17 @@ for the 256 MiB job on 2 ranks (fed 19-22 ms; stall 2 ms plus a measured excess 
 `bench/snapshot_stall.py --ranks 2 --state-mib 256 --memory-every auto`), so there it changes
 nothing; `tests/daemon/rank/test_memory_cadence.py` has the case it guards against (fed 3 ms, 9
 ms lost: interval 2 and 5% by the fed cost, 5-6 and 2% with the measurement). The step after a
-snapshot is the only one compared: staging that spills into later steps is in the fed CPU time.
+snapshot is the only one compared (two with peer replicas, below): staging that spills into
+later steps is in the fed CPU time.
+[Note: a replica spills into the step after next] With peer replicas a snapshot is also sent
+to the next node once it is complete, and the previous node's arrives at the same steps (every
+rank snapshots at the same steps): 134 MB each way for the 256 MiB job, which on the 2-core VM
+slowed the step after a snapshot and the one after it (`auto` on 2x1 at `ckpt_every 5`: the
+slow steps came in pairs, 0.38-0.56 s against 0.31 s; `bench/results/recovery_big_1x2_2x1_
+steps100_warmup60_r2_50a6e99_20261205.json`), and `auto`, measuring the first alone, counted
+0.13 s a snapshot where the pair cost about twice that. So with peer replicas (`after_steps=2`)
+the excess of a snapshot is that of the two steps after it, summed (the first alone where the
+second is a durable save's, or the next snapshot's).
 At interval 1 no step is clean; the excess is then taken against the last clean steps (a
 reference that aged upwards overstates the excess and lengthens the interval, which brings
 clean steps back).
@@ -171,6 +181,8 @@ class AdaptiveCadence:
         durable_saves_count: whether a durable save is one of its snapshots (True: no peer
             replicas; False: [Note: under `auto` a durable save between two snapshots stays
             on its node]).
+        after_steps: the steps after a snapshot whose excess over the clean steps is its
+            effect (2 with peer replicas: [Note: a replica spills into the step after next]).
 
     Raises:
         ValueError: a parameter out of range (the message names it).
@@ -187,6 +199,7 @@ class AdaptiveCadence:
         hysteresis: float = 0.2,
         max_interval: int = 1000,
         durable_saves_count: bool = True,
+        after_steps: int = 1,
     ) -> None:
         if not 0 < budget_ratio < 1:
             raise ValueError(f"budget_ratio={budget_ratio}: use a share between 0 and 1")
@@ -200,6 +213,8 @@ class AdaptiveCadence:
             raise ValueError(f"headroom={headroom}: use a share in [0, 1)")
         if not 0 <= hysteresis < 1:
             raise ValueError(f"hysteresis={hysteresis}: use a share in [0, 1)")
+        if not 1 <= after_steps <= 3:
+            raise ValueError(f"after_steps={after_steps}: use 1 to 3 steps")
         self._ratio, self._smoothing, self._hysteresis = budget_ratio, smoothing, hysteresis
         self._aim = budget_ratio * (1 - headroom)
         self._min_steps, self._max = min_steps, max_interval
@@ -213,6 +228,9 @@ class AdaptiveCadence:
         self._clean_steps: collections.deque[float] = collections.deque(maxlen=_CLEAN_STEPS)
         self._excess_s: float | None = None
         self._excess_samples = 0
+        # The excess measured so far after one snapshot: (its step, seconds).
+        self._excess: tuple[int, float] | None = None
+        self._after_steps = after_steps
         self._unmeasured_step: int | None = None  # after a snapshot whose cost was left out
         self._num_steps = 0
         self._last_snapshot_step: int | None = None
@@ -267,19 +285,36 @@ class AdaptiveCadence:
         self._num_steps += 1
         last = self._last_snapshot_step
         if step == self._unmeasured_step:
-            pass  # beside a one-time cost: [Note: a slot's allocation is not a snapshot's cost]
-        elif last is not None and step == last + 1:
-            if len(self._clean_steps) >= _MIN_CLEAN_STEPS:
-                excess = step_s - statistics.median(self._clean_steps)
-                self._excess_samples += 1
-                # The first samples are averaged plainly: an average that starts at its first
-                # sample would carry it for some 20 snapshots, hundreds of steps apart.
-                weight = max(self._smoothing, 1 / self._excess_samples)
-                previous = excess if self._excess_s is None else self._excess_s
-                self._excess_s = previous + weight * (excess - previous)
+            # Beside a one-time cost ([Note: a slot's allocation is not a snapshot's cost]) or
+            # a durable save's write: what the steps before it measured stands alone.
+            self._fold_excess()
+        elif last is not None and last < step <= last + self._after_steps:
+            if step == last + 1:
+                self._fold_excess()  # an older snapshot's window, cut short by this one
+                if len(self._clean_steps) >= _MIN_CLEAN_STEPS:
+                    self._excess = (last, 0.0)
+            if self._excess is not None and self._excess[0] == last:
+                reference = statistics.median(self._clean_steps)
+                self._excess = (last, self._excess[1] + step_s - reference)
+                if step == last + self._after_steps:
+                    self._fold_excess()
         else:
+            self._fold_excess()
             self._clean_steps.append(step_s)
         self._decide()
+
+    def _fold_excess(self) -> None:
+        """Average in the excess measured after the last snapshot, if any."""
+        if self._excess is None:
+            return
+        excess = self._excess[1]
+        self._excess = None
+        self._excess_samples += 1
+        # The first samples are averaged plainly: an average that starts at its first sample
+        # would carry it for some 20 snapshots, hundreds of steps apart.
+        weight = max(self._smoothing, 1 / self._excess_samples)
+        previous = excess if self._excess_s is None else self._excess_s
+        self._excess_s = previous + weight * (excess - previous)
 
     def observe_snapshot(self, step: int, snapshot_s: float, stall_s: float) -> None:
         """Fold in one snapshot's cost and stall (and remember its step); re-evaluate.
@@ -287,6 +322,7 @@ class AdaptiveCadence:
         A non-finite cost (a snapshot that paid a one-time cost, as its slot's allocation) is
         left out, and so is the step after it.
         """
+        self._fold_excess()
         self._last_snapshot_step, self._owed = step, False
         if not (math.isfinite(snapshot_s) and math.isfinite(stall_s)):
             self._unmeasured_step = step + 1
@@ -360,5 +396,7 @@ def cadence_for(setting: StepInterval, *, peer_replicas: bool = False) -> Cadenc
             (`DaemonConfig.num_memory_replicas`).
     """
     if setting.steps is None:
-        return AdaptiveCadence(durable_saves_count=not peer_replicas)
+        if peer_replicas:
+            return AdaptiveCadence(durable_saves_count=False, after_steps=2)
+        return AdaptiveCadence()
     return FixedCadence(setting.steps)
