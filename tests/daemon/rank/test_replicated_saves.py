@@ -3,7 +3,6 @@ snapshots stays on its node] in `daemon/rank/memory_cadence.py`."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -17,21 +16,16 @@ pytestmark = pytest.mark.slow
 def _saves(
     rank: int, world_size: int, root: str, memory_dir: str
 ) -> tuple[list[tuple[int, bool, bool]], dict[int, bool], list[Any]]:
-    import torch
-
     from ckpt_manager import CheckpointManager
     from ckpt_manager.memory_slots import SlotFiles
-    from daemon._config_load import load_config
-    from daemon.jobs.default_job import build
-    from daemon.jobs.job import JobContext
     from daemon.rank import loop
     from daemon.rank.memory_cadence import FixedCadence
     from daemon.rank.telemetry import NullTelemetry
-    from daemon.rundir.control import RankControl
+    from tests.daemon.rank._memory_loop import memory_tier_run
 
     class _DueEveryThird(FixedCadence):
-        """Every third step, and a durable save counts only at one of those (as `auto` with
-        peer replicas does at its interval)."""
+        """Every third step, and a durable save counts only at one of those: a cadence that
+        counts some durable saves and not others, so the loop's verdict per save shows."""
 
         def counts_durable_save(self, step: int) -> bool:
             return self.due(step)
@@ -51,24 +45,9 @@ def _saves(
 
     loop.cadence_for = cadence_for  # type: ignore[assignment]
     CheckpointManager.save = recording_save  # type: ignore[method-assign]
-    cfg = load_config(
-        {
-            "ckpt_uri": f"{root}/ckpt",
-            "max_steps": "8",
-            "ckpt_every": "2",
-            "memory_every": "3",
-            "memory_dir": memory_dir,
-            "run_id": "replicate",
-            "device": "cpu",
-        },
-        env={},
+    cfg, job, control = memory_tier_run(
+        rank, world_size, root, memory_dir, run_id="replicate", ckpt_every=2, memory_every=3
     )
-    cfg.memory_tier_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    job = dataclasses.replace(
-        build(JobContext(rank=rank, world_size=world_size, seed=0)), sample=None
-    )
-    control: Any = RankControl(None, graceful_signals=False)
     loop.run_training(cfg, job, telemetry=NullTelemetry(), control=control)
     metas = SlotFiles(str(cfg.memory_tier_dir), rank).read_metas()
     held = {int(m["step"]): m.get("replicate", True) for m in metas.values() if isinstance(m, dict)}

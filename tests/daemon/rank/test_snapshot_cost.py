@@ -7,10 +7,8 @@ CPU time, which takes a core from training where every core trains.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -36,14 +34,10 @@ def _fed_and_stalls(
     rank: int, world_size: int, root: str, memory_dir: str, every: int = 1
 ) -> tuple[list[tuple[float, float]], list[float], list[tuple[int, bool]]]:
     import structlog
-    import torch
 
-    from daemon._config_load import load_config
-    from daemon.jobs.default_job import build
-    from daemon.jobs.job import JobContext
     from daemon.rank import loop
     from daemon.rank.memory_cadence import FixedCadence
-    from daemon.rundir.control import RankControl
+    from tests.daemon.rank._memory_loop import memory_tier_run
 
     fed: list[tuple[float, float]] = []
 
@@ -52,25 +46,10 @@ def _fed_and_stalls(
             fed.append((snapshot_s, stall_s))
 
     loop.cadence_for = lambda interval, **_: _Recording(every)  # type: ignore[assignment]
-    cfg = load_config(
-        {
-            "ckpt_uri": f"{root}/ckpt",
-            "max_steps": "8",
-            "ckpt_every": "0",
-            "memory_every": str(every),
-            "memory_dir": memory_dir,
-            "run_id": "cost",
-            "device": "cpu",
-        },
-        env={},
-    )
-    cfg.memory_tier_dir.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    job = dataclasses.replace(
-        build(JobContext(rank=rank, world_size=world_size, seed=0)), sample=None
+    cfg, job, control = memory_tier_run(
+        rank, world_size, root, memory_dir, run_id="cost", ckpt_every=0, memory_every=every
     )
     telemetry = _Stalls()
-    control: Any = RankControl(None, graceful_signals=False)
     with structlog.testing.capture_logs() as events:
         loop.run_training(cfg, job, telemetry=telemetry, control=control)
     allocated = [
