@@ -37,6 +37,10 @@ nothing; `tests/daemon/rank/test_memory_cadence.py` has the case it guards again
 ms lost: interval 2 and 5% by the fed cost, 5-6 and 2% with the measurement). The step after a
 snapshot is the only one compared (two with peer replicas, below): staging that spills into
 later steps is in the fed CPU time.
+At interval 1 no step is clean; the excess is then taken against the last clean steps (a
+reference that aged upwards overstates the excess and lengthens the interval, which brings
+clean steps back).
+
 [Note: a replica spills into the step after next] With peer replicas a snapshot is also sent
 to the next node once it is complete, and the previous node's arrives at the same steps (every
 rank snapshots at the same steps): 134 MB each way for the 256 MiB job, which on the 2-core VM
@@ -45,10 +49,9 @@ slow steps came in pairs, 0.38-0.56 s against 0.31 s; `bench/results/recovery_bi
 steps100_warmup60_r2_50a6e99_20261205.json`), and `auto`, measuring the first alone, counted
 0.13 s a snapshot where the pair cost about twice that. So with peer replicas (`after_steps=2`)
 the excess of a snapshot is that of the two steps after it, summed (the first alone where the
-second is a durable save's, or the next snapshot's).
-At interval 1 no step is clean; the excess is then taken against the last clean steps (a
-reference that aged upwards overstates the excess and lengthens the interval, which brings
-clean steps back).
+second is a durable save's, or the next snapshot's). Measured after it: the default job on 2x1
+at 0.99-1.01x its tier-off mean step, the 256 MiB job at 1.04-1.05x, whose slow steps are not
+all `auto`'s (BENCHMARKS.md, "auto and peer replicas").
 
 A durable save snapshots the state into memory too (the durable tier is written from that
 snapshot), so the loop tells the cadence of each one (`observe_durable_save`): the interval
@@ -73,6 +76,12 @@ over it), and `auto`'s own snapshots, memory-only and replicated, are measured i
 after them like any other (with `ckpt_every 0` there, every 25 steps for 1.00x the tier-off
 mean: `bench/recovery.py --jobs big --topologies 2x1 --ckpt-every 0`). A fixed
 `memory_every N` replicates every snapshot.
+
+[Note: ranks must agree on the interval] A memory step counts only when every rank holds it, so
+every rank must snapshot at the same steps. The class is deterministic: fed the same numbers in
+the same order, every rank holds the same interval. Feed it values all ranks agree on, e.g. the
+step time and the largest snapshot cost over the ranks from the per-step all-reduce, never a
+rank's own clock alone.
 """
 
 from __future__ import annotations
