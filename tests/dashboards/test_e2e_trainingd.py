@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from daemon.agent.semaphores import held_semaphores, unlink_named
 from daemon.data import write_token_file
 from daemon.metrics import CATALOG
 from tests.dashboards import _promql as promql
@@ -159,9 +160,7 @@ class Daemon:
             try:
                 self.proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
+                self.kill()
         # Any straggler of this run's session (worker, writer) goes too.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -169,12 +168,17 @@ class Daemon:
 
     def kill(self) -> None:
         """SIGKILL at once, for a teardown that checks nothing of the ending: the ranks see
-        their daemon gone and kill their own groups (tested in tests/daemon/test_e2e.py)."""
+        their daemon gone and kill their own groups (tested in tests/daemon/test_e2e.py). The
+        named semaphores the daemon held are unlinked after it, as its killed resource tracker
+        would have ([Note: a group SIGKILL leaves multiprocessing's semaphores] in
+        `daemon/agent/semaphores.py`)."""
         if self.proc is None:
             return
+        held = held_semaphores(maps=pathlib.Path(f"/proc/{self.proc.pid}/maps"))
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
+        unlink_named(held)
 
 
 @pytest.fixture(scope="module")

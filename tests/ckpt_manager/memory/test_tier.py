@@ -63,6 +63,8 @@ def test_config_and_api_checks(tmp_path: pathlib.Path) -> None:
     with CheckpointManager(str(tmp_path / "off"), CheckpointConfig(), run_id="r") as mgr:
         with pytest.raises(ValueError, match=r"durable=False.*memory tier is off"):
             mgr.save(1, {"t": torch.ones(2)}, durable=False)
+        with pytest.raises(ValueError, match="replicate must be True or False, got 'no'"):
+            mgr.save(1, {"t": torch.ones(2)}, replicate="no")  # type: ignore[arg-type]
         assert mgr.stats().num_memory_snapshots == 0
 
 
