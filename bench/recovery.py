@@ -67,7 +67,7 @@ from typing import Any
 
 import structlog
 from _common import MIB, machine_conditions, markdown_table, print_json
-from _recovery import machine, rounds, stats
+from _recovery import host, machine, rounds, stats
 from _recovery.s3count import CountingS3
 
 from tests.support.s3 import isolate_aws_environment
@@ -325,9 +325,27 @@ def _keys(
             for name, row in by_median.items()
             if "auto_ratio" in row
         },
+        stretch_host=_stretch_host(results),
     )  # fmt: skip
     keys["replica_throughput_vs_loopback"] = _replica_figure(results, loopback_bps, replica_path)
     return keys
+
+
+def _stretch_host(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """What the host did in the step rounds' measured stretches, per job, topology and
+    setting: the rank processes' system CPU seconds and the MiB the guest reported to its
+    hypervisor ([Note: a guest that hands freed memory back] in `_recovery/host.py`)."""
+    out: dict[str, dict[str, Any]] = {}
+    for r in _select(results, failure="rank"):
+        found = r.get("stretch_host")
+        if not found:
+            continue
+        spec = r["spec"]
+        row = out.setdefault(f"{spec['job_name']}-{spec['topology']}-mem{spec['memory_every']}", {})
+        for name in ("rank_system_cpu_s", "reported_to_host_mib"):
+            if found.get(name) is not None:
+                row.setdefault(name, []).append(found[name])
+    return {name: {k: stats.spread(v) for k, v in row.items()} for name, row in sorted(out.items())}
 
 
 def _replica_figure(
@@ -451,7 +469,7 @@ def main() -> int:
     )
     isolate_aws_environment()
     rng = random.Random(args.seed)
-    before = machine_conditions()
+    before = {**machine_conditions(), "free_page_reporting": host.page_reporting()}
     started = time.monotonic()
     specs = _plan(args)
     results = []
@@ -490,7 +508,7 @@ def main() -> int:
         "args": vars(args),
         "wall_s": round(time.monotonic() - started, 1),
         "machine_before": before,
-        "machine_after": machine_conditions(),
+        "machine_after": {**machine_conditions(), "free_page_reporting": host.page_reporting()},
     }
     if args.json:
         print_json(report)

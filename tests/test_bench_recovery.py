@@ -1,6 +1,7 @@
-"""The pure parts of `bench/recovery.py` (`bench/_recovery/progress.py`, `stats.py`): the
-arithmetic of a kill sample from progress files and `restored` lines, spreads, histogram
-quantiles and verdicts. The bench itself is not run here (minutes of daemons)."""
+"""The pure parts of `bench/recovery.py` (`bench/_recovery/progress.py`, `stats.py`,
+`host.py`): the arithmetic of a kill sample from progress files and `restored` lines, spreads,
+histogram quantiles and verdicts, what the host did during a stretch. The bench itself is not
+run here (minutes of daemons)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from _recovery import job, progress, stats
+from _recovery import host, job, progress, stats
 
 
 def _write(directory: Path, rank: int, pid: int, restart: int, times: list[float]) -> None:
@@ -270,3 +271,57 @@ def test_the_memcpy_reference_runs_at_the_threads_asked_and_leaves_torchs_pool_a
 def test_histograms_from_json_add_bucket_by_bucket_under_float_bounds() -> None:
     merged = stats.merge_histograms([{"0.005": 3.0, "inf": 4.0}, {"0.005": 1.0, "inf": 1.0}, {}])
     assert merged == {0.005: 4.0, float("inf"): 5.0}
+
+
+def test_the_stretch_probe_counts_a_processs_cpu_and_the_memory_its_guest_reported(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+
+    import recovery  # bench/recovery.py
+
+    (tmp_path / "reported_kib").write_text("1000\n")
+    (tmp_path / "page_reporting_order").write_text("9\n")
+    (tmp_path / "free_bitmap_enable").write_text("Y\n")
+    assert host.page_reporting(tmp_path) == {
+        "free_bitmap_enable": "Y", "page_reporting_order": 9, "reported_kib": 1000,
+    }  # fmt: skip
+    assert host.page_reporting(tmp_path / "absent") is None
+    # A process that touches 256 MiB of fresh pages and runs some user code between the
+    # probe's two ends, then waits to be told to exit; one that is gone by then is left out.
+    code = (
+        "import sys\nsys.stdin.readline()\nb = bytearray(256 << 20)\n"
+        "for i in range(0, len(b), 4096): b[i] = 1\nsum(range(10**6))\n"
+        "print('done', flush=True)\nsys.stdin.readline()\n"
+    )
+    busy = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert busy.stdin is not None
+    assert busy.stdout is not None
+    try:
+        probe = host.StretchProbe([busy.pid, gone.pid], tmp_path)
+        busy.stdin.write("go\n")
+        busy.stdin.flush()
+        assert busy.stdout.readline() == "done\n"
+        (tmp_path / "reported_kib").write_text("3048\n")
+        out = probe.end()
+    finally:
+        busy.stdin.close()
+        busy.wait(timeout=60)
+    assert out["rank_processes"] == 1
+    assert out["rank_minor_faults"] >= (256 << 20) // 4096 // 2
+    assert out["rank_user_cpu_s"] + out["rank_system_cpu_s"] > 0
+    assert out["reported_to_host_mib"] == 2.0
+    # The report's summary, per job, topology and setting.
+    rounds = [
+        {"spec": {"failure": "rank", "topology": "2x1", "job_name": "big", "memory_every": m},
+         "kills": [], "stretch_host": {"rank_system_cpu_s": s, "reported_to_host_mib": r}}
+        for m, s, r in (("0", 3.0, 10.0), ("auto", 3.5, 300.0), ("auto", 3.7, None))
+    ]  # fmt: skip
+    summary = recovery._stretch_host(rounds)
+    assert summary["big-2x1-memauto"]["rank_system_cpu_s"]["median"] == pytest.approx(3.6)
+    assert summary["big-2x1-memauto"]["reported_to_host_mib"]["n"] == 1
+    assert summary["big-2x1-mem0"]["reported_to_host_mib"]["median"] == 10.0

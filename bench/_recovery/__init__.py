@@ -8,5 +8,7 @@
 - `s3count`: moto's S3 server behind a counter of the object bytes it serves (the durable
   root of the node-loss rounds: what a restore read from storage, counted by the storage);
 - `machine`: the machine's memcpy rate and a plain TCP copy on loopback;
+- `host`: what the host did during a measured stretch (the ranks' user and system CPU, their
+  page faults, the memory a guest handed back to its hypervisor);
 - `rounds`: drives `trainingd run` daemons from outside (start, kill, replace, stop).
 """

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _recovery import job, machine, progress
+from _recovery import host, job, machine, progress
 from _recovery.s3count import CountingS3
 from tests.daemon._daemon_proc import DaemonProc, Samples, wait_for
 from tests.support.dist import free_port
@@ -239,6 +239,7 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
         # cost each rank process pays once), apart from the measured stretch's: the ranks
         # publish it every `--publish-interval-s` (0.5 s), so it is read a second after.
         first = r.wait_started_after(0.0, spec.warmup_steps + 1, _START_TIMEOUT_S)
+        probe = host.StretchProbe(pid for d in r.nodes for pid in d.rank_pids())
         time.sleep(1.0)
         warmup = _stall_buckets(r.nodes)
         first = r.wait_incarnation(
@@ -247,6 +248,7 @@ def run_round(spec: RoundSpec, workdir: Path, rng: random.Random, s3: CountingS3
         out["step_times_s"] = progress.step_times(first, skip=spec.warmup_steps)[
             : spec.measure_steps
         ]
+        out["stretch_host"] = probe.end()
         whole = _stall_buckets(r.nodes)
         out["snapshot_seconds_buckets"] = {
             le: count - warmup.get(le, 0.0) for le, count in whole.items()
