@@ -41,7 +41,11 @@ the rank's threads: [Note: a memcpy of the rank's state is the rank's own] in
 `_recovery/machine.py`'s `replica_path_vs_loopback`, against a plain TCP
 copy, interleaved, both on the idle machine; the 2x1 rounds' rate while the ranks train beside it;
 `unavailable: ...` where the daemon has no peer replicas). The machine's memcpy rate and
-loopback TCP rate are measured in the same run.
+loopback TCP rate are measured in the same run. Each round also says what the host did in its
+measured stretch (`stretch_host`: the rank processes' user and system CPU seconds, page
+faults, the MiB a guest reported to its hypervisor; per job, topology and setting in
+`auto_step_inflation`), and `machine_before` / `machine_after` the guest's free page reporting
+settings ([Note: a guest that hands freed memory back] in `_recovery/host.py`).
 
     .venv/bin/python bench/recovery.py --quick          # smoke run: 3 kills, default job
     .venv/bin/python bench/recovery.py --json           # the full run (see --help)

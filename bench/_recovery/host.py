@@ -4,18 +4,21 @@ its hypervisor (free page reporting), so a step-time ratio comes with what the m
 beside it.
 
 [Note: a guest that hands freed memory back] The development VM is a Firecracker guest whose
-virtio-balloon reports free memory to the host as soon as it is free
-(`/sys/module/page_reporting/parameters`: `page_reporting_order` 9, i.e. 2 MiB blocks, and
-`min_free_ms` 0); the host discards those pages, and the next allocation that lands on one
-faults into the hypervisor. A rank's training thread then spends 0.1-0.28 s of system time
-in one step zeroing freshly allocated pages (`perf`: `clear_page_erms` under
+virtio-balloon reports free memory to the host (`/sys/module/page_reporting/parameters`:
+`page_reporting_order` 9, i.e. 2 MiB blocks, `min_free_ms` 0), in bursts that come and go
+with the host, it seems; the host discards those pages, and the next allocation that lands on
+one faults into the hypervisor. A rank's training thread then spends 0.1-0.28 s of system
+time in one step zeroing freshly allocated pages (`perf`: `clear_page_erms` under
 `get_page_from_freelist`, from a `fill_` of new gradient memory: 2.3% of the rank processes'
 samples under `auto` against 0.3% with the tier off). On the 256 MiB job on 2x1 at
 `ckpt_every 5`, 100-step stretches under `auto` saw 318-388 MiB reported to the host and 7-8
-such steps, the tier-off stretches beside them 10-12 MiB and none (3 pairs). Where that memory
-comes from was not found: the ranks' page faults, and the pages each process freed (`perf`'s
-`kmem` tracepoints), were the same in both settings. Bare metal and VMs without free page
-reporting have no such cost; the bench records both, so a report says which machine it ran on.
+such steps, the tier-off stretches beside them 10-12 MiB and none (2 pairs). Where that
+memory comes from was not found: the ranks' page faults, and the pages each process freed
+(`perf`'s `kmem` tracepoints), were the same in both settings. An hour later, with the host
+quiet (0-6 MiB a stretch), `auto` spent as much system time as the tier off and no step
+spiked, while a tier-off stretch that reported 776 MiB had 1-1.8 s steps. Bare metal and VMs
+without free page reporting have no such cost; the bench records both, so a report says
+which machine it ran on.
 """
 
 from __future__ import annotations
