@@ -45,7 +45,9 @@ loopback TCP rate are measured in the same run. Each round also says what the ho
 measured stretch (`stretch_host`: the rank processes' user and system CPU seconds, page
 faults, the MiB a guest reported to its hypervisor; per job, topology and setting in
 `auto_step_inflation`), and `machine_before` / `machine_after` the guest's free page reporting
-settings ([Note: a guest that hands freed memory back] in `_recovery/host.py`).
+settings ([Note: a guest that hands freed memory back] in `_recovery/host.py`). A repetition
+with a round that stalled (a step of 10x its median or more) is left out of the step keys and
+named in them ([Note: a stalled stretch is left out, by name]).
 
     .venv/bin/python bench/recovery.py --quick          # smoke run: 3 kills, default job
     .venv/bin/python bench/recovery.py --json           # the full run (see --help)
@@ -77,6 +79,9 @@ from _recovery.s3count import CountingS3
 from tests.support.s3 import isolate_aws_environment
 
 _OFF, _ON, _AUTO = "0", "1", "auto"
+STALL_FACTOR = 10.0
+"""A step this many times its round's median or longer is the machine stopping, not a cost of
+the tier ([Note: a stalled stretch is left out, by name])."""
 _WARM, _SPAWN = "fork_server", "spawn"
 
 
@@ -148,8 +153,40 @@ def _kills(results: list[dict[str, Any]], key: str, **match: str) -> list[float]
     return [float(k[key]) for k in rows if k.get(key) is not None]
 
 
+def _disturbed(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The step rounds whose measured stretch holds a step of `STALL_FACTOR` times its median
+    step or more, with that step and the median.
+
+    [Note: a stalled stretch is left out, by name] A snapshot, a replica or a durable save
+    costs a step a fraction of itself to a few times itself; a step of seconds in a round is
+    the machine stopping (a tier-off round on this VM stalled 34 s in one step, another took
+    1-1.8 s steps while the guest's memory went back to its host: BENCHMARKS "Where `auto`'s
+    2x1 cost goes on this VM"), and its ratio says nothing of the tier: the step keys then
+    read 0.455 for `auto` / off. The step keys leave out every repetition that has such a
+    round, whatever its setting, and list the rounds (`disturbed`) so that one of the tier's
+    own is seen."""
+    out = []
+    for r in _select(results, failure="rank"):
+        times = r.get("step_times_s") or []
+        if not times:
+            continue
+        median, longest = statistics.median(times), max(times)
+        if longest >= STALL_FACTOR * median:
+            spec = r["spec"]
+            out.append({
+                "job": spec["job_name"], "topology": spec["topology"],
+                "repeat": int(spec.get("repeat", 0)), "memory_every": spec["memory_every"],
+                "longest_step_s": round(longest, 3), "median_step_s": round(median, 4),
+            })  # fmt: skip
+    return out
+
+
 def _step_s(
-    results: list[dict[str, Any]], statistic: Any = statistics.fmean, **match: str
+    results: list[dict[str, Any]],
+    statistic: Any = statistics.fmean,
+    *,
+    skip: frozenset[tuple[str, str, int]] = frozenset(),
+    **match: str,
 ) -> dict[tuple[str, str, int], float]:
     """Step time per (job, topology, repetition) of the matching rounds: the mean (the
     measured stretch's wall time over its steps), or `statistic` of the step times.
@@ -158,13 +195,15 @@ def _step_s(
     pays. A median passes over the one step in n that a snapshot, or a replica of a durable
     save, slows: the 256 MiB job on 2x1 at `ckpt_every 5` stepped 0.999x the tier-off median
     under `auto` and 1.071x its mean (`bench/results/recovery_big_2x1_steps60_26d7554_20261205
-    .json`). The medians stay beside them (`by_median`)."""
+    .json`). The medians stay beside them (`by_median`). Repetitions in `skip` are left out
+    ([Note: a stalled stretch is left out, by name])."""
     out = {}
     for r in _select(results, **match):
         if r.get("step_times_s"):
             spec = r["spec"]
             key = (spec["job_name"], spec["topology"], int(spec.get("repeat", 0)))
-            out[key] = statistic(r["step_times_s"])
+            if key not in skip:
+                out[key] = statistic(r["step_times_s"])
     return out
 
 
@@ -254,9 +293,13 @@ def _keys(
         num_snapshots=buckets.get(float("inf"), 0.0),
         warmup_buckets={str(le): n for le, n in sorted(warmup.items())},
     )  # fmt: skip
-    off, on, auto = (_step_s(results, memory_every=m, failure="rank") for m in (_OFF, _ON, _AUTO))
+    disturbed = _disturbed(results)
+    skip = frozenset((d["job"], d["topology"], d["repeat"]) for d in disturbed)
+    off, on, auto = (
+        _step_s(results, memory_every=m, failure="rank", skip=skip) for m in (_OFF, _ON, _AUTO)
+    )
     off_median, on_median, auto_median = (
-        _step_s(results, statistics.median, memory_every=m, failure="rank")
+        _step_s(results, statistics.median, memory_every=m, failure="rank", skip=skip)
         for m in (_OFF, _ON, _AUTO)
     )
     by_median: dict[str, dict[str, list[float]]] = {}
@@ -306,7 +349,8 @@ def _keys(
         how="(mean step at memory_every 1 - at 0) / (state bytes / memcpy rate, the rank's "
         "threads) of the largest state's job (last topology), median over the interleaved "
         "repetitions; the plain ratios in step_time_ratio, the same extra time in memcpys on "
-        "all cores in in_all_threads_memcpys, the ratios of median steps in by_median",
+        "all cores in in_all_threads_memcpys, the ratios of median steps in by_median; a "
+        "repetition with a stalled round left out (disturbed)",
         step_time_ratio={f"{j}-{t}": stats.spread(v) for (j, t), v in on_ratios.items()},
         in_all_threads_memcpys=(
             stats.spread(largest_all_threads) if largest_all_threads else None
@@ -315,6 +359,7 @@ def _keys(
         by_median={
             name: {k: stats.spread(v) for k, v in row.items()} for name, row in by_median.items()
         },
+        disturbed=disturbed,
     )  # fmt: skip
     worst = max(auto_ratios.values(), key=statistics.median, default=[])
     keys["auto_step_inflation"] = stats.figure(
@@ -322,7 +367,8 @@ def _keys(
         unit="ratio", judge_bad_end=True,
         how="mean step at memory_every auto / at 0 (adjacent rounds; [Note: step keys on "
         "mean steps]), median over the interleaved repetitions, worst job and topology; the "
-        "ratios of median steps in by_median",
+        "ratios of median steps in by_median; a repetition with a stalled round left out "
+        "(disturbed)",
         per_setting={f"{j}-{t}": stats.spread(v) for (j, t), v in auto_ratios.items()},
         by_median={
             name: stats.spread(row["auto_ratio"])
@@ -330,6 +376,7 @@ def _keys(
             if "auto_ratio" in row
         },
         stretch_host=_stretch_host(results),
+        disturbed=disturbed,
     )  # fmt: skip
     keys["replica_throughput_vs_loopback"] = _replica_figure(results, loopback_bps, replica_path)
     return keys

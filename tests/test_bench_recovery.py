@@ -325,3 +325,38 @@ def test_the_stretch_probe_counts_a_processs_cpu_and_the_memory_its_guest_report
     assert summary["big-2x1-memauto"]["rank_system_cpu_s"]["median"] == pytest.approx(3.6)
     assert summary["big-2x1-memauto"]["reported_to_host_mib"]["n"] == 1
     assert summary["big-2x1-mem0"]["reported_to_host_mib"]["median"] == 10.0
+
+
+def test_a_repetition_with_a_stalled_round_is_left_out_of_the_step_keys_by_name() -> None:
+    import recovery  # bench/recovery.py
+
+    def step_round(memory: str, repeat: int, times: list[float]) -> dict:
+        spec = {
+            "failure": "rank", "topology": "2x1", "job_name": "big", "memory_every": memory,
+            "repeat": repeat,
+        }  # fmt: skip
+        return {"spec": spec, "kills": [], "step_times_s": times, "state_bytes_per_rank": 10**8}
+
+    steady = [0.30] * 20
+    results = [
+        *(step_round(m, 0, [0.30] * 20) for m in ("0", "1")),
+        step_round("auto", 0, [0.306] * 20),
+        *(step_round(m, 1, [0.30] * 20) for m in ("1", "auto")),
+        # The tier-off round of the second repetition stops for 9 s in one step (30 x its
+        # median): its mean would make `auto` look 2.4x faster.
+        step_round("0", 1, [*steady[:19], 9.0]),
+        # 5 x its median: slow, not a stall; it stays.
+        *(step_round(m, 2, [0.30] * 20) for m in ("1", "auto")),
+        step_round("0", 2, [*steady[:19], 1.5]),
+    ]
+    keys = recovery._keys(results, memcpy_bps=5e9, loopback_bps=1e9, replica_path=None)
+    auto = keys["auto_step_inflation"]
+    assert auto["disturbed"] == [
+        {"job": "big", "topology": "2x1", "repeat": 1, "memory_every": "0",
+         "longest_step_s": 9.0, "median_step_s": 0.3},
+    ]  # fmt: skip
+    assert auto["per_setting"]["big-2x1"]["n"] == 2  # repetitions 0 and 2
+    assert auto["per_setting"]["big-2x1"]["min"] == pytest.approx(0.30 / 0.36)
+    assert auto["per_setting"]["big-2x1"]["max"] == pytest.approx(1.02)
+    assert keys["memory_every_1_step_inflation"]["disturbed"] == auto["disturbed"]
+    assert keys["memory_every_1_step_inflation"]["step_time_ratio"]["big-2x1"]["n"] == 2
