@@ -382,6 +382,11 @@ def _keys(
     return keys
 
 
+def _machine() -> dict[str, Any]:
+    """The machine's conditions, with the guest's free page reporting settings (None without)."""
+    return {**machine_conditions(), "free_page_reporting": host.page_reporting()}
+
+
 def _stretch_host(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """What the host did in the step rounds' measured stretches, per job, topology and
     setting: the rank processes' system CPU seconds and the MiB the guest reported to its
@@ -520,7 +525,7 @@ def main() -> int:
     )
     isolate_aws_environment()
     rng = random.Random(args.seed)
-    before = {**machine_conditions(), "free_page_reporting": host.page_reporting()}
+    before = _machine()
     started = time.monotonic()
     specs = _plan(args)
     results = []
@@ -559,7 +564,7 @@ def main() -> int:
         "args": vars(args),
         "wall_s": round(time.monotonic() - started, 1),
         "machine_before": before,
-        "machine_after": {**machine_conditions(), "free_page_reporting": host.page_reporting()},
+        "machine_after": _machine(),
     }
     if args.json:
         print_json(report)
