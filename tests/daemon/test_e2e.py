@@ -450,10 +450,16 @@ def test_a_lost_node_resumes_from_its_peer_replica_without_reading_storage(
     assert not nodes[0].find("root_checks_skipped")
     # The fresh node's rank is whichever global rank the new round gave it (the rendezvous
     # may swap them): it fetched that rank's state, which holds the held step.
-    (steps,) = fetched[0]["steps"].values()
+    ((fresh_rank, steps),) = fetched[0]["steps"].items()
     assert held_after in steps, fetched
+    # The survivor restores its own snapshot when it kept its rank, and the replica it holds of
+    # rank 1 when the rendezvous gave it rank 1 (ranks follow the daemons' pids, which a
+    # machine that has wrapped its pids orders either way): from node 0's memory either way.
+    kept_rank = fresh_rank == "1"
     survivor = [e for e in nodes[0].find("restored") if int(e["restart"]) >= 1]
-    assert [(e["source"], int(e["ckpt_step"])) for e in survivor] == [("memory", held_after)]
+    assert [(e["source"], int(e["ckpt_step"]), int(e["rank"])) for e in survivor] == [
+        ("memory" if kept_rank else "replica", held_after, 0 if kept_rank else 1)
+    ]
     # Nothing durable existed to restore from: the only commit is the final step.
     assert committed_steps(root) == [8]
     # Every exit the daemons saw left their memory dirs empty.
