@@ -17,7 +17,7 @@ PYTEST_PARALLEL ?= -n 6 --dist loadfile
 SYSTEM_TOOLS := promtool prometheus chromium systemd-analyze tmux etcd
 SYSTEM_PACKAGES := prometheus chromium systemd tmux etcd-server
 
-.PHONY: venv system-tools stop-packaged-services run test lint format clean bench
+.PHONY: venv system-tools stop-packaged-services run test lint format clean bench device-wheels
 
 venv: $(STAMP)
 
@@ -28,6 +28,22 @@ $(STAMP): pyproject.toml ckpt_manager/_save/_streaming_copy.c
 		$(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) $(TORCH_PIN)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
+
+# The packages the device machine's image lacks (it has torch, numpy, fsspec, prometheus-client
+# and rich; s3fs is imported only for s3:// roots), as wheels for its Python 3.12 on x86-64, at
+# the versions this venv holds: the device check carries `.whl` (BENCHMARKS.md, "The device run").
+DEVICE_WHEELS := structlog isal crc32c
+DEVICE_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+
+device-wheels: venv
+	rm -rf .whl && mkdir .whl
+	for p in $(DEVICE_WHEELS); do \
+		v=$$($(BIN)/python -c "import importlib.metadata as m; print(m.version('$$p'))") || exit 1; \
+		$(BIN)/python -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+			--python-version 3.12 --implementation cp $(addprefix --platform ,$(DEVICE_PLATFORMS)) \
+			-d .whl "$$p==$$v" || exit 1; \
+	done
+	ls .whl
 
 run: venv
 	$(BIN)/trainingd run $(RUN_ARGS)
