@@ -57,6 +57,8 @@ named in them ([Note: a stalled stretch is left out, by name]).
         --measure-steps 150 --step-rounds 3                # the step keys, interleaved
     .venv/bin/python bench/recovery.py --jobs big --topologies 1x2 --kills 0 --node-kills 0 \
         --measure-steps 150 --step-rounds 3 --ckpt-every 0 # the memory tier's own step cost
+    .venv/bin/python bench/recovery.py --jobs big --kills 0 --node-kills 0 --step-rounds 4 \
+        --budget-s 400                                     # as many repetitions as fit
 """
 
 from __future__ import annotations
@@ -83,6 +85,34 @@ STALL_FACTOR = 10.0
 """A step this many times its round's median or longer is the machine stopping, not a cost of
 the tier ([Note: a stalled stretch is left out, by name])."""
 _WARM, _SPAWN = "fork_server", "spawn"
+
+
+def _blocks(specs: list[rounds.RoundSpec]) -> list[list[rounds.RoundSpec]]:
+    """The plan in runs of one job's repetition (`--step-rounds`' passes, the first with its
+    kills and today's path) or its node-loss rounds, in order: what `--budget-s` runs or
+    leaves whole."""
+    blocks: list[list[rounds.RoundSpec]] = []
+    for spec in specs:
+        key = (spec.job_name, spec.failure, spec.repeat)
+        if blocks and (blocks[-1][0].job_name, blocks[-1][0].failure, blocks[-1][0].repeat) == key:
+            blocks[-1].append(spec)
+        else:
+            blocks.append([spec])
+    return blocks
+
+
+def _fits(
+    block: list[rounds.RoundSpec],
+    results: list[dict[str, Any]],
+    elapsed_s: float,
+    budget_s: float | None,
+) -> bool:
+    """Whether `block` ends within `budget_s` if each of its rounds takes as long as the
+    longest so far (the first block always runs: nothing says how long a round takes)."""
+    if budget_s is None or not results:
+        return True
+    longest = max(r["wall_s"] for r in results)
+    return elapsed_s + len(block) * longest <= budget_s
 
 
 def _plan(args: argparse.Namespace) -> list[rounds.RoundSpec]:
@@ -508,7 +538,16 @@ def main() -> int:
         help="durable root of the rank-kill rounds: local disk (the default) or the loopback S3 "
         "server (as a production run's object store; node-loss rounds always use S3)",
     )
+    parser.add_argument(
+        "--budget-s", type=float, default=None,
+        help="seconds for the rounds (default: none): a repetition (one job's rounds of one "
+        "--step-rounds pass, or the node-loss rounds) starts only if its rounds, each as long "
+        "as the longest so far, end within it; the rest are listed in the JSON's not_run. The "
+        "machine references after the rounds take 20-30 s more (256 MiB copies and transfers)",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.budget_s is not None and args.budget_s <= 0:
+        parser.error(f"--budget-s must be > 0, got {args.budget_s}")
     if args.ckpt_every == 0 and (args.kills or args.node_kills):
         parser.error(
             "--ckpt-every 0 leaves the tier-off rounds nothing to recover from: "
@@ -531,13 +570,19 @@ def main() -> int:
     results = []
     needs_s3 = args.rank_durable == "s3" or any(s.failure == "node" for s in specs)
     s3 = CountingS3().start() if needs_s3 else None
+    not_run: list[str] = []
     try:
         with tempfile.TemporaryDirectory(prefix="recovery-") as tmp:
-            for spec in specs:
-                print(f"round {spec.name} ...", file=sys.stderr)
-                on_s3 = spec.failure == "node" or args.rank_durable == "s3"
-                uses_s3 = s3 if on_s3 else None
-                results.append(rounds.run_round(spec, Path(tmp), rng, uses_s3))
+            for block in _blocks(specs):
+                elapsed = time.monotonic() - started
+                if not_run or not _fits(block, results, elapsed, args.budget_s):
+                    not_run.extend(spec.name for spec in block)
+                    continue
+                for spec in block:
+                    print(f"round {spec.name} ...", file=sys.stderr)
+                    on_s3 = spec.failure == "node" or args.rank_durable == "s3"
+                    uses_s3 = s3 if on_s3 else None
+                    results.append(rounds.run_round(spec, Path(tmp), rng, uses_s3))
     finally:
         if s3 is not None:
             s3.stop()
@@ -561,6 +606,7 @@ def main() -> int:
         "loopback_cached_tcp_bytes_per_s": machine.loopback_cached_tcp_bytes_per_s(state),
         "reference_bytes": state,
         "rounds": results,
+        "not_run": not_run,
         "args": vars(args),
         "wall_s": round(time.monotonic() - started, 1),
         "machine_before": before,
@@ -574,6 +620,8 @@ def main() -> int:
     print(f"memcpy {memcpy_bps / 1e9:.2f} GB/s (all threads {memcpy_all_threads_bps / 1e9:.2f}), ")
     print(f"loopback TCP {loopback_bps / 1e9:.2f} GB/s")
     print(f"{report['wall_s']} s, load {report['machine_after']['loadavg_1_5_15']}")
+    if not_run:
+        print(f"not run (--budget-s {args.budget_s:g}): {', '.join(not_run)}")
     return 0
 
 

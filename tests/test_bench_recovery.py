@@ -360,3 +360,34 @@ def test_a_repetition_with_a_stalled_round_is_left_out_of_the_step_keys_by_name(
     assert auto["per_setting"]["big-2x1"]["max"] == pytest.approx(1.02)
     assert keys["memory_every_1_step_inflation"]["disturbed"] == auto["disturbed"]
     assert keys["memory_every_1_step_inflation"]["step_time_ratio"]["big-2x1"]["n"] == 2
+
+
+def test_a_budget_runs_whole_repetitions_while_the_longest_round_says_they_fit() -> None:
+    import recovery  # bench/recovery.py
+    from _recovery.rounds import RoundSpec
+
+    def spec(job: str, memory: str, repeat: int, failure: str = "rank") -> RoundSpec:
+        return RoundSpec(
+            topology="2x1", job_name=job, memory_every=memory, failure=failure, kills=0,
+            measure_steps=10, repeat=repeat,
+        )  # fmt: skip
+
+    plan = [
+        *(spec("default", m, 0) for m in ("0", "1", "auto")),
+        *(spec("default", m, 1) for m in ("auto", "1", "0")),
+        *(spec("default", m, 0, "node") for m in ("0", "1")),
+        *(spec("big", m, 0) for m in ("0", "1", "auto")),
+    ]
+    blocks = recovery._blocks(plan)
+    assert [len(b) for b in blocks] == [3, 3, 2, 3]
+    assert [b[0].name for b in blocks] == [
+        "rank-2x1-default-mem0", "rank-2x1-default-memauto-r1", "node-2x1-default-mem0",
+        "rank-2x1-big-mem0",
+    ]  # fmt: skip
+    done = [{"wall_s": 30.0}, {"wall_s": 40.0}, {"wall_s": 35.0}]
+    # Nothing run yet: the first block runs whatever the budget.
+    assert recovery._fits(blocks[0], [], elapsed_s=0.0, budget_s=1.0)
+    # 3 more rounds at the longest so far (40 s) after 105 s: 225 s.
+    assert recovery._fits(blocks[1], done, elapsed_s=105.0, budget_s=225.0)
+    assert not recovery._fits(blocks[1], done, elapsed_s=105.0, budget_s=224.0)
+    assert recovery._fits(blocks[1], done, elapsed_s=105.0, budget_s=None)
