@@ -411,7 +411,12 @@ def test_a_lost_node_resumes_from_its_peer_replica_without_reading_storage(
     ]
     procs.extend(nodes)
     gate.wait_until_held(2, *nodes, timeout_s=120)
-    # Node 0 holds rank 1's snapshot of the held step, complete (its meta is written last).
+    # The rendezvous orders the daemons by pid, which a machine that wraps its pids can give
+    # node 1 the lower one of: each node's rank is read, not assumed.
+    (first_rank,) = {int(e["rank"]) for e in nodes[0].find("training")}
+    peer_rank = 1 - first_rank
+    # Node 0 holds node 1's rank's snapshot of the held step, complete (its meta is written
+    # last).
     replicas = tmp_path / "node0-shm"
 
     def step_of(meta: Path) -> int | None:
@@ -421,10 +426,10 @@ def test_a_lost_node_resumes_from_its_peer_replica_without_reading_storage(
             return None
 
     def replicated() -> bool:
-        metas = replicas.glob("trainingd-*-0/replicas/rank-00001.slot-*.json")
+        metas = replicas.glob(f"trainingd-*-0/replicas/rank-{peer_rank:05d}.slot-*.json")
         return any(step_of(p) == held_after for p in metas)
 
-    wait_for(replicated, 60, f"node 0's replica of rank 1 at step {held_after}")
+    wait_for(replicated, 60, f"node 0's replica of rank {peer_rank} at step {held_after}")
 
     # Node 1 is lost: its daemon, fork server and rank at once (and, as with its host, the
     # semaphores its daemon held in /dev/shm).
@@ -448,18 +453,16 @@ def test_a_lost_node_resumes_from_its_peer_replica_without_reading_storage(
     (skipped,) = fresh.find("root_checks_skipped")
     assert int(skipped["round"]) > 1
     assert not nodes[0].find("root_checks_skipped")
-    # The fresh node's rank is whichever global rank the new round gave it (the rendezvous
-    # may swap them): it fetched that rank's state, which holds the held step.
-    ((fresh_rank, steps),) = fetched[0]["steps"].items()
-    assert held_after in steps, fetched
-    # The survivor restores its own snapshot when it kept its rank, and the replica it holds of
-    # rank 1 when the rendezvous gave it rank 1 (ranks follow the daemons' pids, which a
-    # machine that has wrapped its pids orders either way): from node 0's memory either way.
-    kept_rank = fresh_rank == "1"
+    # The new round gives the survivor and the fresh node either rank: the survivor restores
+    # its own snapshot if it kept its rank, else the replica it holds of its peer's, and the
+    # fresh node fetched the other rank's state, which holds the held step.
     survivor = [e for e in nodes[0].find("restored") if int(e["restart"]) >= 1]
-    assert [(e["source"], int(e["ckpt_step"]), int(e["rank"])) for e in survivor] == [
-        ("memory" if kept_rank else "replica", held_after, 0 if kept_rank else 1)
-    ]
+    assert [(e["source"], int(e["ckpt_step"])) for e in survivor] == [
+        ("memory" if int(survivor[0]["rank"]) == first_rank else "replica", held_after)
+    ], nodes[0].logs()
+    ((fresh_rank, steps),) = fetched[0]["steps"].items()
+    assert int(fresh_rank) == 1 - int(survivor[0]["rank"]), fetched
+    assert held_after in steps, fetched
     # Nothing durable existed to restore from: the only commit is the final step.
     assert committed_steps(root) == [8]
     # Every exit the daemons saw left their memory dirs empty.
