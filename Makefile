@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml ckpt_manager/_save/_streaming_copy.c
 
 # The packages the device machine's image lacks (it has torch, numpy, fsspec, prometheus-client
 # and rich; s3fs is imported only for s3:// roots), as wheels for its Python 3.12 on x86-64, at
-# the versions this venv holds: the device check carries `.whl` (BENCHMARKS.md, "The device run").
+# the versions this venv holds: a device run carries `.whl` (BENCHMARKS.md, "The next device run").
 DEVICE_WHEELS := structlog isal crc32c
 DEVICE_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
 
