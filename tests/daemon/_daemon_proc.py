@@ -31,6 +31,10 @@ BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parents[2]
 TRAININGD = BIN / "trainingd"
 CKPTCTL = BIN / "ckptctl"
+# The console script where the package is installed (as `make venv` does); the module form in a
+# plain checkout, as on the device machine, whose image has the dependencies but not the
+# package (the bench's daemons start through this class: BENCHMARKS.md "The next device run").
+TRAININGD_COMMAND = [str(TRAININGD)] if TRAININGD.exists() else [sys.executable, "-m", "daemon.cli"]
 
 Samples = dict[str, list[tuple[dict[str, str], float]]]
 
@@ -127,7 +131,7 @@ class DaemonProc:
             **memory,
             **(env or {}),
         }
-        cmd = [str(TRAININGD), "run", "--metrics-port", "0", "--log-format", "json", *args]
+        cmd = [*TRAININGD_COMMAND, "run", "--metrics-port", "0", "--log-format", "json", *args]
         with open(self.stderr_path, "wb") as err, open(self.stdout_path, "wb") as out:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=err, env=full_env, start_new_session=True, cwd=cwd

@@ -54,6 +54,17 @@ def test_help_and_version_import_no_torch(module: str, argv: list[str]) -> None:
     assert out.stdout.strip()
 
 
+def test_the_module_form_runs_the_cli_in_a_plain_checkout() -> None:
+    # What `DaemonProc` (and the recovery bench through it) runs where the console script is
+    # not installed: the device machine's plain checkout (BENCHMARKS.md "The next device run").
+    out = subprocess.run(
+        [sys.executable, "-m", "daemon.cli", "--version"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("trainingd "), out.stdout
+
+
 def test_status_with_nothing_listening_is_one_line_and_exit_1(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
