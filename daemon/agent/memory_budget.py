@@ -326,12 +326,14 @@ def apply_memory_budget(
 def start_memory_tier(cfg: DaemonConfig) -> tuple[DaemonConfig, NodeMemoryDir]:
     """Reclaim this run's stale memory-tier directories, check the budget, claim ours.
 
-    `memory_every 0` leaves memory_dir alone. `auto` runs durable-only where the tier cannot
-    be made (memory_dir unusable or too small); an explicit interval fails the start instead.
+    `auto` runs durable-only where the tier cannot be made (memory_dir unusable or too small);
+    an explicit interval fails the start instead. With the tier off the directory is claimed
+    for the semaphore ledger alone, where memory_dir allows ([Note: the semaphore ledger
+    outlives the tier] in `memory_dir.py`).
 
     Returns:
         The config the ranks are handed (`memory_every` 0 when `auto` cannot run the tier)
-        and this node's directory (claimed unless the tier is off).
+        and this node's directory (`claimed` when the tier is on).
 
     Raises:
         MemoryTierBusyError: our directory is held by a daemon that may be alive (exit 2).
@@ -340,6 +342,7 @@ def start_memory_tier(cfg: DaemonConfig) -> tuple[DaemonConfig, NodeMemoryDir]:
     memory = NodeMemoryDir(cfg.memory_tier_dir, cfg.run_id, cfg.launch.node_rank)
     every = cfg.checkpoint.memory_every
     if every.is_off:
+        _keep_semaphore_ledger(memory)
         return cfg, memory
     try:
         memory.reclaim_stale()
@@ -354,4 +357,17 @@ def start_memory_tier(cfg: DaemonConfig) -> tuple[DaemonConfig, NodeMemoryDir]:
         log.warning("memory_tier_disabled", reason=str(err), memory_every=0)
         off = dataclasses.replace(cfg.checkpoint, memory_every=StepInterval(0))
         cfg = dataclasses.replace(cfg, checkpoint=off)
+    if cfg.checkpoint.memory_every.is_off:
+        _keep_semaphore_ledger(memory)
     return cfg, memory
+
+
+def _keep_semaphore_ledger(memory: NodeMemoryDir) -> None:
+    """With the tier off, claim the directory for the semaphore ledger alone where memory_dir
+    allows; else one line, and the daemon starts without it ([Note: the semaphore ledger
+    outlives the tier] in `memory_dir.py`)."""
+    try:
+        memory.reclaim_stale()
+        memory.claim(tier=False)
+    except (MemoryTierBusyError, StartupCheckError) as err:
+        log.info("semaphore_ledger_not_kept", reason=str(err))

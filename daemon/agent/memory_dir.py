@@ -24,6 +24,14 @@ holds this daemon's own directory (the same run and node rank running twice) the
 with exit 2 and says who holds it. A directory without a readable owner record is a claim
 in progress for `_CLAIM_GRACE_S`, then stale. Other runs' directories are left alone: only
 their own daemons know whether they are coming back.
+
+[Note: the semaphore ledger outlives the tier] The named semaphores a group SIGKILL leaves
+(`semaphores.py`) are torch's launcher's, made whether the memory tier is on or off. With the
+tier off (`memory_every 0`, or `auto` gone durable-only) the daemon still claims this directory,
+for `owner.json` and `semaphores.json` alone (a few KiB; the tier's metrics read 0), so that a
+successor reclaims them the same way. Where memory_dir cannot hold it, or another daemon of
+this run and node holds it, the daemon starts as before without a ledger and says so in one
+line (`semaphore_ledger_not_kept`): the tier being off, nothing else depends on the directory.
 """
 
 from __future__ import annotations
@@ -219,7 +227,10 @@ class NodeMemoryDir:
         self.path = Path(path)
         self._run_id, self._node_rank = run_id, node_rank
         self._proc = proc
-        self._claimed = False
+        self._held = False
+        """The directory is this daemon's (claimed, not yet released)."""
+        self._tier = False
+        """...and holds the memory tier (not only the semaphore ledger)."""
         self._semaphores: dict[str, int] | None = None
 
     @property
@@ -314,8 +325,12 @@ class NodeMemoryDir:
             "give this one another --run-id, --node-rank or --memory-dir"
         )
 
-    def claim(self) -> None:
+    def claim(self, *, tier: bool = True) -> None:
         """Create the directory with this process's owner record (after `reclaim_stale`).
+
+        Args:
+            tier: the memory tier's directory (True), or the semaphore ledger's alone, with
+                the tier off ([Note: the semaphore ledger outlives the tier]).
 
         Raises:
             MemoryTierBusyError: another process claimed the directory first.
@@ -333,12 +348,15 @@ class NodeMemoryDir:
         except OSError as err:
             reason = err.strerror or type(err).__name__
             raise StartupCheckError(self._cannot_create(reason)) from None
-        self._claimed = True
+        self._held, self._tier = True, tier
         record = this_process_owner(self._run_id, self._node_rank, proc=self._proc)
         tmp = self.path / f".{OWNER_FILE}.tmp"
         tmp.write_text(json.dumps(record._asdict()))
         os.replace(tmp, self.path / OWNER_FILE)
-        log.info("memory_tier_claimed", directory=str(self.path))
+        if tier:
+            log.info("memory_tier_claimed", directory=str(self.path))
+        else:
+            log.debug("semaphore_ledger_claimed", directory=str(self.path))
 
     def _cannot_create(self, reason: str) -> str:
         return (
@@ -348,26 +366,32 @@ class NodeMemoryDir:
 
     @property
     def claimed(self) -> bool:
-        """Whether this daemon claimed the directory (the memory tier is on)."""
-        return self._claimed
+        """Whether this daemon claimed the directory for the memory tier (the tier is on)."""
+        return self._tier
+
+    @property
+    def held(self) -> bool:
+        """Whether the directory is this daemon's, for the tier or the semaphore ledger alone."""
+        return self._held
 
     def record_semaphores(self) -> None:
         """Record the named semaphores this process holds now (after its ranks started), for a
         successor to unlink if this daemon is killed ([Note: a group SIGKILL leaves
-        multiprocessing's semaphores] in `semaphores.py`); nothing unless claimed."""
-        if self._claimed:
+        multiprocessing's semaphores] in `semaphores.py`); nothing unless held."""
+        if self._held:
             self._semaphores = record_semaphores(self.path, self._semaphores)
 
     def release(self) -> None:
         """Remove the directory and everything in it (idempotent; only if claimed here)."""
-        if not self._claimed:
+        if not self._held:
             return
-        self._claimed = False
+        self._held = self._tier = False
         shutil.rmtree(self.path, ignore_errors=True)
 
     def tier_bytes(self) -> dict[str, float]:
-        """Bytes the tier holds now, by kind (`local`, `replica`): the metric's values."""
-        if not self._claimed:
+        """Bytes the tier holds now, by kind (`local`, `replica`): the metric's values (none
+        where the directory holds the semaphore ledger alone)."""
+        if not self._tier:
             return {"local": 0.0, "replica": 0.0}
         replica = _disk_bytes(self.path / REPLICAS_DIR)
         # The owner record is the daemon's bookkeeping, not the tier's.

@@ -13,9 +13,10 @@ semaphore in use is mapped under a temporary name, so `/proc/*/maps` does not na
 
 So after its ranks start (every round) the daemon records the `sem.mp-*` semaphores it maps,
 matched by inode, in its claimed memory-tier directory (`semaphores.json`, written only when
-the set changed); the successor that reclaims that directory after the daemon was killed
-(`memory_dir.py`) unlinks each one that still exists with the inode recorded. Linux only
-(`/proc/self/maps`); elsewhere nothing is recorded.
+the set changed; the directory is claimed for it with the tier off too: [Note: the semaphore
+ledger outlives the tier] in `memory_dir.py`); the successor that reclaims that directory
+after the daemon was killed (`memory_dir.py`) unlinks each one that still exists with the
+inode recorded. Linux only (`/proc/self/maps`); elsewhere nothing is recorded.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from daemon.agent.memory_budget import (
     start_memory_tier,
     tmpfs_free_bytes,
 )
+from daemon.agent.memory_dir import OWNER_FILE
 from daemon.errors import MemoryTierBusyError, StartupCheckError
 
 _GIB = 1 << 30
@@ -132,10 +133,16 @@ def test_what_fits_runs_an_explicit_misfit_exits_2_and_auto_goes_durable_only(
 def test_start_memory_tier_off_auto_and_explicit(tmp_path: Path) -> None:
     shm = tmp_path / "shm"
     flags = {"memory_dir": str(shm), "run_id": "r", "nproc_per_node": "1"}
-    # Off: memory_dir is not touched at all.
+    # Off: the directory holds the semaphore ledger's owner record alone, no tier bytes
+    # ([Note: the semaphore ledger outlives the tier]); released at exit.
     off = load_config({**flags, "memory_every": "0"}, env={})
-    assert start_memory_tier(off)[0] is off
-    assert not shm.exists()
+    cfg, ledger = start_memory_tier(off)
+    assert cfg is off
+    assert (ledger.held, ledger.claimed) == (True, False)
+    assert [p.name for p in (shm / "trainingd-r-0").iterdir()] == [OWNER_FILE]
+    assert ledger.tier_bytes() == {"local": 0.0, "replica": 0.0}
+    ledger.release()
+    assert list(shm.iterdir()) == []
     # auto where it fits: the ranks' directory is claimed, and released at exit.
     auto = load_config(flags, env={})
     cfg, memory = start_memory_tier(auto)
@@ -151,8 +158,16 @@ def test_start_memory_tier_off_auto_and_explicit(tmp_path: Path) -> None:
     a_file.write_text("")
     unusable = {**flags, "memory_dir": str(a_file / "shm")}
     with structlog.testing.capture_logs() as logs:
-        cfg, _ = start_memory_tier(load_config(unusable, env={}))
+        cfg, memory = start_memory_tier(load_config(unusable, env={}))
     assert cfg.checkpoint.memory_every.is_off
-    assert [e["event"] for e in logs] == ["memory_tier_disabled"]
+    assert [e["event"] for e in logs] == ["memory_tier_disabled", "semaphore_ledger_not_kept"]
+    assert not memory.held
     with pytest.raises(StartupCheckError, match="cannot list it"):
         start_memory_tier(load_config({**unusable, "memory_every": "3"}, env={}))
+    # With the tier off an unusable memory_dir costs the ledger alone: the start goes on.
+    with structlog.testing.capture_logs() as logs:
+        cfg, memory = start_memory_tier(load_config({**unusable, "memory_every": "0"}, env={}))
+    assert [e["event"] for e in logs] == ["semaphore_ledger_not_kept"]
+    assert "cannot list it" in logs[0]["reason"]
+    assert not memory.held
+    assert a_file.read_text() == ""

@@ -195,3 +195,45 @@ def test_a_daemon_reclaims_its_killed_predecessor_and_a_stop_leaves_nothing(
     second_gate.open()
     assert second.wait(120) == 128 + signal.SIGTERM, second.logs()
     assert list(shm.iterdir()) == []
+
+
+def test_with_the_tier_off_a_daemon_still_unlinks_its_killed_predecessors_semaphores(
+    tmp_path: Path, procs: list[DaemonProc]
+) -> None:
+    # [Note: the semaphore ledger outlives the tier]: torch's launcher makes the semaphores
+    # with the tier on or off.
+    shm = tmp_path / "shm"
+
+    def args(ckpt: str) -> list[str]:
+        # No durable saves, and a root each: the killed daemon's lease on a root it wrote to
+        # would hold the second one for its expiry, which has nothing to do with this test.
+        return [
+            "--nproc-per-node", "2", "--batch-size", "4", "--max-steps", "100000",
+            "--ckpt-every", "0", "--run-id", "ledger", "--memory-dir", str(shm),
+            "--memory-every", "0", "--ckpt-uri", str(tmp_path / ckpt), *GATED_JOB,
+        ]  # fmt: skip
+
+    mine = shm / "trainingd-ledger-0"
+    first_gate = Gate(tmp_path / "gate1", after_steps=2, batch_size=4)
+    first = DaemonProc(tmp_path, args("ckpt1"), first_gate.env, "first")
+    procs.append(first)
+    first_gate.wait_until_held(2, first, timeout_s=120)
+    assert sorted(p.name for p in mine.iterdir()) == sorted([LEDGER_FILE, OWNER_FILE])
+    assert first.max_value("trainingd_memory_tier_bytes") == 0.0
+    semaphores = json.loads((mine / LEDGER_FILE).read_text())["semaphores"]
+    assert semaphores
+    first.cleanup(leave_semaphores=True)
+    shm_dir = Path("/dev/shm")
+    assert all((shm_dir / name).exists() for name in semaphores)  # the kill leaves them
+
+    second_gate = Gate(tmp_path / "gate2", after_steps=2, batch_size=4)
+    second = DaemonProc(tmp_path, args("ckpt2"), second_gate.env, "second")
+    procs.append(second)
+    second_gate.wait_until_held(2, second, timeout_s=120)
+    (reclaimed,) = second.find("memory_tier_reclaimed")
+    assert reclaimed["semaphores_unlinked"] == len(semaphores)
+    assert not any((shm_dir / name).exists() for name in semaphores)
+    second.signal(signal.SIGTERM)
+    second_gate.open()
+    assert second.wait(120) == 128 + signal.SIGTERM, second.logs()
+    assert list(shm.iterdir()) == []

@@ -7,12 +7,14 @@ import _multiprocessing
 import json
 import os
 import secrets
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from daemon.agent.memory_dir import OWNER_FILE, NodeMemoryDir, this_process_owner
 from daemon.agent.semaphores import (
     LEDGER_FILE,
     held_semaphores,
@@ -62,3 +64,26 @@ def test_no_record_or_a_broken_one_unlinks_nothing(tmp_path: Path) -> None:
     assert unlink_recorded(tmp_path) == 0
     (tmp_path / LEDGER_FILE).write_text("{not json")
     assert unlink_recorded(tmp_path) == 0
+
+
+def test_with_the_tier_off_a_successor_still_unlinks_a_killed_daemons_semaphores(
+    tmp_path: Path, semaphore: str
+) -> None:
+    # [Note: the semaphore ledger outlives the tier] in daemon/agent/memory_dir.py: the
+    # directory claimed for the ledger alone.
+    path = Path("/dev/shm") / semaphore
+    killed = NodeMemoryDir(tmp_path / "shm" / "trainingd-r-0", "r", 0)
+    killed.claim(tier=False)
+    killed.record_semaphores()
+    assert json.loads((killed.path / LEDGER_FILE).read_text())["semaphores"][semaphore] == (
+        path.stat().st_ino
+    )
+    # Its daemon dies without cleaning up: the owner record names a pid that has exited.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    owner = this_process_owner("r", 0)._replace(pid=gone.pid, start_ticks=None)
+    (killed.path / OWNER_FILE).write_text(json.dumps(owner._asdict()))
+    successor = NodeMemoryDir(killed.path, "r", 0)
+    successor.reclaim_stale()
+    assert not path.exists()
+    assert not killed.path.exists()
