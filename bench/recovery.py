@@ -64,6 +64,7 @@ named in them ([Note: a stalled stretch is left out, by name]).
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import random
 import statistics
@@ -91,14 +92,8 @@ def _blocks(specs: list[rounds.RoundSpec]) -> list[list[rounds.RoundSpec]]:
     """The plan in runs of one job's repetition (`--step-rounds`' passes, the first with its
     kills and today's path) or its node-loss rounds, in order: what `--budget-s` runs or
     leaves whole."""
-    blocks: list[list[rounds.RoundSpec]] = []
-    for spec in specs:
-        key = (spec.job_name, spec.failure, spec.repeat)
-        if blocks and (blocks[-1][0].job_name, blocks[-1][0].failure, blocks[-1][0].repeat) == key:
-            blocks[-1].append(spec)
-        else:
-            blocks.append([spec])
-    return blocks
+    runs = itertools.groupby(specs, key=lambda s: (s.job_name, s.failure, s.repeat))
+    return [list(run) for _, run in runs]
 
 
 def _fits(

@@ -341,14 +341,12 @@ def start_memory_tier(cfg: DaemonConfig) -> tuple[DaemonConfig, NodeMemoryDir]:
     """
     memory = NodeMemoryDir(cfg.memory_tier_dir, cfg.run_id, cfg.launch.node_rank)
     every = cfg.checkpoint.memory_every
-    if every.is_off:
-        _keep_semaphore_ledger(memory)
-        return cfg, memory
     try:
-        memory.reclaim_stale()
-        cfg = apply_memory_budget(cfg, state_bytes_per_rank=job_state_bytes(cfg))
-        if not cfg.checkpoint.memory_every.is_off:
-            memory.claim()
+        if not every.is_off:
+            memory.reclaim_stale()
+            cfg = apply_memory_budget(cfg, state_bytes_per_rank=job_state_bytes(cfg))
+            if not cfg.checkpoint.memory_every.is_off:
+                memory.claim()
     except MemoryTierBusyError:
         raise
     except StartupCheckError as err:
@@ -357,6 +355,7 @@ def start_memory_tier(cfg: DaemonConfig) -> tuple[DaemonConfig, NodeMemoryDir]:
         log.warning("memory_tier_disabled", reason=str(err), memory_every=0)
         off = dataclasses.replace(cfg.checkpoint, memory_every=StepInterval(0))
         cfg = dataclasses.replace(cfg, checkpoint=off)
+    # Off from the start, or `auto` gone durable-only.
     if cfg.checkpoint.memory_every.is_off:
         _keep_semaphore_ledger(memory)
     return cfg, memory
